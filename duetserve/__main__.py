@@ -1,0 +1,5 @@
+import sys
+
+from duetserve.entrypoints.cli import main
+
+sys.exit(main())

@@ -1,0 +1,126 @@
+"""Frozen configuration objects: validated once at construction, never mutated.
+
+`ModelConfig` describes a checkpoint's architecture (what the loader found);
+`EngineConfig` holds the user's engine options (the CLI flags, also the keyword
+arguments of `LLM(...)`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
+
+
+class ConfigError(ValueError):
+    """A configuration value is out of its allowed range; the message names it."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a Llama-family decoder (Llama, Llama-3, Qwen2, Mistral)."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    # Llama-3 style scaling as a tuple of (key, value) pairs so the config stays hashable.
+    rope_scaling: tuple[tuple[str, object], ...] | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    has_qkv_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    # Stored dtype of the weights in the checkpoint (e.g. "q4_1", "bf16"): for byte accounting.
+    weight_dtype: str = "f32"
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ConfigError(
+                f"unsupported architecture {self.architecture!r}; supported: "
+                + ", ".join(SUPPORTED_ARCHITECTURES))
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})")
+
+    @property
+    def rope_scaling_dict(self) -> dict | None:
+        return dict(self.rope_scaling) if self.rope_scaling else None
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine options. Each field is a CLI flag (`--max-num-seqs`) and a keyword of `LLM()`."""
+
+    model: str | None = None            # None: the default model (SmolLM2-135M-Instruct GGUF)
+    tokenizer: str | None = None        # defaults to the model's own tokenizer
+    dtype: str = "float32"
+    device: str = "cpu"
+    max_model_len: int | None = None    # None: the checkpoint's context length
+    block_size: int = 16
+    kv_cache_memory: float = 2.0        # GiB of KV cache
+    num_gpu_blocks_override: int | None = None  # exact number of KV blocks (tests)
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    enable_prefix_caching: bool = True
+    num_threads: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size must be a power of two > 0, got {self.block_size}")
+        if self.kv_cache_memory <= 0:
+            raise ConfigError(f"kv_cache_memory must be > 0 GiB, got {self.kv_cache_memory}")
+        if self.max_num_batched_tokens < 1:
+            raise ConfigError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: object) -> "EngineConfig":
+        """Build from keyword arguments, naming any unknown option."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ConfigError(f"unknown engine option(s) {unknown}; known: {sorted(known)}")
+        return cls(**kwargs)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """What the scheduler needs; derived from EngineConfig once the model is known."""
+
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_model_len: int
+    block_size: int
+    num_blocks: int
+    enable_prefix_caching: bool = True
+    # Never schedule more than this many tokens for one request's prefill chunk (0 = budget).
+    long_prefill_token_threshold: int = 0

@@ -1,0 +1,146 @@
+"""Data passed between the layers of one engine step.
+
+    Scheduler --SchedulerOutput--> ModelRunner --ModelRunnerOutput--> Scheduler/Engine
+    Engine --RequestOutput--> user
+
+`SchedulerOutput` sends a request's full data once (`NewRequestData`: when it is first
+scheduled, and again when it resumes after preemption) and only diffs afterwards
+(`CachedRequestData`). The runner keeps its own copy of each running request's tokens and
+block table; it appends the tokens it samples itself. The runner never sees a Request.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from duetserve.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    """Full data of a request the runner has not seen (or must forget and re-learn)."""
+
+    req_id: str
+    token_ids: list[int]          # every known token: prompt + outputs so far (after preemption)
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]          # the whole block table
+    num_computed_tokens: int      # tokens whose KV is already in the cache (prefix hits)
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    """Diff for a request the runner already holds."""
+
+    req_id: str
+    new_block_ids: list[int]      # appended to the runner's block table
+    num_computed_tokens: int      # as seen by the scheduler before this step
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's work. Tokens scheduled for request r cover positions
+    [num_computed_tokens, num_computed_tokens + num_scheduled_tokens[r])."""
+
+    scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
+    scheduled_cached_reqs: list[CachedRequestData] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    total_num_scheduled_tokens: int = 0
+    # Requests finished, aborted or preempted since the last step: the runner drops its state.
+    finished_req_ids: set[str] = field(default_factory=set)
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass(slots=True)
+class Logprob:
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What one step produced. `sampled_token_ids[r]` is empty when request r ran a prefill
+    chunk that did not reach the end of its known tokens (nothing to sample yet)."""
+
+    req_ids: list[str] = field(default_factory=list)
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Per request, per sampled token: {token_id: Logprob} holding the chosen token and top-N.
+    logprobs: dict[str, list[dict[int, Logprob]]] | None = None
+    # Per request, per prompt position (first position has None): as above.
+    prompt_logprobs: dict[str, list[dict[int, Logprob] | None]] | None = None
+
+
+@dataclass
+class CompletionOutput:
+    """One of the `n` samples of a request."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
+    finish_reason: str | None = None     # "stop" | "length" | "abort" | None while running
+    stop_reason: int | str | None = None  # the stop string or stop token id that matched
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    """Wall-clock stamps (time.time()) and derived latencies of one request."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_generation_tokens: int = 0
+    inter_token_latencies: list[float] = field(default_factory=list)
+
+    @property
+    def queue_time(self) -> float | None:
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
+
+    @property
+    def ttft(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean time per output token after the first."""
+        if self.first_token_time is None or self.last_token_time is None:
+            return None
+        if self.num_generation_tokens < 2:
+            return None
+        return (self.last_token_time - self.first_token_time) / (self.num_generation_tokens - 1)
+
+    @property
+    def e2e_latency(self) -> float | None:
+        end = self.finished_time or self.last_token_time
+        return None if end is None else end - self.arrival_time
+
+
+@dataclass
+class RequestOutput:
+    """What `LLM.generate` returns per prompt and what the async engine streams."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics | None = None
+    num_cached_tokens: int = 0
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
