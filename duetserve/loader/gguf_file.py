@@ -1,0 +1,188 @@
+"""Read GGUF checkpoints with the `gguf` library: metadata -> ModelConfig, tensors ->
+float arrays under Hugging Face parameter names (so one weight-assignment path serves
+GGUF and safetensors alike).
+
+NOTE: llama.cpp's converter permutes the rows of Q and K of Llama-architecture models
+for interleaved (GPT-J style) rotary. Our model uses Hugging Face's rotate-half rotary,
+so those rows are permuted back here (`unpermute_qk`).
+"""
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator
+
+import numpy as np
+
+from duetserve.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from duetserve.errors import CheckpointError
+
+GGUF_MAGIC = b"GGUF"
+SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
+                          "Q4_K", "Q5_K", "Q6_K")
+# Architectures whose Q/K rows the converter permutes for interleaved rotary.
+PERMUTED_QK_ARCHS = ("llama", "mistral")
+
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "rope_freqs.weight": "rope_freqs",   # Llama-3.1 rope scaling factors, not a parameter
+}
+_BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
+
+
+def is_gguf(path: str) -> bool:
+    return os.path.isfile(path) and path.endswith(".gguf")
+
+
+def open_gguf(path: str):
+    """Open and validate a GGUF file; every failure becomes a one-line CheckpointError."""
+    import gguf
+
+    if not os.path.exists(path):
+        raise CheckpointError(f"checkpoint not found: {path}")
+    if not os.path.isfile(path):
+        raise CheckpointError(f"not a file: {path} (expected a .gguf file or a HF folder)")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != GGUF_MAGIC:
+        raise CheckpointError(f"not a GGUF file (magic {magic!r}, expected b'GGUF'): {path}")
+    try:
+        reader = gguf.GGUFReader(path, "r")
+    except Exception as e:  # the library raises many kinds for damaged files
+        raise CheckpointError(f"cannot read GGUF file {path} (truncated or corrupt?): "
+                              f"{type(e).__name__}: {e}") from None
+    size = os.path.getsize(path)
+    for t in reader.tensors:
+        end = int(t.data_offset) + int(t.n_bytes)
+        if end > size:
+            raise CheckpointError(
+                f"GGUF file is truncated: tensor {t.name} ends at byte {end} but the file "
+                f"has {size} bytes: {path}")
+    return reader
+
+
+def _field(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    return f.contents()
+
+
+def gguf_model_config(reader, path: str = "") -> ModelConfig:
+    """Build a ModelConfig from GGUF metadata; errors name the missing key or bad arch."""
+    arch = _field(reader, "general.architecture")
+    if arch is None:
+        raise CheckpointError(f"GGUF file has no general.architecture: {path}")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise CheckpointError(f"unsupported architecture {arch!r} in {path}; supported: "
+                              + ", ".join(SUPPORTED_ARCHITECTURES))
+
+    def need(key: str):
+        v = _field(reader, f"{arch}.{key}")
+        if v is None:
+            raise CheckpointError(f"GGUF metadata key {arch}.{key} is missing: {path}")
+        return v
+
+    hidden = int(need("embedding_length"))
+    heads = int(need("attention.head_count"))
+    kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv", heads))
+    head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // heads))
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    vocab = int(_field(reader, f"{arch}.vocab_size", len(tokens) if tokens else 0))
+    names = {t.name for t in reader.tensors}
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    eot = _field(reader, "tokenizer.ggml.eot_token_id")
+    eos_ids = tuple(dict.fromkeys(int(x) for x in (eos, eot) if x is not None))
+    rope_scaling = None
+    stype = _field(reader, f"{arch}.rope.scaling.type")
+    if stype == "linear":
+        rope_scaling = (("rope_type", "linear"),
+                        ("factor", float(_field(reader, f"{arch}.rope.scaling.factor", 1.0))))
+    elif stype not in (None, "none"):
+        raise CheckpointError(f"unsupported rope scaling type {stype!r} in {path}")
+    weight_type = next((t.tensor_type.name.lower() for t in reader.tensors
+                        if t.name.endswith("attn_q.weight")), "f32")
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=int(need("feed_forward_length")),
+        num_hidden_layers=int(need("block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rope_scaling=rope_scaling,
+        max_position_embeddings=int(_field(reader, f"{arch}.context_length", 4096)),
+        tie_word_embeddings="output.weight" not in names,
+        has_qkv_bias="blk.0.attn_q.bias" in names,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=eos_ids,
+        weight_dtype=weight_type,
+    )
+
+
+def unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's interleaved-rotary row permutation of a Q or K weight (or bias).
+
+    Per head, the converter reordered rows [x0..x_{d/2-1}, y0..y_{d/2-1}] (rotate-half
+    pairs) into [x0, y0, x1, y1, ...]; we restore the rotate-half order.
+    """
+    rows = w.shape[0]
+    head_dim = rows // num_heads
+    # (heads, d/2, 2, ...) -> (heads, 2, d/2, ...)
+    return (w.reshape(num_heads, head_dim // 2, 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+def dequantize(tensor) -> np.ndarray:
+    """Dequantize one GGUF tensor to float32 in row-major [rows, cols] layout."""
+    from gguf import quants
+
+    name = tensor.tensor_type.name
+    if name not in SUPPORTED_TENSOR_TYPES:
+        raise CheckpointError(f"unsupported GGUF tensor type {name} (tensor {tensor.name}); "
+                              f"supported: {', '.join(SUPPORTED_TENSOR_TYPES)}")
+    if name == "F32":
+        return np.asarray(tensor.data, dtype=np.float32)
+    return quants.dequantize(np.asarray(tensor.data), tensor.tensor_type).astype(np.float32,
+                                                                                  copy=False)
+
+
+def iter_gguf_tensors(reader, config: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
+    """Yield (hf_name, float32 array) for every tensor, Q/K rows restored to HF order."""
+    permute = config.architecture in PERMUTED_QK_ARCHS
+    for t in reader.tensors:
+        m = _BLK.match(t.name)
+        if m:
+            suffix = _LAYER_NAMES.get(m.group(2))
+            if suffix is None:
+                raise CheckpointError(f"unexpected GGUF tensor {t.name}")
+            name = f"model.layers.{m.group(1)}.{suffix}"
+        else:
+            name = _GLOBAL_NAMES.get(t.name)
+            if name is None:
+                raise CheckpointError(f"unexpected GGUF tensor {t.name}")
+        arr = dequantize(t)
+        if permute and (".q_proj." in name or ".k_proj." in name):
+            heads = (config.num_attention_heads if ".q_proj." in name
+                     else config.num_key_value_heads)
+            arr = unpermute_qk(arr, heads)
+        yield name, arr

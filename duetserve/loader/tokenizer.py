@@ -1,0 +1,162 @@
+"""Tokenizer and chat template taken from the checkpoint.
+
+From GGUF metadata (`tokenizer.ggml.*`: byte-level BPE vocabulary, merges, pre-tokenizer
+type, token types, special ids, add-bos flag) we build a `tokenizers.Tokenizer`; from a
+HF folder we load `tokenizer.json` as is.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+
+from duetserve.config import ModelConfig
+from duetserve.errors import CheckpointError
+from duetserve.loader.chat_template import render_chat_template
+
+log = logging.getLogger(__name__)
+
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# GGUF token types (llama.cpp's enum).
+_CONTROL, _USER_DEFINED = 3, 4
+
+
+def _byte_level():
+    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+
+
+def _split_then_bytes(pattern: str):
+    return pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+
+
+PRE_TOKENIZERS = {
+    "gpt2": _byte_level,
+    "default": _byte_level,
+    "smollm": lambda: pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True), _byte_level()]),
+    "qwen2": lambda: _split_then_bytes(_QWEN2_SPLIT),
+    "llama-bpe": lambda: _split_then_bytes(_LLAMA3_SPLIT),
+    "llama3": lambda: _split_then_bytes(_LLAMA3_SPLIT),
+}
+
+
+class Tokenizer:
+    """Encode/decode plus the checkpoint's chat template and special tokens."""
+
+    def __init__(self, tok: HFTokenizer, *, bos_token_id: int | None,
+                 eos_token_ids: tuple[int, ...], add_bos: bool, chat_template: str | None,
+                 special_tokens: dict[str, str]) -> None:
+        self.tok = tok
+        self.bos_token_id = bos_token_id
+        self.eos_token_ids = eos_token_ids
+        self.add_bos = add_bos
+        self.chat_template = chat_template
+        self.special_tokens = special_tokens   # bos_token, eos_token, ... as strings
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens and self.add_bos and self.bos_token_id is not None \
+                and (not ids or ids[0] != self.bos_token_id):
+            ids = [self.bos_token_id] + ids
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            **kwargs: object) -> str:
+        if not self.chat_template:
+            raise CheckpointError("this checkpoint has no chat template")
+        return render_chat_template(self.chat_template, messages, add_generation_prompt,
+                                    self.special_tokens, **kwargs)
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        # The template already writes any BOS it wants: no second one.
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt),
+                           add_special_tokens=False)
+
+    @classmethod
+    def from_gguf(cls, reader, cfg: ModelConfig) -> "Tokenizer":
+        def field(key, default=None):
+            f = reader.fields.get(key)
+            return default if f is None else f.contents()
+
+        kind = field("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise CheckpointError(f"unsupported GGUF tokenizer model {kind!r}; supported: "
+                                  "'gpt2' (byte-level BPE)")
+        tokens: list[str] = field("tokenizer.ggml.tokens")
+        merges: list[str] = field("tokenizer.ggml.merges") or []
+        types: list[int] = field("tokenizer.ggml.token_type") or [1] * len(tokens)
+        pre = field("tokenizer.ggml.pre", "default")
+        if pre not in PRE_TOKENIZERS:
+            log.warning("GGUF pre-tokenizer %r unknown; using GPT-2's (known: %s)", pre,
+                        ", ".join(PRE_TOKENIZERS))
+            pre = "gpt2"
+        vocab = {t: i for i, t in enumerate(tokens)}
+        bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges],
+                         ignore_merges=pre in ("llama-bpe", "llama3"))
+        tok = HFTokenizer(bpe)
+        tok.pre_tokenizer = PRE_TOKENIZERS[pre]()
+        tok.decoder = decoders.ByteLevel()
+        tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                        for t, ty in zip(tokens, types) if ty == _USER_DEFINED])
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                for t, ty in zip(tokens, types) if ty == _CONTROL])
+        bos = field("tokenizer.ggml.bos_token_id")
+        special = {}
+        for name in ("bos", "eos", "unknown", "padding"):
+            i = field(f"tokenizer.ggml.{name}_token_id")
+            if i is not None and 0 <= i < len(tokens):
+                key = {"unknown": "unk", "padding": "pad"}.get(name, name)
+                special[f"{key}_token"] = tokens[i]
+        return cls(tok, bos_token_id=bos, eos_token_ids=cfg.eos_token_ids,
+                   add_bos=bool(field("tokenizer.ggml.add_bos_token", False)),
+                   chat_template=field("tokenizer.chat_template"), special_tokens=special)
+
+    @classmethod
+    def from_hf_folder(cls, folder: str, cfg: ModelConfig) -> "Tokenizer":
+        path = os.path.join(folder, "tokenizer.json")
+        if not os.path.isfile(path):
+            raise CheckpointError(f"no tokenizer.json in {folder}")
+        tok = HFTokenizer.from_file(path)
+        tcfg: dict = {}
+        tcfg_path = os.path.join(folder, "tokenizer_config.json")
+        if os.path.isfile(tcfg_path):
+            with open(tcfg_path, encoding="utf-8") as f:
+                tcfg = json.load(f)
+        template = tcfg.get("chat_template")
+        if isinstance(template, list):   # named templates: take "default"
+            template = next((t["template"] for t in template if t.get("name") == "default"),
+                            template[0]["template"] if template else None)
+        jinja_path = os.path.join(folder, "chat_template.jinja")
+        if template is None and os.path.isfile(jinja_path):
+            with open(jinja_path, encoding="utf-8") as f:
+                template = f.read()
+        special = {}
+        for key in ("bos_token", "eos_token", "unk_token", "pad_token"):
+            v = tcfg.get(key)
+            if isinstance(v, dict):
+                v = v.get("content")
+            if isinstance(v, str):
+                special[key] = v
+        bos_id = tok.token_to_id(special["bos_token"]) if "bos_token" in special else \
+            cfg.bos_token_id
+        eos_ids = cfg.eos_token_ids
+        if not eos_ids and "eos_token" in special:
+            eos_ids = (tok.token_to_id(special["eos_token"]),)
+        # tokenizer.json's post-processor adds BOS when the model wants it.
+        return cls(tok, bos_token_id=bos_id, eos_token_ids=tuple(eos_ids), add_bos=False,
+                   chat_template=template, special_tokens=special)

@@ -1,0 +1,105 @@
+"""Assign checkpoint tensors (Hugging Face names) to a model built on the meta device.
+
+HF q/k/v projections are stacked into our `qkv_proj`, gate/up into `gate_up_proj`.
+Every parameter (and every shard of a stacked one) must be loaded exactly once with the
+right shape; anything missing, duplicated or extra is named in the error.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import numpy as np
+import torch
+from torch import nn
+
+from duetserve.config import ModelConfig
+from duetserve.errors import CheckpointError
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+def _stack_plan(cfg: ModelConfig) -> dict[str, tuple[str, int, int]]:
+    """HF layer-suffix -> (our suffix, row offset, row count)."""
+    q, kv, i = cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    plan = {
+        "self_attn.q_proj.weight": ("self_attn.qkv_proj.weight", 0, q),
+        "self_attn.k_proj.weight": ("self_attn.qkv_proj.weight", q, kv),
+        "self_attn.v_proj.weight": ("self_attn.qkv_proj.weight", q + kv, kv),
+        "mlp.gate_proj.weight": ("mlp.gate_up_proj.weight", 0, i),
+        "mlp.up_proj.weight": ("mlp.gate_up_proj.weight", i, i),
+    }
+    if cfg.has_qkv_bias:
+        plan.update({
+            "self_attn.q_proj.bias": ("self_attn.qkv_proj.bias", 0, q),
+            "self_attn.k_proj.bias": ("self_attn.qkv_proj.bias", q, kv),
+            "self_attn.v_proj.bias": ("self_attn.qkv_proj.bias", q + kv, kv),
+        })
+    return plan
+
+
+def _target(name: str, plan: dict) -> tuple[str, int | None, int | None]:
+    m = _LAYER.match(name)
+    if m:
+        layer, suffix = m.groups()
+        if suffix in plan:
+            ours, off, n = plan[suffix]
+            return f"layers.{layer}.{ours}", off, n
+        return f"layers.{layer}.{suffix}", None, None
+    if name.startswith("model."):
+        return name[len("model."):], None, None
+    return name, None, None
+
+
+def load_weights(model: nn.Module, tensors: Iterable[tuple[str, object]], cfg: ModelConfig,
+                 dtype: torch.dtype, device: str | torch.device = "cpu") -> dict[str, object]:
+    """Fill `model` (on meta) from (hf_name, array) pairs. Mutates `model` (parameters
+    are assigned real tensors). Returns the non-parameter extras found (e.g. rope_freqs).
+    Raises CheckpointError naming missing, duplicated, extra or mis-shaped tensors."""
+    plan = _stack_plan(cfg)
+    params = dict(model.named_parameters())
+    buffers: dict[str, torch.Tensor] = {}
+    loaded: dict[str, list[tuple[int, int]]] = {}   # param -> loaded row ranges
+    extra: list[str] = []
+    extras: dict[str, object] = {}
+    for name, arr in tensors:
+        if name == "rope_freqs":
+            extras[name] = arr
+            continue
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue   # tied checkpoints may still store the head; the embedding is used
+        target, off, n = _target(name, plan)
+        p = params.get(target)
+        if p is None:
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            extra.append(name)
+            continue
+        if isinstance(arr, np.ndarray):
+            # F32 tensors come straight from a read-only memory map: copy those.
+            arr = np.ascontiguousarray(arr) if arr.flags.writeable else np.array(arr)
+            t = torch.from_numpy(arr)
+        else:
+            t = arr
+        want = tuple(p.shape) if off is None else (n, *p.shape[1:])
+        if tuple(t.shape) != want:
+            raise CheckpointError(f"tensor {name} has shape {tuple(t.shape)}, "
+                                  f"expected {want} for {target}")
+        buf = buffers.get(target)
+        if buf is None:
+            buf = buffers[target] = torch.empty(p.shape, dtype=dtype, device=device)
+        rows = (0, p.shape[0]) if off is None else (off, off + n)
+        if rows in loaded.setdefault(target, []):
+            raise CheckpointError(f"tensor {name} is loaded twice (into {target})")
+        loaded[target].append(rows)
+        buf[rows[0]:rows[1]].copy_(t.to(dtype))
+    if extra:
+        raise CheckpointError(f"unexpected tensors in checkpoint: {', '.join(extra[:8])}"
+                              + (f" (+{len(extra) - 8} more)" if len(extra) > 8 else ""))
+    missing = [k for k, p in params.items()
+               if sum(b - a for a, b in loaded.get(k, [])) != p.shape[0]]
+    if missing:
+        raise CheckpointError(f"checkpoint is missing weights for: {', '.join(missing[:8])}"
+                              + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else ""))
+    model.load_state_dict(buffers, strict=True, assign=True)
+    return extras

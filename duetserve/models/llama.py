@@ -1,0 +1,89 @@
+"""One decoder for Llama, Llama-3, Mistral (full attention) and Qwen2 (QKV bias).
+
+Forward runs over a flat batch of tokens from many sequences (varlen): shapes below use
+T = tokens in the step, H / KVH = query / KV heads, hd = head_dim, d = hidden size.
+The model never sees a Request: the runner passes tensors and AttentionMetadata.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from duetserve.config import ModelConfig
+from duetserve.models.attention import AttentionBackend, AttentionMetadata, TorchAttention
+from duetserve.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
+        # Q, K and V in one matmul: rows [q | k | v].
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
+                                  bias=cfg.has_qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.backend = backend
+
+    def forward(self, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)          # [T, H, hd]
+        k = k.view(t, self.num_kv_heads, self.head_dim)       # [T, KVH, hd]
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        q, k = RotaryEmbedding.apply(q, k, meta.cos, meta.sin)
+        o = self.backend.forward(q, k, v, kv_cache, meta)     # [T, H, hd]
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = SelfAttention(cfg, layer_id, backend)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x, kv_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Parameter names (what the loader fills):
+    embed_tokens.weight, layers.N.{input_layernorm, post_attention_layernorm}.weight,
+    layers.N.self_attn.{qkv_proj.weight, qkv_proj.bias?, o_proj.weight},
+    layers.N.mlp.{gate_up_proj, down_proj}.weight, norm.weight, lm_head.weight (untied)."""
+
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend | None = None) -> None:
+        super().__init__()
+        self.config = cfg
+        backend = backend or TorchAttention(cfg.num_attention_heads, cfg.num_key_value_heads,
+                                            cfg.head_dim)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, backend)
+                                    for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else \
+            nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions: [T]. Writes K/V of every token into kv_caches.
+        Returns final hidden states [T, d] (normed)."""
+        x = self.embed_tokens(input_ids)
+        meta.cos, meta.sin = self.rotary.tables(positions)
+        for layer, kv in zip(self.layers, kv_caches):
+            x = layer(x, kv, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, d] for the positions that need logits -> [N, vocab] float32."""
+        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, w).float()

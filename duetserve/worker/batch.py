@@ -1,0 +1,95 @@
+"""Turn one step's scheduled work into the flat varlen tensors the model consumes.
+
+Pure function of the runner's per-request state; mutates nothing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from duetserve.models.attention import AttentionMetadata, PrefillSeq
+
+
+@dataclass(slots=True)
+class SeqWork:
+    """One request's slice of the step."""
+
+    req_id: str
+    token_ids: list[int]       # the new tokens
+    start_pos: int             # position of the first new token (= num_computed_tokens)
+    block_ids: list[int]
+    needs_logits: bool         # the slice reaches the end of the known tokens
+
+
+@dataclass(slots=True)
+class StepBatch:
+    input_ids: torch.Tensor        # [T]
+    positions: torch.Tensor        # [T]
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor   # [N] rows of hidden states to compute logits for
+    logits_req_ids: list[str]      # request of each logits row
+    order: list[str]               # request ids in flat-batch order
+
+
+def _slots(block_ids: list[int], positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    table = torch.tensor(block_ids, dtype=torch.long)
+    return table[positions // block_size] * block_size + positions % block_size
+
+
+def build_step_batch(work: list[SeqWork], block_size: int,
+                     device: torch.device | str = "cpu") -> StepBatch:
+    """Decodes (one new token) first, then prefill chunks; see models/attention.py."""
+    decodes = [w for w in work if len(w.token_ids) == 1]
+    prefills = [w for w in work if len(w.token_ids) > 1]
+    ordered = decodes + prefills
+    ids: list[int] = []
+    pos: list[int] = []
+    for w in ordered:
+        ids.extend(w.token_ids)
+        pos.extend(range(w.start_pos, w.start_pos + len(w.token_ids)))
+    positions = torch.tensor(pos, dtype=torch.long)
+
+    slot_parts = []
+    for w in ordered:
+        new_pos = torch.arange(w.start_pos, w.start_pos + len(w.token_ids))
+        slot_parts.append(_slots(w.block_ids, new_pos, block_size))
+    meta = AttentionMetadata(slot_mapping=torch.cat(slot_parts) if slot_parts else
+                             torch.empty(0, dtype=torch.long))
+
+    if decodes:
+        ctx_lens = torch.tensor([w.start_pos + 1 for w in decodes])          # [D]
+        max_len = int(ctx_lens.max())
+        max_blocks = (max_len + block_size - 1) // block_size
+        table = torch.zeros(len(decodes), max_blocks, dtype=torch.long)
+        for i, w in enumerate(decodes):
+            n = min(len(w.block_ids), max_blocks)
+            table[i, :n] = torch.tensor(w.block_ids[:n])
+        ar = torch.arange(max_len)
+        meta.num_decode_tokens = len(decodes)
+        meta.decode_ctx_slots = table[:, ar // block_size] * block_size + ar % block_size
+        meta.decode_mask = (ar[None, :] < ctx_lens[:, None])[:, None, None, :]
+
+    start = len(decodes)
+    for w in prefills:
+        n = len(w.token_ids)
+        if w.start_pos == 0:
+            seq = PrefillSeq(start, start + n, torch.empty(0, dtype=torch.long), None)
+        else:
+            ctx = w.start_pos + n
+            seq = PrefillSeq(start, start + n,
+                             _slots(w.block_ids, torch.arange(ctx), block_size),
+                             torch.arange(ctx)[None, :] <= (w.start_pos + torch.arange(n))[:, None])
+        meta.prefills.append(seq)
+        start += n
+
+    logits_idx, logits_req = [], []
+    offset = 0
+    for w in ordered:
+        offset += len(w.token_ids)
+        if w.needs_logits:
+            logits_idx.append(offset - 1)
+            logits_req.append(w.req_id)
+    return StepBatch(torch.tensor(ids, dtype=torch.long, device=device), positions.to(device),
+                     meta, torch.tensor(logits_idx, dtype=torch.long), logits_req,
+                     [w.req_id for w in ordered])

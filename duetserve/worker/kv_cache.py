@@ -1,0 +1,33 @@
+"""KV cache sizing and allocation.
+
+One tensor for all layers: [layers, 2 (k, v), num_blocks, block_size, kv_heads, head_dim];
+layer i uses (cache[i, 0], cache[i, 1]).
+"""
+from __future__ import annotations
+
+import torch
+
+from duetserve.config import ModelConfig
+
+GiB = 1 << 30
+
+
+def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """2 x layers x kv_heads x head_dim x bytes."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * elem
+
+
+def num_blocks_for_memory(cfg: ModelConfig, dtype: torch.dtype, block_size: int,
+                          memory_gib: float) -> int:
+    per_block = kv_bytes_per_token(cfg, dtype) * block_size
+    return max(1, int(memory_gib * GiB) // per_block)
+
+
+def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int,
+                      dtype: torch.dtype, device: str | torch.device
+                      ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    # Zeroed so that padded slots read by masked attention hold finite values.
+    cache = torch.zeros(cfg.num_hidden_layers, 2, num_blocks, block_size,
+                        cfg.num_key_value_heads, cfg.head_dim, dtype=dtype, device=device)
+    return [(cache[i, 0], cache[i, 1]) for i in range(cfg.num_hidden_layers)]

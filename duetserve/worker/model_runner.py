@@ -1,0 +1,93 @@
+"""ModelRunner: SchedulerOutput -> tensors -> forward -> sample -> ModelRunnerOutput.
+
+The runner keeps its own copy of each running request (tokens, block table, sampling
+generator); it learns a request once (NewRequestData) and applies diffs afterwards
+(CachedRequestData). It never sees or mutates a Request.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from duetserve.config import ModelConfig
+from duetserve.outputs import ModelRunnerOutput, SchedulerOutput
+from duetserve.sampling_params import SamplingParams
+from duetserve.worker.batch import SeqWork, build_step_batch
+from duetserve.worker.kv_cache import allocate_kv_cache
+from duetserve.worker.sampling import StepSampler
+
+
+@dataclass(slots=True)
+class RunnerRequestState:
+    req_id: str
+    token_ids: list[int]            # prompt + every token sampled so far
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    generator: torch.Generator | None
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, model_config: ModelConfig, num_blocks: int,
+                 block_size: int, dtype: torch.dtype, device: str = "cpu") -> None:
+        self.model = model
+        self.config = model_config
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.device = device
+        self.kv_caches = allocate_kv_cache(model_config, num_blocks, block_size, dtype, device)
+        self.requests: dict[str, RunnerRequestState] = {}
+        self.sampler = StepSampler(model_config.vocab_size, model_config.eos_token_ids, device)
+
+    # -- state -------------------------------------------------------------------------
+    def _update_states(self, so: SchedulerOutput) -> None:
+        """Mutates self.requests: drop finished/preempted, learn new ones, apply diffs."""
+        for req_id in so.finished_req_ids | so.preempted_req_ids:
+            self.requests.pop(req_id, None)
+        for new in so.scheduled_new_reqs:
+            gen = None
+            if new.sampling_params.seed is not None:
+                gen = torch.Generator(device=self.device)
+                gen.manual_seed(new.sampling_params.seed)
+            old = self.requests.get(new.req_id)
+            if old is not None and old.generator is not None:
+                gen = old.generator   # resumed after preemption: keep the random stream
+            self.requests[new.req_id] = RunnerRequestState(
+                new.req_id, list(new.token_ids), new.num_prompt_tokens, new.sampling_params,
+                list(new.block_ids), new.num_computed_tokens, gen)
+        for diff in so.scheduled_cached_reqs:
+            st = self.requests[diff.req_id]
+            st.block_ids.extend(diff.new_block_ids)
+            st.num_computed_tokens = diff.num_computed_tokens
+
+    # -- step --------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(so)
+        if so.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput()
+        work = []
+        for req_id, n in so.num_scheduled_tokens.items():
+            st = self.requests[req_id]
+            start = st.num_computed_tokens
+            end = start + n
+            assert end <= len(st.token_ids), (req_id, start, n, len(st.token_ids))
+            work.append(SeqWork(req_id, st.token_ids[start:end], start, st.block_ids,
+                                end == len(st.token_ids)))
+        batch = build_step_batch(work, self.block_size, self.device)
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        states = [self.requests[r] for r in batch.logits_req_ids]
+        sampled, logprobs = self.sampler.sample(logits, states)
+        out = ModelRunnerOutput(req_ids=batch.order,
+                                sampled_token_ids={r: [] for r in batch.order})
+        for st, tok in zip(states, sampled):
+            out.sampled_token_ids[st.req_id] = [tok]
+            st.token_ids.append(tok)
+        for req_id, n in so.num_scheduled_tokens.items():
+            self.requests[req_id].num_computed_tokens += n
+        if logprobs is not None:
+            out.logprobs = logprobs
+        return out

@@ -1,0 +1,51 @@
+"""Run a loaded model directly over a paged cache (no scheduler) for logit comparisons."""
+from __future__ import annotations
+
+import torch
+
+from duetserve.worker.batch import SeqWork, build_step_batch
+from duetserve.worker.kv_cache import allocate_kv_cache
+
+
+class PagedModel:
+    """Owns a KV cache; sequences get contiguous fresh blocks."""
+
+    def __init__(self, loaded, num_blocks: int = 128, block_size: int = 4) -> None:
+        self.loaded = loaded
+        self.block_size = block_size
+        self.kv = allocate_kv_cache(loaded.config, num_blocks, block_size, torch.float32, "cpu")
+        self.next_block = 0
+
+    def blocks(self, num_tokens: int) -> list[int]:
+        n = (num_tokens + self.block_size - 1) // self.block_size
+        ids = list(range(self.next_block, self.next_block + n))
+        self.next_block += n
+        return ids
+
+    @torch.inference_mode()
+    def step(self, work: list[SeqWork]) -> dict[str, torch.Tensor]:
+        """Run one flat batch; returns the last-position logits of each request."""
+        batch = build_step_batch(work, self.block_size)
+        hidden = self.loaded.model(batch.input_ids, batch.positions, self.kv, batch.meta)
+        logits = self.loaded.model.compute_logits(hidden[batch.logits_indices])
+        return dict(zip(batch.logits_req_ids, logits))
+
+    def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
+        w = SeqWork("x", token_ids, 0, self.blocks(len(token_ids)), True)
+        return self.step([w])["x"]
+
+    def greedy(self, token_ids: list[int], n: int) -> list[int]:
+        blocks = self.blocks(len(token_ids) + n)
+        out = []
+        logits = self.step([SeqWork("g", token_ids, 0, blocks, True)])["g"]
+        pos = len(token_ids)
+        for _ in range(n):
+            tok = int(logits.argmax())
+            out.append(tok)
+            logits = self.step([SeqWork("g", [tok], pos, blocks, True)])["g"]
+            pos += 1
+        return out
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
