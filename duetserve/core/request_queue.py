@@ -1,0 +1,75 @@
+"""RequestQueue: the waiting queue, ordered by (priority, position).
+
+Policy (one policy for all requests): a smaller `priority` integer is served first (like
+vLLM); within a priority, requests are served in the order they were pushed (FCFS by
+arrival, since the engine adds requests as they arrive). `push_front` (preemption) puts a
+request ahead of every request of its priority, so with all priorities 0 this is exactly a
+FCFS deque with "preempted requests go to the front".
+
+NOTE: removal from the middle (abort) is O(n); everything else is O(log n).
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Iterator
+
+from duetserve.request import Request
+
+
+class RequestQueue:
+    def __init__(self) -> None:
+        self._heap: list[tuple[int, int, Request]] = []
+        self._back = itertools.count(0)       # push: 0, 1, 2, ...
+        self._front = itertools.count(-1, -1)  # push_front: -1, -2, ... (latest first)
+        self._ids: set[str] = set()
+
+    def push(self, request: Request) -> None:
+        """Append behind every request of the same priority. Mutates: the queue."""
+        self._insert(request, next(self._back))
+
+    def push_front(self, request: Request) -> None:
+        """Insert ahead of every request of the same priority. Mutates: the queue."""
+        self._insert(request, next(self._front))
+
+    def _insert(self, request: Request, position: int) -> None:
+        if request.req_id in self._ids:
+            raise ValueError(f"request {request.req_id!r} is already waiting")
+        self._ids.add(request.req_id)
+        heapq.heappush(self._heap, (request.priority, position, request))
+
+    def peek(self) -> Request:
+        """The next request to admit (IndexError when empty). Pure."""
+        return self._heap[0][2]
+
+    def pop(self) -> Request:
+        """Remove and return the next request. Mutates: the queue."""
+        request = heapq.heappop(self._heap)[2]
+        self._ids.discard(request.req_id)
+        return request
+
+    def remove(self, req_id: str) -> Request | None:
+        """Remove a request by id; returns it, or None if it is not waiting."""
+        if req_id not in self._ids:
+            return None
+        for i, entry in enumerate(self._heap):
+            if entry[2].req_id == req_id:
+                self._heap[i] = self._heap[-1]
+                self._heap.pop()
+                heapq.heapify(self._heap)
+                self._ids.discard(req_id)
+                return entry[2]
+        raise AssertionError(f"queue index out of sync for {req_id!r}")
+
+    def __contains__(self, req_id: object) -> bool:
+        return req_id in self._ids
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __bool__(self) -> bool:
+        return bool(self._heap)
+
+    def __iter__(self) -> Iterator[Request]:
+        """Requests in service order (sorted copy)."""
+        return (entry[2] for entry in sorted(self._heap, key=lambda e: (e[0], e[1])))

@@ -1,0 +1,332 @@
+"""Scheduler: decides each step which requests compute how many tokens.
+
+One counter per request, `num_computed_tokens`, catches up with `len(all_token_ids)` under
+one token budget per step (max_num_batched_tokens) and a cap on running requests
+(max_num_seqs). A decode is the case "1 token behind", a prefill chunk "many behind";
+both share a step (mixed batches). Prefix hits, chunking and preemption are arithmetic
+on the counter:
+
+    step:  running requests first (oldest admitted first), each gets
+               min(num_tokens - num_computed_tokens, budget left [, long_prefill cap])
+           when its slots do not fit: preempt the lowest-priority / newest running request
+           (possibly itself) and retry; then, if nothing was preempted, admit waiting
+           requests in queue order (prefix-cache lookup, chunk to the budget left) until
+           one does not fit (it blocks the ones behind it: FCFS within a priority).
+
+Waiting order and preemption victims follow one key, (priority, arrival): smaller
+priority first, then earlier add_request; preempted requests go to the front of their
+priority in the waiting queue.
+"""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from duetserve.config import SchedulerConfig
+from duetserve.core import hashing
+from duetserve.core.kv_cache_manager import KVCacheManager, cdiv
+from duetserve.core.request_queue import RequestQueue
+from duetserve.errors import RequestError
+from duetserve.outputs import (CachedRequestData, ModelRunnerOutput, NewRequestData,
+                               SchedulerOutput)
+from duetserve.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerStats:
+    """A snapshot for metrics. Token counts of `last step` refer to the last schedule()."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_prefill_tokens: int = 0      # last step
+    num_decode_tokens: int = 0       # last step
+    prefix_cache_queries: int = 0    # tokens, cumulative
+    prefix_cache_hits: int = 0       # tokens, cumulative
+    num_preemptions: int = 0         # cumulative
+    kv_usage: float = 0.0            # fraction of blocks held by requests
+    num_used_blocks: int = 0
+    num_total_blocks: int = 0
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.block_size = config.block_size
+        self.enable_caching = config.enable_prefix_caching
+        self.kv_cache_manager = KVCacheManager(config.num_blocks, config.block_size,
+                                               config.enable_prefix_caching)
+        # A request can never grow past what the whole pool holds.
+        self.max_len = min(config.max_model_len, config.num_blocks * config.block_size)
+        self.requests: dict[str, Request] = {}   # every unfinished request
+        self.waiting = RequestQueue()
+        self.running: list[Request] = []         # in admission order
+        self._finished_req_ids: set[str] = set() # since the last schedule()
+        self._arrival = itertools.count()
+        self._arrival_seq: dict[str, int] = {}
+        self.num_preemptions = 0
+        self._last_num_prefill_tokens = 0
+        self._last_num_decode_tokens = 0
+
+    # --- request lifecycle -------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Queue a new request. Raises RequestError (nothing changed) when its prompt can
+        never be scheduled or the id is in use. Mutates: waiting queue, request.block_hashes.
+        """
+        if request.req_id in self.requests:
+            raise RequestError(f"request id {request.req_id!r} is already in use")
+        if request.num_tokens < 1:
+            raise RequestError("the prompt must contain at least one token")
+        if request.num_tokens >= self.max_len:
+            raise RequestError(
+                f"prompt of {request.num_tokens} tokens leaves no room to generate: the limit "
+                f"is {self.max_len - 1} (max_model_len {self.config.max_model_len}, KV cache "
+                f"{self.config.num_blocks} blocks x {self.block_size} tokens)")
+        if self.enable_caching:
+            hashing.update_block_hashes(request, self.block_size)
+        request.status = RequestStatus.WAITING
+        self.requests[request.req_id] = request
+        self._arrival_seq[request.req_id] = next(self._arrival)
+        self.waiting.push(request)
+
+    def abort_requests(self, req_ids: str | Iterable[str]) -> None:
+        """Finish the given requests with finish_reason "abort"; unknown or already finished
+        ids are ignored. Mutates: queues, block tables, request status."""
+        if isinstance(req_ids, str):
+            req_ids = [req_ids]
+        self.finish_requests(req_ids, "abort")
+
+    def finish_requests(self, req_ids: str | Iterable[str], finish_reason: str,
+                        stop_reason: int | str | None = None) -> list[Request]:
+        """Engine-triggered finish (e.g. a stop string matched). Frees the blocks, removes the
+        requests from the queues; their ids go into the next SchedulerOutput.finished_req_ids.
+        Returns the requests that were finished by this call (unknown ids are ignored)."""
+        if isinstance(req_ids, str):
+            req_ids = [req_ids]
+        done = []
+        for req_id in req_ids:
+            request = self.requests.get(req_id)
+            if request is None:
+                continue
+            if request.is_waiting:
+                self.waiting.remove(req_id)
+            else:
+                self.running.remove(request)
+            request.set_finished(finish_reason, stop_reason)
+            self._release(request)
+            done.append(request)
+        return done
+
+    def _release(self, request: Request) -> None:
+        """Forget a finished request. Mutates: block tables, self.requests."""
+        self.kv_cache_manager.free(request)
+        del self.requests[request.req_id]
+        del self._arrival_seq[request.req_id]
+        self._finished_req_ids.add(request.req_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # --- one step ------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's work. Mutates: running/waiting queues, block tables, and for the
+        requests it touches status, num_computed_tokens (admission: prefix hit; preemption:
+        0), num_cached_tokens, num_preemptions. num_computed_tokens of scheduled requests is
+        advanced later, by update_from_output. Returns the SchedulerOutput for the runner."""
+        step = _Step(self.config.max_num_batched_tokens)
+        self._schedule_running(step)
+        if not step.preempted:
+            self._schedule_waiting(step)
+        return self._build_output(step)
+
+    def _chunk(self, request: Request, budget: int) -> int:
+        num_new = request.num_tokens - request.num_computed_tokens
+        if self.config.long_prefill_token_threshold > 0:
+            num_new = min(num_new, self.config.long_prefill_token_threshold)
+        return min(num_new, budget)
+
+    def _schedule_running(self, step: _Step) -> None:
+        for request in list(self.running):
+            if step.budget <= 0:
+                break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = self._chunk(request, step.budget)
+            if num_new <= 0:
+                continue
+            while True:
+                new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
+                if new_block_ids is not None:
+                    step.add(request, num_new, new_block_ids, is_new=False)
+                    break
+                victim = max(self.running, key=self._victim_key)
+                self._preempt(victim, step)
+                if victim is request:
+                    break
+
+    def _victim_key(self, request: Request) -> tuple[int, int]:
+        return (request.priority, self._arrival_seq[request.req_id])
+
+    def _preempt(self, request: Request, step: _Step) -> None:
+        """Free the request's KV and send it to the front of the waiting queue. Undoes its
+        scheduling if it was already scheduled in this step."""
+        self.running.remove(request)
+        step.remove(request)
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        step.preempted.add(request.req_id)
+        self.waiting.push_front(request)
+
+    def _schedule_waiting(self, step: _Step) -> None:
+        kv = self.kv_cache_manager
+        while self.waiting and step.budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting.peek()
+            hit_blocks, num_hit = kv.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_hit, step.budget)
+            if self.config.long_prefill_token_threshold > 0:
+                num_new = min(num_new, self.config.long_prefill_token_threshold)
+            new_block_ids = kv.allocate_slots(request, num_new, hit_blocks)
+            if new_block_ids is None:
+                break  # FCFS: nobody behind it jumps the queue
+            self.waiting.pop()
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = num_hit
+            request.num_computed_tokens = num_hit
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            step.add(request, num_new, kv.get_block_ids(request.req_id), is_new=True)
+
+    def _build_output(self, step: _Step) -> SchedulerOutput:
+        out = SchedulerOutput(finished_req_ids=self._finished_req_ids,
+                              preempted_req_ids=step.preempted)
+        self._finished_req_ids = set()
+        num_prefill = num_decode = 0
+        for req_id, (request, num_new, block_ids, is_new) in step.scheduled.items():
+            if is_new:
+                out.scheduled_new_reqs.append(NewRequestData(
+                    req_id=req_id, token_ids=list(request.all_token_ids),
+                    num_prompt_tokens=request.num_prompt_tokens,
+                    sampling_params=request.sampling_params, block_ids=block_ids,
+                    num_computed_tokens=request.num_computed_tokens))
+            else:
+                out.scheduled_cached_reqs.append(CachedRequestData(
+                    req_id=req_id, new_block_ids=block_ids,
+                    num_computed_tokens=request.num_computed_tokens))
+            out.num_scheduled_tokens[req_id] = num_new
+            if (num_new == 1 and request.num_computed_tokens >= request.num_prompt_tokens
+                    and request.num_computed_tokens + 1 == request.num_tokens):
+                num_decode += 1
+            else:
+                num_prefill += num_new
+        out.total_num_scheduled_tokens = num_prefill + num_decode
+        self._last_num_prefill_tokens = num_prefill
+        self._last_num_decode_tokens = num_decode
+        return out
+
+    # --- after the step ------------------------------------------------------------------
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           runner_output: ModelRunnerOutput) -> list[Request]:
+        """Apply a step's results. For every scheduled request still alive: advance
+        num_computed_tokens, append the sampled tokens (stopping at the first one that
+        finishes it), extend block hashes, and free it when finished. Returns the requests
+        that got new tokens or finished in this step, in schedule order."""
+        touched = []
+        sampled = runner_output.sampled_token_ids
+        for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
+            request = self.requests.get(req_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted/finished/preempted since schedule(): drop the results
+            request.num_computed_tokens += num_new
+            new_token_ids = sampled.get(req_id) or []
+            for token_id in new_token_ids:
+                request.append_output_token_ids(token_id)
+                if self._check_stop(request, token_id):
+                    break
+            if self.enable_caching:
+                hashing.update_block_hashes(request, self.block_size)
+            if request.is_finished:
+                self.running.remove(request)
+                self._release(request)
+            if new_token_ids or request.is_finished:
+                touched.append(request)
+        return touched
+
+    def _check_stop(self, request: Request, token_id: int) -> bool:
+        """Stop checks after appending `token_id`; marks the request finished (status,
+        finish_reason, stop_reason) and returns True when it is."""
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if token_id in params.stop_token_ids:
+                request.set_finished("stop", token_id)
+                return True
+            if not params.ignore_eos and token_id in request.eos_token_ids:
+                request.set_finished("stop")
+                return True
+        if request.max_tokens is not None and request.num_output_tokens >= request.max_tokens:
+            request.set_finished("length")
+            return True
+        if request.num_tokens >= self.max_len:
+            request.set_finished("length")
+            return True
+        return False
+
+    # --- stats ---------------------------------------------------------------------------
+    def make_stats(self) -> SchedulerStats:
+        kv = self.kv_cache_manager
+        return SchedulerStats(
+            num_running=len(self.running), num_waiting=len(self.waiting),
+            num_prefill_tokens=self._last_num_prefill_tokens,
+            num_decode_tokens=self._last_num_decode_tokens,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            num_preemptions=self.num_preemptions, kv_usage=kv.usage,
+            num_used_blocks=kv.num_used_blocks, num_total_blocks=kv.num_blocks)
+
+    def check_integrity(self) -> None:
+        """Block pool and table invariants plus queue bookkeeping (AssertionError)."""
+        self.kv_cache_manager.check_integrity()
+        for request in self.running:
+            assert request.status == RequestStatus.RUNNING, f"{request.req_id} in running"
+            blocks = self.kv_cache_manager.req_to_blocks.get(request.req_id, [])
+            assert len(blocks) >= cdiv(request.num_computed_tokens, self.block_size), (
+                f"{request.req_id}: {len(blocks)} blocks for "
+                f"{request.num_computed_tokens} computed tokens")
+        for request in self.waiting:
+            assert request.is_waiting, f"{request.req_id} in waiting with {request.status!r}"
+            assert request.req_id not in self.kv_cache_manager.req_to_blocks, (
+                f"waiting request {request.req_id} holds blocks")
+        assert len(self.running) + len(self.waiting) == len(self.requests), (
+            f"running ({len(self.running)}) + waiting ({len(self.waiting)}) != "
+            f"unfinished ({len(self.requests)})")
+
+
+class _Step:
+    """The work being assembled by one schedule() call."""
+
+    __slots__ = ("budget", "scheduled", "preempted")
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        # req_id -> (request, num_new_tokens, block ids to send, is_new)
+        self.scheduled: dict[str, tuple[Request, int, list[int], bool]] = {}
+        self.preempted: set[str] = set()
+
+    def add(self, request: Request, num_new: int, block_ids: list[int], is_new: bool) -> None:
+        self.scheduled[request.req_id] = (request, num_new, block_ids, is_new)
+        self.budget -= num_new
+
+    def remove(self, request: Request) -> None:
+        entry = self.scheduled.pop(request.req_id, None)
+        if entry is not None:
+            self.budget += entry[1]

@@ -1,0 +1,129 @@
+"""Request: one sequence the engine is generating, as the scheduler sees it.
+
+Token positions of a request (block_size 4 in the picture):
+
+    all_token_ids:  | p0 p1 p2 p3 | p4 p5 o0 o1 | o2 .
+                    |<- prompt (num_prompt_tokens) ->|<- outputs ->|
+                    [0, num_computed_tokens)  KV already in the cache
+                    [num_computed_tokens, num_tokens)  still to compute (scheduled in chunks)
+
+Who mutates what (NOTE: the worker never touches a Request):
+  - Scheduler.schedule():            status, num_computed_tokens (prefix hit at admission,
+                                     0 on preemption), num_cached_tokens, num_preemptions
+  - Scheduler.update_from_output():  num_computed_tokens, output_token_ids/all_token_ids
+                                     (via append_output_token_ids), block_hashes,
+                                     status/finish_reason/stop_reason on finish
+  - Scheduler.abort_requests()/finish_requests(): status, finish_reason, stop_reason
+  - the engine: the optional timing stamps (first_scheduled_time, ...) and eos_token_ids
+    before add_request.
+"""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from duetserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Lifecycle: WAITING -> RUNNING (-> PREEMPTED -> RUNNING)* -> FINISHED_*.
+
+    PREEMPTED is a waiting state: the request sits in the waiting queue with its KV freed.
+    """
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH_CAPPED = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+
+FINISH_REASON_TO_STATUS: dict[str, RequestStatus] = {
+    "stop": RequestStatus.FINISHED_STOPPED,
+    "length": RequestStatus.FINISHED_LENGTH_CAPPED,
+    "abort": RequestStatus.FINISHED_ABORTED,
+}
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
+    eos_token_ids: tuple[int, ...] = ()
+    arrival_time: float = field(default_factory=time.time)
+    priority: int = 0                      # larger = scheduled later (like vLLM)
+
+    # --- state the scheduler owns -------------------------------------------------------
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(default_factory=list)   # prompt + outputs, one list
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0             # prefix-hit tokens at the first schedule
+    status: RequestStatus = RequestStatus.WAITING
+    block_hashes: list[bytes] = field(default_factory=list)  # chain hash per FULL block
+    num_preemptions: int = 0
+    finish_reason: str | None = None       # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None   # stop token id or stop string
+    max_tokens: int | None = None          # resolved from sampling_params; None = to max len
+
+    # --- optional wall-clock stamps the engine sets (time.time()) ------------------------
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+    def __post_init__(self) -> None:
+        self.prompt_token_ids = list(self.prompt_token_ids)
+        if self.output_token_ids:
+            raise ValueError("a new Request must not carry output tokens")
+        self.all_token_ids = list(self.prompt_token_ids)
+        self.max_tokens = self.sampling_params.max_tokens
+        self.eos_token_ids = tuple(self.eos_token_ids)
+
+    # --- derived ---------------------------------------------------------------------------
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def is_waiting(self) -> bool:
+        return self.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+
+    def append_output_token_ids(self, token_ids: int | list[int]) -> None:
+        """Append sampled token(s) to output_token_ids and all_token_ids.
+
+        Mutates: output_token_ids, all_token_ids. Block hashes are NOT updated here; the
+        scheduler does it (it knows the block size and whether caching is on).
+        """
+        if isinstance(token_ids, int):
+            token_ids = [token_ids]
+        self.output_token_ids.extend(token_ids)
+        self.all_token_ids.extend(token_ids)
+
+    def set_finished(self, finish_reason: str, stop_reason: int | str | None = None) -> None:
+        """Mark finished. Mutates: status, finish_reason, stop_reason."""
+        try:
+            self.status = FINISH_REASON_TO_STATUS[finish_reason]
+        except KeyError:
+            raise ValueError(f"finish_reason must be one of {sorted(FINISH_REASON_TO_STATUS)}, "
+                             f"got {finish_reason!r}") from None
+        self.finish_reason = finish_reason
+        self.stop_reason = stop_reason

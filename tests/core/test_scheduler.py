@@ -1,0 +1,240 @@
+"""Scheduler driven by a fake runner: chunking, mixed steps, preemption, priority, stop
+checks, the full-data-once protocol, prefix sharing and hash-collision safety."""
+from __future__ import annotations
+
+import pytest
+
+from duetserve.core import hashing
+from duetserve.errors import RequestError
+from duetserve.outputs import ModelRunnerOutput
+from duetserve.request import Request, RequestStatus
+from duetserve.sampling_params import SamplingParams
+
+
+def mk(req_id: str, tokens: list[int] | int, max_tokens: int | None = 16,
+       priority: int = 0, **params: object) -> Request:
+    if isinstance(tokens, int):
+        seed = sum(map(ord, req_id))          # deterministic (str hash is salted)
+        tokens = [(seed * 31 + i) % 1000 + 100 for i in range(tokens)]
+    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=params.pop("ignore_eos", True),
+                        **params)
+    return Request(req_id, tokens, sp, eos_token_ids=(0,), priority=priority)
+
+
+def drain(scheduler, runner, step, max_steps: int = 10_000) -> list:
+    outs = []
+    for _ in range(max_steps):
+        if not scheduler.has_unfinished_requests():
+            return outs
+        outs.append(step(scheduler, runner)[0])
+    raise AssertionError("requests did not finish")
+
+
+def test_n4_siblings_share_one_prefill(make_scheduler) -> None:
+    sched, runner = make_scheduler(block_size=16, num_blocks=64, max_num_batched_tokens=2048,
+                                   max_model_len=1024)
+    prompt = [(7 * i) % 997 for i in range(500)]
+    reqs = [mk(f"r{i}", prompt) for i in range(4)]
+    for r in reqs:
+        sched.add_request(r)
+    out = sched.schedule()
+    # 500 = 31 full blocks (496 tokens) + a 4-token tail. The first request computes all
+    # 500 tokens in 32 blocks; each sibling hits the 31 full blocks (capped at
+    # num_tokens - 1 = 499 -> 31 blocks = 496 tokens) and computes 4 tokens in its own tail.
+    assert sched.kv_cache_manager.num_used_blocks == 31 + 1 + 3
+    assert out.num_scheduled_tokens == {"r0": 500, "r1": 4, "r2": 4, "r3": 4}
+    assert [r.num_computed_tokens for r in reqs] == [0, 496, 496, 496]
+    assert [r.num_cached_tokens for r in reqs] == [0, 496, 496, 496]
+    tables = [d.block_ids for d in out.scheduled_new_reqs]
+    assert all(t[:31] == tables[0][:31] for t in tables)
+    assert len({t[31] for t in tables}) == 4
+    assert [d.num_computed_tokens for d in out.scheduled_new_reqs] == [0, 496, 496, 496]
+    sched.update_from_output(out, runner.execute(out))   # the fake runner checks the KV
+    sched.check_integrity()
+    stats = sched.make_stats()
+    assert stats.prefix_cache_queries == 2000 and stats.prefix_cache_hits == 3 * 496
+    assert stats.num_prefill_tokens == 512 and stats.num_decode_tokens == 0
+
+
+def test_long_prompt_is_chunked_while_decodes_run(make_scheduler, step) -> None:
+    sched, runner = make_scheduler(max_num_batched_tokens=16)
+    for rid in ("a", "b"):
+        sched.add_request(mk(rid, 4, max_tokens=30))
+    step(sched, runner)                                    # both prefills in one step
+    sched.add_request(mk("long", 50, max_tokens=2))
+    chunks = []
+    while sched.requests["long"].num_computed_tokens < 50:
+        out, _ = step(sched, runner)
+        # Never a prefill-only stall: both decodes run in every step of the long prefill.
+        assert out.num_scheduled_tokens["a"] == 1 and out.num_scheduled_tokens["b"] == 1
+        chunks.append(out.num_scheduled_tokens["long"])
+        assert sched.make_stats().num_decode_tokens == 2
+    assert chunks == [14, 14, 14, 8]
+    assert sched.requests["long"].num_output_tokens == 1   # sampled after the last chunk
+    drain(sched, runner, step)
+
+
+def test_long_prefill_threshold_caps_chunks(make_scheduler, step) -> None:
+    sched, runner = make_scheduler(max_num_batched_tokens=64, long_prefill_token_threshold=10)
+    sched.add_request(mk("long", 25, max_tokens=1))
+    sizes = [step(sched, runner)[0].num_scheduled_tokens["long"] for _ in range(3)]
+    assert sizes == [10, 10, 5] and not sched.has_unfinished_requests()
+
+
+def test_preemption_and_everyone_finishes(make_scheduler, step) -> None:
+    # 10 blocks x 4 tokens; three requests that each grow to 8 + 20 = 28 tokens (7 blocks).
+    sched, runner = make_scheduler(num_blocks=10, max_num_batched_tokens=32)
+    reqs = [mk(f"r{i}", 8, max_tokens=20) for i in range(3)]
+    for r in reqs:
+        sched.add_request(r)
+    outs = drain(sched, runner, step)
+    preempted = [rid for o in outs for rid in o.preempted_req_ids]
+    assert preempted and sched.num_preemptions == len(preempted)
+    assert all(r.num_output_tokens == 20 and r.finish_reason == "length" for r in reqs)
+    assert sum(r.num_preemptions for r in reqs) == len(preempted)
+    # A resumed request is sent in full again (NewRequestData with its outputs so far).
+    resumed = {d.req_id for o in outs for d in o.scheduled_new_reqs if len(d.token_ids) > 8}
+    assert resumed
+    assert sched.kv_cache_manager.num_used_blocks == 0
+
+
+def test_preemption_victim_is_lowest_priority_then_newest(make_scheduler, step) -> None:
+    sched, runner = make_scheduler(num_blocks=6, max_num_batched_tokens=64)
+    a, b, c = mk("A", 4, max_tokens=50), mk("B", 4, 50, priority=1), mk("C", 4, max_tokens=50)
+    for r in (a, b, c):
+        sched.add_request(r)
+    first = step(sched, runner)[0]
+    assert [d.req_id for d in first.scheduled_new_reqs] == ["A", "C", "B"]
+    preempted = []
+    while not preempted:
+        preempted = list(step(sched, runner)[0].preempted_req_ids)
+    assert preempted == ["B"]
+    assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0
+    # Next among equal priorities: the newest arrival (C) before A.
+    while len(preempted) < 2:
+        preempted += list(step(sched, runner)[0].preempted_req_ids)
+    assert preempted[1] == "C"
+
+
+def test_priority_orders_waiting_queue(make_scheduler, step) -> None:
+    sched, runner = make_scheduler(max_num_seqs=1)
+    for rid, prio in (("low", 5), ("high", -1), ("mid", 1), ("mid2", 1)):
+        sched.add_request(mk(rid, 4, max_tokens=1, priority=prio))
+    order = [step(sched, runner)[0].scheduled_new_reqs[0].req_id for _ in range(4)]
+    assert order == ["high", "mid", "mid2", "low"]
+
+
+def test_fcfs_blocked_head_is_not_jumped(make_scheduler, step) -> None:
+    sched, runner = make_scheduler(num_blocks=8, max_num_batched_tokens=64)
+    sched.add_request(mk("run", 20, max_tokens=30))         # 5 blocks, grows
+    step(sched, runner)
+    sched.add_request(mk("big", 16, max_tokens=1))          # needs 4 blocks: only 3 free
+    sched.add_request(mk("small", 2, max_tokens=1))         # would fit, must wait
+    out, _ = step(sched, runner)
+    assert set(out.num_scheduled_tokens) == {"run"}
+    assert sched.num_waiting == 2
+
+
+def test_full_data_once_then_diffs(make_scheduler, step) -> None:
+    sched, runner = make_scheduler(max_num_batched_tokens=64)
+    sched.add_request(mk("r", 6, max_tokens=8))
+    out, _ = step(sched, runner)
+    (new,) = out.scheduled_new_reqs
+    assert new.block_ids == [0, 1] and len(new.token_ids) == 6 and new.num_prompt_tokens == 6
+    new_ids = []
+    for _ in range(7):
+        out, _ = step(sched, runner)
+        assert not out.scheduled_new_reqs
+        (cached,) = out.scheduled_cached_reqs
+        new_ids.append(cached.new_block_ids)
+    # Decode step k computes position 5 + k: a new block when positions 8 and 12 start.
+    assert new_ids == [[], [], [2], [], [], [], [3]]
+    assert not sched.has_unfinished_requests()
+    assert sched.schedule().finished_req_ids == {"r"}
+
+
+def test_stop_checks(make_scheduler) -> None:
+    sched, _ = make_scheduler()
+
+    def feed(r: Request, tokens: list[int]) -> list[Request]:
+        sched.add_request(r)
+        out = sched.schedule()
+        res = []
+        for t in tokens:
+            res = sched.update_from_output(
+                out, ModelRunnerOutput([r.req_id], {r.req_id: [t]}))
+            if r.is_finished:
+                break
+            out = sched.schedule()
+        return res
+
+    r = mk("stoptok", 4, max_tokens=10, stop_token_ids=[7])
+    feed(r, [5, 7, 9])
+    assert (r.finish_reason, r.stop_reason, r.output_token_ids) == ("stop", 7, [5, 7])
+    r = mk("eos", 4, max_tokens=10, ignore_eos=False, min_tokens=2)
+    feed(r, [0, 0, 3])
+    assert (r.finish_reason, r.stop_reason, r.output_token_ids) == ("stop", None, [0, 0])
+    r = mk("ign", 4, max_tokens=3, ignore_eos=True)
+    assert feed(r, [0, 0, 0, 0]) == [r]
+    assert (r.finish_reason, r.num_output_tokens) == ("length", 3)
+    r = mk("maxlen", 250, max_tokens=None)
+    feed(r, [1] * 20)
+    assert r.finish_reason == "length" and r.num_tokens == 256
+    assert sched.kv_cache_manager.num_used_blocks == 0
+    with pytest.raises(RequestError, match="limit is 255"):
+        sched.add_request(mk("too_long", 256))
+
+
+def test_abort_and_finish_requests(make_scheduler, step) -> None:
+    sched, runner = make_scheduler(max_num_seqs=1)
+    for rid in ("a", "b", "c"):
+        sched.add_request(mk(rid, 5, max_tokens=10))
+    out, _ = step(sched, runner)
+    assert set(out.num_scheduled_tokens) == {"a"}
+    sched.abort_requests(["a", "b", "unknown"])
+    assert sched.num_running == 0 and sched.num_waiting == 1
+    out, _ = step(sched, runner)
+    assert out.finished_req_ids == {"a", "b"} and set(out.num_scheduled_tokens) == {"c"}
+    (c,) = sched.finish_requests(["c"], "stop", stop_reason="STOP")
+    assert (c.status, c.stop_reason) == (RequestStatus.FINISHED_STOPPED, "STOP")
+    assert not sched.has_unfinished_requests() and sched.kv_cache_manager.num_used_blocks == 0
+
+
+def test_results_of_aborted_request_are_dropped(make_scheduler) -> None:
+    sched, runner = make_scheduler()
+    r = mk("r", 4)
+    sched.add_request(r)
+    out = sched.schedule()
+    result = runner.execute(out)
+    sched.abort_requests("r")
+    assert sched.update_from_output(out, result) == []
+    assert r.num_output_tokens == 0 and r.finish_reason == "abort"
+
+
+def test_hash_collision_never_gives_a_false_hit(make_scheduler, step, monkeypatch) -> None:
+    monkeypatch.setattr(hashing, "hash_block_tokens", lambda parent, tokens: b"same")
+    sched, runner = make_scheduler(max_num_batched_tokens=64)
+    a = mk("A", [1, 2, 3, 4, 5, 6, 7, 8, 9], max_tokens=1)
+    sched.add_request(a)
+    drain(sched, runner, step)
+    expected = {"B": 0, "C": 4, "D": 4}
+    for rid, tokens in (("B", [9, 9, 9, 9, 5, 6, 7, 8, 1]),
+                        ("C", [1, 2, 3, 4, 9, 9, 9, 9, 1]),
+                        ("D", [1, 2, 3, 4, 5, 6, 7, 8, 1])):
+        r = mk(rid, tokens, max_tokens=1)
+        sched.add_request(r)
+        out, _ = step(sched, runner)            # the fake runner checks every KV slot read
+        assert out.scheduled_new_reqs[0].num_computed_tokens == expected[rid], rid
+        assert r.num_cached_tokens == expected[rid]
+
+
+def test_prefix_caching_disabled(make_scheduler, step) -> None:
+    sched, runner = make_scheduler(enable_prefix_caching=False)
+    for rid in ("a", "b"):
+        sched.add_request(mk(rid, list(range(20)), max_tokens=2))
+    out, _ = step(sched, runner)
+    assert out.num_scheduled_tokens == {"a": 20, "b": 20}
+    assert sched.requests["a"].block_hashes == []
+    stats = sched.make_stats()
+    assert stats.prefix_cache_queries == 0 and stats.prefix_cache_hits == 0
+    assert sched.kv_cache_manager.pool.num_cached_blocks == 0
