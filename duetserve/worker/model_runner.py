@@ -89,5 +89,6 @@ class ModelRunner:
         for req_id, n in so.num_scheduled_tokens.items():
             self.requests[req_id].num_computed_tokens += n
         if logprobs is not None:
-            out.logprobs = logprobs
+            out.logprobs = {st.req_id: [lp] for st, lp in zip(states, logprobs)
+                            if lp is not None}
         return out

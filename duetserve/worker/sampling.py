@@ -1,10 +1,16 @@
-"""Step-level sampling glue: per-request state -> the vectorised sampler.
-
-Temporary minimal version (greedy + temperature); replaced by worker/sampler.py's
-full sampler (penalties, top-k/p, min-p, seeds, logprobs)."""
+"""Step-level sampling glue: the runner's per-request state -> the vectorised Sampler."""
 from __future__ import annotations
 
 import torch
+
+from duetserve.outputs import Logprob
+from duetserve.worker.sampler import Sampler
+from duetserve.worker.sampling_metadata import SamplingMetadata
+
+
+def _needs_history(sp) -> bool:
+    return (sp.repetition_penalty != 1.0 or sp.presence_penalty != 0.0
+            or sp.frequency_penalty != 0.0 or sp.min_tokens > 0)
 
 
 class StepSampler:
@@ -12,15 +18,28 @@ class StepSampler:
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.device = device
+        self.sampler = Sampler()
 
-    def sample(self, logits: torch.Tensor, states: list) -> tuple[list[int], dict | None]:
-        """logits [N, V] for the requests in `states` -> one token id each."""
+    def sample(self, logits: torch.Tensor, states: list
+               ) -> tuple[list[int], list[dict[int, Logprob] | None] | None]:
+        """logits [N, V] for the requests in `states` (RunnerRequestState) -> one token id
+        each, plus logprob dicts when any row asked. Advances seeded generators."""
         if not states:
             return [], None
-        out = logits.argmax(dim=-1).tolist()
-        for i, st in enumerate(states):
-            sp = st.sampling_params
-            if sp.temperature > 0:
-                probs = torch.softmax(logits[i] / sp.temperature, dim=-1)
-                out[i] = int(torch.multinomial(probs, 1, generator=st.generator))
-        return out, None
+        params = [st.sampling_params for st in states]
+        if all(p.is_greedy and p.logprobs is None and not _needs_history(p) and
+               not p.logit_bias for p in params):
+            return logits.argmax(dim=-1).tolist(), None   # fast path
+        prompts, outputs = [], []
+        for st, p in zip(states, params):
+            if _needs_history(p):
+                prompts.append(st.token_ids[:st.num_prompt_tokens])
+                outputs.append(st.token_ids[st.num_prompt_tokens:])
+            else:
+                prompts.append([])
+                outputs.append([])
+        meta = SamplingMetadata.build(params, prompts, outputs, [st.generator for st in states],
+                                      self.eos_token_ids, self.vocab_size, self.device)
+        out = self.sampler(logits, meta)
+        lps = out.logprob_dicts() if meta.needs_logprobs else None
+        return out.sampled_token_ids.tolist(), lps

@@ -1,0 +1,252 @@
+"""EngineCore: one engine step = schedule -> execute -> update.
+
+    add_request ──> Scheduler.waiting
+    step():  SchedulerOutput = scheduler.schedule()
+             ModelRunnerOutput = runner.execute_model(SchedulerOutput)
+             updated = scheduler.update_from_output(...)      (append tokens, token stops)
+             detokenize, stop strings -> scheduler.finish_requests
+             -> list[RequestOutput]  (one per user request that changed)
+
+A user request with n > 1 becomes n child requests `{req_id}-{i}` that share the prompt's
+KV blocks through the prefix cache; their outputs are gathered in one RequestOutput.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from duetserve.config import EngineConfig, SchedulerConfig
+from duetserve.core.scheduler import Scheduler
+from duetserve.engine.detokenizer import IncrementalDetokenizer
+from duetserve.errors import RequestError
+from duetserve.loader import TORCH_DTYPES, load_model
+from duetserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from duetserve.request import Request
+from duetserve.sampling_params import SamplingParams
+from duetserve.worker.kv_cache import kv_bytes_per_token, num_blocks_for_memory
+from duetserve.worker.model_runner import ModelRunner
+
+log = logging.getLogger("duetserve")
+
+
+@dataclass
+class _Child:
+    """Engine-side bookkeeping for one sample of a user request."""
+
+    index: int
+    request: Request
+    detok: IncrementalDetokenizer
+    output: CompletionOutput
+
+
+@dataclass
+class _UserRequest:
+    req_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: dict[str, _Child]
+    metrics: RequestMetrics
+    num_unfinished: int = 0
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class StepStats:
+    """What one step did (for metrics, traces and `duet bench throughput`).
+
+    `items` has one (req_id, num_new_tokens, num_computed_tokens_before) per scheduled
+    request: the new tokens attend to num_computed_before + num_new positions."""
+
+    start_time: float = 0.0          # time.time() when the step began
+    step_seconds: float = 0.0
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    num_used_blocks: int = 0
+    num_preemptions: int = 0         # cumulative
+    prefix_cache_queries: int = 0    # tokens, cumulative
+    prefix_cache_hits: int = 0       # tokens, cumulative
+    items: list[tuple[str, int, int]] = field(default_factory=list)
+    finished_req_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_tokens
+
+
+StepObserver = Callable[[StepStats], None]
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        torch.set_num_threads(config.num_threads or min(os.cpu_count() or 1, 16))
+        torch.manual_seed(config.seed)
+        dtype = TORCH_DTYPES[config.dtype]
+        self.loaded = load_model(config.model, config.dtype, config.device,
+                                 max_positions=config.max_model_len)
+        mcfg = self.loaded.config
+        self.model_config = mcfg
+        self.tokenizer = self.loaded.tokenizer
+        self.max_model_len = min(config.max_model_len or mcfg.max_position_embeddings,
+                                 mcfg.max_position_embeddings if config.max_model_len is None
+                                 else config.max_model_len)
+        num_blocks = config.num_gpu_blocks_override or num_blocks_for_memory(
+            mcfg, dtype, config.block_size, config.kv_cache_memory)
+        self.num_blocks = num_blocks
+        self.runner = ModelRunner(self.loaded.model, mcfg, num_blocks, config.block_size,
+                                  dtype, config.device)
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
+            block_size=config.block_size, num_blocks=num_blocks,
+            enable_prefix_caching=config.enable_prefix_caching))
+        self.eos_token_ids = tuple(mcfg.eos_token_ids) or tuple(self.tokenizer.eos_token_ids)
+        self.requests: dict[str, _UserRequest] = {}
+        self._child_to_user: dict[str, str] = {}
+        self.last_step = StepStats()
+        self.step_observers: list[StepObserver] = []
+        log.info("KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %d B/token); "
+                 "max_model_len %d; model loaded in %.1f s", num_blocks, config.block_size,
+                 num_blocks * config.block_size,
+                 num_blocks * config.block_size * kv_bytes_per_token(mcfg, dtype) / 2**30,
+                 kv_bytes_per_token(mcfg, dtype), self.max_model_len,
+                 self.loaded.load_seconds)
+
+    # -- requests ----------------------------------------------------------------------
+    def add_request(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    prompt: str | None = None, arrival_time: float | None = None,
+                    priority: int = 0) -> None:
+        """Validate and queue. Raises RequestError (nothing queued) naming the limit."""
+        if req_id in self.requests:
+            raise RequestError(f"request id {req_id!r} is already in use")
+        if not prompt_token_ids:
+            raise RequestError("the prompt is empty (it must contain at least one token)")
+        limit = min(self.max_model_len, self.num_blocks * self.config.block_size)
+        if len(prompt_token_ids) >= limit:
+            raise RequestError(
+                f"the prompt has {len(prompt_token_ids)} tokens; the limit is {limit - 1} "
+                f"(max_model_len {self.max_model_len}, KV cache "
+                f"{self.num_blocks * self.config.block_size} tokens), leaving room for at "
+                "least one generated token")
+        params.validate_for_vocab(self.model_config.vocab_size)
+        arrival = time.time() if arrival_time is None else arrival_time
+        user = _UserRequest(req_id, prompt, list(prompt_token_ids), {},
+                            RequestMetrics(arrival_time=arrival,
+                                           num_prompt_tokens=len(prompt_token_ids)))
+        children = []
+        for i in range(params.n):
+            child_params = params if params.n == 1 else params.clone_for_sample(i)
+            child_id = req_id if params.n == 1 else f"{req_id}-{i}"
+            req = Request(child_id, list(prompt_token_ids), child_params, self.eos_token_ids,
+                          arrival, priority)
+            detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids,
+                                           child_params.skip_special_tokens, child_params.stop,
+                                           child_params.include_stop_str_in_output)
+            user.children[child_id] = _Child(i, req, detok, CompletionOutput(i, "", []))
+            children.append(req)
+        for req in children:   # all validated before any is queued
+            self.scheduler.add_request(req)
+            self._child_to_user[req.req_id] = req_id
+        user.num_unfinished = len(children)
+        self.requests[req_id] = user
+
+    def abort_request(self, req_ids: str | list[str]) -> None:
+        """Abort user requests (unknown ids ignored); frees their KV blocks at once."""
+        for req_id in [req_ids] if isinstance(req_ids, str) else req_ids:
+            user = self.requests.pop(req_id, None)
+            if user is None:
+                continue
+            self.scheduler.abort_requests(list(user.children))
+            for child_id in user.children:
+                self._child_to_user.pop(child_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -- the step ----------------------------------------------------------------------
+    def add_step_observer(self, fn: StepObserver) -> None:
+        """`fn(stats)` is called after every step that ran tokens (metrics, traces)."""
+        self.step_observers.append(fn)
+
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        start = time.time()
+        so = self.scheduler.schedule()
+        items = [(r, n, self.scheduler.requests[r].num_computed_tokens)
+                 for r, n in so.num_scheduled_tokens.items()]
+        now = time.time()
+        for new in so.scheduled_new_reqs:
+            user = self.requests.get(self._child_to_user.get(new.req_id, ""))
+            if user is not None and user.metrics.first_scheduled_time is None:
+                user.metrics.first_scheduled_time = now
+                user.num_cached_tokens = new.num_computed_tokens
+                user.metrics.num_cached_tokens = new.num_computed_tokens
+        ro = self.runner.execute_model(so)
+        updated = self.scheduler.update_from_output(so, ro)
+        now = time.time()
+        changed: dict[str, _UserRequest] = {}
+        for req in updated:
+            user_id = self._child_to_user.get(req.req_id)
+            user = self.requests.get(user_id) if user_id else None
+            if user is None:
+                continue
+            self._update_child(user, user.children[req.req_id], req, ro.logprobs, now)
+            changed[user.req_id] = user
+        outputs = [self._make_output(u) for u in changed.values()]
+        st = self.scheduler.make_stats()
+        self.last_step = StepStats(
+            start, time.perf_counter() - t0, st.num_prefill_tokens, st.num_decode_tokens,
+            st.num_running, st.num_waiting, st.kv_usage, st.num_used_blocks,
+            st.num_preemptions, st.prefix_cache_queries, st.prefix_cache_hits, items,
+            [o.request_id for o in outputs if o.finished])
+        if items:
+            for fn in self.step_observers:
+                fn(self.last_step)
+        return outputs
+
+    def _update_child(self, user: _UserRequest, child: _Child, req: Request,
+                      logprobs: dict | None, now: float) -> None:
+        """Mutates child.output, user.metrics; may finish `req` on a stop string."""
+        out = child.output
+        new_ids = req.output_token_ids[len(out.token_ids):]
+        if new_ids:
+            m = user.metrics
+            if m.first_token_time is None:
+                m.first_token_time = now
+            elif child.index == 0:
+                m.inter_token_latencies.append(now - (m.last_token_time or now))
+            if child.index == 0:
+                m.last_token_time = now
+            m.num_generation_tokens += len(new_ids)
+            out.token_ids.extend(new_ids)
+            if logprobs and req.req_id in logprobs:
+                out.logprobs = (out.logprobs or []) + logprobs[req.req_id]
+            child.detok.add_tokens(new_ids)
+            if child.detok.finished and not req.is_finished:   # a stop string matched
+                self.scheduler.finish_requests([req.req_id], "stop", child.detok.stop_reason)
+        if req.is_finished:
+            if not child.detok.finished:
+                child.detok.flush()
+            out.finish_reason = req.finish_reason
+            out.stop_reason = req.stop_reason
+            user.num_unfinished -= 1
+        out.text = child.detok.output_text
+
+    def _make_output(self, user: _UserRequest) -> RequestOutput:
+        finished = user.num_unfinished == 0
+        if finished:
+            user.metrics.finished_time = time.time()
+            self.requests.pop(user.req_id, None)
+            for child_id in user.children:
+                self._child_to_user.pop(child_id, None)
+        outs = sorted((c.output for c in user.children.values()), key=lambda o: o.index)
+        return RequestOutput(user.req_id, user.prompt, user.prompt_token_ids, outs, finished,
+                             user.metrics, user.num_cached_tokens)

@@ -1,0 +1,61 @@
+"""Engine flags shared by every command that runs the engine (generate, chat, serve,
+bench throughput). Each flag is an EngineConfig field; `--no-prefix-caching` is the
+negation of enable_prefix_caching."""
+from __future__ import annotations
+
+import argparse
+import logging
+
+from duetserve.config import ConfigError, EngineConfig
+from duetserve.entrypoints.cli import UserError
+
+
+def add_engine_arguments(p: argparse.ArgumentParser, positional_model: bool = False) -> None:
+    d = EngineConfig()
+    if positional_model:
+        p.add_argument("model_pos", nargs="?", metavar="MODEL", default=None,
+                       help="GGUF file or HF folder (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--model", default=None,
+                   help="GGUF file or HF folder (default: SmolLM2-135M-Instruct)")
+    g = p.add_argument_group("engine")
+    g.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16", "float16"],
+                   help="weight and activation dtype (float32 is the fast path on CPU)")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="context limit in tokens (default: the checkpoint's)")
+    g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
+    g.add_argument("--kv-cache-memory", type=float, default=d.kv_cache_memory,
+                   help="GiB of KV cache (default %(default)s)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+                   help="token budget per step (prefill chunks + decodes)")
+    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
+                   help="cap on running requests")
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="turn prefix caching off")
+    g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
+    g.add_argument("--seed", type=int, default=d.seed)
+    g.add_argument("-v", "--verbose", action="store_true", help="log engine details")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return EngineConfig(
+            model=getattr(args, "model_pos", None) or args.model, dtype=args.dtype,
+            max_model_len=args.max_model_len, block_size=args.block_size,
+            kv_cache_memory=args.kv_cache_memory,
+            max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+            enable_prefix_caching=args.enable_prefix_caching, num_threads=args.num_threads,
+            seed=args.seed)
+    except ConfigError as e:
+        raise UserError(str(e)) from None
+
+
+def build_engine(args: argparse.Namespace):
+    """EngineCore from flags; checkpoint problems become one-line UserErrors."""
+    from duetserve.engine.engine_core import EngineCore
+    from duetserve.errors import DuetError
+    try:
+        return EngineCore(engine_config_from_args(args))
+    except DuetError as e:
+        raise UserError(str(e)) from None
