@@ -24,7 +24,7 @@ from duetserve.config import EngineConfig, SchedulerConfig
 from duetserve.core.scheduler import Scheduler
 from duetserve.engine.detokenizer import IncrementalDetokenizer
 from duetserve.errors import RequestError
-from duetserve.loader import TORCH_DTYPES, load_model
+from duetserve.loader import TORCH_DTYPES, LoadedModel, load_model
 from duetserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from duetserve.request import Request
 from duetserve.sampling_params import SamplingParams
@@ -85,13 +85,15 @@ StepObserver = Callable[[StepStats], None]
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        """`loaded`: reuse weights already in memory (tests build several engines on one
+        model); it must have been loaded with config.model and config.dtype."""
         self.config = config
         torch.set_num_threads(config.num_threads or min(os.cpu_count() or 1, 16))
         torch.manual_seed(config.seed)
         dtype = TORCH_DTYPES[config.dtype]
-        self.loaded = load_model(config.model, config.dtype, config.device,
-                                 max_positions=config.max_model_len)
+        self.loaded = loaded or load_model(config.model, config.dtype, config.device,
+                                           max_positions=config.max_model_len)
         mcfg = self.loaded.config
         self.model_config = mcfg
         self.tokenizer = self.loaded.tokenizer

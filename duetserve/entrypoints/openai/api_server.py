@@ -1,0 +1,145 @@
+"""The FastAPI app: routes, OpenAI-shaped errors, API-key check, metrics wiring.
+
+    POST /v1/completions, /v1/chat/completions     (serving.py)
+    GET  /v1/models, /health, /version, /metrics
+
+Every client mistake is a 4xx with {"error": {"message", "type", "param", "code"}}:
+FastAPI's 422 validation errors (malformed JSON, wrong types, missing fields) become 400.
+"""
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from duetserve import __version__
+from duetserve.engine.async_engine import AsyncEngine
+from duetserve.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
+                                                   error_body)
+from duetserve.entrypoints.openai.serving import (APIError, ServerContext,
+                                                  create_chat_completion, create_completion)
+from duetserve.metrics.prometheus import CONTENT_TYPE, ServerMetrics
+
+log = logging.getLogger("duetserve.serve")
+
+OPEN_PATHS = frozenset({"/health"})
+
+
+class ApiKeyMiddleware:
+    """Pure ASGI middleware (does not wrap streaming bodies): 401 without the right
+    `Authorization: Bearer <key>`, except on OPEN_PATHS."""
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            got = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(got, self.expected):
+                resp = JSONResponse(error_body("invalid or missing API key (send "
+                                               "`Authorization: Bearer <key>`)",
+                                               "AuthenticationError", None, 401), 401)
+                await resp(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    err = errors[0]
+    loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+    if err.get("type") == "json_invalid":
+        return f"malformed JSON body: {err.get('msg')}", None
+    where = ".".join(loc)
+    param = loc[0] if loc else None
+    more = f" (and {len(errors) - 1} more error(s))" if len(errors) > 1 else ""
+    return (f"{where}: {err.get('msg')}" if where else str(err.get("msg"))) + more, param
+
+
+def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
+              model_path: str | None = None) -> FastAPI:
+    """The app; the engine thread starts and stops with the app's lifespan."""
+    core = engine.engine
+    metrics = ServerMetrics(served_model_name, engine.max_model_len,
+                            core.config.max_num_batched_tokens)
+    core.add_step_observer(metrics.observe_step)
+    engine.idle_stats_observers.append(metrics.observe_step)
+    engine.finish_observers.append(metrics.observe_finished)
+    ctx = ServerContext(engine, served_model_name, core.model_config.vocab_size,
+                        engine.max_model_len)
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        try:
+            yield
+        finally:
+            engine.shutdown()
+
+    app = FastAPI(title="duetserve", version=__version__, lifespan=lifespan)
+    app.state.ctx, app.state.metrics = ctx, metrics
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError):
+        message, param = _validation_message(exc)
+        return JSONResponse(error_body(message, "BadRequestError", param, 400), 400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException):
+        kind = {404: "NotFoundError", 405: "MethodNotAllowedError"}.get(exc.status_code,
+                                                                         "HTTPError")
+        return JSONResponse(error_body(str(exc.detail), kind, None, exc.status_code),
+                            exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception):
+        log.exception("unexpected error")
+        return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}",
+                                       "InternalServerError", None, 500), 500)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: Request):
+        return await create_completion(ctx, body, raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, raw: Request):
+        return await create_chat_completion(ctx, body, raw)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{
+            "id": served_model_name, "object": "model", "created": created,
+            "owned_by": "duetserve", "root": model_path or served_model_name,
+            "max_model_len": engine.max_model_len}]}
+
+    @app.get("/health")
+    async def health():
+        if not engine.is_running:
+            return JSONResponse(error_body("the engine loop is not running",
+                                           "ServiceUnavailableError", None, 503), 503)
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    return app

@@ -1,0 +1,169 @@
+"""Prometheus exporter for the server: vLLM's metric names and buckets, `duet:` prefix.
+
+Fed on the engine thread from two sources:
+  * `observe_step(StepStats)`   every engine step (gauges, cumulative counters, step sizes)
+  * `observe_finished(out, reason)`  once per request (latency histograms from
+    RequestOutput.metrics, token counts, request_success_total{finished_reason})
+Each app owns its CollectorRegistry, so several servers can live in one process (tests).
+A one-line throughput log (prefill / decode tokens/s) is written at most every
+`log_interval` seconds while steps run.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from typing import Any
+
+import prometheus_client
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge,
+                               Histogram, generate_latest)
+
+from duetserve.outputs import RequestOutput
+
+# NOTE: metrics sits below the engine (tests/test_layering.py), so the engine's StepStats
+# is duck-typed here: any object with StepStats' fields.
+StepStats = Any
+
+log = logging.getLogger("duetserve.metrics")
+
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+TPOT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
+REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+                           40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+STEP_DURATION_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64,
+                         1.28, 2.56, 5.12, 10.24]
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+def buckets_1_2_5(max_value: int) -> list[float]:
+    """1, 2, 5, 10, 20, 50, ... up to max_value (vLLM's token-count buckets)."""
+    out: list[float] = []
+    exponent = 0
+    while True:
+        for m in (1, 2, 5):
+            value = m * 10 ** exponent
+            if value > max_value:
+                return out
+            out.append(value)
+        exponent += 1
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str, max_model_len: int, max_num_batched_tokens: int,
+                 log_interval: float = 10.0) -> None:
+        prometheus_client.disable_created_metrics()   # no `*_created` series (as vLLM)
+        self.registry = CollectorRegistry(auto_describe=True)
+        r, lbl = self.registry, ["model_name"]
+        self._model = model_name
+
+        def hist(name: str, doc: str, buckets: list[float]) -> Histogram:
+            return Histogram(f"duet:{name}", doc, lbl, buckets=buckets,
+                             registry=r).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(f"duet:{name}", doc, lbl, registry=r).labels(model_name)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"duet:{name}", doc, lbl, registry=r).labels(model_name)
+
+        tokens = buckets_1_2_5(max_model_len)
+        step_tokens = buckets_1_2_5(max_num_batched_tokens)
+        self.ttft = hist("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
+        self.tpot = hist("time_per_output_token_seconds", "Mean time per output token.",
+                         TPOT_BUCKETS)
+        self.itl = hist("inter_token_latency_seconds", "Latency between tokens.",
+                        TPOT_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "End-to-end request latency.",
+                        REQUEST_LATENCY_BUCKETS)
+        self.queue = hist("request_queue_time_seconds", "Time waiting before first scheduled.",
+                          REQUEST_LATENCY_BUCKETS)
+        self.req_prompt = hist("request_prompt_tokens", "Prompt tokens per request.", tokens)
+        self.req_gen = hist("request_generation_tokens", "Generated tokens per request.",
+                            tokens)
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of ended requests.")
+        self.gen_tokens = counter("generation_tokens", "Generated tokens of ended requests.")
+        self._success = Counter("duet:request_success", "Ended requests by finish reason.",
+                                lbl + ["finished_reason"], registry=r)
+        self.running = gauge("num_requests_running", "Requests running.")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "KV cache usage (1 = full).")
+        self.kv_used_blocks = gauge("kv_cache_used_blocks", "KV blocks in use.")
+        self.preemptions = counter("num_preemptions", "Preemptions.")
+        self.prefix_queries = counter("prefix_cache_queries", "Prefix cache queries (tokens).")
+        self.prefix_hits = counter("prefix_cache_hits", "Prefix cache hits (tokens).")
+        self.step_prefill = hist("step_prefill_tokens", "Prefill tokens per step.",
+                                 step_tokens)
+        self.step_decode = hist("step_decode_tokens", "Decode tokens per step.", step_tokens)
+        self.step_duration = hist("step_duration_seconds", "Engine step duration.",
+                                  STEP_DURATION_BUCKETS)
+        # NOTE: cumulative engine counters arrive as totals; Prometheus counters take deltas.
+        self._last_totals = (0, 0, 0)
+        self._lock = threading.Lock()
+        self._log_interval = log_interval
+        self._window = [time.monotonic(), 0, 0, 0]     # start, prefill, decode, steps
+
+    # -- engine-thread feeds ----------------------------------------------------------
+    def observe_step(self, st: StepStats) -> None:
+        with self._lock:
+            self._set_state(st)
+            if st.num_tokens == 0 and st.step_seconds == 0.0:
+                return          # an idle refresh, not a step
+            self.step_prefill.observe(st.num_prefill_tokens)
+            self.step_decode.observe(st.num_decode_tokens)
+            self.step_duration.observe(st.step_seconds)
+            self._window[1] += st.num_prefill_tokens
+            self._window[2] += st.num_decode_tokens
+            self._window[3] += 1
+            self._maybe_log(st)
+
+    def _set_state(self, st: StepStats) -> None:
+        self.running.set(st.num_running)
+        self.waiting.set(st.num_waiting)
+        self.kv_usage.set(st.kv_usage)
+        self.kv_used_blocks.set(st.num_used_blocks)
+        totals = (st.num_preemptions, st.prefix_cache_queries, st.prefix_cache_hits)
+        for c, new, old in zip((self.preemptions, self.prefix_queries, self.prefix_hits),
+                               totals, self._last_totals):
+            if new > old:
+                c.inc(new - old)
+        self._last_totals = totals
+
+    def _maybe_log(self, st: StepStats) -> None:
+        now = time.monotonic()
+        start, prefill, decode, steps = self._window
+        if now - start < self._log_interval:
+            return
+        dt = now - start
+        log.info("throughput: prefill %.1f tok/s, decode %.1f tok/s (%d steps in %.1f s); "
+                 "running %d, waiting %d, KV cache %.1f%%", prefill / dt, decode / dt, steps,
+                 dt, st.num_running, st.num_waiting, 100.0 * st.kv_usage)
+        self._window = [now, 0, 0, 0]
+
+    def observe_finished(self, out: RequestOutput | None, reason: str) -> None:
+        with self._lock:
+            self._success.labels(self._model, reason).inc()
+            if out is None:
+                return
+            m = out.metrics
+            num_gen = sum(len(o.token_ids) for o in out.outputs)
+            self.prompt_tokens.inc(len(out.prompt_token_ids))
+            self.gen_tokens.inc(num_gen)
+            self.req_prompt.observe(len(out.prompt_token_ids))
+            self.req_gen.observe(num_gen)
+            if m is None:
+                return
+            for hist, value in ((self.queue, m.queue_time), (self.ttft, m.ttft),
+                                (self.tpot, m.tpot), (self.e2e, m.e2e_latency)):
+                if value is not None:
+                    hist.observe(value)
+            for value in m.inter_token_latencies:
+                self.itl.observe(value)
+
+    # -- exposition -----------------------------------------------------------------------
+    def render(self) -> bytes:
+        with self._lock:
+            return generate_latest(self.registry)

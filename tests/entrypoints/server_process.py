@@ -1,0 +1,68 @@
+"""Start `python -m duetserve serve` in a subprocess on a free loopback port and wait
+until /health answers (bounded readiness loop of short HTTP attempts)."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+READY_TIMEOUT_S = 180.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.args = ["serve", "--port", str(self.port), "--num-threads", "2", *args]
+        self.env = {**os.environ, **(env or {})}
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> "ServerProcess":
+        self.proc = subprocess.Popen([sys.executable, "-m", "duetserve", *self.args],
+                                     env=self.env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n"
+                                   f"{self.proc.stdout.read()}")
+            try:
+                if httpx.get(f"{self.base}/health", timeout=1.0).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)    # between readiness attempts only
+        self.__exit__()
+        raise RuntimeError("server did not become ready")
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def metrics(self, headers: dict | None = None) -> dict[str, float]:
+        """Samples of /metrics as {"name{labels}": value} plus {"name": sum over labels}."""
+        text = httpx.get(f"{self.base}/metrics", headers=headers, timeout=10).text
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if not line or line.startswith("#"):
+                continue
+            key, value = line.rsplit(" ", 1)
+            out[key] = float(value)
+            name = key.split("{", 1)[0]
+            out[name] = out.get(name, 0.0) + float(value)
+        return out

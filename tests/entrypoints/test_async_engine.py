@@ -1,0 +1,121 @@
+"""AsyncEngine against a fake EngineCore (no model): streaming, add errors, abort, a step
+that raises (affected requests fail, the loop keeps serving), and an idle loop that does
+not step."""
+from __future__ import annotations
+
+import asyncio
+import threading
+from types import SimpleNamespace
+
+import pytest
+
+from duetserve.engine.async_engine import AsyncEngine, EngineStepError, RequestAbortedError
+from duetserve.errors import RequestError
+from duetserve.outputs import CompletionOutput, RequestOutput
+from duetserve.sampling_params import SamplingParams
+
+
+class FakeCore:
+    """Each step appends token 7 to every request; finishes at max_tokens."""
+
+    def __init__(self) -> None:
+        self.tokenizer = object()
+        self.max_model_len = 64
+        self.reqs: dict[str, tuple[list[int], SamplingParams, CompletionOutput]] = {}
+        self.num_steps = 0
+        self.fail_next_step = False
+        self.aborted: list[str] = []
+        self.thread_ids: set[int] = set()
+        self.scheduler = SimpleNamespace(make_stats=lambda: SimpleNamespace(
+            num_running=len(self.reqs), num_waiting=0, kv_usage=0.0,
+            num_used_blocks=len(self.reqs), num_preemptions=0, prefix_cache_queries=0,
+            prefix_cache_hits=0))
+
+    def add_request(self, req_id, token_ids, params, prompt=None) -> None:
+        self.thread_ids.add(threading.get_ident())
+        if not token_ids:
+            raise RequestError("the prompt is empty")
+        self.reqs[req_id] = (token_ids, params, CompletionOutput(0, "", []))
+
+    def abort_request(self, req_id) -> None:
+        self.thread_ids.add(threading.get_ident())
+        self.aborted.append(req_id)
+        self.reqs.pop(req_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.reqs)
+
+    def step(self) -> list[RequestOutput]:
+        self.thread_ids.add(threading.get_ident())
+        self.num_steps += 1
+        if self.fail_next_step:
+            self.fail_next_step = False
+            raise RuntimeError("boom")
+        outs = []
+        for req_id, (ids, params, out) in list(self.reqs.items()):
+            out.token_ids.append(7)
+            out.text += "a"
+            if len(out.token_ids) >= params.max_tokens:
+                out.finish_reason = "length"
+                del self.reqs[req_id]
+            outs.append(RequestOutput(req_id, None, ids, [out], out.finished))
+        return outs
+
+
+@pytest.fixture
+def engine():
+    core = FakeCore()
+    eng = AsyncEngine(core)
+    eng.start()
+    yield eng
+    eng.shutdown()
+
+
+def test_stream_add_error_abort_and_step_error(engine) -> None:
+    core = engine.engine
+    finished: list[str] = []
+    engine.finish_observers.append(lambda out, reason: finished.append(reason))
+
+    async def main() -> None:
+        stream = await engine.add_request("a", [1, 2], SamplingParams(max_tokens=3))
+        outs = [o async for o in stream]
+        assert [len(o.outputs[0].token_ids) for o in outs] == [1, 2, 3]
+        assert outs[-1].finished and outs[0].outputs[0].text == "a"   # snapshots
+        with pytest.raises(ValueError, match="empty"):
+            await engine.add_request("b", [], SamplingParams())
+        long = await engine.add_request("c", [1], SamplingParams(max_tokens=10_000))
+        first = await long.__aiter__().__anext__()
+        assert not first.finished
+        engine.abort("c")
+        with pytest.raises(RequestAbortedError):
+            async for _ in long:
+                pass
+        core.fail_next_step = True
+        failing = await engine.add_request("d", [1], SamplingParams(max_tokens=5))
+        with pytest.raises(EngineStepError, match="boom"):
+            async for _ in failing:
+                pass
+        again = await engine.add_request("e", [1], SamplingParams(max_tokens=2))
+        assert (await _last(again)).finished      # the loop survived the failed step
+
+    asyncio.run(main())
+    assert "c" in core.aborted and "d" in core.aborted
+    assert finished == ["length", "abort", "error", "length"]
+    assert len(core.thread_ids) == 1 and threading.get_ident() not in core.thread_ids
+
+
+def test_idle_loop_does_not_step(engine) -> None:
+    async def main() -> None:
+        await _last(await engine.add_request("x", [1], SamplingParams(max_tokens=2)))
+
+    asyncio.run(main())
+    steps = engine.engine.num_steps
+    threading.Event().wait(0.3)      # idle on purpose: nothing should run meanwhile
+    assert engine.engine.num_steps == steps and engine.is_running
+
+
+async def _last(stream):
+    last = None
+    async for out in stream:
+        last = out
+    return last

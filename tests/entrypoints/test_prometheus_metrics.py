@@ -1,0 +1,52 @@
+"""ServerMetrics without a server: names, per-app registries, counters from cumulative
+engine totals, finished-request histograms and the throughput log line."""
+from __future__ import annotations
+
+import logging
+
+from duetserve.engine.engine_core import StepStats
+from duetserve.metrics.prometheus import ServerMetrics, buckets_1_2_5
+from duetserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+
+NAMES = ["time_to_first_token_seconds", "time_per_output_token_seconds",
+         "inter_token_latency_seconds", "e2e_request_latency_seconds",
+         "request_queue_time_seconds", "request_prompt_tokens", "request_generation_tokens",
+         "prompt_tokens_total", "generation_tokens_total", "request_success_total",
+         "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+         "num_preemptions_total", "prefix_cache_queries_total", "prefix_cache_hits_total",
+         "step_prefill_tokens", "step_decode_tokens", "step_duration_seconds",
+         "kv_cache_used_blocks"]
+
+
+def _sample(text: str, name: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") or line.startswith(name + " "))
+
+
+def test_metrics_feed_and_render(caplog) -> None:
+    a, b = ServerMetrics("m", 2048, 512, log_interval=0.0), ServerMetrics("m", 2048, 512)
+    with caplog.at_level(logging.INFO, logger="duetserve.metrics"):
+        a.observe_step(StepStats(0.0, 0.01, 100, 3, 4, 1, 0.5, 10, 1, 64, 32))
+        a.observe_step(StepStats(0.0, 0.01, 0, 4, 4, 0, 0.5, 12, 2, 64, 48))
+    assert any("prefill" in r.message and "decode" in r.message for r in caplog.records)
+    m = RequestMetrics(arrival_time=1.0, first_scheduled_time=1.5, first_token_time=2.0,
+                       last_token_time=3.0, finished_time=3.0, num_generation_tokens=3,
+                       inter_token_latencies=[0.5, 0.5])
+    out = RequestOutput("r", "p", [1, 2, 3], [CompletionOutput(0, "abc", [4, 5, 6],
+                                                              finish_reason="stop")],
+                        True, m)
+    a.observe_finished(out, "stop")
+    a.observe_finished(None, "abort")
+    text = a.render().decode()
+    for name in NAMES:
+        assert f"duet:{name}" in text, name
+    assert "_created" not in text
+    assert _sample(text, "duet:num_preemptions_total") == 2
+    assert _sample(text, "duet:prefix_cache_hits_total") == 48
+    assert _sample(text, "duet:kv_cache_used_blocks") == 12
+    assert _sample(text, "duet:request_success_total") == 2
+    assert _sample(text, "duet:generation_tokens_total") == 3
+    assert _sample(text, "duet:inter_token_latency_seconds_count") == 2
+    assert _sample(text, "duet:time_to_first_token_seconds_sum") == 1.0
+    assert _sample(b.render().decode(), "duet:request_success_total") == 0  # own registry
+    assert buckets_1_2_5(100) == [1, 2, 5, 10, 20, 50, 100]

@@ -1,0 +1,142 @@
+"""StepAccountant against figures computed by hand for a tiny config (pure arithmetic)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from duetserve.config import ConfigError, ModelConfig
+from duetserve.metrics.cost_model import step_cost
+from duetserve.metrics.hardware import HardwareProfile, local_profile
+from duetserve.metrics.step_accounting import StepAccountant, classify_phase
+
+# d = 8, I = 16, L = 2 layers, 4 q heads / 2 kv heads of head_dim 2, vocab 100, untied.
+# params: layers 1184, embedding 800, lm_head 800, final norm 8 -> 2792 in all.
+TINY = ModelConfig(architecture="llama", vocab_size=100, hidden_size=8, intermediate_size=16,
+                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                   head_dim=2, weight_dtype="q4_1")   # the file's dtype must NOT be used
+WEIGHT_BYTES = 2792 * 4                              # executed as float32 tensors
+HW = HardwareProfile(name="test", description="round numbers",
+                     peak_flops=(("fp32", 1e4), ("bf16", 4e4)), mem_bandwidth=1e5,
+                     memory_bytes=1e9, default_compute="fp32")
+
+
+@dataclass
+class Stats:
+    """Duck-typed stand-in for engine_core.StepStats."""
+
+    items: list[tuple[str, int, int]]
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    step_seconds: float = 0.5
+    start_time: float = 100.0
+    finished_req_ids: list[str] = field(default_factory=list)
+
+
+def accountant(kv_dtype: str = "float32") -> StepAccountant:
+    return StepAccountant(TINY, WEIGHT_BYTES, kv_dtype, HW)
+
+
+def test_decode_step_by_hand() -> None:
+    acc = accountant().observe(Stats([("a", 1, 10)], 0, 1))
+    # FLOPs: linear 2 * 576 weights * 1 token * 2 layers            = 2304
+    #        attention: pairs 1*10 + 1 = 11; 2 * 4 heads * 2 dim * 2 layers = 32 per pair,
+    #                   x2 (scores, values)                        = 704
+    #        lm head 2 * 8 * 100                                   = 1600
+    assert acc.flops == 2304 + 704 + 1600 == 4608
+    # bytes (4 per param): layers 4736 + final norm 32 + lm head 3200 + 1 embedding row 32
+    #        KV f32: 2 (K,V) * 2 layers * 2 kv heads * 2 dim * 4 B = 64 B/token;
+    #        read 10 tokens = 640, write 1 token = 64
+    assert acc.bytes == 4736 + 32 + 3200 + 32 + 640 + 64 == 8704
+    assert acc.phase == "decode"
+    assert acc.seconds == 0.5
+    assert acc.flops_per_s == pytest.approx(9216.0)
+    assert acc.bytes_per_s == pytest.approx(17408.0)
+    assert acc.mfu == pytest.approx(9216.0 / 1e4)        # fp32 peak for float32
+    assert acc.mbu == pytest.approx(17408.0 / 1e5)
+    assert acc.ai == pytest.approx(4608 / 8704)
+
+
+def test_mixed_step_matches_cost_model() -> None:
+    stats = Stats([("a", 3, 5), ("b", 1, 10)], 3, 1, step_seconds=0.25)
+    acc = accountant().observe(stats)
+    cost = step_cost(TINY, [(3, 5), (1, 10)], kv_dtype="f32", weight_bytes=WEIGHT_BYTES)
+    assert acc.phase == "mixed"
+    assert (acc.flops, acc.bytes, acc.num_logits) == (cost.flops, cost.bytes, 2)
+    assert acc.mfu == pytest.approx(cost.flops / 0.25 / HW.peak("fp32"))
+    assert acc.mbu == pytest.approx(cost.bytes / 0.25 / HW.mem_bandwidth)
+
+
+def test_explicit_num_logits() -> None:
+    stats = Stats([("a", 4, 0)], 4, 0)
+    default = accountant().account(stats)
+    none = accountant().account(stats, num_logits=0)
+    assert default.flops - none.flops == 2 * 8 * 100          # one lm head row
+    assert default.bytes - none.bytes == 800 * 4     # untied: only the head table read
+
+
+@pytest.mark.parametrize("num_prefill,num_decode,phase", [
+    (7, 0, "prefill"), (0, 3, "decode"), (5, 2, "mixed")])
+def test_phase_classification(num_prefill: int, num_decode: int, phase: str) -> None:
+    assert classify_phase(num_prefill, num_decode) == phase
+
+
+def test_phase_from_items_when_counts_missing() -> None:
+    a = accountant()
+    assert a.account(Stats([("a", 5, 0)], 0, 0)).phase == "prefill"
+    assert a.account(Stats([("a", 1, 9), ("b", 1, 4)], 0, 0)).phase == "decode"
+    mixed = a.account(Stats([("a", 5, 0), ("b", 1, 4)], 0, 0))
+    assert (mixed.phase, mixed.num_prefill_tokens, mixed.num_decode_tokens) == ("mixed", 5, 1)
+
+
+def test_summary_mean_and_time_weighted() -> None:
+    a = accountant()
+    d1 = a.observe(Stats([("a", 1, 10)], 0, 1, step_seconds=0.5))
+    d2 = a.observe(Stats([("a", 1, 10)], 0, 1, step_seconds=1.5))
+    p = a.observe(Stats([("b", 6, 0)], 6, 0, step_seconds=1.0))
+    s = a.summary()
+    dec = s["decode"]
+    assert (dec["steps"], dec["tokens"], dec["seconds"]) == (2, 2, 2.0)
+    assert dec["mean_mfu"] == pytest.approx((d1.mfu + d2.mfu) / 2)
+    # time-weighted: total FLOPs over total seconds (2 x 4608 / 2.0 s) / peak
+    assert dec["time_weighted_mfu"] == pytest.approx(2 * 4608 / 2.0 / 1e4)
+    assert dec["time_weighted_mbu"] == pytest.approx(2 * 8704 / 2.0 / 1e5)
+    assert dec["time_weighted_mfu"] != pytest.approx(dec["mean_mfu"])
+    assert s["prefill"]["steps"] == 1 and s["prefill"]["mean_mfu"] == pytest.approx(p.mfu)
+    assert s["mixed"]["steps"] == 0 and s["mixed"]["mean_mfu"] == 0.0
+    assert s["all"]["steps"] == 3 and s["all"]["tokens"] == 8
+    assert a.last == p
+    assert "decode" in a.format_summary()
+    a.reset()
+    assert a.summary()["all"]["steps"] == 0 and a.last is None
+
+
+def test_account_for_reuses_last_without_double_counting() -> None:
+    a = accountant()
+    stats = Stats([("a", 1, 10)], 0, 1)
+    first = a.observe(stats)
+    assert a.account_for(stats) is first
+    other = a.account_for(Stats([("a", 1, 11)], 0, 1))
+    assert other is not first
+    assert a.summary()["all"]["steps"] == 1
+
+
+def test_zero_duration_and_empty_step() -> None:
+    a = accountant()
+    acc = a.account(Stats([("a", 1, 10)], 0, 1, step_seconds=0.0))
+    assert acc.flops > 0 and acc.flops_per_s == 0.0 and acc.mfu == 0.0
+    empty = a.account(Stats([], 0, 0))
+    assert (empty.flops, empty.bytes, empty.mfu) == (0, 0.0, 0.0)
+
+
+def test_dtypes_and_default_hardware() -> None:
+    bf16 = StepAccountant(TINY, 2792 * 2, "bfloat16", HW)
+    assert bf16.compute_dtype == "bf16" and bf16.peak_flops == 4e4
+    acc = bf16.account(Stats([("a", 1, 10)], 0, 1))
+    # bytes halve: weights 2 B/param, KV 2 B/element
+    assert acc.bytes == pytest.approx(8704 / 2)
+    local = StepAccountant(TINY, WEIGHT_BYTES, "float32")
+    assert local.hardware == local_profile()
+    assert local.peak_flops == local_profile().peak("fp32")
+    with pytest.raises(ConfigError):
+        StepAccountant(TINY, 0, "float32", HW)
