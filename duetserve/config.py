@@ -86,6 +86,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     num_threads: int | None = None
     seed: int = 0
+    trace_file: str | None = None       # Chrome/Perfetto trace of steps and requests
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -283,6 +283,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--output-json", default=None, help="write the results here")
     g.add_argument("--num-warmup", type=int, default=2,
                    help="short untimed requests before timing (default %(default)s)")
+    g.add_argument("--progress", action="store_true", help="show a progress bar (stderr)")
 
 
 def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
@@ -319,7 +320,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         totals.enabled = True
         t0 = time.perf_counter()
         outputs = llm.generate([r.prompt_token_ids for r in reqs],
-                               [params(r.output_len) for r in reqs])
+                               [params(r.output_len) for r in reqs],
+                               use_tqdm=getattr(args, "progress", False))
         elapsed = time.perf_counter() - t0
     except DuetError as e:
         raise UserError(str(e)) from None

@@ -123,6 +123,7 @@ class AsyncEngine:
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
+        self.engine.shutdown()
 
     @property
     def is_running(self) -> bool:
@@ -258,14 +259,9 @@ class AsyncEngine:
         if not self.idle_stats_observers:
             return
         try:
-            st = self.engine.scheduler.make_stats()
+            stats = self.engine.make_stats()
         except Exception:  # noqa: BLE001
             return
-        stats = StepStats(num_running=st.num_running, num_waiting=st.num_waiting,
-                          kv_usage=st.kv_usage, num_used_blocks=st.num_used_blocks,
-                          num_preemptions=st.num_preemptions,
-                          prefix_cache_queries=st.prefix_cache_queries,
-                          prefix_cache_hits=st.prefix_cache_hits)
         for fn in self.idle_stats_observers:
             try:
                 fn(stats)

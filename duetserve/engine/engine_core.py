@@ -25,6 +25,8 @@ from duetserve.core.scheduler import Scheduler
 from duetserve.engine.detokenizer import IncrementalDetokenizer
 from duetserve.errors import RequestError
 from duetserve.loader import TORCH_DTYPES, LoadedModel, load_model
+from duetserve.metrics.step_accounting import StepAccount, accountant_for_engine
+from duetserve.metrics.trace import TraceWriter
 from duetserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from duetserve.request import Request
 from duetserve.sampling_params import SamplingParams
@@ -75,6 +77,7 @@ class StepStats:
     prefix_cache_hits: int = 0       # tokens, cumulative
     items: list[tuple[str, int, int]] = field(default_factory=list)
     finished_req_ids: list[str] = field(default_factory=list)
+    account: StepAccount | None = None   # FLOPs, bytes, MFU, MBU of this step
 
     @property
     def num_tokens(self) -> int:
@@ -115,6 +118,12 @@ class EngineCore:
         self._child_to_user: dict[str, str] = {}
         self.last_step = StepStats()
         self.step_observers: list[StepObserver] = []
+        # Live phase accounting (cost model): attached to every StepStats as `.account`.
+        self.accountant = accountant_for_engine(self)
+        self.trace: TraceWriter | None = None
+        if config.trace_file:
+            self.trace = TraceWriter(config.trace_file, self.accountant, flush_every_s=5.0)
+            self.step_observers.append(self.trace.observe)
         log.info("KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %d B/token); "
                  "max_model_len %d; model loaded in %.1f s", num_blocks, config.block_size,
                  num_blocks * config.block_size,
@@ -157,6 +166,8 @@ class EngineCore:
         for req in children:   # all validated before any is queued
             self.scheduler.add_request(req)
             self._child_to_user[req.req_id] = req_id
+            if self.trace is not None:
+                self.trace.request_arrived(req.req_id, arrival, len(prompt_token_ids))
         user.num_unfinished = len(children)
         self.requests[req_id] = user
 
@@ -210,9 +221,24 @@ class EngineCore:
             st.num_preemptions, st.prefix_cache_queries, st.prefix_cache_hits, items,
             [o.request_id for o in outputs if o.finished])
         if items:
+            self.last_step.account = self.accountant.observe(self.last_step)
             for fn in self.step_observers:
                 fn(self.last_step)
         return outputs
+
+    def make_stats(self) -> StepStats:
+        """A snapshot of queue and KV state outside a step (e.g. after aborts)."""
+        st = self.scheduler.make_stats()
+        return StepStats(num_running=st.num_running, num_waiting=st.num_waiting,
+                         kv_usage=st.kv_usage, num_used_blocks=st.num_used_blocks,
+                         num_preemptions=st.num_preemptions,
+                         prefix_cache_queries=st.prefix_cache_queries,
+                         prefix_cache_hits=st.prefix_cache_hits)
+
+    def shutdown(self) -> None:
+        """Flush and close the trace file (if any). Idempotent."""
+        if self.trace is not None:
+            self.trace.close()
 
     def _update_child(self, user: _UserRequest, child: _Child, req: Request,
                       logprobs: dict | None, now: float) -> None:

@@ -33,6 +33,8 @@ def add_engine_arguments(p: argparse.ArgumentParser, positional_model: bool = Fa
                    help="turn prefix caching off")
     g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
     g.add_argument("--seed", type=int, default=d.seed)
+    g.add_argument("--trace-file", default=None,
+                   help="write a Chrome/Perfetto trace (steps, requests, MFU/MBU) here")
     g.add_argument("-v", "--verbose", action="store_true", help="log engine details")
 
 
@@ -46,7 +48,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             kv_cache_memory=args.kv_cache_memory,
             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
             enable_prefix_caching=args.enable_prefix_caching, num_threads=args.num_threads,
-            seed=args.seed)
+            seed=args.seed, trace_file=args.trace_file)
     except ConfigError as e:
         raise UserError(str(e)) from None
 

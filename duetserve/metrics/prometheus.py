@@ -100,6 +100,13 @@ class ServerMetrics:
         self.step_decode = hist("step_decode_tokens", "Decode tokens per step.", step_tokens)
         self.step_duration = hist("step_duration_seconds", "Engine step duration.",
                                   STEP_DURATION_BUCKETS)
+        # Latest step's model FLOPs / bytes utilisation, by phase (prefill, decode, mixed).
+        self.step_mfu = Gauge("duet:step_mfu", "MFU of the latest step of each phase "
+                              "(cost-model FLOPs / step time / peak FLOP/s).",
+                              ["model_name", "phase"], registry=self.registry)
+        self.step_mbu = Gauge("duet:step_mbu", "MBU of the latest step of each phase "
+                              "(cost-model bytes / step time / memory bandwidth).",
+                              ["model_name", "phase"], registry=self.registry)
         # NOTE: cumulative engine counters arrive as totals; Prometheus counters take deltas.
         self._last_totals = (0, 0, 0)
         self._lock = threading.Lock()
@@ -115,6 +122,10 @@ class ServerMetrics:
             self.step_prefill.observe(st.num_prefill_tokens)
             self.step_decode.observe(st.num_decode_tokens)
             self.step_duration.observe(st.step_seconds)
+            account = getattr(st, "account", None)
+            if account is not None:
+                self.step_mfu.labels(self._model, account.phase).set(account.mfu)
+                self.step_mbu.labels(self._model, account.phase).set(account.mbu)
             self._window[1] += st.num_prefill_tokens
             self._window[2] += st.num_decode_tokens
             self._window[3] += 1

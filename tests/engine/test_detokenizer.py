@@ -1,12 +1,11 @@
-"""IncrementalDetokenizer on a small byte-level BPE trained here (no model files), plus
-the token-level stop checks of engine/stop_checker.py."""
+"""IncrementalDetokenizer on a small byte-level BPE trained here (no model files).
+Token-level stops (eos, stop ids, max_tokens) live in the scheduler: tests/core."""
 from __future__ import annotations
 
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from duetserve.engine.detokenizer import IncrementalDetokenizer
-from duetserve.engine.stop_checker import StopDecision, check_token_stop
 from duetserve.sampling_params import SamplingParams
 
 SENTENCES = ["héllo 世界 🙂 hello world", "the quick brown fox jumps over the lazy dog",
@@ -120,20 +119,6 @@ def test_prompt_context_does_not_leak_into_output(tok: Tokenizer) -> None:
     ids = tok.encode(" jumps over").ids
     detok, deltas = stream(tok, ids, prompt="the quick brown fox")
     assert "".join(deltas) == " jumps over"
-
-
-def test_stop_checker() -> None:
-    eos = (0,)
-    p = SamplingParams(max_tokens=5, min_tokens=2, stop_token_ids=[7])
-    assert check_token_stop(p, 0, 1, eos) is None                       # before min_tokens
-    assert check_token_stop(p, 0, 2, eos) == StopDecision("stop")
-    assert check_token_stop(p, 7, 3, eos) == StopDecision("stop", 7)
-    assert check_token_stop(p, 3, 5, eos) == StopDecision("length")
-    assert check_token_stop(p, 3, 4, eos) is None
-    ignore = SamplingParams(ignore_eos=True, max_tokens=None)
-    assert check_token_stop(ignore, 0, 9, eos) is None
-    assert check_token_stop(ignore, 3, 9, eos, num_total_tokens=64,
-                            max_model_len=64) == StopDecision("length")
 
 
 def test_first_completed_stop_wins_whatever_the_chunking(tok: Tokenizer) -> None:

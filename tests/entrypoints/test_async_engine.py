@@ -26,10 +26,16 @@ class FakeCore:
         self.fail_next_step = False
         self.aborted: list[str] = []
         self.thread_ids: set[int] = set()
-        self.scheduler = SimpleNamespace(make_stats=lambda: SimpleNamespace(
-            num_running=len(self.reqs), num_waiting=0, kv_usage=0.0,
-            num_used_blocks=len(self.reqs), num_preemptions=0, prefix_cache_queries=0,
-            prefix_cache_hits=0))
+        self.shut_down = False
+
+    def make_stats(self):
+        return SimpleNamespace(num_running=len(self.reqs), num_waiting=0, kv_usage=0.0,
+                               num_used_blocks=len(self.reqs), num_preemptions=0,
+                               prefix_cache_queries=0, prefix_cache_hits=0, num_tokens=0,
+                               step_seconds=0.0)
+
+    def shutdown(self) -> None:
+        self.shut_down = True
 
     def add_request(self, req_id, token_ids, params, prompt=None) -> None:
         self.thread_ids.add(threading.get_ident())
