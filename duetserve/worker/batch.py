@@ -8,7 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
-from duetserve.models.attention import AttentionMetadata, PrefillSeq
+from duetserve.models.attention import AttentionMetadata, DecodeGroup, PrefillSeq
+
+DECODE_GROUP_SIZE = 32
 
 
 @dataclass(slots=True)
@@ -40,7 +42,8 @@ def _slots(block_ids: list[int], positions: torch.Tensor, block_size: int) -> to
 def build_step_batch(work: list[SeqWork], block_size: int,
                      device: torch.device | str = "cpu") -> StepBatch:
     """Decodes (one new token) first, then prefill chunks; see models/attention.py."""
-    decodes = [w for w in work if len(w.token_ids) == 1]
+    # Decodes sorted by context length: each group pads only to its own longest context.
+    decodes = sorted((w for w in work if len(w.token_ids) == 1), key=lambda w: w.start_pos)
     prefills = [w for w in work if len(w.token_ids) > 1]
     ordered = decodes + prefills
     ids: list[int] = []
@@ -57,18 +60,17 @@ def build_step_batch(work: list[SeqWork], block_size: int,
     meta = AttentionMetadata(slot_mapping=torch.cat(slot_parts) if slot_parts else
                              torch.empty(0, dtype=torch.long))
 
-    if decodes:
-        ctx_lens = torch.tensor([w.start_pos + 1 for w in decodes])          # [D]
-        max_len = int(ctx_lens.max())
-        max_blocks = (max_len + block_size - 1) // block_size
-        table = torch.zeros(len(decodes), max_blocks, dtype=torch.long)
-        for i, w in enumerate(decodes):
-            n = min(len(w.block_ids), max_blocks)
+    for g0 in range(0, len(decodes), DECODE_GROUP_SIZE):
+        group = decodes[g0:g0 + DECODE_GROUP_SIZE]
+        ctx_lens = torch.tensor([w.start_pos + 1 for w in group])           # [G]
+        num_blocks = (int(ctx_lens.max()) + block_size - 1) // block_size
+        table = torch.zeros(len(group), num_blocks, dtype=torch.long)
+        for i, w in enumerate(group):
+            n = min(len(w.block_ids), num_blocks)
             table[i, :n] = torch.tensor(w.block_ids[:n])
-        ar = torch.arange(max_len)
-        meta.num_decode_tokens = len(decodes)
-        meta.decode_ctx_slots = table[:, ar // block_size] * block_size + ar % block_size
-        meta.decode_mask = (ar[None, :] < ctx_lens[:, None])[:, None, None, :]
+        ar = torch.arange(num_blocks * block_size)
+        mask = (ar[None, :] < ctx_lens[:, None])[:, None, None, :]
+        meta.decode_groups.append(DecodeGroup(g0, g0 + len(group), table, mask))
 
     start = len(decodes)
     for w in prefills:

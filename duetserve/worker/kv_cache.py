@@ -1,7 +1,11 @@
 """KV cache sizing and allocation.
 
-One tensor for all layers: [layers, 2 (k, v), num_blocks, block_size, kv_heads, head_dim];
-layer i uses (cache[i, 0], cache[i, 1]).
+One tensor for all layers: [layers, 2 (k, v), kv_heads, num_blocks, block_size, head_dim];
+layer i uses (cache[i, 0], cache[i, 1]), each [kv_heads, num_blocks, block_size, head_dim].
+
+NOTE: heads first (not [num_blocks, block_size, kv_heads, head_dim]) so that gathering a
+sequence's blocks yields, per KV head, a contiguous [context, head_dim] matrix: attention
+reads the cache with one gather and no transpose copy.
 """
 from __future__ import annotations
 
@@ -28,6 +32,6 @@ def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int,
                       dtype: torch.dtype, device: str | torch.device
                       ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     # Zeroed so that padded slots read by masked attention hold finite values.
-    cache = torch.zeros(cfg.num_hidden_layers, 2, num_blocks, block_size,
-                        cfg.num_key_value_heads, cfg.head_dim, dtype=dtype, device=device)
+    cache = torch.zeros(cfg.num_hidden_layers, 2, cfg.num_key_value_heads, num_blocks,
+                        block_size, cfg.head_dim, dtype=dtype, device=device)
     return [(cache[i, 0], cache[i, 1]) for i in range(cfg.num_hidden_layers)]

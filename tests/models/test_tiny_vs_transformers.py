@@ -45,3 +45,27 @@ def test_config_flags(tiny_checkpoints):
     assert dict(l3.rope_scaling)["rope_type"] == "llama3" and l3.rope_theta == 500000.0
     assert load_model_config(tiny_checkpoints["llama-gqa-tied"]).tie_word_embeddings
     assert load_model_config(tiny_checkpoints["llama-gqa-untied"]).num_key_value_heads == 2
+
+
+def test_many_decodes_in_groups_equal_each_alone(tiny_checkpoints):
+    """40 decodes (more than one decode group, contexts of varied length) in one step."""
+    from duetserve.worker.batch import DECODE_GROUP_SIZE, SeqWork
+    loaded = load_model(tiny_checkpoints["qwen2-qkv-bias"])
+    lengths = [(7 * i) % 61 + 1 for i in range(40)]
+    assert len(lengths) > DECODE_GROUP_SIZE
+
+    def run(together: bool) -> dict:
+        paged = PagedModel(loaded, num_blocks=1024, block_size=4)
+        works = []
+        for i, n in enumerate(lengths):
+            ctx = [(3 + 5 * i + j) % 290 + 3 for j in range(n)]
+            blocks = paged.blocks(n + 1)
+            paged.step([SeqWork(f"s{i}", ctx, 0, blocks, True)])
+            works.append(SeqWork(f"s{i}", [42 + i], n, blocks, True))
+        if together:
+            return paged.step(works)
+        return {w.req_id: paged.step([w])[w.req_id] for w in works}
+
+    together, alone = run(True), run(False)
+    for name, logits in alone.items():
+        assert rel_err(together[name], logits) < 1e-4, name
