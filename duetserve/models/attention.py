@@ -40,7 +40,7 @@ class DecodeGroup:
     start: int
     end: int
     block_table: torch.Tensor     # [G, num_blocks] (padded with block 0)
-    mask: torch.Tensor            # [G, 1, 1, num_blocks * block_size] bool, True = attend
+    mask: torch.Tensor            # [1, G, 1, num_blocks * block_size] bool, True = attend
 
 
 @dataclass(slots=True)
@@ -89,8 +89,8 @@ class TorchAttention(AttentionBackend):
                 op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True,
                                                     enable_gqa=self.gqa)
             else:
-                kp = k_flat[:, p.ctx_slots]                      # [KVH, L, hd]
-                vp = v_flat[:, p.ctx_slots]
+                kp = torch.index_select(k_flat, 1, p.ctx_slots)  # [KVH, L, hd]
+                vp = torch.index_select(v_flat, 1, p.ctx_slots)
                 op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask,
                                                     enable_gqa=self.gqa)
             out[p.start:p.end] = op.transpose(0, 1)
@@ -103,12 +103,16 @@ class TorchAttention(AttentionBackend):
         n = q.shape[0]
         kvh, hd = self.num_kv_heads, self.head_dim
         ctx = g.block_table.shape[1] * k_cache.shape[2]
-        qg = q.view(n, kvh, self.num_heads // kvh, hd)                 # [G, KVH, Gq, hd]
-        # One gather per tensor: [KVH, G, blocks, bs, hd] -> per (seq, head) a contiguous
-        # [ctx, hd] matrix; the transpose below is a view.
-        kd = k_cache[:, g.block_table].view(kvh, n, ctx, hd).transpose(0, 1)
-        vd = v_cache[:, g.block_table].view(kvh, n, ctx, hd).transpose(0, 1)
-        scores = torch.matmul(qg, kd.transpose(-1, -2)) * self.scale   # [G, KVH, Gq, ctx]
+        # One gather per tensor, heads leading: [KVH, G, blocks, bs, hd] viewed as
+        # [KVH, G, ctx, hd], contiguous, so the batched matmuls below copy nothing.
+        num_blocks, bs = k_cache.shape[1], k_cache.shape[2]
+        blocks = g.block_table.view(-1)
+        kd = torch.index_select(k_cache.view(kvh, num_blocks, bs * hd), 1, blocks)
+        vd = torch.index_select(v_cache.view(kvh, num_blocks, bs * hd), 1, blocks)
+        kd, vd = kd.view(kvh, n, ctx, hd), vd.view(kvh, n, ctx, hd)
+        qg = q.view(n, kvh, self.num_heads // kvh, hd).transpose(0, 1)  # [KVH, G, Gq, hd]
+        scores = torch.matmul(qg, kd.transpose(-1, -2)) * self.scale   # [KVH, G, Gq, ctx]
         scores.masked_fill_(~g.mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
-        return torch.matmul(probs, vd).view(n, self.num_heads, hd)
+        out = torch.matmul(probs, vd)                                  # [KVH, G, Gq, hd]
+        return out.transpose(0, 1).reshape(n, self.num_heads, hd)

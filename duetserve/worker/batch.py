@@ -69,7 +69,7 @@ def build_step_batch(work: list[SeqWork], block_size: int,
             n = min(len(w.block_ids), num_blocks)
             table[i, :n] = torch.tensor(w.block_ids[:n])
         ar = torch.arange(num_blocks * block_size)
-        mask = (ar[None, :] < ctx_lens[:, None])[:, None, None, :]
+        mask = (ar[None, :] < ctx_lens[:, None])[None, :, None, :]      # [1, G, 1, ctx]
         meta.decode_groups.append(DecodeGroup(g0, g0 + len(group), table, mask))
 
     start = len(decodes)
