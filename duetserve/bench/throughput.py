@@ -268,6 +268,17 @@ def format_table(r: dict[str, Any], title: str = "duet bench throughput") -> str
                                       "tokens)"),
             ("preemptions", f"{r['num_preemptions']}"),
         ]
+    u = r.get("utilization")
+    if u:
+        for phase in ("prefill", "mixed", "decode"):
+            if u[phase]["steps"]:
+                rows.append((f"{phase} steps: MFU / MBU (time-weighted)",
+                             f"{100 * u[phase]['time_weighted_mfu']:.1f}% / "
+                             f"{100 * u[phase]['time_weighted_mbu']:.1f}%  "
+                             f"({u[phase]['steps']} steps, {u[phase]['seconds']:.1f} s)"))
+        rows.append(("roofline of", f"{u['hardware']}: {u['peak_flops'] / 1e9:.0f} GFLOP/s "
+                                    f"{u['compute_dtype']}, "
+                                    f"{u['mem_bandwidth'] / 1e9:.1f} GB/s"))
     width = max(len(k) for k, _ in rows)
     lines = [f"== {title} ==".center(width + 20)]
     lines += [f"{k:<{width}}  {v}" for k, v in rows]
@@ -317,6 +328,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                                         special_token_ids(engine.tokenizer))
             llm.generate([w.prompt_token_ids for w in warm], [params(4) for _ in warm])
         base = engine.last_step
+        engine.accountant.reset()        # MFU/MBU over the timed run only
         totals.enabled = True
         t0 = time.perf_counter()
         outputs = llm.generate([r.prompt_token_ids for r in reqs],
@@ -326,6 +338,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     except DuetError as e:
         raise UserError(str(e)) from None
     result = summarize(reqs, outputs, elapsed, totals, base)
+    result["utilization"] = engine.accountant.summary()
     cfg = engine.config
     result["workload"] = {
         "dataset_path": args.dataset_path, "input_len": args.input_len,

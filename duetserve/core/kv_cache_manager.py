@@ -68,7 +68,8 @@ class KVCacheManager:
         records the stats). Valid until the next allocate_slots/free on this manager.
         Requires request.block_hashes to be up to date (the scheduler keeps them so).
         """
-        if not self.enable_caching:
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            # NOTE: prompt logprobs need every prompt position computed: no hits.
             return [], 0
         bs = self.block_size
         max_blocks = min((request.num_tokens - 1) // bs, len(request.block_hashes))

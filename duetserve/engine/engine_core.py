@@ -55,6 +55,7 @@ class _UserRequest:
     metrics: RequestMetrics
     num_unfinished: int = 0
     num_cached_tokens: int = 0
+    prompt_logprobs: list | None = None
 
 
 @dataclass
@@ -211,7 +212,10 @@ class EngineCore:
             user = self.requests.get(user_id) if user_id else None
             if user is None:
                 continue
-            self._update_child(user, user.children[req.req_id], req, ro.logprobs, now)
+            child = user.children[req.req_id]
+            if ro.prompt_logprobs and req.req_id in ro.prompt_logprobs and child.index == 0:
+                user.prompt_logprobs = ro.prompt_logprobs[req.req_id]
+            self._update_child(user, child, req, ro.logprobs, now)
             changed[user.req_id] = user
         outputs = [self._make_output(u) for u in changed.values()]
         st = self.scheduler.make_stats()
@@ -277,4 +281,4 @@ class EngineCore:
                 self._child_to_user.pop(child_id, None)
         outs = sorted((c.output for c in user.children.values()), key=lambda o: o.index)
         return RequestOutput(user.req_id, user.prompt, user.prompt_token_ids, outs, finished,
-                             user.metrics, user.num_cached_tokens)
+                             user.metrics, user.num_cached_tokens, user.prompt_logprobs)

@@ -15,6 +15,7 @@ from duetserve.outputs import ModelRunnerOutput, SchedulerOutput
 from duetserve.sampling_params import SamplingParams
 from duetserve.worker.batch import SeqWork, build_step_batch
 from duetserve.worker.kv_cache import allocate_kv_cache
+from duetserve.worker.sampler import compute_prompt_logprobs
 from duetserve.worker.sampling import StepSampler
 
 
@@ -27,6 +28,7 @@ class RunnerRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     generator: torch.Generator | None
+    prompt_logprobs: list | None = None    # accumulated over prefill chunks
 
 
 class ModelRunner:
@@ -78,6 +80,7 @@ class ModelRunner:
                                 end == len(st.token_ids)))
         batch = build_step_batch(work, self.block_size, self.device)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+        prompt_lps = self._prompt_logprobs(so, batch.order, hidden)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         states = [self.requests[r] for r in batch.logits_req_ids]
         sampled, logprobs = self.sampler.sample(logits, states)
@@ -91,4 +94,31 @@ class ModelRunner:
         if logprobs is not None:
             out.logprobs = {st.req_id: [lp] for st, lp in zip(states, logprobs)
                             if lp is not None}
+        if prompt_lps:
+            out.prompt_logprobs = prompt_lps
         return out
+
+    def _prompt_logprobs(self, so: SchedulerOutput, order: list[str],
+                         hidden: torch.Tensor) -> dict[str, list]:
+        """Logprobs of prompt tokens for requests that asked (`prompt_logprobs`). Position
+        p's logits score token p + 1. Accumulates over chunks in the request's state and
+        returns {req_id: [None, lp_1, ..., lp_{P-1}]} once a prompt is complete."""
+        done: dict[str, list] = {}
+        offset = 0
+        for req_id in order:
+            n = so.num_scheduled_tokens[req_id]
+            st = self.requests[req_id]
+            num = st.sampling_params.prompt_logprobs
+            start, last = st.num_computed_tokens, st.num_prompt_tokens - 1
+            if num is not None and start < last:
+                stop = min(start + n, last)
+                rows = torch.arange(offset, offset + stop - start)
+                targets = torch.tensor(st.token_ids[start + 1:stop + 1])
+                logits = self.model.compute_logits(hidden[rows])
+                if st.prompt_logprobs is None:
+                    st.prompt_logprobs = [None]
+                st.prompt_logprobs += compute_prompt_logprobs(logits, targets, num)
+                if stop == last:
+                    done[req_id] = st.prompt_logprobs
+            offset += n
+        return done

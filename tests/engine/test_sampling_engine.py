@@ -112,3 +112,25 @@ def test_n4_shares_prompt_blocks_and_samples_differ(llm):
     assert len(samples) == 4 and all(len(s) == 8 for s in samples)
     assert len({tuple(s) for s in samples}) == 4
     assert eng.scheduler.kv_cache_manager.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("budget", [2048, 4])   # whole prompt, and 4-token chunks
+def test_prompt_logprobs_match_transformers(default_model, default_model_path, budget):
+    from transformers import AutoModelForCausalLM
+    cfg = EngineConfig(model=default_model.path, num_threads=2, kv_cache_memory=0.2,
+                       max_num_batched_tokens=budget)
+    llm = LLM.from_engine(EngineCore(cfg, loaded=default_model))
+    llm.generate([PROMPT + " Paris"], SamplingParams(temperature=0, max_tokens=1))  # cache it
+    out = llm.generate([PROMPT + " Paris"], SamplingParams(temperature=0, max_tokens=2,
+                                                           prompt_logprobs=3))[0]
+    ids = out.prompt_token_ids
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
+    assert out.num_cached_tokens == 0     # no prefix hits when prompt logprobs are asked
+    folder, name = os.path.split(default_model_path)
+    hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
+    for p in range(1, len(ids)):
+        entry = out.prompt_logprobs[p]
+        assert abs(entry[ids[p]].logprob - float(ref[p - 1, ids[p]])) < 1e-4
+        assert len([t for t in entry if t != ids[p]]) <= 3

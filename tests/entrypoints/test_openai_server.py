@@ -118,6 +118,13 @@ def test_stop_string_and_prompt_forms(client, model) -> None:
     echo = client.completions.create(model=model, prompt=PROMPT, max_tokens=2,
                                      temperature=0, echo=True)
     assert echo.choices[0].text.startswith(PROMPT)
+    scored = client.completions.create(model=model, prompt=PROMPT, max_tokens=2,
+                                       temperature=0, echo=True, logprobs=1)
+    lp = scored.choices[0].logprobs
+    assert scored.choices[0].text == echo.choices[0].text
+    assert len(lp.tokens) == scored.usage.prompt_tokens + 2
+    assert lp.token_logprobs[0] is None
+    assert all(x is not None and x <= 0 for x in lp.token_logprobs[1:])
 
 
 def test_64_concurrent_streams_and_metrics(server, model) -> None:
@@ -189,7 +196,6 @@ BAD_REQUESTS = [
     ("completions", {"prompt": [1] * 100_000}, 400, "prompt"),
     ("completions", {"prompt": [10**9]}, 400, "prompt"),
     ("completions", {"prompt": PROMPT, "logit_bias": {"99999999": 1}}, 400, "logit_bias"),
-    ("completions", {"prompt": PROMPT, "echo": True, "logprobs": 1}, 400, "echo"),
     ("completions", {"prompt": PROMPT, "model": "no-such-model"}, 404, "model"),
 ]
 

@@ -6,6 +6,8 @@ abort on client disconnect) and differ only in how a choice is rendered.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import asyncio
 import json
 import re
@@ -236,19 +238,43 @@ def _completion_logprobs(ctx: ServerContext, o: CompletionOutput, start: int, en
             "text_offset": offsets}
 
 
+def _with_prompt(ctx: ServerContext, out: RequestOutput, token_ids: list[int],
+                 completion: dict | None) -> dict | None:
+    """Prepend the prompt's tokens and logprobs (echo + logprobs); the first is None.
+    `completion`'s text offsets must already count the echoed prompt."""
+    if out.prompt_logprobs is None or completion is None:
+        return completion
+    tokens, lps, tops, offsets, offset = [], [], [], [], 0
+    for tid, entries in zip(token_ids, out.prompt_logprobs):
+        text = ctx.token_text(tid)
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+        if entries is None:
+            lps.append(None)
+            tops.append(None)
+            continue
+        lps.append(_finite(entries[tid].logprob))
+        tops.append({ctx.token_text(t): _finite(lp.logprob)
+                     for t, lp in sorted(entries.items(), key=lambda kv: kv[1].rank)})
+    return {"tokens": tokens + completion["tokens"],
+            "token_logprobs": lps + completion["token_logprobs"],
+            "top_logprobs": tops + completion["top_logprobs"],
+            "text_offset": offsets + completion["text_offset"]}
+
+
 def _finite(x: float) -> float:
     return max(x, -9999.0)     # JSON has no -inf
 
 
 async def create_completion(ctx: ServerContext, body: CompletionRequest, raw: Request):
     ctx.check_model(body.model)
-    if body.echo and body.logprobs is not None:
-        raise APIError("echo together with logprobs is not supported yet (prompt logprobs "
-                       "are not computed)", param="echo")
     if body.suffix:
         raise APIError("suffix is not supported", param="suffix")
     token_ids, prompt_text = _completion_prompt(ctx, body.prompt)
     params = _params(body)
+    if body.echo and body.logprobs is not None:   # echo scores the prompt too
+        params = dataclasses.replace(params, prompt_logprobs=body.logprobs)
     gen = _Generation(ctx, raw, "cmpl")
     gen.check_lengths(token_ids, params, "prompt")
     await gen.start(token_ids, params, prompt_text, "prompt")
@@ -261,7 +287,8 @@ async def create_completion(ctx: ServerContext, body: CompletionRequest, raw: Re
     if not body.stream:
         out = await gen.final()
         choices = [{"index": o.index, "text": echo + o.text,
-                    "logprobs": _completion_logprobs(ctx, o, 0, len(o.token_ids), len(echo)),
+                    "logprobs": _with_prompt(ctx, out, token_ids, _completion_logprobs(
+                        ctx, o, 0, len(o.token_ids), len(echo))),
                     "finish_reason": _finish_reason(o), "stop_reason": o.stop_reason}
                    for o in out.outputs]
         return JSONResponse({**head, "choices": choices, "usage": _usage(out)})
@@ -275,10 +302,12 @@ async def create_completion(ctx: ServerContext, body: CompletionRequest, raw: Re
             if part is None:
                 continue
             text, start, end = part
+            lps = _completion_logprobs(ctx, o, start, end, 0)
             if echo and start == 0:
                 text = echo + text
-            choice = {"index": o.index, "text": text,
-                      "logprobs": _completion_logprobs(ctx, o, start, end, 0),
+                lps = _with_prompt(ctx, out, token_ids,
+                                   _completion_logprobs(ctx, o, start, end, len(echo)))
+            choice = {"index": o.index, "text": text, "logprobs": lps,
                       "finish_reason": _finish_reason(o)}
             chunk = {**head, "choices": [choice]}
             if body.continuous_usage:
