@@ -6,9 +6,8 @@ abort on client disconnect) and differ only in how a choice is rendered.
 """
 from __future__ import annotations
 
-import dataclasses
-
 import asyncio
+import dataclasses
 import json
 import re
 import time
