@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import TINY_VARIANTS
+from tiny_models import TINY_VARIANTS
 from duetserve.loader import load_model
 from model_helpers import PagedModel, rel_err
 
