@@ -44,12 +44,13 @@ def _check_all_modes(loaded, prompts, hf_model) -> None:
     # (b) one prompt at a time
     assert _run_all(_engine(loaded), prompts, one_at_a_time=True) == base
     # (c) a tiny token budget forces chunked prefill (and mixed steps)
-    chunked = _engine(loaded, max_num_batched_tokens=16)
+    chunked = _engine(loaded, max_num_batched_tokens=32)
     steps = []
     chunked.engine.add_step_observer(steps.append)
     assert _run_all(chunked, prompts) == base
     assert any(s.num_prefill_tokens and s.num_decode_tokens for s in steps)   # mixed steps
-    assert max(s.num_tokens for s in steps) <= 16
+    assert max(s.num_tokens for s in steps) <= 32
+    assert any(s.num_tokens == 32 and s.num_prefill_tokens for s in steps)   # budget full
     # (d) prefix caching off (on is the default, used above) — and on with hits
     assert _run_all(_engine(loaded, enable_prefix_caching=False), prompts) == base
     cached = _engine(loaded)
@@ -57,7 +58,7 @@ def _check_all_modes(loaded, prompts, hf_model) -> None:
     assert _run_all(cached, prompts) == base
     assert cached.engine.scheduler.make_stats().prefix_cache_hits > 0
     # (e) a KV cache so small that requests are preempted and recomputed
-    small = _engine(loaded, num_gpu_blocks_override=24, block_size=8)
+    small = _engine(loaded, num_gpu_blocks_override=40, block_size=8)       # 320 tokens
     assert _run_all(small, prompts) == base
     assert small.engine.scheduler.num_preemptions > 0
     assert small.engine.scheduler.kv_cache_manager.num_used_blocks == 0
