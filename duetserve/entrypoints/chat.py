@@ -7,7 +7,8 @@ import itertools
 import sys
 
 from duetserve.entrypoints.cli import UserError
-from duetserve.entrypoints.engine_args import add_engine_arguments, build_engine
+from duetserve.entrypoints.engine_args import (add_engine_arguments, build_engine,
+                                               stream_to_stdout)
 from duetserve.errors import DuetError
 from duetserve.sampling_params import SamplingParams
 
@@ -40,13 +41,7 @@ def main(args: argparse.Namespace) -> int:
             engine.add_request(str(turn), engine.tokenizer.encode_chat(history), params)
         except DuetError as e:
             raise UserError(str(e)) from None
-        printed, text = 0, ""
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                text = out.outputs[0].text
-                sys.stdout.write(text[printed:])
-                sys.stdout.flush()
-                printed = len(text)
+        out = stream_to_stdout(engine)
         sys.stdout.write("\n")
-        history.append({"role": "assistant", "content": text})
+        history.append({"role": "assistant", "content": out.outputs[0].text if out else ""})
     return 0

@@ -61,3 +61,17 @@ def build_engine(args: argparse.Namespace):
         return EngineCore(engine_config_from_args(args))
     except DuetError as e:
         raise UserError(str(e)) from None
+
+
+def stream_to_stdout(engine):
+    """Step `engine` until it has no work, printing the first sample's new text as it
+    comes. Returns the last RequestOutput (None if nothing ran)."""
+    import sys
+    printed, out = 0, None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            text = out.outputs[0].text
+            sys.stdout.write(text[printed:])
+            sys.stdout.flush()
+            printed = len(text)
+    return out

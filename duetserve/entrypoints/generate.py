@@ -11,7 +11,8 @@ import sys
 import time
 
 from duetserve.entrypoints.cli import UserError
-from duetserve.entrypoints.engine_args import add_engine_arguments, build_engine
+from duetserve.entrypoints.engine_args import (add_engine_arguments, build_engine,
+                                               stream_to_stdout)
 from duetserve.errors import DuetError
 from duetserve.sampling_params import SamplingParams
 
@@ -54,15 +55,8 @@ def main(args: argparse.Namespace) -> int:
         raise UserError(str(e)) from None
     if not args.chat:
         sys.stdout.write(prompt)
-    printed = 0
     t0 = time.perf_counter()
-    out = None
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            text = out.outputs[0].text
-            sys.stdout.write(text[printed:])
-            sys.stdout.flush()
-            printed = len(text)
+    out = stream_to_stdout(engine)
     elapsed = time.perf_counter() - t0
     m = out.metrics
     n = len(out.outputs[0].token_ids)
