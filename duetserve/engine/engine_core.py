@@ -88,6 +88,15 @@ class StepStats:
 StepObserver = Callable[[StepStats], None]
 
 
+def _queue_and_kv_stats(st) -> StepStats:
+    """StepStats with the scheduler's queue, KV and cache counters; no tokens."""
+    return StepStats(num_running=st.num_running, num_waiting=st.num_waiting,
+                     kv_usage=st.kv_usage, num_used_blocks=st.num_used_blocks,
+                     num_preemptions=st.num_preemptions,
+                     prefix_cache_queries=st.prefix_cache_queries,
+                     prefix_cache_hits=st.prefix_cache_hits)
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         """`loaded`: reuse weights already in memory (tests build several engines on one
@@ -219,11 +228,13 @@ class EngineCore:
             changed[user.req_id] = user
         outputs = [self._make_output(u) for u in changed.values()]
         st = self.scheduler.make_stats()
-        self.last_step = StepStats(
-            start, time.perf_counter() - t0, st.num_prefill_tokens, st.num_decode_tokens,
-            st.num_running, st.num_waiting, st.kv_usage, st.num_used_blocks,
-            st.num_preemptions, st.prefix_cache_queries, st.prefix_cache_hits, items,
-            [o.request_id for o in outputs if o.finished])
+        stats = _queue_and_kv_stats(st)
+        stats.start_time, stats.step_seconds = start, time.perf_counter() - t0
+        stats.num_prefill_tokens, stats.num_decode_tokens = (st.num_prefill_tokens,
+                                                             st.num_decode_tokens)
+        stats.items = items
+        stats.finished_req_ids = [o.request_id for o in outputs if o.finished]
+        self.last_step = stats
         if items:
             self.last_step.account = self.accountant.observe(self.last_step)
             for fn in self.step_observers:
@@ -231,13 +242,9 @@ class EngineCore:
         return outputs
 
     def make_stats(self) -> StepStats:
-        """A snapshot of queue and KV state outside a step (e.g. after aborts)."""
-        st = self.scheduler.make_stats()
-        return StepStats(num_running=st.num_running, num_waiting=st.num_waiting,
-                         kv_usage=st.kv_usage, num_used_blocks=st.num_used_blocks,
-                         num_preemptions=st.num_preemptions,
-                         prefix_cache_queries=st.prefix_cache_queries,
-                         prefix_cache_hits=st.prefix_cache_hits)
+        """A snapshot of queue and KV state; no tokens (also used outside a step, e.g.
+        after aborts, where observers must not count it as a step)."""
+        return _queue_and_kv_stats(self.scheduler.make_stats())
 
     def shutdown(self) -> None:
         """Flush and close the trace file (if any). Idempotent."""

@@ -84,6 +84,14 @@ def _usage(out: RequestOutput) -> dict:
             "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
 
 
+def _chunk(head: dict, choice: dict, out: RequestOutput, with_usage: bool) -> dict:
+    """One streamed chunk; usage on every chunk when continuous usage was asked."""
+    chunk = {**head, "choices": [choice]}
+    if with_usage:
+        chunk["usage"] = _usage(out)
+    return chunk
+
+
 def _sse(obj: dict | str) -> str:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
 
@@ -308,10 +316,7 @@ async def create_completion(ctx: ServerContext, body: CompletionRequest, raw: Re
                                    _completion_logprobs(ctx, o, start, end, len(echo)))
             choice = {"index": o.index, "text": text, "logprobs": lps,
                       "finish_reason": _finish_reason(o)}
-            chunk = {**head, "choices": [choice]}
-            if body.continuous_usage:
-                chunk["usage"] = _usage(out)
-            chunks.append(chunk)
+            chunks.append(_chunk(head, choice, out, body.continuous_usage))
         return chunks
 
     usage = (lambda out: {**head, "choices": [], "usage": _usage(out)}) \
@@ -388,10 +393,7 @@ async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest
             choice = {"index": o.index, "delta": delta,
                       "logprobs": _chat_logprobs(ctx, o, start, end, num_top),
                       "finish_reason": _finish_reason(o)}
-            chunk = {**head, "choices": [choice]}
-            if body.continuous_usage:
-                chunk["usage"] = _usage(out)
-            chunks.append(chunk)
+            chunks.append(_chunk(head, choice, out, body.continuous_usage))
         return chunks
 
     usage = (lambda out: {**head, "choices": [], "usage": _usage(out)}) \
