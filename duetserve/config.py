@@ -66,7 +66,8 @@ class ModelConfig:
         return self.num_key_value_heads * self.head_dim
 
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,8 @@ class EngineConfig:
 
     model: str | None = None            # None: the default model (SmolLM2-135M-Instruct GGUF)
     tokenizer: str | None = None        # defaults to the model's own tokenizer
-    dtype: str = "float32"
+    dtype: str = "auto"                 # auto: float32 activations, bf16 GEMMs where fast
+    quantization: str = "auto"          # auto: keep the file's low-bit weights low-bit
     device: str = "cpu"
     max_model_len: int | None = None    # None: the checkpoint's context length
     block_size: int = 16
@@ -91,6 +93,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ConfigError(f"quantization must be one of {QUANTIZATIONS}, "
+                              f"got {self.quantization!r}")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a power of two > 0, got {self.block_size}")
         if self.kv_cache_memory <= 0:

@@ -24,7 +24,7 @@ from duetserve.config import EngineConfig, SchedulerConfig
 from duetserve.core.scheduler import Scheduler
 from duetserve.engine.detokenizer import IncrementalDetokenizer
 from duetserve.errors import RequestError
-from duetserve.loader import TORCH_DTYPES, LoadedModel, load_model
+from duetserve.loader import LoadedModel, load_model
 from duetserve.metrics.step_accounting import StepAccount, accountant_for_engine
 from duetserve.metrics.trace import TraceWriter
 from duetserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -104,9 +104,11 @@ class EngineCore:
         self.config = config
         torch.set_num_threads(config.num_threads or min(os.cpu_count() or 1, 16))
         torch.manual_seed(config.seed)
-        dtype = TORCH_DTYPES[config.dtype]
         self.loaded = loaded or load_model(config.model, config.dtype, config.device,
-                                           max_positions=config.max_model_len)
+                                           max_positions=config.max_model_len,
+                                           quantization=config.quantization)
+        dtype = self.loaded.dtype
+        log.info("model %s: %s", self.loaded.path, self.loaded.describe())
         mcfg = self.loaded.config
         self.model_config = mcfg
         self.tokenizer = self.loaded.tokenizer

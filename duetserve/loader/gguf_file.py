@@ -16,6 +16,7 @@ import numpy as np
 
 from duetserve.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from duetserve.errors import CheckpointError
+from duetserve.loader.gguf_blocks import GGUFTensor
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
@@ -166,8 +167,9 @@ def dequantize(tensor) -> np.ndarray:
                                                                                   copy=False)
 
 
-def iter_gguf_tensors(reader, config: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
-    """Yield (hf_name, float32 array) for every tensor, Q/K rows restored to HF order."""
+def iter_gguf_tensors(reader, config: ModelConfig) -> Iterator[tuple[str, GGUFTensor]]:
+    """Yield (hf_name, lazy GGUFTensor) for every tensor, Q/K rows restored to HF order
+    (as a row permutation applied when rows are read). Nothing is decoded here."""
     permute = config.architecture in PERMUTED_QK_ARCHS
     for t in reader.tensors:
         m = _BLK.match(t.name)
@@ -180,9 +182,13 @@ def iter_gguf_tensors(reader, config: ModelConfig) -> Iterator[tuple[str, np.nda
             name = _GLOBAL_NAMES.get(t.name)
             if name is None:
                 raise CheckpointError(f"unexpected GGUF tensor {t.name}")
-        arr = dequantize(t)
+        if t.tensor_type.name not in SUPPORTED_TENSOR_TYPES:
+            raise CheckpointError(f"unsupported GGUF tensor type {t.tensor_type.name} (tensor "
+                                  f"{t.name}); supported: {', '.join(SUPPORTED_TENSOR_TYPES)}")
+        perm = None
         if permute and (".q_proj." in name or ".k_proj." in name):
             heads = (config.num_attention_heads if ".q_proj." in name
                      else config.num_key_value_heads)
-            arr = unpermute_qk(arr, heads)
-        yield name, arr
+            rows = int(t.shape[1]) if len(t.shape) > 1 else int(t.shape[0])
+            perm = unpermute_qk(np.arange(rows), heads)
+        yield name, GGUFTensor(t.name, t, perm)

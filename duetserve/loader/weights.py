@@ -3,6 +3,11 @@
 HF q/k/v projections are stacked into our `qkv_proj`, gate/up into `gate_up_proj`.
 Every parameter (and every shard of a stacked one) must be loaded exactly once with the
 right shape; anything missing, duplicated or extra is named in the error.
+
+With quantization on, the linear weights (and the embedding) are not materialised in
+float: their parts are collected lazily and packed by `loader/quantize.py` into the
+low-bit forms of `models/quant.py`, then the modules are swapped for `QuantLinear` /
+`QuantEmbedding`.
 """
 from __future__ import annotations
 
@@ -15,6 +20,8 @@ from torch import nn
 
 from duetserve.config import ModelConfig
 from duetserve.errors import CheckpointError
+from duetserve.loader.gguf_blocks import GGUFTensor
+from duetserve.loader.quantize import QuantPlan
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
@@ -51,20 +58,34 @@ def _target(name: str, plan: dict) -> tuple[str, int | None, int | None]:
     return name, None, None
 
 
+def _as_tensor(arr) -> torch.Tensor:
+    """A float array-like (numpy, torch, or a lazy GGUFTensor) as a torch tensor."""
+    if isinstance(arr, GGUFTensor):
+        return torch.from_numpy(arr.dequantize())
+    if isinstance(arr, np.ndarray):
+        # F32 tensors come straight from a read-only memory map: copy those.
+        arr = np.ascontiguousarray(arr) if arr.flags.writeable else np.array(arr)
+        return torch.from_numpy(arr)
+    return arr
+
+
 def load_weights(model: nn.Module, tensors: Iterable[tuple[str, object]], cfg: ModelConfig,
-                 dtype: torch.dtype, device: str | torch.device = "cpu") -> dict[str, object]:
+                 dtype: torch.dtype, device: str | torch.device = "cpu",
+                 quant: QuantPlan | None = None) -> dict[str, object]:
     """Fill `model` (on meta) from (hf_name, array) pairs. Mutates `model` (parameters
-    are assigned real tensors). Returns the non-parameter extras found (e.g. rope_freqs).
+    are assigned real tensors; with `quant`, linear modules are replaced by quantized
+    ones). Returns the non-parameter extras found (e.g. rope_freqs).
     Raises CheckpointError naming missing, duplicated, extra or mis-shaped tensors."""
     plan = _stack_plan(cfg)
     params = dict(model.named_parameters())
     buffers: dict[str, torch.Tensor] = {}
+    pending: dict[str, list[tuple[int, object]]] = {}   # quantized target -> (row0, part)
     loaded: dict[str, list[tuple[int, int]]] = {}   # param -> loaded row ranges
     extra: list[str] = []
     extras: dict[str, object] = {}
     for name, arr in tensors:
         if name == "rope_freqs":
-            extras[name] = arr
+            extras[name] = arr.dequantize() if isinstance(arr, GGUFTensor) else arr
             continue
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue   # tied checkpoints may still store the head; the embedding is used
@@ -75,24 +96,21 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, object]], cfg: M
                 continue
             extra.append(name)
             continue
-        if isinstance(arr, np.ndarray):
-            # F32 tensors come straight from a read-only memory map: copy those.
-            arr = np.ascontiguousarray(arr) if arr.flags.writeable else np.array(arr)
-            t = torch.from_numpy(arr)
-        else:
-            t = arr
         want = tuple(p.shape) if off is None else (n, *p.shape[1:])
-        if tuple(t.shape) != want:
-            raise CheckpointError(f"tensor {name} has shape {tuple(t.shape)}, "
+        if tuple(arr.shape) != want:
+            raise CheckpointError(f"tensor {name} has shape {tuple(arr.shape)}, "
                                   f"expected {want} for {target}")
-        buf = buffers.get(target)
-        if buf is None:
-            buf = buffers[target] = torch.empty(p.shape, dtype=dtype, device=device)
         rows = (0, p.shape[0]) if off is None else (off, off + n)
         if rows in loaded.setdefault(target, []):
             raise CheckpointError(f"tensor {name} is loaded twice (into {target})")
         loaded[target].append(rows)
-        buf[rows[0]:rows[1]].copy_(t.to(dtype))
+        if quant is not None and quant.wants(target, arr):
+            pending.setdefault(target, []).append((rows[0], arr))
+            continue
+        buf = buffers.get(target)
+        if buf is None:
+            buf = buffers[target] = torch.empty(p.shape, dtype=dtype, device=device)
+        buf[rows[0]:rows[1]].copy_(_as_tensor(arr).to(dtype))
     if extra:
         raise CheckpointError(f"unexpected tensors in checkpoint: {', '.join(extra[:8])}"
                               + (f" (+{len(extra) - 8} more)" if len(extra) > 8 else ""))
@@ -101,5 +119,14 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, object]], cfg: M
     if missing:
         raise CheckpointError(f"checkpoint is missing weights for: {', '.join(missing[:8])}"
                               + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else ""))
+    if pending:
+        # Targets whose parts were only partly quantizable are loaded dense after all.
+        for target in [t for t, parts in pending.items()
+                       if sum(a.shape[0] for _, a in parts) != params[t].shape[0]]:
+            buf = buffers.setdefault(target, torch.empty(params[target].shape, dtype=dtype,
+                                                         device=device))
+            for row0, arr in pending.pop(target):
+                buf[row0:row0 + arr.shape[0]].copy_(_as_tensor(arr).to(dtype))
+        quant.apply(model, pending, buffers, cfg)
     model.load_state_dict(buffers, strict=True, assign=True)
     return extras

@@ -46,6 +46,11 @@ class DecodeGroup:
 @dataclass(slots=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor                        # [T] where each new token's K/V goes
+    # Decode tokens [0, num_decodes): read in place by the native kernel through these...
+    num_decodes: int = 0
+    decode_block_tables: torch.Tensor | None = None   # [D, max_blocks] int64
+    decode_context_lens: torch.Tensor | None = None   # [D] int64
+    # ... or, without it, gathered per group (padded tables and masks).
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillSeq] = field(default_factory=list)
     cos: torch.Tensor | None = None                   # [T, 1, hd] rotary, gathered once per step
@@ -63,7 +68,13 @@ class AttentionBackend:
 
 
 class TorchAttention(AttentionBackend):
+    """Prefill with torch's SDPA; decode with the native in-place paged kernel
+    (models/native.py) when it is built, else with a gather per decode group."""
+
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        from duetserve.models.native import ops
+        native = ops()
+        self.paged_decode = None if native is None else native.paged_decode_attention
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -78,7 +89,15 @@ class TorchAttention(AttentionBackend):
         # blocks another sequence of the same step is filling (shared-prefix siblings).
         k_flat.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
         v_flat.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
-        out = torch.empty_like(q)
+        if meta.decode_block_tables is not None and not meta.prefills:   # decode-only step
+            return self.paged_decode(q.contiguous(), k_cache, v_cache, meta.decode_block_tables,
+                                     meta.decode_context_lens, self.scale)
+        out = torch.empty(q.shape, dtype=q.dtype)
+        if meta.num_decodes and meta.decode_block_tables is not None:
+            nd = meta.num_decodes
+            out[:nd] = self.paged_decode(q[:nd].contiguous(), k_cache, v_cache,
+                                         meta.decode_block_tables, meta.decode_context_lens,
+                                         self.scale)
         for g in meta.decode_groups:
             out[g.start:g.end] = self._decode(q[g.start:g.end], k_cache, v_cache, g)
         for p in meta.prefills:

@@ -16,6 +16,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
+        if dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)   # one fused op
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
@@ -69,22 +71,21 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(t, inv)                       # [P, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)           # [P, D]
         self.cos = emb.cos().to(device=device, dtype=dtype)
-        self.sin = emb.sin().to(device=device, dtype=dtype)
+        # rotate_half(x) * sin == roll(x, hd/2) * [-sin_lo, sin_hi]: the sign goes in the table.
+        half = self.head_dim // 2
+        sin = emb.sin()
+        self.sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).to(device=device,
+                                                                          dtype=dtype)
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, 1, hd] for the step's positions (gathered once, used by all layers)."""
+        """cos, signed sin [T, 1, hd] for the step's positions (gathered once per step)."""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
     @staticmethod
-    def apply(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-              sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # q: [T, H, hd], k: [T, KVH, hd]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate-half rotary of x [T, heads, hd] (Hugging Face convention), with the
+        signed sin of `tables`: x * cos + rotate_half(x) * sin."""
+        return torch.addcmul(x * cos, torch.roll(x, x.shape[-1] // 2, -1), sin)
 
 
 class GatedMLP(nn.Module):

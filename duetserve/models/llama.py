@@ -31,11 +31,12 @@ class SelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)          # [T, H, hd]
-        k = k.view(t, self.num_kv_heads, self.head_dim)       # [T, KVH, hd]
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = RotaryEmbedding.apply(q, k, meta.cos, meta.sin)
+        qkv = self.qkv_proj(x)                                 # [T, q | k | v]
+        # Q and K rotated together: one set of ops for both.
+        qk = RotaryEmbedding.apply(
+            qkv[:, :self.q_size + self.kv_size].view(t, -1, self.head_dim), meta.cos, meta.sin)
+        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]  # [T, H, hd], [T, KVH, hd]
+        v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
         o = self.backend.forward(q, k, v, kv_cache, meta)     # [T, H, hd]
         return self.o_proj(o.reshape(t, self.q_size))
 
@@ -85,5 +86,6 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, d] for the positions that need logits -> [N, vocab] float32."""
-        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, w).float()
+        if self.lm_head is not None:     # nn.Linear, or a QuantLinear (tied ones too)
+            return self.lm_head(hidden).float()
+        return torch.nn.functional.linear(hidden, self.embed_tokens.weight).float()

@@ -39,9 +39,11 @@ def _slots(block_ids: list[int], positions: torch.Tensor, block_size: int) -> to
     return table[positions // block_size] * block_size + positions % block_size
 
 
-def build_step_batch(work: list[SeqWork], block_size: int,
-                     device: torch.device | str = "cpu") -> StepBatch:
-    """Decodes (one new token) first, then prefill chunks; see models/attention.py."""
+def build_step_batch(work: list[SeqWork], block_size: int, device: torch.device | str = "cpu",
+                     paged_decode: bool = False) -> StepBatch:
+    """Decodes (one new token) first, then prefill chunks; see models/attention.py.
+    `paged_decode`: the backend reads the cache in place, so decodes get one block table
+    and context lengths instead of padded groups and masks."""
     # Decodes sorted by context length: each group pads only to its own longest context.
     decodes = sorted((w for w in work if len(w.token_ids) == 1), key=lambda w: w.start_pos)
     prefills = [w for w in work if len(w.token_ids) > 1]
@@ -53,14 +55,25 @@ def build_step_batch(work: list[SeqWork], block_size: int,
         pos.extend(range(w.start_pos, w.start_pos + len(w.token_ids)))
     positions = torch.tensor(pos, dtype=torch.long)
 
-    slot_parts = []
+    slots: list[int] = []
     for w in ordered:
-        new_pos = torch.arange(w.start_pos, w.start_pos + len(w.token_ids))
-        slot_parts.append(_slots(w.block_ids, new_pos, block_size))
-    meta = AttentionMetadata(slot_mapping=torch.cat(slot_parts) if slot_parts else
-                             torch.empty(0, dtype=torch.long))
+        bids = w.block_ids
+        slots.extend(bids[p // block_size] * block_size + p % block_size
+                     for p in range(w.start_pos, w.start_pos + len(w.token_ids)))
+    meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long))
 
-    for g0 in range(0, len(decodes), DECODE_GROUP_SIZE):
+    meta.num_decodes = len(decodes)
+    if paged_decode and decodes:
+        width = max(len(w.block_ids) for w in decodes)
+        meta.decode_block_tables = torch.tensor(
+            [w.block_ids + [0] * (width - len(w.block_ids)) for w in decodes],
+            dtype=torch.long)
+        meta.decode_context_lens = torch.tensor([w.start_pos + 1 for w in decodes],
+                                                dtype=torch.long)
+        decode_groups = 0
+    else:
+        decode_groups = len(decodes)
+    for g0 in range(0, decode_groups, DECODE_GROUP_SIZE):
         group = decodes[g0:g0 + DECODE_GROUP_SIZE]
         ctx_lens = torch.tensor([w.start_pos + 1 for w in group])           # [G]
         num_blocks = (int(ctx_lens.max()) + block_size - 1) // block_size

@@ -42,6 +42,8 @@ class ModelRunner:
         self.kv_caches = allocate_kv_cache(model_config, num_blocks, block_size, dtype, device)
         self.requests: dict[str, RunnerRequestState] = {}
         self.sampler = StepSampler(model_config.vocab_size, model_config.eos_token_ids, device)
+        backend = getattr(model.layers[0].self_attn, "backend", None)
+        self.paged_decode = getattr(backend, "paged_decode", None) is not None
 
     # -- state -------------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -78,7 +80,7 @@ class ModelRunner:
             assert end <= len(st.token_ids), (req_id, start, n, len(st.token_ids))
             work.append(SeqWork(req_id, st.token_ids[start:end], start, st.block_ids,
                                 end == len(st.token_ids)))
-        batch = build_step_batch(work, self.block_size, self.device)
+        batch = build_step_batch(work, self.block_size, self.device, self.paged_decode)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
         prompt_lps = self._prompt_logprobs(so, batch.order, hidden)
         logits = self.model.compute_logits(hidden[batch.logits_indices])

@@ -1,0 +1,113 @@
+// Decode attention that reads the paged KV cache in place (no gather of whole contexts).
+//
+// One query token per sequence. For each (sequence, KV head) the G = H / KVH query heads
+// that share the KV head are processed together, so each K and V row is read once:
+//   pass 1: s[g][t] = scale * <q[g], K[t]> over the context, t found through the block
+//           table (slot = block_table[t / bs] * bs + t % bs);
+//   softmax over t (max-subtracted, in float32);
+//   pass 2: out[g] = sum_t p[g][t] * V[t].
+// The cache is [KVH, num_blocks, block_size, D] per tensor (heads first), float32 or
+// bfloat16; math is float32. Work items (sequence, KV head) run in parallel.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cmath>
+#include <vector>
+
+template <typename T>
+static inline float to_f(T x) { return static_cast<float>(x); }
+template <>
+inline float to_f<at::BFloat16>(at::BFloat16 x) { return static_cast<float>(x); }
+
+template <typename KV>
+static void decode_impl(const float* q, const KV* kc, const KV* vc, const int64_t* tables,
+                        const int64_t* lens, float* out, int64_t B, int64_t H, int64_t KVH,
+                        int64_t D, int64_t num_blocks, int64_t bs, int64_t max_blocks,
+                        float scale) {
+  const int64_t G = H / KVH;
+  const int64_t head_stride = num_blocks * bs * D;   // elements per KV head
+  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    std::vector<float> acc(G * D);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / KVH, kh = item % KVH;
+      const int64_t L = lens[b];
+      const int64_t* table = tables + b * max_blocks;
+      const float* qb = q + (b * H + kh * G) * D;     // G query heads, contiguous
+      const KV* kh_base = kc + kh * head_stride;
+      const KV* vh_base = vc + kh * head_stride;
+      scores.assign(G * L, 0.f);
+      for (int64_t t = 0; t < L; ++t) {
+        const KV* krow = kh_base + (table[t / bs] * bs + t % bs) * D;
+        for (int64_t g = 0; g < G; ++g) {
+          const float* qg = qb + g * D;
+          float s = 0.f;
+#pragma omp simd reduction(+ : s)
+          for (int64_t d = 0; d < D; ++d) s += qg[d] * to_f(krow[d]);
+          scores[g * L + t] = s * scale;
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        float* sg = scores.data() + g * L;
+        float m = -INFINITY;
+        for (int64_t t = 0; t < L; ++t) m = sg[t] > m ? sg[t] : m;
+        float sum = 0.f;
+        for (int64_t t = 0; t < L; ++t) { sg[t] = std::exp(sg[t] - m); sum += sg[t]; }
+        const float inv = 1.f / sum;
+        for (int64_t t = 0; t < L; ++t) sg[t] *= inv;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = 0; t < L; ++t) {
+        const KV* vrow = vh_base + (table[t / bs] * bs + t % bs) * D;
+        for (int64_t g = 0; g < G; ++g) {
+          const float p = scores[g * L + t];
+          float* ag = acc.data() + g * D;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) ag[d] += p * to_f(vrow[d]);
+        }
+      }
+      float* ob = out + (b * H + kh * G) * D;
+      std::copy(acc.begin(), acc.end(), ob);
+    }
+  });
+}
+
+// q: [B, H, D] float32 contiguous; k_cache, v_cache: [KVH, num_blocks, bs, D];
+// block_tables: [B, max_blocks] int64; context_lens: [B] int64. Returns [B, H, D] float32.
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
+                                     torch::Tensor v_cache, torch::Tensor block_tables,
+                                     torch::Tensor context_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32 && q.is_contiguous(),
+              "q must be a contiguous float32 [B, H, D] tensor");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "caches must be contiguous [KVH, num_blocks, block_size, D]");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "K and V dtypes differ");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && block_tables.is_contiguous(),
+              "block_tables must be contiguous int64");
+  TORCH_CHECK(context_lens.scalar_type() == torch::kInt64, "context_lens must be int64");
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t KVH = k_cache.size(0), nb = k_cache.size(1), bs = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == D && H % KVH == 0, "head sizes do not match");
+  TORCH_CHECK(block_tables.size(0) == B && context_lens.size(0) == B, "batch sizes differ");
+  auto out = torch::empty_like(q);
+  auto lens = context_lens.contiguous();
+  if (k_cache.scalar_type() == torch::kFloat32) {
+    decode_impl<float>(q.data_ptr<float>(), k_cache.data_ptr<float>(),
+                       v_cache.data_ptr<float>(), block_tables.data_ptr<int64_t>(),
+                       lens.data_ptr<int64_t>(), out.data_ptr<float>(), B, H, KVH, D, nb, bs,
+                       block_tables.size(1), static_cast<float>(scale));
+  } else if (k_cache.scalar_type() == torch::kBFloat16) {
+    decode_impl<at::BFloat16>(q.data_ptr<float>(), k_cache.data_ptr<at::BFloat16>(),
+                              v_cache.data_ptr<at::BFloat16>(),
+                              block_tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
+                              out.data_ptr<float>(), B, H, KVH, D, nb, bs,
+                              block_tables.size(1), static_cast<float>(scale));
+  } else {
+    TORCH_CHECK(false, "KV cache dtype must be float32 or bfloat16");
+  }
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention,
+        "decode attention over a paged KV cache, read in place");
+}

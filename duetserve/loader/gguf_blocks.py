@@ -1,0 +1,123 @@
+"""GGUF tensors read lazily, by rows, straight from the memory map.
+
+`GGUFTensor` wraps one tensor's raw blocks (`[rows, bytes_per_row]` uint8, never copied
+whole) and decodes a range of rows at a time, so a whole model never exists in float32:
+
+- `dequantize(a, b)`: float32 rows, exact (through `gguf.quants`).
+- `int4_groups(a, b)`: for Q4_0 / Q4_1 / Q4_K, the *exact* group-of-32 form
+  `w = (q - 8) * scale + zero` with `q` in 0..15, which is what torch's packed int4 CPU
+  kernel computes. Other formats return None (they are not 4-bit).
+
+Block layouts (ggml's, little-endian, `d`/`m`/`dmin` are float16):
+  Q4_0  [d | 16 bytes]:           x_j = qs[j] & 15, x_{j+16} = qs[j] >> 4;  w = d * (x - 8)
+  Q4_1  [d | m | 16 bytes]:       same nibbles;                            w = d * x + m
+  Q4_K  [d | dmin | 12 | 128]:    8 sub-blocks of 32 with 6-bit (sc, mn) pairs;
+                                  w = d * sc * x - dmin * mn; in each 32-byte run of qs the
+                                  low nibbles are sub-block 2i, the high ones 2i + 1.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+GROUP = 32
+
+
+class GGUFTensor:
+    """One GGUF tensor, rows optionally permuted (llama.cpp's Q/K rotary order undone)."""
+
+    def __init__(self, name: str, tensor, row_perm: np.ndarray | None = None) -> None:
+        self.name = name
+        self.type = tensor.tensor_type.name
+        self._qtype = tensor.tensor_type
+        self._data = tensor.data            # memory-mapped; [rows, bytes] or [rows, cols]
+        self.row_perm = row_perm
+        cols = int(tensor.shape[0])
+        rows = int(np.prod([int(s) for s in tensor.shape[1:]])) if len(tensor.shape) > 1 else 1
+        self.shape = (rows, cols) if len(tensor.shape) > 1 else (cols,)
+
+    @property
+    def is_int4(self) -> bool:
+        return self.type in INT4_TYPES
+
+    def _raw(self, a: int, b: int) -> np.ndarray:
+        data = self._data if self._data.ndim > 1 or len(self.shape) == 1 else \
+            self._data.reshape(self.shape[0], -1)
+        if self.row_perm is None:
+            return np.asarray(data[a:b])
+        return np.asarray(data[self.row_perm[a:b]])
+
+    def dequantize(self, a: int = 0, b: int | None = None) -> np.ndarray:
+        """float32 rows [a, b) (the whole tensor for a 1-D one), exact."""
+        from gguf import quants
+
+        if len(self.shape) == 1:
+            arr = np.asarray(self._data, dtype=np.float32).reshape(self.shape)
+            return (arr if self.row_perm is None else arr[self.row_perm]).copy()
+        b = self.shape[0] if b is None else b
+        raw = self._raw(a, b)
+        if self.type == "F32":
+            return np.array(raw, dtype=np.float32)
+        if self.type in ("F16", "BF16") and raw.dtype != np.uint8:
+            return raw.astype(np.float32)
+        return quants.dequantize(raw, self._qtype).astype(np.float32, copy=False) \
+            .reshape(b - a, self.shape[1])
+
+    def int4_groups(self, a: int = 0, b: int | None = None):
+        """(q uint8 [n, K] in 0..15, scale f32 [n, K/32], zero f32 [n, K/32]) for rows
+        [a, b) with w = (q - 8) * scale + zero exactly; None if not a 4-bit format."""
+        if not self.is_int4:
+            return None
+        b = self.shape[0] if b is None else b
+        return _DECODERS[self.type](self._raw(a, b), self.shape[1])
+
+
+def _f16(raw: np.ndarray, off: int, n: int = 1) -> np.ndarray:
+    return raw[:, off:off + 2 * n].copy().view(np.float16).astype(np.float32)
+
+
+def _nibbles32(qs: np.ndarray) -> np.ndarray:
+    """[..., 16] bytes -> [..., 32] values: low nibbles first, then high."""
+    return np.concatenate([qs & 15, qs >> 4], axis=-1)
+
+
+def _q4_0(raw: np.ndarray, cols: int):
+    n = raw.shape[0]
+    blocks = raw.reshape(n, cols // 32, 18)
+    d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)[..., 0]
+    q = _nibbles32(blocks[..., 2:18]).reshape(n, cols)
+    return q, d, np.zeros_like(d)
+
+
+def _q4_1(raw: np.ndarray, cols: int):
+    n = raw.shape[0]
+    blocks = raw.reshape(n, cols // 32, 20)
+    d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)[..., 0]
+    m = blocks[..., 2:4].copy().view(np.float16).astype(np.float32)[..., 0]
+    q = _nibbles32(blocks[..., 4:20]).reshape(n, cols)
+    # d * x + m == (x - 8) * d + (m + 8 d)
+    return q, d, m + 8.0 * d
+
+
+def _q4_k(raw: np.ndarray, cols: int):
+    n = raw.shape[0]
+    nb = cols // 256
+    blocks = raw.reshape(n, nb, 144)
+    d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)[..., 0]      # [n, nb]
+    dmin = blocks[..., 2:4].copy().view(np.float16).astype(np.float32)[..., 0]
+    s = blocks[..., 4:16].astype(np.int32)                                        # [n, nb, 12]
+    # 6-bit scales and mins of the 8 sub-blocks, packed in 12 bytes.
+    sc = np.empty((n, nb, 8), np.int32)
+    mn = np.empty((n, nb, 8), np.int32)
+    sc[..., :4] = s[..., 0:4] & 63
+    mn[..., :4] = s[..., 4:8] & 63
+    sc[..., 4:] = (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)
+    mn[..., 4:] = (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)
+    qs = blocks[..., 16:144].reshape(n, nb, 4, 32)
+    q = np.stack([qs & 15, qs >> 4], axis=3).reshape(n, cols)    # sub-blocks 2i, 2i+1
+    scale = (d[..., None] * sc).reshape(n, nb * 8)
+    zero = (-dmin[..., None] * mn).reshape(n, nb * 8) + 8.0 * scale
+    return q, scale, zero
+
+
+_DECODERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k}

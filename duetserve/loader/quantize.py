@@ -1,0 +1,112 @@
+"""`--quantization auto|none|int8|int4`: which weights are packed low-bit, and how.
+
+- auto: keep what the file has, at the nearest packed form. GGUF Q4_0/Q4_1/Q4_K -> int4
+  (exact groups of 32); other quantized GGUF types (Q5_x, Q6_K, Q8_0) -> int8 per row;
+  float tensors (F32/F16/BF16 GGUF, HF folders) stay dense.
+- int8 / int4: every linear weight (and the embedding) is packed so, quantizing float
+  checkpoints at load (4-bit sources stay exact under int4).
+- none: nothing is packed (the float path of `--dtype`).
+
+A stacked target (qkv, gate_up) is int4 only if all its parts are 4-bit; otherwise the
+whole target is int8. Parts are decoded in row chunks, so no whole tensor is ever held in
+float32 (except for the dense copies a `KernelPolicy` asks for, see models/kernels.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+
+from duetserve.config import QUANTIZATIONS, ModelConfig  # noqa: F401 (re-exported)
+from duetserve.loader.gguf_blocks import GGUFTensor
+from duetserve.models.quant import (Int4Weight, Int8Weight, KernelPolicy, QuantEmbedding,
+                                    QuantLinear, int4_groups_from_float, quantize_int8)
+
+_LINEAR_SUFFIXES = ("qkv_proj.weight", "o_proj.weight", "gate_up_proj.weight",
+                    "down_proj.weight", "lm_head.weight", "embed_tokens.weight")
+_FLOAT_TYPES = ("F32", "F16", "BF16")
+_CHUNK = 8192      # rows decoded at a time
+
+
+def _rows_float(arr, a: int, b: int) -> torch.Tensor:
+    if isinstance(arr, GGUFTensor):
+        return torch.from_numpy(arr.dequantize(a, b))
+    if isinstance(arr, np.ndarray):
+        return torch.from_numpy(np.array(arr[a:b], dtype=np.float32))
+    return arr[a:b].float()
+
+
+def _int4_rows(arr, a: int, b: int):
+    if isinstance(arr, GGUFTensor) and arr.is_int4:
+        q, s, z = arr.int4_groups(a, b)
+        return torch.from_numpy(q), torch.from_numpy(s), torch.from_numpy(z)
+    return int4_groups_from_float(_rows_float(arr, a, b))
+
+
+def _chunks(parts):
+    for _, arr in sorted(parts, key=lambda p: p[0]):
+        for a in range(0, arr.shape[0], _CHUNK):
+            yield arr, a, min(arr.shape[0], a + _CHUNK)
+
+
+@dataclass
+class QuantPlan:
+    mode: str                              # auto | int8 | int4
+    policy: KernelPolicy = field(default_factory=KernelPolicy)
+    # Resident dense copies (for many-row steps) are kept when all of them fit this.
+    dense_budget_bytes: int = 512 * 2**20
+    summary: dict = field(default_factory=dict)   # form -> number of tensors (for logs)
+
+    def wants(self, target: str, arr) -> bool:
+        """Is this part of `target` to be packed?"""
+        if not target.endswith(_LINEAR_SUFFIXES):
+            return False
+        if self.mode == "auto":
+            return isinstance(arr, GGUFTensor) and arr.type not in _FLOAT_TYPES
+        return True
+
+    def _form(self, parts, n: int) -> str:
+        all4 = all(isinstance(a, GGUFTensor) and a.is_int4 for _, a in parts)
+        if n % 64:
+            return "int8"      # torch's int4 packing interleaves rows in blocks of 64
+        if self.mode == "int4" or (self.mode == "auto" and all4):
+            return "int4"
+        return "int8"
+
+    def build(self, parts, shape) -> Int4Weight | Int8Weight:
+        form = self._form(parts, shape[0])
+        self.summary[form] = self.summary.get(form, 0) + 1
+        if form == "int4":
+            q, s, z = zip(*(_int4_rows(arr, a, b) for arr, a, b in _chunks(parts)))
+            return Int4Weight(torch.cat(q), torch.cat(s), torch.cat(z))
+        q, s = zip(*(quantize_int8(_rows_float(arr, a, b)) for arr, a, b in _chunks(parts)))
+        return Int8Weight(torch.cat(q), torch.cat(s))
+
+    def apply(self, model: nn.Module, pending: dict[str, list], buffers: dict[str, torch.Tensor],
+              cfg: ModelConfig) -> None:
+        """Mutates `model` (quantized targets' modules replaced; tied head added) and
+        `buffers` (biases of replaced linears move into the new modules)."""
+        params = dict(model.named_parameters())
+        linears: list[QuantLinear] = []
+        for target, parts in pending.items():
+            qw = self.build(parts, tuple(params[target].shape))
+            path = target[: -len(".weight")]
+            if path == "embed_tokens":
+                model.embed_tokens = QuantEmbedding(qw)
+                if cfg.tie_word_embeddings:
+                    model.lm_head = QuantLinear(qw, None, self.policy)
+                    linears.append(model.lm_head)
+                continue
+            bias = buffers.pop(path + ".bias", None)
+            mod = QuantLinear(qw, bias, self.policy)
+            model.set_submodule(path, mod)
+            linears.append(mod)
+        dense_bytes = sum(m.out_features * m.in_features for m in linears) * \
+            torch.empty(0, dtype=self.policy.dense_dtype).element_size()
+        if dense_bytes <= self.dense_budget_bytes:
+            for m in linears:
+                m.dense = m.qweight.dequantize(self.policy.dense_dtype)
+        self.summary["dense_copies"] = dense_bytes <= self.dense_budget_bytes
+        self.summary["dense_bytes"] = dense_bytes

@@ -1,0 +1,151 @@
+"""What this CPU is fast at, measured once and cached, and the kernel policy built on it.
+
+- `bf16_gemm_speedup()`: bfloat16 GEMM time / float32 GEMM time on a 256 x 1024 x 1024
+  product (oneDNN uses AMX or AVX512-BF16 where the CPU has them, and emulates otherwise,
+  where bf16 is *slower*). `--dtype auto` computes many-row steps in bfloat16 only when
+  this says it pays (>= 1.3x).
+- `calibrate_lowbit_rows(layer)`: for one of the model's own linears, the largest row
+  count at which the low-bit kernel beats the dense path; decode steps up to that many
+  rows use low-bit weights, bigger steps the dense GEMM.
+
+Results are cached in ~/.cache/duetserve/cpu_kernels.json (key: CPU model, torch
+version, threads, shape), so start-up measures each thing once per machine.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import time
+
+import torch
+
+from duetserve.models.quant import KernelPolicy, QuantLinear
+
+log = logging.getLogger("duetserve")
+CACHE = os.path.join(os.path.expanduser(os.environ.get("DUET_CACHE", "~/.cache/duetserve")),
+                     "cpu_kernels.json")
+BF16_MIN_SPEEDUP = 1.3
+_ROWS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _key(*parts) -> str:
+    return "|".join(str(p) for p in (cpu_name(), torch.__version__, torch.get_num_threads(),
+                                      *parts))
+
+
+def _cached(key: str, measure):
+    try:
+        with open(CACHE) as f:
+            cache = json.load(f)
+    except (OSError, ValueError):
+        cache = {}
+    if key not in cache:
+        cache[key] = measure()
+        try:
+            os.makedirs(os.path.dirname(CACHE), exist_ok=True)
+            tmp = f"{CACHE}.{os.getpid()}"
+            with open(tmp, "w") as f:
+                json.dump(cache, f, indent=1)
+            os.replace(tmp, CACHE)
+        except OSError:
+            pass
+    return cache[key]
+
+
+def _best_of(fn, reps: int = 5) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def bf16_gemm_speedup() -> float:
+    def measure() -> float:
+        a = torch.randn(256, 1024)
+        b = torch.randn(1024, 1024)
+        ab, bb = a.bfloat16(), b.bfloat16()
+        return _best_of(lambda: a @ b) / _best_of(lambda: ab @ bb)
+    return float(_cached(_key("bf16_gemm_speedup"), measure))
+
+
+def choose_dense_dtype(dtype: str) -> tuple[torch.dtype, str]:
+    """The dtype of dense GEMMs for many-row steps, and why."""
+    if dtype != "auto":
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16,
+                "float16": torch.float16}[dtype], f"--dtype {dtype}"
+    speedup = bf16_gemm_speedup()
+    flags = cpu_flags()
+    has = [f for f in ("amx_bf16", "avx512_bf16") if f in flags] or ["no bf16 instructions"]
+    if speedup >= BF16_MIN_SPEEDUP:
+        return torch.bfloat16, f"bf16 GEMM {speedup:.2f}x fp32 ({', '.join(has)})"
+    return torch.float32, f"bf16 GEMM only {speedup:.2f}x fp32 ({', '.join(has)}): fp32"
+
+
+def calibrate_lowbit_rows(layer: QuantLinear) -> int:
+    """Largest row count (of 1..64) at which `layer`'s low-bit kernel is at least as fast
+    as its dense path; 0 if never. Uses the layer as it is (dense copy or not)."""
+    policy = layer.policy
+    kind = "dense" if layer.dense is not None else "dequant"
+
+    def measure() -> int:
+        best = 0
+        saved = policy.lowbit_max_rows
+        try:
+            for m in _ROWS:
+                x = torch.randn(m, layer.in_features)
+                policy.lowbit_max_rows = m
+                low = _best_of(lambda: layer(x), 3)
+                policy.lowbit_max_rows = 0
+                dense = _best_of(lambda: layer(x), 3)
+                if low <= dense:
+                    best = m
+                elif m >= 8:
+                    break
+        finally:
+            policy.lowbit_max_rows = saved
+        return best
+    return int(_cached(_key("lowbit_rows", layer.out_features, layer.in_features,
+                            f"int{layer.qweight.bits}", kind, policy.dense_dtype), measure))
+
+
+def finish_policy(model: torch.nn.Module, policy: KernelPolicy) -> None:
+    """Calibrate `policy.lowbit_max_rows` on the model's largest quantized linear.
+    Mutates `policy` (shared by every QuantLinear)."""
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    if not layers:
+        return
+    # The MLP's gate/up projection: the most common shape in a step's weight bytes.
+    big = max((m for m in layers if m is not getattr(model, "lm_head", None)),
+              key=lambda m: m.out_features * m.in_features, default=layers[0])
+    policy.lowbit_max_rows = calibrate_lowbit_rows(big)
+    policy.reason += (f"; low-bit kernels for steps of <= {policy.lowbit_max_rows} rows "
+                      f"(measured on {big.out_features}x{big.in_features} "
+                      f"int{big.qweight.bits}, dense path "
+                      f"{'resident' if big.dense is not None else 'dequantized per call'})")
