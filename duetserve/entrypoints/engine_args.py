@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 import logging
 
-from duetserve.config import DTYPES, QUANTIZATIONS, ConfigError, EngineConfig
+from duetserve.config import (DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS, ConfigError,
+                              EngineConfig)
 from duetserve.entrypoints.cli import UserError
 
 
@@ -28,6 +29,9 @@ def add_engine_arguments(p: argparse.ArgumentParser, positional_model: bool = Fa
     g.add_argument("--max-model-len", type=int, default=None,
                    help="context limit in tokens (default: the checkpoint's)")
     g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
+    g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=list(KV_CACHE_DTYPES),
+                   help="KV cache dtype; bfloat16 halves the bytes long-context decode "
+                        "reads (math stays float32). auto: the activations' dtype")
     g.add_argument("--kv-cache-memory", type=float, default=d.kv_cache_memory,
                    help="GiB of KV cache (default %(default)s)")
     g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
@@ -51,7 +55,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             model=getattr(args, "model_pos", None) or args.model, dtype=args.dtype,
             quantization=args.quantization,
             max_model_len=args.max_model_len, block_size=args.block_size,
-            kv_cache_memory=args.kv_cache_memory,
+            kv_cache_memory=args.kv_cache_memory, kv_cache_dtype=args.kv_cache_dtype,
             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
             enable_prefix_caching=args.enable_prefix_caching, num_threads=args.num_threads,
             seed=args.seed, trace_file=args.trace_file)

@@ -250,9 +250,9 @@ class StepAccountant:
 def accountant_for_engine(engine: Any, hardware: HardwareProfile | str | None = None
                           ) -> StepAccountant:
     """Return a StepAccountant for a running engine (duck-typed: `model_config`,
-    `loaded.weight_bytes`, `loaded.dtype`). Does not register it as an observer."""
+    `loaded.weight_bytes`, `kv_dtype`). Does not register it as an observer."""
     return StepAccountant(engine.model_config, engine.loaded.weight_bytes,
-                          str(engine.loaded.dtype).replace("torch.", ""), hardware)
+                          str(engine.kv_dtype).replace("torch.", ""), hardware)
 
 
 __all__ = ["PHASES", "StepAccount", "StepAccountant", "classify_phase",

@@ -87,17 +87,14 @@ class TorchAttention(AttentionBackend):
         v_flat = v_cache.view(self.num_kv_heads, -1, self.head_dim)
         # NOTE: every token's K/V is written before any read, so a sequence may attend to
         # blocks another sequence of the same step is filling (shared-prefix siblings).
-        k_flat.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
-        v_flat.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+        kvd = k_cache.dtype             # may be narrower than q (--kv-cache-dtype)
+        k_flat.index_copy_(1, meta.slot_mapping, k.transpose(0, 1).to(kvd))
+        v_flat.index_copy_(1, meta.slot_mapping, v.transpose(0, 1).to(kvd))
         if meta.decode_block_tables is not None and not meta.prefills:   # decode-only step
-            return self.paged_decode(q.contiguous(), k_cache, v_cache, meta.decode_block_tables,
-                                     meta.decode_context_lens, self.scale)
+            return self._paged(q, k_cache, v_cache, meta)
         out = torch.empty(q.shape, dtype=q.dtype)
         if meta.num_decodes and meta.decode_block_tables is not None:
-            nd = meta.num_decodes
-            out[:nd] = self.paged_decode(q[:nd].contiguous(), k_cache, v_cache,
-                                         meta.decode_block_tables, meta.decode_context_lens,
-                                         self.scale)
+            out[:meta.num_decodes] = self._paged(q[:meta.num_decodes], k_cache, v_cache, meta)
         for g in meta.decode_groups:
             out[g.start:g.end] = self._decode(q[g.start:g.end], k_cache, v_cache, g)
         for p in meta.prefills:
@@ -108,12 +105,18 @@ class TorchAttention(AttentionBackend):
                 op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True,
                                                     enable_gqa=self.gqa)
             else:
-                kp = torch.index_select(k_flat, 1, p.ctx_slots)  # [KVH, L, hd]
-                vp = torch.index_select(v_flat, 1, p.ctx_slots)
+                kp = torch.index_select(k_flat, 1, p.ctx_slots).to(q.dtype)  # [KVH, L, hd]
+                vp = torch.index_select(v_flat, 1, p.ctx_slots).to(q.dtype)
                 op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask,
                                                     enable_gqa=self.gqa)
             out[p.start:p.end] = op.transpose(0, 1)
         return out
+
+    def _paged(self, q, k_cache, v_cache, meta) -> torch.Tensor:
+        """Decode tokens through the native kernel (float32 math, cache read in place)."""
+        out = self.paged_decode(q.float().contiguous(), k_cache, v_cache,
+                                meta.decode_block_tables, meta.decode_context_lens, self.scale)
+        return out.to(q.dtype)
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 g: DecodeGroup) -> torch.Tensor:
@@ -128,7 +131,8 @@ class TorchAttention(AttentionBackend):
         blocks = g.block_table.view(-1)
         kd = torch.index_select(k_cache.view(kvh, num_blocks, bs * hd), 1, blocks)
         vd = torch.index_select(v_cache.view(kvh, num_blocks, bs * hd), 1, blocks)
-        kd, vd = kd.view(kvh, n, ctx, hd), vd.view(kvh, n, ctx, hd)
+        kd = kd.view(kvh, n, ctx, hd).to(q.dtype)
+        vd = vd.view(kvh, n, ctx, hd).to(q.dtype)
         qg = q.view(n, kvh, self.num_heads // kvh, hd).transpose(0, 1)  # [KVH, G, Gq, hd]
         scores = torch.matmul(qg, kd.transpose(-1, -2)) * self.scale   # [KVH, G, Gq, ctx]
         scores.masked_fill_(~g.mask, float("-inf"))

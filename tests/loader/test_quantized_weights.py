@@ -1,0 +1,148 @@
+"""Low-bit weights kept low-bit: the packed forms equal gguf's dequantization of the same
+tensors, exactly where the format maps losslessly and within the stated bound where it
+is repacked (models/quant.py)."""
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf import quants
+
+from duetserve.loader import load_model
+from duetserve.loader.gguf_blocks import GGUFTensor
+from duetserve.loader.gguf_file import open_gguf
+from duetserve.models.quant import (Int4Weight, Int8Weight, QuantEmbedding, QuantLinear,
+                                    int4_groups_from_float, quantize_int8)
+
+ROWS, COLS = 64, 512      # int4 packing works in blocks of 64 rows
+
+
+def _k_blocks(qtype, rng) -> np.ndarray:
+    """Random K-quant blocks with finite fp16 super-block scales."""
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(ROWS * COLS // block, size), dtype=np.uint8)
+    scale = np.full((raw.shape[0], 1), 0.01, np.float16).view(np.uint8)
+    if qtype == Q.Q6_K:
+        raw[:, -2:] = scale
+    else:
+        raw[:, 0:2] = scale
+        raw[:, 2:4] = scale
+    return raw.reshape(ROWS, -1)
+
+
+@pytest.fixture(scope="module")
+def quant_file(tmp_path_factory):
+    rng = np.random.default_rng(0)
+    path = str(tmp_path_factory.mktemp("qw") / "q.gguf")
+    w = gguf.GGUFWriter(path, "llama")
+    for qt in (Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q5_0):
+        w.add_tensor(qt.name, quants.quantize(rng.standard_normal((ROWS, COLS))
+                                              .astype(np.float32), qt), raw_dtype=qt)
+    for qt in (Q.Q4_K, Q.Q6_K):
+        w.add_tensor(qt.name, _k_blocks(qt, rng), raw_dtype=qt)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return {t.name: t for t in open_gguf(path).tensors}
+
+
+def _reference(t) -> np.ndarray:
+    return quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(ROWS, COLS)
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q4_K"])
+def test_int4_groups_are_exact(quant_file, name):
+    t = quant_file[name]
+    q, s, z = GGUFTensor(name, t).int4_groups()
+    assert q.dtype == np.uint8 and q.max() <= 15
+    w = (q.astype(np.float64) - 8) * np.repeat(s, 32, 1) + np.repeat(z, 32, 1)
+    ref = _reference(t)
+    # exact up to float32 rounding of scale and zero (d * x + m == (x - 8) * d + (m + 8 d))
+    np.testing.assert_allclose(w, ref, rtol=0, atol=1e-6 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q4_K"])
+def test_packed_int4_within_bf16_scale_bound(quant_file, name):
+    t = quant_file[name]
+    q, s, z = GGUFTensor(name, t).int4_groups()
+    packed = Int4Weight(torch.from_numpy(q), torch.from_numpy(s), torch.from_numpy(z))
+    got = packed.dequantize().double().numpy()
+    ref = _reference(t)
+    bound = 2.0 ** -8 * (np.abs(q.astype(np.float64) - 8) * np.repeat(np.abs(s), 32, 1)
+                         + np.repeat(np.abs(z), 32, 1)) + 1e-7
+    assert np.all(np.abs(got - ref) <= bound)
+    ids = torch.tensor([0, 1, 31, 32, 33, 63])
+    assert torch.equal(packed.rows(ids), packed.dequantize()[ids])
+
+
+@pytest.mark.parametrize("name", ["Q8_0", "Q5_0", "Q6_K"])
+def test_int8_requantization_bound(quant_file, name):
+    ref = _reference(quant_file[name])
+    packed = Int8Weight(*quantize_int8(torch.from_numpy(ref)))
+    got = packed.dequantize().double().numpy()
+    amax = np.abs(ref).max(axis=1, keepdims=True)
+    # half a step of the row's scale, plus the bfloat16 rounding of the scale
+    bound = amax / 254 * (1 + 2.0 ** -7) + 2.0 ** -8 * np.abs(ref) + 1e-7
+    assert np.all(np.abs(got - ref) <= bound)
+    assert not np.array_equal(got, ref) or name == "Q8_0"   # it is a real requantization
+
+
+def test_int4_from_float_bound():
+    w = torch.randn(64, 128)
+    q, s, z = int4_groups_from_float(w)
+    back = Int4Weight(q, s, z).dequantize()
+    step = s.repeat_interleave(32, 1)
+    assert torch.all((back - w).abs() <= step / 2 + 2.0 ** -8 * (8 * step + z.abs()
+                                                                  .repeat_interleave(32, 1)))
+
+
+def test_default_model_packed_like_the_file(default_model):
+    """Q4_1 projections -> int4, the tied Q8_0 embedding/head -> int8; every packed
+    weight within its bound of the float load of the same file (stacking and the Q/K
+    row order included)."""
+    q = load_model(None, quantization="auto")
+    dense = dict(default_model.model.named_parameters())
+    seen = 0
+    for name, mod in q.model.named_modules():
+        if not isinstance(mod, QuantLinear) or name == "lm_head":
+            continue
+        ref = dense[name + ".weight"]
+        qw = mod.qweight
+        assert isinstance(qw, Int4Weight), name
+        s = qw.sz[..., 0].t().float().repeat_interleave(32, 1)
+        z = qw.sz[..., 1].t().float().repeat_interleave(32, 1)
+        bound = 2.0 ** -8 * (8 * s.abs() + z.abs()) * 1.01 + 1e-6
+        assert torch.all((qw.dequantize() - ref).abs() <= bound), name
+        seen += 1
+    assert seen == 4 * q.config.num_hidden_layers
+    assert isinstance(q.model.embed_tokens, QuantEmbedding)
+    assert q.model.lm_head.qweight is q.model.embed_tokens.qweight       # tied, one copy
+    emb = dense["embed_tokens.weight"]
+    head = q.model.lm_head.qweight
+    assert isinstance(head, Int8Weight)
+    amax = emb.abs().amax(1, keepdim=True)
+    assert torch.all((head.dequantize() - emb).abs() <= amax / 254 * 1.01 + emb.abs() / 256)
+    ids = torch.tensor([0, 5, 49151])
+    assert torch.equal(q.model.embed_tokens(ids), head.dequantize()[ids])
+    assert q.weight_bytes < 0.35 * default_model.weight_bytes     # low-bit, not float32
+
+
+def test_kernel_paths_agree():
+    """The low-bit kernel (few rows) and the dense path (many rows) compute the same
+    product, up to bfloat16 activations."""
+    from duetserve.models.quant import KernelPolicy
+    w = torch.randn(128, 256)
+    q, s, z = int4_groups_from_float(w)
+    for qw in (Int4Weight(q, s, z), Int8Weight(*quantize_int8(w))):
+        for dense in (None, qw.dequantize(torch.bfloat16)):
+            policy = KernelPolicy(lowbit_max_rows=4, dense_dtype=torch.bfloat16)
+            lin = QuantLinear(qw, torch.randn(128), policy, dense)
+            x = torch.randn(8, 256)
+            many = lin(x)                                  # 8 rows > 4: dense path
+            few = torch.cat([lin(x[i:i + 1]) for i in range(8)])   # low-bit kernel
+            ref = x @ qw.dequantize().t() + lin.bias
+            for y in (many, few):
+                assert (y - ref).abs().max() <= 0.02 * ref.abs().max()
