@@ -12,7 +12,8 @@ draws the plots with `duet bench plot`. Engines never run at the same time (2 co
         --plot-cdf docs/peers_cdf.png --plot-curve docs/peers_rates.png
 
 Engines (weights are the duetserve default model, SmolLM2-135M-Instruct Q4_1, unless --gguf):
-  duet            `python -m duetserve serve --num-threads T` (float32 from dequantized Q4_1)
+  duet            `python -m duetserve serve GGUF --num-threads T` (Q4_1 kept int4, auto kernels)
+  duet-f32        duetserve on the F32 copy (float32 weights and compute)
   llamacpp-q4_1   llama.cpp on the Q4_1 GGUF itself (llama.cpp's quantized kernels)
   llamacpp-f32    llama.cpp on an F32 copy (make_f32_gguf.py; built on first use): same
                   weight values and precision as duetserve
@@ -55,7 +56,9 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
-ENGINES = ("duet", "llamacpp-q4_1", "llamacpp-f32", "hf")
+ENGINES = ("duet", "duet-f32", "llamacpp-q4_1", "llamacpp-f32", "hf")
+# Which peer each duetserve engine is compared with (same weight precision).
+PAIRS = {"duet": ("llamacpp-q4_1", "hf"), "duet-f32": ("llamacpp-f32", "hf")}
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EOG_TEXTS = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<end_of_turn>", "<|end|>", "</s>")
 
@@ -145,8 +148,9 @@ def nice_prefix(args: argparse.Namespace) -> list[str]:
 
 def server_argv(engine: str, port: int, args: argparse.Namespace, gguf: Path, f32: Path) -> list[str]:
     t = str(args.threads)
-    if engine == "duet":
-        return [*nice_prefix(args), args.python, "-m", "duetserve", "serve", str(gguf), "--host", "127.0.0.1",
+    if engine in ("duet", "duet-f32"):
+        model = gguf if engine == "duet" else f32
+        return [*nice_prefix(args), args.python, "-m", "duetserve", "serve", str(model), "--host", "127.0.0.1",
                 "--port", str(port), "--num-threads", t, *shlex.split(args.duet_args)]
     if engine == "hf":
         return [*nice_prefix(args), args.python, str(HERE / "hf_server.py"), "--model", str(gguf),
@@ -236,12 +240,12 @@ def table(docs: dict[str, dict[str, Any]]) -> str:
             rows[engine] = row(s)
             lines.append(f"{str(rate):>6} {engine:<22}" + "".join(f"{_fmt(v):>11}" for v in rows[engine])
                          + f"{s['failed']:>8}")
-        if "duet" in rows:
-            for engine, vals in rows.items():
-                if engine == "duet":
-                    continue
-                ratio = [None if (a is None or not b) else a / b for a, b in zip(rows["duet"], vals)]
-                lines.append(f"{'':>6} {'duet/' + engine:<22}" + "".join(f"{_fmt(v, 3):>11}" for v in ratio))
+        for duet, peers in PAIRS.items():
+            for engine in (e for e in peers if e in rows and duet in rows):
+                ratio = [None if (a is None or not b) else a / b
+                         for a, b in zip(rows[duet], rows[engine])]
+                lines.append(f"{'':>6} {duet + '/' + engine:<22}"
+                             + "".join(f"{_fmt(v, 3):>11}" for v in ratio))
         lines.append("")
     return "\n".join(lines)
 
@@ -297,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     gguf = (args.gguf or default_gguf()).resolve()
     f32 = args.f32_gguf or ROOT / "out" / "peers" / (gguf.name.replace(".Q4_1.gguf", "") + ".F32.gguf")
-    if "llamacpp-f32" in engines and not f32.exists():
+    if {"llamacpp-f32", "duet-f32"} & set(engines) and not f32.exists():
         subprocess.run([*nice_prefix(args), args.python, str(HERE / "make_f32_gguf.py"), "--input", str(gguf),
                         "--output", str(f32)], check=True)
     args.out_dir.mkdir(parents=True, exist_ok=True)

@@ -9,7 +9,9 @@ cd "$(dirname "$0")/../.."
 PY=${PY:-.venv/bin/python}
 N=${N:-64}
 RATES=${RATES:-0.5,2,inf}
-ENGINES=${ENGINES:-duet,llamacpp-q4_1,llamacpp-f32,hf}
+ENGINES=${ENGINES:-duet,llamacpp-q4_1,duet-f32,llamacpp-f32}
+# native llama-server (parallel slots), built once from source (build_llama_cpp.sh)
+LLAMA_SERVER_BIN=${LLAMA_SERVER_BIN:-$(benchmarks/peers/build_llama_cpp.sh)/llama-server}
 OUTDIR=${OUTDIR:-out/peers/run}
 mkdir -p "$OUTDIR"
 args=(--engines "$ENGINES" --rates "$RATES" --num-prompts "$N"

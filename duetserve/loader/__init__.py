@@ -74,6 +74,15 @@ class LoadedModel:
                 f" ({self.kernel_policy.reason})")
 
 
+def _release_free_memory() -> None:
+    """glibc keeps freed heap pages; hand them back so RSS reflects what is kept."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def load_model(path: str | None, dtype: str = "float32", device: str = "cpu",
                max_positions: int | None = None, quantization: str = "none") -> LoadedModel:
     """Read a checkpoint, build the model on meta, assign weights (packing them low-bit
@@ -117,6 +126,7 @@ def load_model(path: str | None, dtype: str = "float32", device: str = "cpu",
     packed = sum(m.qweight.nbytes for m in qlayers.values())
     copies = sum(m.nbytes - m.qweight.nbytes for m in model.modules()
                  if isinstance(m, QuantLinear))
+    _release_free_memory()      # the loader's transient buffers, back to the OS
     policy = None
     if qlayers:
         policy = plan.policy

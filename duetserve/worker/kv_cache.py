@@ -9,6 +9,7 @@ reads the cache with one gather and no transpose copy.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from duetserve.config import ModelConfig
@@ -28,10 +29,21 @@ def num_blocks_for_memory(cfg: ModelConfig, dtype: torch.dtype, block_size: int,
     return max(1, int(memory_gib * GiB) // per_block)
 
 
+def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Zeroed CPU tensor whose pages are mapped on first touch: numpy's zeros come from
+    calloc (fresh zero pages for large sizes), so an idle KV cache costs no resident
+    memory (torch.zeros writes every byte). Zeroed so that padded slots read by masked
+    attention (the gather fallback) hold finite values."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    raw = np.zeros(int(np.prod(shape)) * elem, dtype=np.uint8)
+    return torch.from_numpy(raw).view(dtype).view(shape)
+
+
 def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int,
                       dtype: torch.dtype, device: str | torch.device
                       ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    # Zeroed so that padded slots read by masked attention hold finite values.
-    cache = torch.zeros(cfg.num_hidden_layers, 2, cfg.num_key_value_heads, num_blocks,
-                        block_size, cfg.head_dim, dtype=dtype, device=device)
+    shape = (cfg.num_hidden_layers, 2, cfg.num_key_value_heads, num_blocks, block_size,
+             cfg.head_dim)
+    cache = _lazy_zeros(shape, dtype) if str(device) == "cpu" else \
+        torch.zeros(shape, dtype=dtype, device=device)
     return [(cache[i, 0], cache[i, 1]) for i in range(cfg.num_hidden_layers)]
