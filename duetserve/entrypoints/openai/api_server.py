@@ -69,7 +69,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     """The app; the engine thread starts and stops with the app's lifespan."""
     core = engine.engine
     metrics = ServerMetrics(served_model_name, engine.max_model_len,
-                            core.config.max_num_batched_tokens)
+                            core.max_num_batched_tokens)
     core.add_step_observer(metrics.observe_step)
     engine.idle_stats_observers.append(metrics.observe_step)
     engine.finish_observers.append(metrics.observe_finished)
