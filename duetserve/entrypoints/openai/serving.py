@@ -309,7 +309,7 @@ async def _completion_prompts(ctx: ServerContext, body: CompletionRequest
     prompts = body.prompts()
     if not prompts:
         raise APIError("the prompt list is empty", param="prompt")
-    if len(prompts) * body.n > ctx.max_n:
+    if len(prompts) > 1 and len(prompts) * body.n > ctx.max_n:   # n alone: the engine
         raise APIError(f"{len(prompts)} prompts x n={body.n} is {len(prompts) * body.n} "
                        f"choices; at most {ctx.max_n} (max_n) per request", param="prompt")
     ctx.check_chars(sum(len(p) for p in prompts if isinstance(p, str)), "prompt")
@@ -346,10 +346,13 @@ def _with_prompt(ctx: ServerContext, out: RequestOutput, token_ids: list[int],
                  completion: dict | None) -> dict | None:
     """Prepend the prompt's tokens and logprobs (echo + logprobs); the first is None.
     `completion`'s text offsets must already count the echoed prompt."""
-    if out.prompt_logprobs is None or completion is None:
+    prompt_lps = out.prompt_logprobs
+    if prompt_lps is None and len(token_ids) == 1:
+        prompt_lps = [None]       # a one-token prompt has nothing to score
+    if prompt_lps is None or completion is None:
         return completion
     tokens, lps, tops, offsets, offset = [], [], [], [], 0
-    for tid, entries in zip(token_ids, out.prompt_logprobs):
+    for tid, entries in zip(token_ids, prompt_lps):
         text = ctx.token_text(tid)
         tokens.append(text)
         offsets.append(offset)
