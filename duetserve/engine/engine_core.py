@@ -25,7 +25,7 @@ from duetserve.core.scheduler import Scheduler
 from duetserve.core.step_budget import StepCost, default_max_step_ms, token_budget
 from duetserve.engine.detokenizer import IncrementalDetokenizer
 from duetserve.engine.isolation import IsolatedExecutor
-from duetserve.engine.step_cost import measured_step_cost
+from duetserve.engine.step_cost import is_plausible, measured_step_cost
 from duetserve.errors import EngineOverloadedError, RequestError
 from duetserve.loader import TORCH_DTYPES, LoadedModel, load_model
 from duetserve.metrics.step_accounting import StepAccount, accountant_for_engine
@@ -37,6 +37,9 @@ from duetserve.worker.kv_cache import kv_bytes_per_token, num_blocks_for_memory
 from duetserve.worker.model_runner import ModelRunner
 
 log = logging.getLogger("duetserve")
+
+# Budget when the start-up measurement was too noisy to use (a loaded machine).
+FALLBACK_TOKEN_BUDGET = 512
 
 
 @dataclass
@@ -163,6 +166,8 @@ class EngineCore:
             min(self.max_model_len - 1, self.num_blocks * config.block_size))
         self.step_cost = cost
         self.max_step_ms = config.max_step_ms or default_max_step_ms(cost)
+        if not is_plausible(cost):
+            return FALLBACK_TOKEN_BUDGET
         budget = token_budget(cost, self.max_step_ms, lo=min(64, config.max_num_seqs))
         log.info("step budget: %d tokens for a %.0f ms step (measured%s: %.1f ms + "
                  "%.3f ms/token)", budget, self.max_step_ms, ", cached" if cached else "",

@@ -89,13 +89,23 @@ def _time_prefill(runner, num_tokens: int, vocab_size: int, block_size: int) -> 
 
 
 def measure(runner, vocab_size: int, block_size: int, max_tokens: int) -> StepCost:
-    """Fit StepCost from SMALL- and LARGE-token prefills (best of 2 each, after a warm-up).
+    """Fit StepCost from SMALL- and LARGE-token prefills, interleaved, best of 2 each,
+    after one warm-up of each size (first calls pay one-time kernel set-up).
     `max_tokens` bounds LARGE (context length and KV capacity)."""
     large = max(SMALL * 2, min(LARGE, max_tokens))
     _time_prefill(runner, SMALL, vocab_size, block_size)            # warm-up
-    small_ms = min(_time_prefill(runner, SMALL, vocab_size, block_size) for _ in range(2))
-    large_ms = min(_time_prefill(runner, large, vocab_size, block_size) for _ in range(2))
-    return StepCost.fit(SMALL, small_ms, large, large_ms)
+    _time_prefill(runner, large, vocab_size, block_size)
+    small_ms, large_ms = [], []
+    for _ in range(2):
+        small_ms.append(_time_prefill(runner, SMALL, vocab_size, block_size))
+        large_ms.append(_time_prefill(runner, large, vocab_size, block_size))
+    return StepCost.fit(SMALL, min(small_ms), large, min(large_ms))
+
+
+def is_plausible(cost: StepCost) -> bool:
+    """A larger step must cost more: a flat or inverted fit means the machine was too
+    noisy while measuring (such a fit is neither used as is nor cached)."""
+    return cost.per_token_ms > 1e-4
 
 
 def measured_step_cost(runner, model_path: str, dtype: str, num_threads: int,
@@ -109,6 +119,12 @@ def measured_step_cost(runner, model_path: str, dtype: str, num_threads: int,
     if isinstance(entry, dict) and {"fixed_ms", "per_token_ms"} <= set(entry):
         return StepCost(float(entry["fixed_ms"]), float(entry["per_token_ms"])), True
     cost = measure(runner, vocab_size, block_size, max_tokens)
+    if not is_plausible(cost):
+        cost = measure(runner, vocab_size, block_size, max_tokens)     # once more
+    if not is_plausible(cost):
+        log.warning("step cost measurement too noisy (%.1f ms + %.4f ms/token); not "
+                    "cached", cost.fixed_ms, cost.per_token_ms)
+        return cost, False
     cache[key] = {"fixed_ms": cost.fixed_ms, "per_token_ms": cost.per_token_ms,
                   "model": os.path.basename(model_path), "measured_at": time.time()}
     if len(cache) > MAX_CACHE_ENTRIES:   # keep the newest entries
