@@ -181,15 +181,21 @@ def test_full_waiting_queue_is_503_with_retry_after(server) -> None:
             async for _ in resp.aiter_lines():
                 pass
 
+    async def until(name: str, value: float) -> None:
+        deadline = time.monotonic() + 60
+        while server.metrics()[name] < value and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        assert server.metrics()[name] >= value, f"{name} never reached {value}"
+
     async def run() -> httpx.Response:
         async with httpx.AsyncClient(timeout=120) as ac:
-            holders = [asyncio.create_task(hold(ac)) for _ in range(2)]   # 4 run, 4 wait
-            deadline = time.monotonic() + 60
-            while (server.metrics()["duet:num_requests_waiting"] < 4
-                   and time.monotonic() < deadline):
-                await asyncio.sleep(0.1)
+            # one at a time: two adds in the same engine iteration would both be waiting
+            holders = [asyncio.create_task(hold(ac))]
+            await until("duet:num_requests_running", 4)
+            holders.append(asyncio.create_task(hold(ac)))
+            await until("duet:num_requests_waiting", 4)
             r = await ac.post(f"{server.base}/v1/completions",
-                              json={"prompt": PROMPT, "max_tokens": 2})
+                              json={"prompt": PROMPT, "max_tokens": 2}, timeout=30)
             for t in holders:
                 t.cancel()
             await asyncio.gather(*holders, return_exceptions=True)
