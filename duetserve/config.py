@@ -85,8 +85,14 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_memory: float = 2.0        # GiB of KV cache
     num_gpu_blocks_override: int | None = None  # exact number of KV blocks (tests)
-    max_num_batched_tokens: int = 2048
+    # Token budget per step. None: derived from max_step_ms and the step cost measured at
+    # start-up (engine/step_cost.py), so long prompts are chunked finely enough that
+    # running streams keep flowing.
+    max_num_batched_tokens: int | None = None
+    max_step_ms: float | None = None    # target step time; None: 1.5x a small decode step
     max_num_seqs: int = 128
+    max_n: int = 128                    # cap on samples per request (OpenAI's limit)
+    max_waiting_requests: int = 1024    # refuse new requests past this many waiting (0: no cap)
     enable_prefix_caching: bool = True
     num_threads: int | None = None
     seed: int = 0
@@ -105,9 +111,16 @@ class EngineConfig:
             raise ConfigError(f"block_size must be a power of two > 0, got {self.block_size}")
         if self.kv_cache_memory <= 0:
             raise ConfigError(f"kv_cache_memory must be > 0 GiB, got {self.kv_cache_memory}")
-        if self.max_num_batched_tokens < 1:
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ConfigError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_step_ms is not None and not self.max_step_ms > 0:
+            raise ConfigError(f"max_step_ms must be > 0, got {self.max_step_ms}")
+        if self.max_n < 1:
+            raise ConfigError(f"max_n must be >= 1, got {self.max_n}")
+        if self.max_waiting_requests < 0:
+            raise ConfigError(
+                f"max_waiting_requests must be >= 0, got {self.max_waiting_requests}")
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_model_len is not None and self.max_model_len < 1:
@@ -135,3 +148,5 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     # Never schedule more than this many tokens for one request's prefill chunk (0 = budget).
     long_prefill_token_threshold: int = 0
+    # Refuse new requests while this many wait (0 = unbounded); preempted ones always fit.
+    max_num_waiting: int = 0

@@ -11,4 +11,23 @@ class CheckpointError(DuetError):
 
 
 class RequestError(DuetError, ValueError):
-    """A request is invalid (prompt too long, bad parameter)."""
+    """A request is invalid (prompt too long, bad parameter).
+
+    `param` names the request field at fault (an OpenAI body field such as "seed",
+    "prompt", "n"), or None when no single field is. The server answers it as HTTP 400
+    with `param` in the error body; offline users catch it as a ValueError."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class EngineOverloadedError(DuetError):
+    """The engine's waiting queue is full: the request was refused, nothing was queued.
+    The server answers it as HTTP 503 with `Retry-After`."""
+
+
+class RequestFailedError(DuetError):
+    """A request failed while the engine was running it (its own processing raised); the
+    other requests of that step were not affected."""

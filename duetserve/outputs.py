@@ -83,7 +83,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None = None
     logprobs: list[dict[int, Logprob]] | None = None
-    finish_reason: str | None = None     # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None = None     # "stop" | "length" | "abort" | "error" | None
     stop_reason: int | str | None = None  # the stop string or stop token id that matched
 
     @property
@@ -144,3 +144,6 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # Set (with finished=True, finish_reason "error") when this request's own processing
+    # raised inside a step; the other requests of that step were not affected.
+    error: str | None = None

@@ -38,6 +38,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 3
     FINISHED_LENGTH_CAPPED = 4
     FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6      # its own processing raised inside a step (engine isolation)
 
     @property
     def is_finished(self) -> bool:
@@ -48,6 +49,7 @@ FINISH_REASON_TO_STATUS: dict[str, RequestStatus] = {
     "stop": RequestStatus.FINISHED_STOPPED,
     "length": RequestStatus.FINISHED_LENGTH_CAPPED,
     "abort": RequestStatus.FINISHED_ABORTED,
+    "error": RequestStatus.FINISHED_ERROR,
 }
 
 
@@ -68,7 +70,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     block_hashes: list[bytes] = field(default_factory=list)  # chain hash per FULL block
     num_preemptions: int = 0
-    finish_reason: str | None = None       # "stop" | "length" | "abort"
+    finish_reason: str | None = None       # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None   # stop token id or stop string
     max_tokens: int | None = None          # resolved from sampling_params; None = to max len
 

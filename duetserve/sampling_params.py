@@ -16,8 +16,13 @@ MAX_LOGIT_BIAS = 100.0
 MAX_PENALTY = 2.0
 
 
+# torch.Generator.manual_seed accepts [-2**63, 2**64): seeds outside can never run.
+MIN_SEED = -(2**63)
+MAX_SEED = 2**64 - 1
+
+
 class SamplingParamsError(RequestError):
-    """A sampling parameter is outside its allowed range; the message names it.
+    """A sampling parameter is outside its allowed range; the message and `param` name it.
 
     A ValueError (through RequestError), so user code may catch either."""
 
@@ -78,21 +83,22 @@ class SamplingParams:
                     token_id = int(key)
                 except (TypeError, ValueError):
                     raise SamplingParamsError(
-                        f"logit_bias keys must be token ids (int), got {key!r}") from None
+                        f"logit_bias keys must be token ids (int), got {key!r}",
+                        "logit_bias") from None
                 if not _is_real(value) or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
                     raise SamplingParamsError(
                         f"logit_bias[{token_id}] must be in [-{MAX_LOGIT_BIAS:g}, "
-                        f"{MAX_LOGIT_BIAS:g}], got {value!r}")
+                        f"{MAX_LOGIT_BIAS:g}], got {value!r}", "logit_bias")
                 if token_id < 0:
                     raise SamplingParamsError(
-                        f"logit_bias token id must be >= 0, got {token_id}")
+                        f"logit_bias token id must be >= 0, got {token_id}", "logit_bias")
                 bias[token_id] = float(value)
             set_(self, "logit_bias", bias)
 
     def _validate_numbers(self) -> None:
         def bad(name: str, allowed: str) -> SamplingParamsError:
             return SamplingParamsError(
-                f"{name} must be {allowed}, got {getattr(self, name)!r}")
+                f"{name} must be {allowed}, got {getattr(self, name)!r}", name)
 
         if not _is_int(self.n) or self.n < 1:
             raise bad("n", "an integer >= 1")
@@ -112,15 +118,20 @@ class SamplingParams:
         if not _is_real(self.repetition_penalty) or self.repetition_penalty <= 0 \
                 or math.isinf(self.repetition_penalty):
             raise bad("repetition_penalty", "> 0 (1 = off)")
-        if self.seed is not None and not _is_int(self.seed):
-            raise bad("seed", "an integer or None")
+        if self.seed is not None and (not _is_int(self.seed)
+                                      or not MIN_SEED <= self.seed <= MAX_SEED - (self.n - 1)):
+            # NOTE: sample i of n uses seed + i (clone_for_sample), so the top shrinks by n-1.
+            raise bad("seed", f"None or an integer in [{MIN_SEED}, {MAX_SEED}]"
+                      + (f" minus n-1 = {self.n - 1} (sample i uses seed + i)"
+                         if self.n > 1 else ""))
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise bad("max_tokens", "an integer >= 1 or None")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
             raise bad("min_tokens", "an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise SamplingParamsError(
-                f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+                f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}",
+                "min_tokens")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
@@ -130,11 +141,13 @@ class SamplingParams:
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise SamplingParamsError(
-                    f"stop strings must be non-empty str, got {s!r} in stop={self.stop!r}")
+                    f"stop strings must be non-empty str, got {s!r} in stop={self.stop!r}",
+                    "stop")
         for t in self.stop_token_ids:
             if not _is_int(t) or t < 0:
                 raise SamplingParamsError(
-                    f"stop_token_ids must be token ids (int >= 0), got {t!r}")
+                    f"stop_token_ids must be token ids (int >= 0), got {t!r}",
+                    "stop_token_ids")
 
     # -- queries -------------------------------------------------------------------------
 
@@ -158,18 +171,19 @@ class SamplingParams:
             if token_id >= vocab_size:
                 raise SamplingParamsError(
                     f"logit_bias token id {token_id} is not in the vocabulary "
-                    f"(valid ids: 0..{vocab_size - 1})")
+                    f"(valid ids: 0..{vocab_size - 1})", "logit_bias")
         for token_id in self.stop_token_ids:
             if token_id >= vocab_size:
                 raise SamplingParamsError(
                     f"stop_token_ids token id {token_id} is not in the vocabulary "
-                    f"(valid ids: 0..{vocab_size - 1})")
+                    f"(valid ids: 0..{vocab_size - 1})", "stop_token_ids")
 
     def clone_for_sample(self, index: int) -> "SamplingParams":
         """Params for sample `index` (0 <= index < n) of this request: n=1 and, when seeded,
         seed + index, so the n samples of a seeded request differ but stay reproducible.
         Returns a new object; self is unchanged."""
         if not 0 <= index < self.n:
-            raise SamplingParamsError(f"sample index must be in [0, {self.n}), got {index}")
+            raise SamplingParamsError(f"sample index must be in [0, {self.n}), got {index}",
+                                      "n")
         seed = None if self.seed is None else self.seed + index
         return replace(self, n=1, seed=seed)

@@ -346,7 +346,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "requests_digest": requests_digest(reqs)}
     result["engine"] = {
         "model": engine.loaded.path, "dtype": cfg.dtype, "num_threads": cfg.num_threads,
-        "max_num_batched_tokens": cfg.max_num_batched_tokens,
+        "max_num_batched_tokens": engine.max_num_batched_tokens,
         "max_num_seqs": cfg.max_num_seqs, "block_size": cfg.block_size,
         "kv_cache_memory": cfg.kv_cache_memory, "num_blocks": engine.num_blocks,
         "enable_prefix_caching": cfg.enable_prefix_caching}

@@ -114,6 +114,17 @@ class BlockPool:
                 if block.block_hash is None:
                     self._free.move_to_end(block.block_id, last=False)
 
+    def uncache(self, blocks: Iterable[KVBlock]) -> None:
+        """Drop the cached identity of each block (its KV is not trustworthy, e.g. a step
+        failed before writing it). Blocks keep their references; a free one moves to the
+        front of the free queue. Mutates: the cached map, the blocks, the free queue."""
+        for block in blocks:
+            if block.block_hash is None:
+                continue
+            self._evict(block)
+            if block.ref_cnt == 0:
+                self._free.move_to_end(block.block_id, last=False)
+
     # --- prefix cache -------------------------------------------------------------------
     def get_cached_block(self, block_hash: BlockHash, token_ids: Sequence[int],
                          parent: KVBlock | None) -> KVBlock | None:

@@ -144,14 +144,27 @@ class KVCacheManager:
         if end > start:
             self._num_registered[request.req_id] = end
 
-    def free(self, request: Request) -> None:
+    def free(self, request: Request, num_valid_tokens: int | None = None) -> None:
         """Release all of the request's blocks, tail first (so the tail is evicted before
         the head). Mutates: ref counts, free queue, the block table (removed). Cached blocks
-        keep their content and can still be hit. Unknown requests are ignored."""
+        keep their content and can still be hit. Unknown requests are ignored.
+
+        `num_valid_tokens`: only the KV of positions [0, num_valid_tokens) was written (a
+        step failed for this request); blocks from index num_valid_tokens // block_size on
+        were registered in the cache ahead of being computed, so their hashes are dropped
+        (shared with other requests or not) before the blocks are released."""
         blocks = self.req_to_blocks.pop(request.req_id, None)
         self._num_registered.pop(request.req_id, None)
+        if blocks and num_valid_tokens is not None:
+            self.pool.uncache(blocks[num_valid_tokens // self.block_size:])
         if blocks:
             self.pool.free_blocks(reversed(blocks))
+
+    def unverified_block_ids(self, request: Request) -> list[int]:
+        """Ids of the request's blocks at or past its computed prefix (their KV is being
+        written by the current step). Mutates nothing."""
+        blocks = self.req_to_blocks.get(request.req_id, [])
+        return [b.block_id for b in blocks[request.num_computed_tokens // self.block_size:]]
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached blocks if no block is in use; returns whether it did."""

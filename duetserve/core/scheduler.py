@@ -89,6 +89,12 @@ class Scheduler:
         self._arrival_seq[request.req_id] = next(self._arrival)
         self.waiting.push(request)
 
+    def has_room(self, num_requests: int) -> bool:
+        """Whether `num_requests` more requests fit in the waiting queue (max_num_waiting;
+        0 = unbounded). Mutates nothing."""
+        cap = self.config.max_num_waiting
+        return cap <= 0 or len(self.waiting) + num_requests <= cap
+
     def abort_requests(self, req_ids: str | Iterable[str]) -> None:
         """Finish the given requests with finish_reason "abort"; unknown or already finished
         ids are ignored. Mutates: queues, block tables, request status."""
@@ -117,9 +123,29 @@ class Scheduler:
             done.append(request)
         return done
 
-    def _release(self, request: Request) -> None:
+    def fail_requests(self, req_ids: Iterable[str]) -> list[Request]:
+        """Finish requests whose processing raised inside the current step (finish_reason
+        "error"). Call it after schedule() and before update_from_output(): their
+        num_computed_tokens has not advanced, so the blocks the step was filling are
+        dropped from the prefix cache (their KV may be unwritten) before they are freed.
+        Returns the requests finished by this call; unknown ids are ignored."""
+        done = []
+        for req_id in req_ids:
+            request = self.requests.get(req_id)
+            if request is None:
+                continue
+            if request.is_waiting:
+                self.waiting.remove(req_id)
+            else:
+                self.running.remove(request)
+            request.set_finished("error")
+            self._release(request, num_valid_tokens=request.num_computed_tokens)
+            done.append(request)
+        return done
+
+    def _release(self, request: Request, num_valid_tokens: int | None = None) -> None:
         """Forget a finished request. Mutates: block tables, self.requests."""
-        self.kv_cache_manager.free(request)
+        self.kv_cache_manager.free(request, num_valid_tokens)
         del self.requests[request.req_id]
         del self._arrival_seq[request.req_id]
         self._finished_req_ids.add(request.req_id)

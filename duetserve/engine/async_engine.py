@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from duetserve.engine.engine_core import EngineCore, StepStats
+from duetserve.errors import RequestFailedError
 from duetserve.outputs import CompletionOutput, RequestOutput
 from duetserve.sampling_params import SamplingParams
 
@@ -41,6 +42,10 @@ class EngineStepError(RuntimeError):
 
 class RequestAbortedError(RuntimeError):
     """The request was aborted (client gone, or the engine shut down)."""
+
+
+__all__ = ["AsyncEngine", "EngineStepError", "RequestAbortedError", "RequestFailedError",
+           "RequestStream"]
 
 
 def _snapshot(out: RequestOutput) -> RequestOutput:
@@ -87,13 +92,14 @@ class _Entry:
 
 @dataclass
 class _Command:
-    kind: str                       # "add" | "abort"
+    kind: str                       # "add" | "abort" | "fail_all"
     req_id: str
     token_ids: list[int] = field(default_factory=list)
     params: SamplingParams | None = None
     prompt: str | None = None
     stream: RequestStream | None = None
     done: asyncio.Future | None = None
+    arrival_time: float | None = None
 
 
 class AsyncEngine:
@@ -131,13 +137,17 @@ class AsyncEngine:
 
     # -- event-loop side API -------------------------------------------------------------
     async def add_request(self, req_id: str, token_ids: list[int], params: SamplingParams,
-                          prompt: str | None = None) -> RequestStream:
+                          prompt: str | None = None, arrival_time: float | None = None
+                          ) -> RequestStream:
         """Queue a request; returns its stream once the engine accepted it. Raises the
-        engine's RequestError / SamplingParamsError (ValueErrors) for a bad request."""
+        engine's RequestError / SamplingParamsError (ValueErrors) for a bad request and
+        EngineOverloadedError when its waiting queue is full. `arrival_time`
+        (time.time()): when the request reached the server; latencies count from it."""
         loop = asyncio.get_running_loop()
         stream = RequestStream(req_id, loop)
         done = loop.create_future()
-        self._submit(_Command("add", req_id, list(token_ids), params, prompt, stream, done))
+        self._submit(_Command("add", req_id, list(token_ids), params, prompt, stream, done,
+                              arrival_time))
         try:
             await done
         except asyncio.CancelledError:
@@ -149,6 +159,11 @@ class AsyncEngine:
         """Abort at the next engine iteration (its KV blocks are freed then); a no-op
         for requests that already finished. Safe from any thread."""
         self._submit(_Command("abort", req_id))
+
+    def fail_all(self, message: str) -> None:
+        """End every live request's stream with RequestAbortedError(message) and free its
+        blocks, at the next engine iteration (graceful shutdown past its timeout)."""
+        self._submit(_Command("fail_all", message))
 
     def _submit(self, cmd: _Command) -> None:
         if not self.is_running:
@@ -180,6 +195,9 @@ class AsyncEngine:
         for cmd in commands:
             if cmd.kind == "add":
                 self._handle_add(cmd)
+            elif cmd.kind == "fail_all":
+                aborted = aborted or bool(self._entries)
+                self._fail_all(RequestAbortedError(cmd.req_id))
             elif cmd.kind == "abort":
                 entry = self._entries.pop(cmd.req_id, None)
                 if entry is None:
@@ -194,7 +212,12 @@ class AsyncEngine:
     def _handle_add(self, cmd: _Command) -> None:
         assert cmd.stream is not None and cmd.done is not None
         try:
-            self.engine.add_request(cmd.req_id, cmd.token_ids, cmd.params, prompt=cmd.prompt)
+            if cmd.arrival_time is None:
+                self.engine.add_request(cmd.req_id, cmd.token_ids, cmd.params,
+                                        prompt=cmd.prompt)
+            else:
+                self.engine.add_request(cmd.req_id, cmd.token_ids, cmd.params,
+                                        prompt=cmd.prompt, arrival_time=cmd.arrival_time)
         except Exception as e:  # noqa: BLE001 - every error goes back to the caller
             self._resolve(cmd.stream.loop, cmd.done, e)
             return
@@ -216,11 +239,14 @@ class AsyncEngine:
             if entry is None:
                 continue
             entry.last = out
-            per_loop.setdefault(entry.stream.loop, []).append((entry.stream, _snapshot(out)))
+            item: RequestOutput | BaseException = _snapshot(out)
+            if out.error is not None:   # this request failed alone; the step went on
+                item = RequestFailedError(out.error)
+            per_loop.setdefault(entry.stream.loop, []).append((entry.stream, item))
             if out.finished:
                 del self._entries[out.request_id]
-                reason = next((o.finish_reason for o in out.outputs if o.finish_reason),
-                              "stop")
+                reason = "error" if out.error is not None else next(
+                    (o.finish_reason for o in out.outputs if o.finish_reason), "stop")
                 self._notify_finish(out, reason)
         for loop, items in per_loop.items():   # one wake-up per loop per step
             self._call(loop, _put_many, items)

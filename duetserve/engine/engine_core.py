@@ -22,8 +22,11 @@ import torch
 
 from duetserve.config import EngineConfig, SchedulerConfig
 from duetserve.core.scheduler import Scheduler
+from duetserve.core.step_budget import StepCost, default_max_step_ms, token_budget
 from duetserve.engine.detokenizer import IncrementalDetokenizer
-from duetserve.errors import RequestError
+from duetserve.engine.isolation import IsolatedExecutor
+from duetserve.engine.step_cost import is_plausible, measured_step_cost
+from duetserve.errors import EngineOverloadedError, RequestError
 from duetserve.loader import LoadedModel, load_model
 from duetserve.metrics.step_accounting import StepAccount, accountant_for_engine
 from duetserve.metrics.trace import TraceWriter
@@ -34,6 +37,9 @@ from duetserve.worker.kv_cache import kv_bytes_per_token, num_blocks_for_memory
 from duetserve.worker.model_runner import ModelRunner
 
 log = logging.getLogger("duetserve")
+
+# Budget when the start-up measurement was too noisy to use (a loaded machine).
+FALLBACK_TOKEN_BUDGET = 512
 
 
 @dataclass
@@ -102,7 +108,8 @@ class EngineCore:
         """`loaded`: reuse weights already in memory (tests build several engines on one
         model); it must have been loaded with config.model and config.dtype."""
         self.config = config
-        torch.set_num_threads(config.num_threads or min(os.cpu_count() or 1, 16))
+        num_threads = config.num_threads or min(os.cpu_count() or 1, 16)
+        torch.set_num_threads(num_threads)
         torch.manual_seed(config.seed)
         self.loaded = loaded or load_model(config.model, config.dtype, config.device,
                                            max_positions=config.max_model_len,
@@ -122,11 +129,16 @@ class EngineCore:
         self.num_blocks = num_blocks
         self.runner = ModelRunner(self.loaded.model, mcfg, num_blocks, config.block_size,
                                   dtype, config.device)
+        self.step_cost: StepCost | None = None
+        self.max_step_ms: float | None = None
+        self.max_num_batched_tokens = self._resolve_token_budget(num_threads)
         self.scheduler = Scheduler(SchedulerConfig(
-            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_batched_tokens=self.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
             block_size=config.block_size, num_blocks=num_blocks,
-            enable_prefix_caching=config.enable_prefix_caching))
+            enable_prefix_caching=config.enable_prefix_caching,
+            max_num_waiting=config.max_waiting_requests))
+        self.executor = IsolatedExecutor(self.runner.execute_model, self.scheduler)
         self.eos_token_ids = tuple(mcfg.eos_token_ids) or tuple(self.tokenizer.eos_token_ids)
         self.requests: dict[str, _UserRequest] = {}
         self._child_to_user: dict[str, str] = {}
@@ -145,23 +157,77 @@ class EngineCore:
                  kv_bytes_per_token(mcfg, dtype), self.max_model_len,
                  self.loaded.load_seconds)
 
+    def _resolve_token_budget(self, num_threads: int) -> int:
+        """The step token budget: the explicit max_num_batched_tokens, else derived from
+        the target step time and this machine's measured step cost (core/step_budget.py).
+        Sets self.step_cost and self.max_step_ms when derived."""
+        config = self.config
+        if config.max_num_batched_tokens is not None:
+            return config.max_num_batched_tokens
+        cost, cached = measured_step_cost(
+            self.runner, self.loaded.path,
+            f"{config.dtype}/{config.quantization}/{config.kv_cache_dtype}", num_threads,
+            self.model_config.vocab_size, config.block_size,
+            min(self.max_model_len - 1, self.num_blocks * config.block_size))
+        self.step_cost = cost
+        self.max_step_ms = config.max_step_ms or default_max_step_ms(cost)
+        if not is_plausible(cost):
+            return FALLBACK_TOKEN_BUDGET
+        budget = token_budget(cost, self.max_step_ms, lo=min(64, config.max_num_seqs))
+        log.info("step budget: %d tokens for a %.0f ms step (measured%s: %.1f ms + "
+                 "%.3f ms/token)", budget, self.max_step_ms, ", cached" if cached else "",
+                 cost.fixed_ms, cost.per_token_ms)
+        return budget
+
     # -- requests ----------------------------------------------------------------------
+    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Everything about a request that could make it fail inside a step is checked
+        here, at admission: prompt length and token ids, n, the sampling params against
+        the vocabulary (seeds, ranges and stop lists are checked when the SamplingParams
+        is built). Raises RequestError whose `param` names the field. Reads only
+        immutable state, so any thread may call it. Mutates nothing."""
+        if not prompt_token_ids:
+            raise RequestError("the prompt is empty (it must contain at least one token)",
+                               "prompt")
+        limit = min(self.max_model_len, self.num_blocks * self.config.block_size)
+        num = len(prompt_token_ids)
+        if num >= limit:
+            raise RequestError(
+                f"the prompt has {num} tokens; the limit is {limit - 1} "
+                f"(max_model_len {self.max_model_len}, KV cache "
+                f"{self.num_blocks * self.config.block_size} tokens), leaving room for at "
+                "least one generated token", "prompt")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt_token_ids
+                    if type(t) is not int or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestError(f"prompt token id {bad!r} is not in the vocabulary "
+                               f"(valid ids: 0..{vocab - 1})", "prompt")
+        if params.n > self.config.max_n:
+            raise RequestError(f"n must be at most {self.config.max_n} (max_n), got "
+                               f"{params.n}", "n")
+        if params.max_tokens is not None and num + params.max_tokens > self.max_model_len:
+            raise RequestError(
+                f"max_tokens ({params.max_tokens}) plus the prompt ({num} tokens) exceeds "
+                f"the context of {self.max_model_len} tokens (max_model_len); ask for at "
+                f"most {self.max_model_len - num}", "max_tokens")
+        params.validate_for_vocab(vocab)
+
     def add_request(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prompt: str | None = None, arrival_time: float | None = None,
                     priority: int = 0) -> None:
-        """Validate and queue. Raises RequestError (nothing queued) naming the limit."""
+        """Validate and queue. Raises RequestError (nothing queued) naming the limit, or
+        EngineOverloadedError when the waiting queue has no room for its n samples.
+        `arrival_time` (time.time()) is when the request reached the system (the server
+        stamps the HTTP arrival); queue time and TTFT are measured from it."""
         if req_id in self.requests:
             raise RequestError(f"request id {req_id!r} is already in use")
-        if not prompt_token_ids:
-            raise RequestError("the prompt is empty (it must contain at least one token)")
-        limit = min(self.max_model_len, self.num_blocks * self.config.block_size)
-        if len(prompt_token_ids) >= limit:
-            raise RequestError(
-                f"the prompt has {len(prompt_token_ids)} tokens; the limit is {limit - 1} "
-                f"(max_model_len {self.max_model_len}, KV cache "
-                f"{self.num_blocks * self.config.block_size} tokens), leaving room for at "
-                "least one generated token")
-        params.validate_for_vocab(self.model_config.vocab_size)
+        self.validate_request(prompt_token_ids, params)
+        if not self.scheduler.has_room(params.n):
+            raise EngineOverloadedError(
+                f"the server is overloaded: {self.scheduler.num_waiting} requests are "
+                f"waiting (max_waiting_requests {self.config.max_waiting_requests}); retry "
+                "later")
         arrival = time.time() if arrival_time is None else arrival_time
         user = _UserRequest(req_id, prompt, list(prompt_token_ids), {},
                             RequestMetrics(arrival_time=arrival,
@@ -216,7 +282,8 @@ class EngineCore:
                 user.metrics.first_scheduled_time = now
                 user.num_cached_tokens = new.num_computed_tokens
                 user.metrics.num_cached_tokens = new.num_computed_tokens
-        ro = self.runner.execute_model(so)
+        ro, failed = self.executor.execute(so)
+        failed_users = self._fail_children(failed)
         updated = self.scheduler.update_from_output(so, ro)
         now = time.time()
         changed: dict[str, _UserRequest] = {}
@@ -226,11 +293,20 @@ class EngineCore:
             if user is None:
                 continue
             child = user.children[req.req_id]
-            if ro.prompt_logprobs and req.req_id in ro.prompt_logprobs and child.index == 0:
-                user.prompt_logprobs = ro.prompt_logprobs[req.req_id]
-            self._update_child(user, child, req, ro.logprobs, now)
+            try:
+                if (ro.prompt_logprobs and req.req_id in ro.prompt_logprobs
+                        and child.index == 0):
+                    user.prompt_logprobs = ro.prompt_logprobs[req.req_id]
+                self._update_child(user, child, req, ro.logprobs, now)
+            except Exception as e:  # noqa: BLE001 - this request's output failed, not the step
+                log.exception("processing the output of %s failed", req.req_id)
+                failed_users.update(self._fail_children(
+                    {req.req_id: f"{type(e).__name__}: {e}"}))
+                continue
             changed[user.req_id] = user
-        outputs = [self._make_output(u) for u in changed.values()]
+        outputs = [self._make_output(u) for u in changed.values()
+                   if u.req_id not in failed_users]
+        outputs += [self._error_output(u, error) for u, error in failed_users.values()]
         st = self.scheduler.make_stats()
         stats = _queue_and_kv_stats(st)
         stats.start_time, stats.step_seconds = start, time.perf_counter() - t0
@@ -244,6 +320,32 @@ class EngineCore:
             for fn in self.step_observers:
                 fn(self.last_step)
         return outputs
+
+    def _fail_children(self, failed: dict[str, str]) -> dict[str, tuple[_UserRequest, str]]:
+        """Fail the user requests owning the failed children (with all their siblings):
+        finish reason "error", blocks freed (the ones this step was filling uncached).
+        Returns {user req_id: (user, error text)}; forgets them."""
+        users: dict[str, tuple[_UserRequest, str]] = {}
+        for child_id, error in failed.items():
+            user_id = self._child_to_user.get(child_id)
+            if user_id is not None and user_id not in users:
+                users[user_id] = (self.requests[user_id], error)
+        for user_id, (user, _) in users.items():
+            self.scheduler.fail_requests(list(user.children))
+            self.requests.pop(user_id, None)
+            for child_id in user.children:
+                self._child_to_user.pop(child_id, None)
+        return users
+
+    def _error_output(self, user: _UserRequest, error: str) -> RequestOutput:
+        user.metrics.finished_time = time.time()
+        for child in user.children.values():
+            if child.output.finish_reason is None:
+                child.output.finish_reason = "error"
+        outs = sorted((c.output for c in user.children.values()), key=lambda o: o.index)
+        return RequestOutput(user.req_id, user.prompt, user.prompt_token_ids, outs, True,
+                             user.metrics, user.num_cached_tokens, user.prompt_logprobs,
+                             error=f"request {user.req_id} failed: {error}")
 
     def make_stats(self) -> StepStats:
         """A snapshot of queue and KV state; no tokens (also used outside a step, e.g.

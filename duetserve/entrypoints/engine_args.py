@@ -35,9 +35,18 @@ def add_engine_arguments(p: argparse.ArgumentParser, positional_model: bool = Fa
     g.add_argument("--kv-cache-memory", type=float, default=d.kv_cache_memory,
                    help="GiB of KV cache (default %(default)s)")
     g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
-                   help="token budget per step (prefill chunks + decodes)")
+                   help="token budget per step (prefill chunks + decodes); default: derived "
+                        "from --max-step-ms and the step cost measured at start-up")
+    g.add_argument("--max-step-ms", type=float, default=d.max_step_ms,
+                   help="target step time that sets the default token budget (default: "
+                        "1.5x a small decode step, measured)")
     g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
                    help="cap on running requests")
+    g.add_argument("--max-n", type=int, default=d.max_n,
+                   help="cap on samples per request, n (default %(default)s)")
+    g.add_argument("--max-waiting-requests", type=int, default=d.max_waiting_requests,
+                   help="refuse new requests (HTTP 503) while this many wait; 0 = no cap "
+                        "(default %(default)s)")
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="turn prefix caching off")
     g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
@@ -56,7 +65,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             quantization=args.quantization,
             max_model_len=args.max_model_len, block_size=args.block_size,
             kv_cache_memory=args.kv_cache_memory, kv_cache_dtype=args.kv_cache_dtype,
-            max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens, max_step_ms=args.max_step_ms,
+            max_num_seqs=args.max_num_seqs, max_n=args.max_n,
+            max_waiting_requests=args.max_waiting_requests,
             enable_prefix_caching=args.enable_prefix_caching, num_threads=args.num_threads,
             seed=args.seed, trace_file=args.trace_file)
     except ConfigError as e:

@@ -66,7 +66,9 @@ class Tokenizer:
         return self.tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # NOTE: encode_batch releases the GIL (encode does not), so a long prompt encoded
+        # on a worker thread does not stall the server's event loop. Same ids.
+        ids = self.tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         if add_special_tokens and self.add_bos and self.bos_token_id is not None \
                 and (not ids or ids[0] != self.bos_token_id):
             ids = [self.bos_token_id] + ids

@@ -16,7 +16,9 @@ PROMPT = "The capital of France is"
 
 @pytest.fixture(scope="module")
 def llm(default_model) -> LLM:
-    cfg = EngineConfig(model=default_model.path, num_threads=2, kv_cache_memory=0.5)
+    # an explicit budget: the tests below count what one step schedules
+    cfg = EngineConfig(model=default_model.path, num_threads=2, kv_cache_memory=0.5,
+                       max_num_batched_tokens=2048)
     return LLM.from_engine(EngineCore(cfg, loaded=default_model))
 
 

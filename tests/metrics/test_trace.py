@@ -126,7 +126,8 @@ def test_engine_run_trace_and_plot(tiny_checkpoints, tmp_path) -> None:
     from duetserve.sampling_params import SamplingParams
 
     engine = EngineCore(EngineConfig(model=tiny_checkpoints["llama-gqa-untied"],
-                                     num_threads=1, kv_cache_memory=0.05))
+                                     num_threads=1, kv_cache_memory=0.05,
+                                     max_num_batched_tokens=2048))
     acc = accountant_for_engine(engine)
     trace = str(tmp_path / "trace.json")
     writer = TraceWriter(trace, acc)

@@ -22,6 +22,7 @@ from duetserve import __version__
 from duetserve.engine.async_engine import AsyncEngine
 from duetserve.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                    error_body)
+from duetserve.entrypoints.openai.http_guard import RequestGuard
 from duetserve.entrypoints.openai.serving import (APIError, ServerContext,
                                                   create_chat_completion, create_completion)
 from duetserve.metrics.prometheus import CONTENT_TYPE, ServerMetrics
@@ -64,12 +65,19 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return (f"{where}: {err.get('msg')}" if where else str(err.get("msg"))) + more, param
 
 
+DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
+DEFAULT_READ_TIMEOUT_S = 10.0
+
+
 def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
-              model_path: str | None = None) -> FastAPI:
-    """The app; the engine thread starts and stops with the app's lifespan."""
+              model_path: str | None = None,
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+              read_timeout: float = DEFAULT_READ_TIMEOUT_S) -> FastAPI:
+    """The app; the engine thread starts and stops with the app's lifespan. Bodies past
+    `max_request_bytes` get 413 before parsing; a body stalling `read_timeout` s, 408."""
     core = engine.engine
     metrics = ServerMetrics(served_model_name, engine.max_model_len,
-                            core.config.max_num_batched_tokens)
+                            core.max_num_batched_tokens)
     core.add_step_observer(metrics.observe_step)
     engine.idle_stats_observers.append(metrics.observe_step)
     engine.finish_observers.append(metrics.observe_finished)
@@ -89,6 +97,9 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     app.state.ctx, app.state.metrics = ctx, metrics
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    # Outermost: arrival stamp, drain, body bound (before auth and before any parsing).
+    app.add_middleware(RequestGuard, ctx=ctx, max_request_bytes=max_request_bytes,
+                       read_timeout=read_timeout)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError):
@@ -129,6 +140,9 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
 
     @app.get("/health")
     async def health():
+        if ctx.draining:
+            return JSONResponse(error_body("the server is shutting down",
+                                           "ServiceUnavailableError", None, 503), 503)
         if not engine.is_running:
             return JSONResponse(error_body("the engine loop is not running",
                                            "ServiceUnavailableError", None, 503), 503)

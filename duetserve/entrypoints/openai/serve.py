@@ -24,6 +24,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="model name in the API (default: the checkpoint's file/folder stem)")
     s.add_argument("--api-key", default=None,
                    help="require `Authorization: Bearer KEY` (default: env DUET_API_KEY)")
+    s.add_argument("--max-request-bytes", type=int, default=4 * 2**20,
+                   help="larger request bodies get 413 before parsing (default %(default)s)")
+    s.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM/SIGINT, seconds in-flight requests may take to finish "
+                        "before they are ended with an error (default %(default)s)")
+    s.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds a connection may take to send complete request headers "
+                        "(also idle connections before a request; 408) and between body "
+                        "reads (default %(default)s)")
+    s.add_argument("--timeout-keep-alive", type=float, default=5.0,
+                   help="close an idle keep-alive connection after this many seconds "
+                        "(default %(default)s)")
     s.add_argument("--uvicorn-log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug"])
 
@@ -42,9 +54,16 @@ def main(args: argparse.Namespace) -> int:
 
     from duetserve.engine.async_engine import AsyncEngine
     from duetserve.entrypoints.openai.api_server import build_app
+    from duetserve.entrypoints.openai.http_guard import (DrainingServer, drain,
+                                                         header_timeout_protocol)
 
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port must be in [0, 65535], got {args.port}")
+    for name in ("max_request_bytes", "shutdown_timeout", "header_timeout",
+                 "timeout_keep_alive"):
+        if not getattr(args, name) > 0:
+            raise UserError(f"--{name.replace('_', '-')} must be > 0, got "
+                            f"{getattr(args, name)}")
     core = build_engine(args)
     name, path = served_name(getattr(args, "model_pos", None) or args.model)
     name = args.served_model_name or name
@@ -53,10 +72,23 @@ def main(args: argparse.Namespace) -> int:
     logging.getLogger("duetserve.serve").setLevel(logging.INFO)
     if not logging.getLogger().handlers:
         logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app = build_app(AsyncEngine(core), name, api_key, path)
-    logging.getLogger("duetserve.serve").info(
-        "serving %s at http://%s:%d/v1 (max_model_len %d%s)", name, args.host, args.port,
-        core.max_model_len, ", API key required" if api_key else "")
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                timeout_graceful_shutdown=5)
+    app = build_app(AsyncEngine(core), name, api_key, path,
+                    max_request_bytes=args.max_request_bytes, read_timeout=args.header_timeout)
+    log = logging.getLogger("duetserve.serve")
+    if core.step_cost is not None:
+        log.info("step budget: %d tokens per step (target %.0f ms; measured step cost "
+                 "%.1f ms + %.3f ms/token)", core.max_num_batched_tokens, core.max_step_ms,
+                 core.step_cost.fixed_ms, core.step_cost.per_token_ms)
+    else:
+        log.info("step budget: %d tokens per step (--max-num-batched-tokens)",
+                 core.max_num_batched_tokens)
+    log.info("serving %s at http://%s:%d/v1 (max_model_len %d%s)", name, args.host,
+             args.port, core.max_model_len, ", API key required" if api_key else "")
+    ctx = app.state.ctx
+    config = uvicorn.Config(app, host=args.host, port=args.port,
+                            log_level=args.uvicorn_log_level,
+                            http=header_timeout_protocol(args.header_timeout),
+                            timeout_keep_alive=args.timeout_keep_alive,
+                            timeout_graceful_shutdown=5)
+    DrainingServer(config, lambda: drain(ctx, args.shutdown_timeout)).run()
     return 0

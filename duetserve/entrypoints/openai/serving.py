@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -19,9 +18,10 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from duetserve.engine.async_engine import (AsyncEngine, EngineStepError, RequestAbortedError,
-                                           RequestStream)
+                                           RequestFailedError, RequestStream)
 from duetserve.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                    error_body)
+from duetserve.errors import EngineOverloadedError, RequestError
 from duetserve.outputs import CompletionOutput, Logprob, RequestOutput
 from duetserve.sampling_params import SamplingParams
 
@@ -30,25 +30,37 @@ class APIError(Exception):
     """An error answered as an OpenAI error object."""
 
     def __init__(self, message: str, status: int = 400, param: str | None = None,
-                 type_: str = "BadRequestError") -> None:
+                 type_: str = "BadRequestError", headers: dict[str, str] | None = None
+                 ) -> None:
         super().__init__(message)
         self.message, self.status, self.param, self.type = message, status, param, type_
+        self.headers = headers
 
     def response(self) -> JSONResponse:
         return JSONResponse(error_body(self.message, self.type, self.param, self.status),
-                            status_code=self.status)
+                            status_code=self.status, headers=self.headers)
 
 
-_FIELD = re.compile(r"^(?:the )?([a-z_]+)")
-_PARAMS = {"n", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
-           "frequency_penalty", "repetition_penalty", "seed", "max_tokens", "min_tokens",
-           "stop", "stop_token_ids", "logprobs", "logit_bias", "prompt"}
+def overloaded(message: str) -> APIError:
+    return APIError(message, 503, None, "ServiceUnavailableError", {"Retry-After": "1"})
 
 
-def param_of(message: str, default: str | None = None) -> str | None:
-    """The request field a SamplingParams/engine error message names, if any."""
-    m = _FIELD.match(message)
-    return m.group(1) if m and m.group(1) in _PARAMS else default
+class InFlight:
+    """Generation requests between arrival and their last byte (for the drain)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.idle = asyncio.Event()
+        self.idle.set()
+
+    def enter(self) -> None:
+        self.count += 1
+        self.idle.clear()
+
+    def leave(self) -> None:
+        self.count -= 1
+        if self.count == 0:
+            self.idle.set()
 
 
 @dataclass
@@ -60,12 +72,41 @@ class ServerContext:
 
     def __post_init__(self) -> None:
         self.tokenizer = self.engine.tokenizer
+        self.core = self.engine.engine
         self._token_text: dict[int, str] = {}
+        self.max_n = getattr(self.core.config, "max_n", 128)
+        # A prompt longer than this many characters cannot fit the context whatever its
+        # text: no token is longer than the longest vocabulary entry. Checked before
+        # tokenizing, so an oversized prompt costs no tokenizer time.
+        vocab = getattr(getattr(self.tokenizer, "tok", None), "get_vocab", None)
+        longest = max((len(t) for t in vocab()), default=1) if vocab else 64
+        self.max_prompt_chars = self.max_model_len * max(longest, 1)
+        self.draining = False
+        self.in_flight = InFlight()
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.served_model_name:
             raise APIError(f"the model `{model}` does not exist; this server serves "
                            f"`{self.served_model_name}`", 404, "model", "NotFoundError")
+
+    def check_admitting(self) -> None:
+        if self.draining:
+            raise overloaded("the server is shutting down and admits no new requests")
+
+    def check_chars(self, num_chars: int, field: str) -> None:
+        if num_chars > self.max_prompt_chars:
+            raise APIError(f"the {field} has {num_chars} characters; it cannot fit the "
+                           f"context of {self.max_model_len} tokens (max_model_len): at "
+                           f"most {self.max_prompt_chars} characters", param=field)
+
+    def validate(self, token_ids: list[int], params: SamplingParams, field: str) -> None:
+        """The engine's admission checks (one validator), on this thread: a 400 comes
+        back before anything is queued."""
+        try:
+            self.core.validate_request(token_ids, params)
+        except RequestError as e:
+            param = field if e.param == "prompt" else e.param
+            raise APIError(e.message, param=param) from None
 
     def token_text(self, token_id: int) -> str:
         text = self._token_text.get(token_id)
@@ -76,19 +117,20 @@ class ServerContext:
         return text
 
 
-def _usage(out: RequestOutput) -> dict:
-    completion = sum(len(o.token_ids) for o in out.outputs)
-    prompt = len(out.prompt_token_ids)
+def _usage(outs: list[RequestOutput]) -> dict:
+    completion = sum(len(o.token_ids) for out in outs for o in out.outputs)
+    prompt = sum(len(out.prompt_token_ids) for out in outs)
+    cached = sum(out.num_cached_tokens for out in outs)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def _chunk(head: dict, choice: dict, out: RequestOutput, with_usage: bool) -> dict:
+def _chunk(head: dict, choice: dict, outs: list[RequestOutput], with_usage: bool) -> dict:
     """One streamed chunk; usage on every chunk when continuous usage was asked."""
     chunk = {**head, "choices": [choice]}
     if with_usage:
-        chunk["usage"] = _usage(out)
+        chunk["usage"] = _usage(outs)
     return chunk
 
 
@@ -96,86 +138,137 @@ def _sse(obj: dict | str) -> str:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
 
 
+@dataclass
+class _Sub:
+    """One prompt of a request: one engine request (with its n samples)."""
+
+    req_id: str
+    token_ids: list[int]
+    prompt: str | None
+    stream: RequestStream | None = None
+    last: RequestOutput | None = None
+
+
 class _Generation:
-    """One request's life in the engine: validation, add, output stream with abort on
-    client disconnect (watched through ASGI `http.disconnect`)."""
+    """One HTTP request's life in the engine: its prompts added (all validated first),
+    their output streams merged, abort on client disconnect (watched through ASGI
+    `http.disconnect`), counted in ctx.in_flight until its last byte."""
 
     def __init__(self, ctx: ServerContext, raw: Request, prefix: str) -> None:
         self.ctx, self.raw = ctx, raw
         self.req_id = f"{prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
-        self.stream: RequestStream | None = None
+        self.arrival_time = getattr(raw.state, "arrival_time", None) or time.time()
+        self.subs: list[_Sub] = []
         self._watcher: asyncio.Task | None = None
+        self._closed = False
 
-    def check_lengths(self, token_ids: list[int], params: SamplingParams, field: str) -> None:
-        limit = self.ctx.max_model_len
-        if not token_ids:
-            raise APIError(f"the {field} is empty (it must contain at least one token)",
-                           param=field)
-        if len(token_ids) >= limit:
-            raise APIError(f"the {field} has {len(token_ids)} tokens; this model's context "
-                           f"is {limit} tokens (max_model_len), leaving room for at least "
-                           "one generated token", param=field)
-        if params.max_tokens is not None and len(token_ids) + params.max_tokens > limit:
-            raise APIError(f"max_tokens ({params.max_tokens}) plus the {field} "
-                           f"({len(token_ids)} tokens) exceeds the context of {limit} tokens "
-                           f"(max_model_len); ask for at most {limit - len(token_ids)}",
-                           param="max_tokens")
-
-    async def start(self, token_ids: list[int], params: SamplingParams, prompt: str | None,
-                    field: str) -> None:
+    async def start(self, prompts: list[tuple[list[int], str | None]],
+                    params: SamplingParams, field: str) -> None:
+        """Validate every prompt, then add them. Raises APIError (nothing left queued)."""
+        for token_ids, _ in prompts:
+            self.ctx.validate(token_ids, params, field)
+        many = len(prompts) > 1
+        self.subs = [_Sub(f"{self.req_id}-p{i}" if many else self.req_id, ids, text)
+                     for i, (ids, text) in enumerate(prompts)]
         try:
-            self.stream = await self.ctx.engine.add_request(self.req_id, token_ids, params,
-                                                            prompt)
-        except ValueError as e:
-            raise APIError(str(e), param=param_of(str(e), field)) from None
+            for sub in self.subs:
+                sub.stream = await self.ctx.engine.add_request(
+                    sub.req_id, sub.token_ids, params, sub.prompt, self.arrival_time)
+        except EngineOverloadedError as e:
+            self.close()
+            raise overloaded(str(e)) from None
+        except RequestError as e:
+            self.close()
+            raise APIError(e.message, param=field if e.param == "prompt" else e.param
+                           ) from None
+        except BaseException:
+            self.close()
+            raise
         self._watcher = asyncio.create_task(self._watch_disconnect())
 
     async def _watch_disconnect(self) -> None:
         while True:
             message = await self.raw.receive()
             if message["type"] == "http.disconnect":
-                if self.stream is not None and not self.stream.finished:
-                    self.ctx.engine.abort(self.req_id)
+                self._abort_unfinished()
                 return
 
+    def _abort_unfinished(self) -> None:
+        for sub in self.subs:
+            if sub.stream is not None and not sub.stream.finished:
+                sub.stream.finished = True
+                self.ctx.engine.abort(sub.req_id)
+
     def close(self) -> None:
-        """Stop watching; abort the request if it has not finished (idempotent)."""
+        """Stop watching; abort what has not finished (idempotent)."""
         if self._watcher is not None:
             self._watcher.cancel()
             self._watcher = None
-        if self.stream is not None and not self.stream.finished:
-            self.stream.finished = True
-            self.ctx.engine.abort(self.req_id)
+        self._abort_unfinished()
 
-    async def final(self) -> RequestOutput:
-        """Wait for the finished output (non-streaming)."""
-        assert self.stream is not None
-        last = None
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, cumulative output) as they come, all prompts merged."""
+        if len(self.subs) == 1:
+            async for out in self.subs[0].stream:
+                self.subs[0].last = out
+                yield 0, out
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, stream: RequestStream) -> None:
+            try:
+                async for out in stream:
+                    queue.put_nowait((i, out))
+                queue.put_nowait((i, None))
+            except BaseException as e:  # noqa: BLE001 - handed to the consumer
+                queue.put_nowait((i, e))
+
+        tasks = [asyncio.create_task(pump(i, s.stream)) for i, s in enumerate(self.subs)]
         try:
-            async for out in self.stream:
-                last = out
-        except EngineStepError as e:
+            remaining = len(tasks)
+            while remaining:
+                i, item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    self.subs[i].last = item
+                    yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    @property
+    def lasts(self) -> list[RequestOutput]:
+        return [s.last for s in self.subs if s.last is not None]
+
+    async def final(self) -> list[RequestOutput]:
+        """Wait for every prompt's finished output (non-streaming)."""
+        try:
+            async for _ in self.outputs():
+                pass
+        except (EngineStepError, RequestFailedError) as e:
             raise APIError(str(e), 500, None, "InternalServerError") from None
         except RequestAbortedError as e:
             raise APIError(str(e), 503, None, "ServiceUnavailableError") from None
         finally:
             self.close()
-        assert last is not None
-        return last
+        return [s.last for s in self.subs]
 
     async def sse(self, render_deltas, render_usage) -> AsyncIterator[str]:
-        """SSE body: each output becomes the chunks `render_deltas(out)` returns."""
-        assert self.stream is not None
-        last = None
+        """SSE body: each output becomes the chunks `render_deltas(i, out)` returns; an
+        error ends the stream with an error event, and [DONE] always comes last."""
         try:
-            async for out in self.stream:
-                last = out
-                for chunk in render_deltas(out):
+            async for i, out in self.outputs():
+                for chunk in render_deltas(i, out):
                     yield _sse(chunk)
-            if last is not None and render_usage is not None:
-                yield _sse(render_usage(last))
-        except (EngineStepError, RequestAbortedError) as e:
+            if render_usage is not None and self.lasts:
+                yield _sse(render_usage(self.lasts))
+        except RequestAbortedError as e:
+            yield _sse(error_body(str(e), "ServiceUnavailableError", None, 503))
+        except (EngineStepError, RequestFailedError) as e:
             yield _sse(error_body(str(e), "InternalServerError", None, 500))
         finally:
             self.close()
@@ -209,22 +302,26 @@ def _finish_reason(o: CompletionOutput) -> str | None:
 
 # -- /v1/completions ---------------------------------------------------------------------
 
-def _completion_prompt(ctx: ServerContext, prompt) -> tuple[list[int], str | None]:
-    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-        if len(prompt) != 1:
-            raise APIError(f"only one prompt per request is supported, got {len(prompt)}",
-                           param="prompt")
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        if not prompt:
-            raise APIError("the prompt is empty", param="prompt")
-        return ctx.tokenizer.encode(prompt), prompt
-    ids = list(prompt)
-    bad = [t for t in ids if not 0 <= t < ctx.vocab_size]
-    if bad:
-        raise APIError(f"prompt token id {bad[0]} is not in the vocabulary "
-                       f"(valid ids: 0..{ctx.vocab_size - 1})", param="prompt")
-    return ids, None
+async def _completion_prompts(ctx: ServerContext, body: CompletionRequest
+                             ) -> list[tuple[list[int], str | None]]:
+    """Each prompt as (token ids, text or None). Text is checked against the character
+    bound first, then tokenized on a worker thread (the event loop keeps serving)."""
+    prompts = body.prompts()
+    if not prompts:
+        raise APIError("the prompt list is empty", param="prompt")
+    if len(prompts) > 1 and len(prompts) * body.n > ctx.max_n:   # n alone: the engine
+        raise APIError(f"{len(prompts)} prompts x n={body.n} is {len(prompts) * body.n} "
+                       f"choices; at most {ctx.max_n} (max_n) per request", param="prompt")
+    ctx.check_chars(sum(len(p) for p in prompts if isinstance(p, str)), "prompt")
+    out = []
+    for p in prompts:
+        if isinstance(p, str):
+            if not p:
+                raise APIError("the prompt is empty", param="prompt")
+            out.append((await asyncio.to_thread(ctx.tokenizer.encode, p), p))
+        else:
+            out.append((list(p), None))
+    return out
 
 
 def _completion_logprobs(ctx: ServerContext, o: CompletionOutput, start: int, end: int,
@@ -249,10 +346,13 @@ def _with_prompt(ctx: ServerContext, out: RequestOutput, token_ids: list[int],
                  completion: dict | None) -> dict | None:
     """Prepend the prompt's tokens and logprobs (echo + logprobs); the first is None.
     `completion`'s text offsets must already count the echoed prompt."""
-    if out.prompt_logprobs is None or completion is None:
+    prompt_lps = out.prompt_logprobs
+    if prompt_lps is None and len(token_ids) == 1:
+        prompt_lps = [None]       # a one-token prompt has nothing to score
+    if prompt_lps is None or completion is None:
         return completion
     tokens, lps, tops, offsets, offset = [], [], [], [], 0
-    for tid, entries in zip(token_ids, out.prompt_logprobs):
+    for tid, entries in zip(token_ids, prompt_lps):
         text = ctx.token_text(tid)
         tokens.append(text)
         offsets.append(offset)
@@ -274,61 +374,69 @@ def _finite(x: float) -> float:
     return max(x, -9999.0)     # JSON has no -inf
 
 
+def _check_fields(body: CompletionRequest | ChatCompletionRequest) -> None:
+    bad = body.unsupported_field()
+    if bad is not None:
+        raise APIError(bad[1], param=bad[0])
+
+
 async def create_completion(ctx: ServerContext, body: CompletionRequest, raw: Request):
+    ctx.check_admitting()
     ctx.check_model(body.model)
-    if body.suffix:
-        raise APIError("suffix is not supported", param="suffix")
-    token_ids, prompt_text = _completion_prompt(ctx, body.prompt)
+    _check_fields(body)
     params = _params(body)
+    prompts = await _completion_prompts(ctx, body)
     if body.echo and body.logprobs is not None:   # echo scores the prompt too
         params = dataclasses.replace(params, prompt_logprobs=body.logprobs)
     gen = _Generation(ctx, raw, "cmpl")
-    gen.check_lengths(token_ids, params, "prompt")
-    await gen.start(token_ids, params, prompt_text, "prompt")
-    echo = ""
+    await gen.start(prompts, params, "prompt")
+    n = params.n
+    echoes = [""] * len(prompts)
     if body.echo:
-        echo = prompt_text if prompt_text is not None else ctx.tokenizer.decode(token_ids)
+        echoes = [text if text is not None else ctx.tokenizer.decode(ids)
+                  for ids, text in prompts]
     head = {"id": gen.req_id, "object": "text_completion", "created": gen.created,
             "model": ctx.served_model_name}
 
     if not body.stream:
-        out = await gen.final()
-        choices = [{"index": o.index, "text": echo + o.text,
-                    "logprobs": _with_prompt(ctx, out, token_ids, _completion_logprobs(
-                        ctx, o, 0, len(o.token_ids), len(echo))),
+        outs = await gen.final()
+        choices = [{"index": i * n + o.index, "text": echoes[i] + o.text,
+                    "logprobs": _with_prompt(ctx, out, prompts[i][0], _completion_logprobs(
+                        ctx, o, 0, len(o.token_ids), len(echoes[i]))),
                     "finish_reason": _finish_reason(o), "stop_reason": o.stop_reason}
-                   for o in out.outputs]
-        return JSONResponse({**head, "choices": choices, "usage": _usage(out)})
+                   for i, out in enumerate(outs) for o in out.outputs]
+        return JSONResponse({**head, "choices": choices, "usage": _usage(outs)})
 
-    sent = [_Sent() for _ in range(params.n)]
+    sent = [_Sent() for _ in range(len(prompts) * n)]
 
-    def deltas(out: RequestOutput) -> list[dict]:
+    def deltas(i: int, out: RequestOutput) -> list[dict]:
         chunks = []
         for o in out.outputs:
-            part = _new_part(o, sent[o.index])
+            part = _new_part(o, sent[i * n + o.index])
             if part is None:
                 continue
             text, start, end = part
             lps = _completion_logprobs(ctx, o, start, end, 0)
-            if echo and start == 0:
-                text = echo + text
-                lps = _with_prompt(ctx, out, token_ids,
-                                   _completion_logprobs(ctx, o, start, end, len(echo)))
-            choice = {"index": o.index, "text": text, "logprobs": lps,
+            if echoes[i] and start == 0:
+                text = echoes[i] + text
+                lps = _with_prompt(ctx, out, prompts[i][0],
+                                   _completion_logprobs(ctx, o, start, end, len(echoes[i])))
+            choice = {"index": i * n + o.index, "text": text, "logprobs": lps,
                       "finish_reason": _finish_reason(o)}
-            chunks.append(_chunk(head, choice, out, body.continuous_usage))
+            chunks.append(_chunk(head, choice, gen.lasts, body.continuous_usage))
         return chunks
 
-    usage = (lambda out: {**head, "choices": [], "usage": _usage(out)}) \
+    usage = (lambda outs: {**head, "choices": [], "usage": _usage(outs)}) \
         if body.include_usage else None
     return StreamingResponse(gen.sse(deltas, usage), media_type="text/event-stream")
 
 
 def _params(body: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
     try:
-        return body.to_sampling_params()
-    except ValueError as e:
-        raise APIError(str(e), param=param_of(str(e))) from None
+        params = body.to_sampling_params()
+    except RequestError as e:
+        raise APIError(e.message, param=e.param) from None
+    return params
 
 
 # -- /v1/chat/completions ----------------------------------------------------------------
@@ -353,33 +461,36 @@ def _chat_logprobs(ctx: ServerContext, o: CompletionOutput, start: int, end: int
 
 async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest,
                                  raw: Request):
+    ctx.check_admitting()
     ctx.check_model(body.model)
+    _check_fields(body)
     params = _params(body)
+    ctx.check_chars(body.num_chars, "messages")
     messages = [m.as_dict() for m in body.messages]
     try:
-        token_ids = ctx.tokenizer.encode_chat(messages, body.add_generation_prompt)
+        token_ids = await asyncio.to_thread(ctx.tokenizer.encode_chat, messages,
+                                            body.add_generation_prompt)
     except Exception as e:  # noqa: BLE001 - a template rejecting the conversation
         raise APIError(f"cannot apply the chat template: {e}", param="messages") from None
     gen = _Generation(ctx, raw, "chatcmpl")
-    gen.check_lengths(token_ids, params, "messages")
-    await gen.start(token_ids, params, None, "messages")
+    await gen.start([(token_ids, None)], params, "messages")
     num_top = body.top_logprobs or 0
     head = {"id": gen.req_id, "object": "chat.completion", "created": gen.created,
             "model": ctx.served_model_name}
 
     if not body.stream:
-        out = await gen.final()
+        outs = await gen.final()
         choices = [{"index": o.index,
                     "message": {"role": "assistant", "content": o.text},
                     "logprobs": _chat_logprobs(ctx, o, 0, len(o.token_ids), num_top),
                     "finish_reason": _finish_reason(o), "stop_reason": o.stop_reason}
-                   for o in out.outputs]
-        return JSONResponse({**head, "choices": choices, "usage": _usage(out)})
+                   for o in outs[0].outputs]
+        return JSONResponse({**head, "choices": choices, "usage": _usage(outs)})
 
     head["object"] = "chat.completion.chunk"
     sent = [_Sent() for _ in range(params.n)]
 
-    def deltas(out: RequestOutput) -> list[dict]:
+    def deltas(_: int, out: RequestOutput) -> list[dict]:
         chunks = []
         for o in out.outputs:
             s = sent[o.index]
@@ -393,9 +504,9 @@ async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest
             choice = {"index": o.index, "delta": delta,
                       "logprobs": _chat_logprobs(ctx, o, start, end, num_top),
                       "finish_reason": _finish_reason(o)}
-            chunks.append(_chunk(head, choice, out, body.continuous_usage))
+            chunks.append(_chunk(head, choice, gen.lasts, body.continuous_usage))
         return chunks
 
-    usage = (lambda out: {**head, "choices": [], "usage": _usage(out)}) \
+    usage = (lambda outs: {**head, "choices": [], "usage": _usage(outs)}) \
         if body.include_usage else None
     return StreamingResponse(gen.sse(deltas, usage), media_type="text/event-stream")

@@ -1,0 +1,58 @@
+"""Token budget per step from a target step time (pure arithmetic, no torch).
+
+A step's time is modelled as `fixed_ms + per_token_ms * num_tokens`, fitted from two
+measured prefill steps at start-up (engine/step_cost.py). Running streams get one token
+per step, so the step time IS their inter-token gap. A long prompt admitted with a large
+budget makes one step (one gap) as long as its whole chunk; a budget derived from a
+target step time cuts the prompt into chunks that keep every gap near that target:
+
+    budget = floor((max_step_ms - fixed_ms) / per_token_ms), rounded down to a multiple
+             of 16 and clamped to [MIN_BUDGET, MAX_BUDGET]
+
+The default target is STEP_FACTOR x the time of a small decode-only step
+(fixed + DECODE_REF_TOKENS tokens): a step that also carries a prefill chunk then takes
+at most that factor times a plain decode step, so a stream's gaps stay within about
+that factor of their median while a long prompt is prefilled. The price is TTFT: the
+long prompt needs more (shorter) steps.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MIN_BUDGET = 64           # below this, step overhead dominates and decodes of many streams
+MAX_BUDGET = 8192         # cannot fit in one step
+STEP_FACTOR = 1.5         # default target: this many times a small decode step
+DECODE_REF_TOKENS = 16    # "a small decode step": this many running streams
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Measured step-time model: t(num_tokens) = fixed_ms + per_token_ms * num_tokens."""
+
+    fixed_ms: float
+    per_token_ms: float
+
+    def step_ms(self, num_tokens: int) -> float:
+        return self.fixed_ms + self.per_token_ms * num_tokens
+
+    @classmethod
+    def fit(cls, n1: int, ms1: float, n2: int, ms2: float) -> "StepCost":
+        """Line through two measured steps (n1 < n2 tokens). The slope is kept positive
+        and the intercept non-negative, so noise cannot produce a nonsense model."""
+        per_token = max((ms2 - ms1) / (n2 - n1), 1e-6)
+        fixed = max(ms1 - per_token * n1, 0.0)
+        return cls(fixed, per_token)
+
+
+def default_max_step_ms(cost: StepCost) -> float:
+    """The default step-time target: STEP_FACTOR x a decode step of DECODE_REF_TOKENS."""
+    return STEP_FACTOR * cost.step_ms(DECODE_REF_TOKENS)
+
+
+def token_budget(cost: StepCost, max_step_ms: float, lo: int = MIN_BUDGET,
+                 hi: int = MAX_BUDGET) -> int:
+    """Largest multiple of 16 tokens whose modelled step time fits max_step_ms, clamped
+    to [lo, hi] (lo wins when the target is below what `lo` tokens cost)."""
+    room = (max_step_ms - cost.fixed_ms) / cost.per_token_ms
+    budget = int(room) // 16 * 16
+    return max(lo, min(hi, budget))
