@@ -107,6 +107,15 @@ class ServerMetrics:
         self.step_mbu = Gauge("duet:step_mbu", "MBU of the latest step of each phase "
                               "(cost-model bytes / step time / memory bandwidth).",
                               ["model_name", "phase"], registry=self.registry)
+        self.kernel_info = Gauge("duet:kernel_info", "Weight forms and kernel choice of the "
+                                 "loaded model (value 1; the labels say what and why).",
+                                 ["model_name", "weights", "dense_dtype", "lowbit_max_rows",
+                                  "reason"], registry=self.registry)
+        self.steps_by_kernel = Counter("duet:steps_by_kernel", "Engine steps by the linear "
+                                       "kernel their row count selects (lowbit: GEMV-style "
+                                       "low-bit; dense: GEMM).", ["model_name", "kernel"],
+                                       registry=self.registry)
+        self._lowbit_max_rows = -1       # no quantized linears: every step is dense
         # NOTE: cumulative engine counters arrive as totals; Prometheus counters take deltas.
         self._last_totals = (0, 0, 0)
         self._lock = threading.Lock()
@@ -114,6 +123,13 @@ class ServerMetrics:
         self._window = [time.monotonic(), 0, 0, 0]     # start, prefill, decode, steps
 
     # -- engine-thread feeds ----------------------------------------------------------
+    def set_kernel_info(self, weights: str, dense_dtype: str, lowbit_max_rows: int,
+                        reason: str) -> None:
+        """Once at start-up: what `LoadedModel.describe()` logs, as labels."""
+        self._lowbit_max_rows = lowbit_max_rows
+        self.kernel_info.labels(self._model, weights, dense_dtype, str(lowbit_max_rows),
+                                reason).set(1)
+
     def observe_step(self, st: StepStats) -> None:
         with self._lock:
             self._set_state(st)
@@ -122,6 +138,9 @@ class ServerMetrics:
             self.step_prefill.observe(st.num_prefill_tokens)
             self.step_decode.observe(st.num_decode_tokens)
             self.step_duration.observe(st.step_seconds)
+            rows = st.num_prefill_tokens + st.num_decode_tokens
+            self.steps_by_kernel.labels(
+                self._model, "lowbit" if rows <= self._lowbit_max_rows else "dense").inc()
             account = getattr(st, "account", None)
             if account is not None:
                 self.step_mfu.labels(self._model, account.phase).set(account.mfu)

@@ -101,7 +101,7 @@ class TorchAttention(AttentionBackend):
             qp = q[p.start:p.end].transpose(0, 1)                # [H, n, hd]
             if p.mask is None:   # no cached prefix: the new K/V are the whole context
                 kp = k[p.start:p.end].transpose(0, 1)
-                vp = v[p.start:p.end].transpose(0, 1)
+                vp = v[p.start:p.end].transpose(0, 1).to(q.dtype)
                 op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True,
                                                     enable_gqa=self.gqa)
             else:

@@ -16,11 +16,11 @@ from __future__ import annotations
 import json
 import logging
 import os
-import platform
 import time
 
 import torch
 
+from duetserve.models.native import cpu_flags, cpu_name, ops
 from duetserve.models.quant import KernelPolicy, QuantLinear
 
 log = logging.getLogger("duetserve")
@@ -28,28 +28,6 @@ CACHE = os.path.join(os.path.expanduser(os.environ.get("DUET_CACHE", "~/.cache/d
                      "cpu_kernels.json")
 BF16_MIN_SPEEDUP = 1.3
 _ROWS = (1, 2, 4, 8, 16, 32, 64)
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
 
 
 def _key(*parts) -> str:
@@ -131,8 +109,10 @@ def calibrate_lowbit_rows(layer: QuantLinear) -> int:
         finally:
             policy.lowbit_max_rows = saved
         return best
+    gemv = "native" if ops() is not None else "torch"
     return int(_cached(_key("lowbit_rows", layer.out_features, layer.in_features,
-                            f"int{layer.qweight.bits}", kind, policy.dense_dtype), measure))
+                            f"int{layer.qweight.bits}", kind, policy.dense_dtype, gemv),
+                       measure))
 
 
 def finish_policy(model: torch.nn.Module, policy: KernelPolicy) -> None:

@@ -7,6 +7,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from duetserve.models.native import ops
+
+_NATIVE = ops()     # compiled fused row ops, or None (plain torch below)
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float) -> None:
@@ -17,7 +21,9 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         if dtype == torch.float32 and self.weight.dtype == torch.float32:
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)   # one fused op
+            if _NATIVE is not None:          # one pass, no per-op dispatch
+                return _NATIVE.rms_norm(x, self.weight, self.eps)
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
@@ -99,5 +105,7 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)                    # [T, 2I]
+        if _NATIVE is not None and x.shape[0] <= 64 and gate_up.is_contiguous():
+            return self.down_proj(_NATIVE.silu_mul(gate_up))   # one op for small steps
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)

@@ -8,12 +8,17 @@ callers use their plain-torch paths (same results, slower): the reason is logged
 Kernels:
 - paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale): decode
   attention reading the paged cache in place (see csrc/paged_attention.cpp).
+- int4_gemv(x, packed, scales_and_zeros), int8_gemv(x, q, scale): low-bit weight x
+  float32 activation products for decode steps (csrc/lowbit_gemv.cpp), AVX-512 where the
+  CPU has it, plain loops otherwise.
+- rms_norm(x, w, eps), silu_mul(gate_up): one-pass row ops for small steps.
 """
 from __future__ import annotations
 
 import hashlib
 import logging
 import os
+import platform
 import threading
 
 log = logging.getLogger("duetserve")
@@ -22,13 +27,34 @@ _lock = threading.Lock()
 _state: dict = {}
 
 
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
 def _build():
     import torch
     from torch.utils import cpp_extension
 
-    from duetserve.models.kernels import cpu_name
-
-    sources = [os.path.join(_SRC, "paged_attention.cpp")]
+    sources = [os.path.join(_SRC, f) for f in ("bindings.cpp", "paged_attention.cpp",
+                                                "lowbit_gemv.cpp", "elementwise.cpp")]
     digest = hashlib.sha1()
     for path in sources:
         with open(path, "rb") as f:

@@ -1,7 +1,8 @@
 """Low-bit weights kept low-bit, and the linear layer that picks its kernel by rows.
 
-Two packed forms, both torch's own CPU kernels (bfloat16 activations; with float32
-activations they take a slow path, so activations are cast for the call):
+Two packed forms, in torch's CPU layouts. Decode steps run duetserve's own GEMV kernels
+on them (csrc/lowbit_gemv.cpp: float32 activations, AVX-512) when those are built, else
+torch's kernels (which want bfloat16 activations; float32 ones take a slow path):
 
 - `Int4Weight`: groups of 32 along K, `w = (q - 8) * scale + zero`, q in 0..15, packed by
   `aten._convert_weight_to_int4pack_for_cpu`, run by `aten._weight_int4pack_mm_for_cpu`.
@@ -25,6 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from duetserve.models.native import ops as _native_ops
+
+_NATIVE = _native_ops()   # compiled kernels (int4/int8 GEMV) or None: torch's kernels
 GROUP = 32
 _INT4_BLOCK_N = 64     # torch's CPU int4 packing interleaves rows in blocks of 64
 
@@ -56,8 +60,12 @@ class Int4Weight:
         self.sz = torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [M, K] bfloat16 -> [M, N] bfloat16."""
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.sz)
+        """x [M, K] -> [M, N]: the native GEMV (float32 in and out) when built, else
+        torch's kernel (bfloat16 in and out)."""
+        if _NATIVE is not None:
+            return _NATIVE.int4_gemv(x.float(), self.packed, self.sz)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed,
+                                                          GROUP, self.sz)
 
     def _codes(self, blocks: torch.Tensor) -> torch.Tensor:
         """Packed bytes [B, K, 32] of B row-blocks -> codes [B * 64, K] (int16)."""
@@ -98,6 +106,7 @@ class Int8Weight:
         """q: int8 [N, K]; scale: [N] (see `quantize_int8`)."""
         self.q = q
         self.scale = scale.to(torch.bfloat16)
+        self.scale32 = self.scale.float()     # the native kernel's operand (N floats)
         self.shape = tuple(q.shape)
 
     @classmethod
@@ -105,7 +114,9 @@ class Int8Weight:
         return cls(*quantize_int8(w))
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int8pack_mm(x, self.q, self.scale)
+        if _NATIVE is not None:
+            return _NATIVE.int8_gemv(x.float(), self.q, self.scale32)
+        return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.q, self.scale)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self.q.to(dtype) * self.scale.to(dtype)[:, None]
@@ -143,7 +154,7 @@ def int4_groups_from_float(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
 
 
 class QuantLinear(nn.Module):
-    """y = x W^T (+ b) with W low-bit; x and y float32 [M, K] / [M, N]."""
+    """y = x W^T (+ b) with W low-bit."""
 
     def __init__(self, qweight: QuantWeight, bias: torch.Tensor | None,
                  policy: KernelPolicy, dense: torch.Tensor | None = None) -> None:
@@ -155,13 +166,16 @@ class QuantLinear(nn.Module):
         self.dense = dense            # resident dense copy in policy.dense_dtype, or None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] float32 or bfloat16 -> [M, N] in the kernel's output dtype (bfloat16
+        for the low-bit kernels and bf16 GEMMs). Consumers widen it for free: the residual
+        add, the rotary tables and the bias are float32, so type promotion does the cast
+        inside an op the model runs anyway (one op per linear saved at decode)."""
         if x.shape[0] <= self.policy.lowbit_max_rows:
-            y = self.qweight.matmul(x.to(torch.bfloat16))
+            y = self.qweight.matmul(x)
         else:
             w = self.dense if self.dense is not None else \
                 self.qweight.dequantize(self.policy.dense_dtype)
             y = F.linear(x.to(w.dtype), w)
-        y = y.float()
         return y if self.bias is None else y + self.bias
 
     @property

@@ -50,3 +50,20 @@ def test_metrics_feed_and_render(caplog) -> None:
     assert _sample(text, "duet:time_to_first_token_seconds_sum") == 1.0
     assert _sample(b.render().decode(), "duet:request_success_total") == 0  # own registry
     assert buckets_1_2_5(100) == [1, 2, 5, 10, 20, 50, 100]
+
+
+def test_kernel_choice_visible() -> None:
+    """The start-up kernel choice is an info series; each step counts under the kernel its
+    row count selects."""
+    m = ServerMetrics("m", 2048, 512)
+    m.set_kernel_info("120 int4", "bfloat16", 4, "bf16 GEMM 2.00x fp32")
+    m.observe_step(StepStats(start_time=0.0, step_seconds=0.01, num_prefill_tokens=0,
+                             num_decode_tokens=3))
+    m.observe_step(StepStats(start_time=0.0, step_seconds=0.01, num_prefill_tokens=60,
+                             num_decode_tokens=4))
+    m.observe_step(StepStats(start_time=0.0, step_seconds=0.01, num_prefill_tokens=0,
+                             num_decode_tokens=4))
+    text = m.render().decode()
+    assert 'lowbit_max_rows="4"' in text and 'weights="120 int4"' in text
+    assert _sample(text, 'duet:steps_by_kernel_total{kernel="lowbit",model_name="m"}') == 2
+    assert _sample(text, 'duet:steps_by_kernel_total{kernel="dense",model_name="m"}') == 1

@@ -78,6 +78,13 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     core = engine.engine
     metrics = ServerMetrics(served_model_name, engine.max_model_len,
                             core.max_num_batched_tokens)
+    loaded = core.loaded
+    policy = loaded.kernel_policy
+    metrics.set_kernel_info(
+        ", ".join(f"{v} {k}" for k, v in loaded.quant_summary.items() if k.startswith("int"))
+        or f"dense {str(loaded.dtype).replace('torch.', '')}",
+        str(policy.dense_dtype if policy else loaded.dtype).replace("torch.", ""),
+        policy.lowbit_max_rows if policy else -1, policy.reason if policy else "")
     core.add_step_observer(metrics.observe_step)
     engine.idle_stats_observers.append(metrics.observe_step)
     engine.finish_observers.append(metrics.observe_finished)

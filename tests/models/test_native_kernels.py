@@ -1,5 +1,6 @@
-"""The native decode-attention kernel reads the paged cache in place and equals SDPA over
-the gathered context; the torch fallback (padded groups) agrees with it."""
+"""The native kernels (models/native.py) against plain-torch references: decode attention
+reading the paged cache in place (vs SDPA over the gathered context, and vs the padded-group
+fallback), the int4 / int8 GEMVs (vs the dequantized weight), and the fused row ops."""
 from __future__ import annotations
 
 import pytest
@@ -93,3 +94,33 @@ def test_kv_cache_dtype_option(tiny_checkpoints):
     assert len(outs["bfloat16"].token_ids) == 6
     # the first token comes from the prefill's own float32 K/V: identical
     assert outs["bfloat16"].token_ids[0] == outs["float32"].token_ids[0]
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9])
+def test_int4_gemv_equals_dequantized(rows):
+    from duetserve.models.quant import Int4Weight, int4_groups_from_float
+    w = torch.randn(192, 320, generator=torch.Generator().manual_seed(rows))
+    qw = Int4Weight(*int4_groups_from_float(w))
+    x = torch.randn(rows, 320)
+    got = native.int4_gemv(x, qw.packed, qw.sz)
+    ref = x.double() @ qw.dequantize().double().t()
+    torch.testing.assert_close(got.double(), ref, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 4, 6])
+def test_int8_gemv_equals_dequantized(rows):
+    from duetserve.models.quant import Int8Weight, quantize_int8
+    qw = Int8Weight(*quantize_int8(torch.randn(100, 256)))
+    x = torch.randn(rows, 256)
+    got = native.int8_gemv(x, qw.q, qw.scale32)
+    ref = x.double() @ qw.dequantize().double().t()
+    torch.testing.assert_close(got.double(), ref, atol=1e-4, rtol=1e-5)
+
+
+def test_fused_row_ops():
+    x, w = torch.randn(7, 96), torch.randn(96)
+    torch.testing.assert_close(native.rms_norm(x, w, 1e-6),
+                               F.rms_norm(x, (96,), w, 1e-6), atol=1e-6, rtol=1e-5)
+    g = torch.randn(5, 64)
+    torch.testing.assert_close(native.silu_mul(g), F.silu(g[:, :32]) * g[:, 32:],
+                               atol=1e-6, rtol=1e-5)
