@@ -42,10 +42,11 @@ def bench_duet(model: str, quantization: str, threads: int, prompt_len: int, gen
     llm.generate(prompt, SamplingParams(max_tokens=1, **greedy))
     llm.generate(short, SamplingParams(max_tokens=16, **greedy))
     prefill, decode = [], []
-    for _ in range(repeats):
+    for _ in range(repeats):      # all prefill runs, then all decode runs (as llama-bench)
         out = llm.generate(prompt,
                            sampling_params=SamplingParams(max_tokens=1, **greedy))[0]
         prefill.append(prompt_len / (out.metrics.first_token_time - out.metrics.arrival_time))
+    for _ in range(repeats):
         out = llm.generate(short,
                            sampling_params=SamplingParams(max_tokens=gen_len, **greedy))[0]
         m = out.metrics
