@@ -170,3 +170,37 @@ torch::Tensor int8_gemv(torch::Tensor x, torch::Tensor w, torch::Tensor scale) {
   });
   return y;
 }
+
+// Rows [a, b) (multiples of 64) of a torch-int4-packed weight as dense bfloat16 [b - a, K]:
+// the many-row path without a resident dense copy dequantizes a slice, then runs a bf16 GEMM.
+torch::Tensor int4_dequant_bf16(torch::Tensor packed, torch::Tensor sz, int64_t a, int64_t b) {
+  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous(), "packed: uint8");
+  TORCH_CHECK(sz.scalar_type() == torch::kBFloat16 && sz.is_contiguous(), "sz: bfloat16");
+  const int64_t N = packed.size(0), K = packed.size(1) * 2;
+  TORCH_CHECK(a % BN == 0 && b % BN == 0 && 0 <= a && a < b && b <= N, "rows must be 64-aligned");
+  auto out = torch::empty({b - a, K}, packed.options().dtype(torch::kBFloat16));
+  const uint8_t* pk = packed.data_ptr<uint8_t>();
+  const uint32_t* szp = reinterpret_cast<const uint32_t*>(sz.data_ptr<at::BFloat16>());
+  at::BFloat16* op = out.data_ptr<at::BFloat16>();
+  at::parallel_for(a / BN, b / BN, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t blk = begin; blk < end; ++blk) {
+      const uint8_t* base = pk + blk * K * 32;
+      for (int64_t r = 0; r < BN; ++r) {
+        const int64_t row = blk * BN + r;
+        const int shift = r < 32 ? 0 : 4;
+        const int64_t lane = r % 32;
+        at::BFloat16* orow = op + (row - a) * K;
+        for (int64_t g = 0; g < K / G; ++g) {
+          const uint32_t v = szp[g * N + row];
+          const float s = bf16_lo(v), z = bf16_hi(v) - 8.f * s;
+          for (int64_t kk = 0; kk < G; ++kk) {
+            const int64_t k = g * G + kk;
+            const float q = float((base[k * 32 + lane] >> shift) & 15);
+            orow[k] = at::BFloat16(q * s + z);
+          }
+        }
+      }
+    }
+  });
+  return out;
+}

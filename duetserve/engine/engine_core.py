@@ -139,7 +139,7 @@ class EngineCore:
             enable_prefix_caching=config.enable_prefix_caching,
             max_num_waiting=config.max_waiting_requests))
         self.executor = IsolatedExecutor(self.runner.execute_model, self.scheduler)
-        self.eos_token_ids = tuple(mcfg.eos_token_ids) or tuple(self.tokenizer.eos_token_ids)
+        self.eos_token_ids = tuple(mcfg.eos_token_ids)   # resolved once, by the loader
         self.requests: dict[str, _UserRequest] = {}
         self._child_to_user: dict[str, str] = {}
         self.last_step = StepStats()

@@ -5,6 +5,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import time
@@ -113,6 +114,10 @@ def load_model(path: str | None, dtype: str = "float32", device: str = "cpu",
         cfg = gguf_file.gguf_model_config(reader, path)
         tensors = gguf_file.iter_gguf_tensors(reader, cfg)
         tokenizer = Tokenizer.from_gguf(reader, cfg)
+    if not cfg.eos_token_ids and tokenizer.eos_token_ids:
+        # EOS ids resolved once, here: the checkpoint's generation config, then its config,
+        # then the tokenizer's eos token. Engine, scheduler and sampler all read cfg.
+        cfg = dataclasses.replace(cfg, eos_token_ids=tuple(tokenizer.eos_token_ids))
     with torch.device("meta"):
         model = model_class(cfg)(cfg)
     extras = load_weights(model, tensors, cfg, torch_dtype, device, plan)

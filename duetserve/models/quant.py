@@ -79,6 +79,8 @@ class Int4Weight:
         """Rows [a, b) (multiples of 64) as a dense [b - a, K] tensor."""
         n, k = self.shape
         b = n if b is None else b
+        if _NATIVE is not None and dtype == torch.bfloat16:
+            return _NATIVE.int4_dequant_bf16(self.packed, self.sz, a, b)
         q = self._codes(self.packed[a:b].view((b - a) // 64, k, 32))
         s = self.sz[:, a:b, 0].t().to(dtype).repeat_interleave(GROUP, 1)
         z = self.sz[:, a:b, 1].t().to(dtype).repeat_interleave(GROUP, 1)

@@ -124,3 +124,13 @@ def test_fused_row_ops():
     g = torch.randn(5, 64)
     torch.testing.assert_close(native.silu_mul(g), F.silu(g[:, :32]) * g[:, 32:],
                                atol=1e-6, rtol=1e-5)
+
+
+def test_int4_dequant_slices():
+    from duetserve.models.quant import Int4Weight, int4_groups_from_float
+    qw = Int4Weight(*int4_groups_from_float(torch.randn(256, 96)))
+    ref = qw.dequantize(torch.float32)          # plain-torch path, float32
+    for a, b in ((0, 256), (64, 192)):
+        got = native.int4_dequant_bf16(qw.packed, qw.sz, a, b)
+        assert got.dtype == torch.bfloat16 and got.shape == (b - a, 96)
+        torch.testing.assert_close(got.float(), ref[a:b], atol=0, rtol=2 ** -8)
