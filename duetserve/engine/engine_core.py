@@ -27,7 +27,7 @@ from duetserve.engine.detokenizer import IncrementalDetokenizer
 from duetserve.engine.isolation import IsolatedExecutor
 from duetserve.engine.step_cost import is_plausible, measured_step_cost
 from duetserve.errors import EngineOverloadedError, RequestError
-from duetserve.loader import LoadedModel, load_model
+from duetserve.loader import LoadedModel, load_model, release_free_memory
 from duetserve.metrics.step_accounting import StepAccount, accountant_for_engine
 from duetserve.metrics.trace import TraceWriter
 from duetserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -170,6 +170,7 @@ class EngineCore:
             self.model_config.vocab_size, config.block_size,
             min(self.max_model_len - 1, self.num_blocks * config.block_size))
         self.step_cost = cost
+        release_free_memory()        # the measurement's activations, back to the OS
         self.max_step_ms = config.max_step_ms or default_max_step_ms(cost)
         if not is_plausible(cost):
             return FALLBACK_TOKEN_BUDGET

@@ -12,13 +12,14 @@ import hashlib
 import json
 import logging
 import os
-import platform
 import time
 from pathlib import Path
 
 import torch
 
 from duetserve.core.step_budget import StepCost
+from duetserve.models.native import cache_dir as native_cache_dir
+from duetserve.models.native import cpu_name
 from duetserve.outputs import NewRequestData, SchedulerOutput
 from duetserve.sampling_params import SamplingParams
 
@@ -30,18 +31,8 @@ _PROBE_ID = "__duet_step_probe__"
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("DUET_CACHE_DIR") or Path.home() / ".cache" / "duetserve")
+    return Path(native_cache_dir())
 
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _source_digest() -> str:
@@ -61,7 +52,7 @@ def cache_key(model_path: str, dtype: str, num_threads: int) -> str:
     except OSError:
         stamp = "?"
     parts = [os.path.abspath(model_path), stamp, dtype, str(num_threads), torch.__version__,
-             _cpu_model(), _source_digest()]
+             cpu_name(), _source_digest()]
     return hashlib.blake2b("|".join(parts).encode(), digest_size=12).hexdigest()
 
 

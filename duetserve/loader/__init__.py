@@ -75,7 +75,7 @@ class LoadedModel:
                 f" ({self.kernel_policy.reason})")
 
 
-def _release_free_memory() -> None:
+def release_free_memory() -> None:
     """glibc keeps freed heap pages; hand them back so RSS reflects what is kept."""
     try:
         import ctypes
@@ -131,11 +131,11 @@ def load_model(path: str | None, dtype: str = "float32", device: str = "cpu",
     packed = sum(m.qweight.nbytes for m in qlayers.values())
     copies = sum(m.nbytes - m.qweight.nbytes for m in model.modules()
                  if isinstance(m, QuantLinear))
-    _release_free_memory()      # the loader's transient buffers, back to the OS
     policy = None
     if qlayers:
         policy = plan.policy
         finish_policy(model, policy)
+    release_free_memory()       # the loader's transient buffers, back to the OS
     return LoadedModel(model, cfg, tokenizer, path, time.perf_counter() - t0, dense + packed,
                        torch_dtype, quantization, policy, dict(plan.summary) if plan else {},
                        dense + packed + copies)

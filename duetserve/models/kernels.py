@@ -8,8 +8,8 @@
   count at which the low-bit kernel beats the dense path; decode steps up to that many
   rows use low-bit weights, bigger steps the dense GEMM.
 
-Results are cached in ~/.cache/duetserve/cpu_kernels.json (key: CPU model, torch
-version, threads, shape), so start-up measures each thing once per machine.
+Results are cached in $DUET_CACHE_DIR (~/.cache/duetserve)/cpu_kernels.json (key: CPU
+model, torch version, threads, shape), so start-up measures each thing once per machine.
 """
 from __future__ import annotations
 
@@ -20,12 +20,11 @@ import time
 
 import torch
 
-from duetserve.models.native import cpu_flags, cpu_name, ops
+from duetserve.models.native import cache_dir, cpu_flags, cpu_name, ops
 from duetserve.models.quant import KernelPolicy, QuantLinear
 
 log = logging.getLogger("duetserve")
-CACHE = os.path.join(os.path.expanduser(os.environ.get("DUET_CACHE", "~/.cache/duetserve")),
-                     "cpu_kernels.json")
+
 BF16_MIN_SPEEDUP = 1.3
 _ROWS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -36,19 +35,20 @@ def _key(*parts) -> str:
 
 
 def _cached(key: str, measure):
+    path = os.path.join(cache_dir(), "cpu_kernels.json")
     try:
-        with open(CACHE) as f:
+        with open(path) as f:
             cache = json.load(f)
     except (OSError, ValueError):
         cache = {}
     if key not in cache:
         cache[key] = measure()
         try:
-            os.makedirs(os.path.dirname(CACHE), exist_ok=True)
-            tmp = f"{CACHE}.{os.getpid()}"
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            tmp = f"{path}.{os.getpid()}"
             with open(tmp, "w") as f:
                 json.dump(cache, f, indent=1)
-            os.replace(tmp, CACHE)
+            os.replace(tmp, path)
         except OSError:
             pass
     return cache[key]

@@ -1,8 +1,8 @@
 """duetserve's own C++ kernels (duetserve/csrc), compiled on first use for this CPU.
 
 Built with torch's cpp_extension (ninja + the system C++ compiler, -O3 -march=native)
-into ~/.cache/duetserve/ext/<cpu>, once per machine (about 30 s); later processes load
-the built library. If the build fails, or DUET_NATIVE=0, `ops()` returns None and the
+into $DUET_CACHE_DIR (~/.cache/duetserve)/ext/<digest>, once per machine (about 30 s);
+later processes load the built library. If the build fails, or DUET_NATIVE=0, `ops()` returns None and the
 callers use their plain-torch paths (same results, slower): the reason is logged once.
 
 Kernels:
@@ -25,6 +25,12 @@ log = logging.getLogger("duetserve")
 _SRC = os.path.join(os.path.dirname(os.path.dirname(__file__)), "csrc")
 _lock = threading.Lock()
 _state: dict = {}
+
+
+def cache_dir() -> str:
+    """Where measurements and built kernels are cached: $DUET_CACHE_DIR or
+    ~/.cache/duetserve."""
+    return os.environ.get("DUET_CACHE_DIR") or os.path.expanduser("~/.cache/duetserve")
 
 
 def cpu_name() -> str:
@@ -61,9 +67,7 @@ def _build():
             digest.update(f.read())
     digest.update(f"{cpu_name()}|{torch.__version__}".encode())
     tag = digest.hexdigest()[:12]
-    build_dir = os.path.join(os.path.expanduser(os.environ.get("DUET_CACHE",
-                                                               "~/.cache/duetserve")),
-                             "ext", tag)
+    build_dir = os.path.join(cache_dir(), "ext", tag)
     os.makedirs(build_dir, exist_ok=True)
     return cpp_extension.load(name=f"duet_native_{tag}", sources=sources,
                               build_directory=build_dir,
