@@ -18,6 +18,94 @@ static inline float to_f(T x) { return static_cast<float>(x); }
 template <>
 inline float to_f<at::BFloat16>(at::BFloat16 x) { return static_cast<float>(x); }
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+// e^x for 16 lanes (x <= 0 after max subtraction; about 1 ulp): x = n ln2 + r, |r| <= ln2/2,
+// e^r by a degree-6 Taylor polynomial, times 2^n by scalef. The scalar std::exp was the
+// kernel's largest cost (one call per score).
+static inline __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// float32 cache, D a multiple of 16 and <= 256: q rows and K/V rows held in registers.
+static bool decode_f32_avx512(const float* q, const float* kc, const float* vc,
+                              const int64_t* tables, const int64_t* lens, float* out,
+                              int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t num_blocks,
+                              int64_t bs, int64_t max_blocks, float scale) {
+  constexpr int64_t MAXV = 16;                  // D / 16 <= 16
+  const int64_t G = H / KVH, nv = D / 16;
+  if (D % 16 || nv > MAXV || G > 8) return false;
+  const int64_t head_stride = num_blocks * bs * D;
+  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / KVH, kh = item % KVH;
+      const int64_t L = lens[b];
+      const int64_t* table = tables + b * max_blocks;
+      const float* qb = q + (b * H + kh * G) * D;
+      const float* kbase = kc + kh * head_stride;
+      const float* vbase = vc + kh * head_stride;
+      scores.resize(G * L);
+      for (int64_t t = 0; t < L; ++t) {
+        const float* krow = kbase + (table[t / bs] * bs + t % bs) * D;
+        __m512 kv[MAXV];
+        for (int64_t i = 0; i < nv; ++i) kv[i] = _mm512_loadu_ps(krow + 16 * i);
+        for (int64_t g = 0; g < G; ++g) {
+          __m512 acc = _mm512_mul_ps(kv[0], _mm512_loadu_ps(qb + g * D));
+          for (int64_t i = 1; i < nv; ++i)
+            acc = _mm512_fmadd_ps(kv[i], _mm512_loadu_ps(qb + g * D + 16 * i), acc);
+          scores[g * L + t] = _mm512_reduce_add_ps(acc) * scale;
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        float* sg = scores.data() + g * L;
+        float m = -INFINITY;
+        for (int64_t t = 0; t < L; ++t) m = sg[t] > m ? sg[t] : m;
+        const __m512 mv = _mm512_set1_ps(m);
+        __m512 sumv = _mm512_setzero_ps();
+        int64_t t = 0;
+        for (; t + 16 <= L; t += 16) {
+          const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(sg + t), mv));
+          _mm512_storeu_ps(sg + t, e);
+          sumv = _mm512_add_ps(sumv, e);
+        }
+        float sum = _mm512_reduce_add_ps(sumv);
+        for (; t < L; ++t) { sg[t] = std::exp(sg[t] - m); sum += sg[t]; }
+        const float inv = 1.f / sum;
+        for (t = 0; t < L; ++t) sg[t] *= inv;
+      }
+      __m512 acc[8][MAXV];
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t i = 0; i < nv; ++i) acc[g][i] = _mm512_setzero_ps();
+      for (int64_t t = 0; t < L; ++t) {
+        const float* vrow = vbase + (table[t / bs] * bs + t % bs) * D;
+        for (int64_t i = 0; i < nv; ++i) {
+          const __m512 v = _mm512_loadu_ps(vrow + 16 * i);
+          for (int64_t g = 0; g < G; ++g)
+            acc[g][i] = _mm512_fmadd_ps(_mm512_set1_ps(scores[g * L + t]), v, acc[g][i]);
+        }
+      }
+      float* ob = out + (b * H + kh * G) * D;
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t i = 0; i < nv; ++i) _mm512_storeu_ps(ob + g * D + 16 * i, acc[g][i]);
+    }
+  });
+  return true;
+}
+#endif
+
 template <typename KV>
 static void decode_impl(const float* q, const KV* kc, const KV* vc, const int64_t* tables,
                         const int64_t* lens, float* out, int64_t B, int64_t H, int64_t KVH,
@@ -91,6 +179,13 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
   auto out = torch::empty_like(q);
   auto lens = context_lens.contiguous();
   if (k_cache.scalar_type() == torch::kFloat32) {
+#if defined(__AVX512F__)
+    if (decode_f32_avx512(q.data_ptr<float>(), k_cache.data_ptr<float>(),
+                          v_cache.data_ptr<float>(), block_tables.data_ptr<int64_t>(),
+                          lens.data_ptr<int64_t>(), out.data_ptr<float>(), B, H, KVH, D, nb, bs,
+                          block_tables.size(1), static_cast<float>(scale)))
+      return out;
+#endif
     decode_impl<float>(q.data_ptr<float>(), k_cache.data_ptr<float>(),
                        v_cache.data_ptr<float>(), block_tables.data_ptr<int64_t>(),
                        lens.data_ptr<int64_t>(), out.data_ptr<float>(), B, H, KVH, D, nb, bs,

@@ -153,18 +153,16 @@ def unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(w.shape))
 
 
+def _check_type(tensor) -> None:
+    if tensor.tensor_type.name not in SUPPORTED_TENSOR_TYPES:
+        raise CheckpointError(f"unsupported GGUF tensor type {tensor.tensor_type.name} (tensor "
+                              f"{tensor.name}); supported: {', '.join(SUPPORTED_TENSOR_TYPES)}")
+
+
 def dequantize(tensor) -> np.ndarray:
     """Dequantize one GGUF tensor to float32 in row-major [rows, cols] layout."""
-    from gguf import quants
-
-    name = tensor.tensor_type.name
-    if name not in SUPPORTED_TENSOR_TYPES:
-        raise CheckpointError(f"unsupported GGUF tensor type {name} (tensor {tensor.name}); "
-                              f"supported: {', '.join(SUPPORTED_TENSOR_TYPES)}")
-    if name == "F32":
-        return np.asarray(tensor.data, dtype=np.float32)
-    return quants.dequantize(np.asarray(tensor.data), tensor.tensor_type).astype(np.float32,
-                                                                                  copy=False)
+    _check_type(tensor)
+    return GGUFTensor(tensor.name, tensor).dequantize()
 
 
 def iter_gguf_tensors(reader, config: ModelConfig) -> Iterator[tuple[str, GGUFTensor]]:
@@ -182,9 +180,7 @@ def iter_gguf_tensors(reader, config: ModelConfig) -> Iterator[tuple[str, GGUFTe
             name = _GLOBAL_NAMES.get(t.name)
             if name is None:
                 raise CheckpointError(f"unexpected GGUF tensor {t.name}")
-        if t.tensor_type.name not in SUPPORTED_TENSOR_TYPES:
-            raise CheckpointError(f"unsupported GGUF tensor type {t.tensor_type.name} (tensor "
-                                  f"{t.name}); supported: {', '.join(SUPPORTED_TENSOR_TYPES)}")
+        _check_type(t)
         perm = None
         if permute and (".q_proj." in name or ".k_proj." in name):
             heads = (config.num_attention_heads if ".q_proj." in name
