@@ -107,8 +107,20 @@ class Scheduler:
         """Engine-triggered finish (e.g. a stop string matched). Frees the blocks, removes the
         requests from the queues; their ids go into the next SchedulerOutput.finished_req_ids.
         Returns the requests that were finished by this call (unknown ids are ignored)."""
-        if isinstance(req_ids, str):
-            req_ids = [req_ids]
+        return self._finish([req_ids] if isinstance(req_ids, str) else req_ids,
+                            finish_reason, stop_reason, failed=False)
+
+    def fail_requests(self, req_ids: Iterable[str]) -> list[Request]:
+        """Finish requests whose processing raised inside the current step (finish_reason
+        "error"). Call it after schedule() and before update_from_output(): their
+        num_computed_tokens has not advanced, so the blocks the step was filling are
+        dropped from the prefix cache (their KV may be unwritten) before they are freed.
+        Returns the requests finished by this call; unknown ids are ignored."""
+        return self._finish(req_ids, "error", None, failed=True)
+
+    def _finish(self, req_ids: Iterable[str], finish_reason: str,
+                stop_reason: int | str | None, failed: bool) -> list[Request]:
+        """Mutates the queues, the requests and the block pool (see the two callers)."""
         done = []
         for req_id in req_ids:
             request = self.requests.get(req_id)
@@ -119,27 +131,7 @@ class Scheduler:
             else:
                 self.running.remove(request)
             request.set_finished(finish_reason, stop_reason)
-            self._release(request)
-            done.append(request)
-        return done
-
-    def fail_requests(self, req_ids: Iterable[str]) -> list[Request]:
-        """Finish requests whose processing raised inside the current step (finish_reason
-        "error"). Call it after schedule() and before update_from_output(): their
-        num_computed_tokens has not advanced, so the blocks the step was filling are
-        dropped from the prefix cache (their KV may be unwritten) before they are freed.
-        Returns the requests finished by this call; unknown ids are ignored."""
-        done = []
-        for req_id in req_ids:
-            request = self.requests.get(req_id)
-            if request is None:
-                continue
-            if request.is_waiting:
-                self.waiting.remove(req_id)
-            else:
-                self.running.remove(request)
-            request.set_finished("error")
-            self._release(request, num_valid_tokens=request.num_computed_tokens)
+            self._release(request, request.num_computed_tokens if failed else None)
             done.append(request)
         return done
 

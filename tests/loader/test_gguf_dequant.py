@@ -7,6 +7,8 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 from gguf import quants
 
+from gguf_helpers import k_quant_blocks
+
 from duetserve.errors import CheckpointError
 from duetserve.loader.gguf_file import dequantize, open_gguf, unpermute_qk
 
@@ -15,20 +17,6 @@ ROWS, COLS = 4, 256
 QUANTIZABLE = {Q.F32: 0, Q.F16: 2e-3, Q.BF16: 2e-2, Q.Q8_0: 2e-2, Q.Q5_0: 0.15,
                Q.Q5_1: 0.15, Q.Q4_0: 0.3, Q.Q4_1: 0.3}
 K_QUANTS = [Q.Q4_K, Q.Q5_K, Q.Q6_K]
-
-
-def _k_quant_blocks(qtype, rng) -> np.ndarray:
-    """Random K-quant blocks with finite fp16 scales (gguf-py cannot quantize these)."""
-    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
-    nblocks = ROWS * COLS // block_size
-    raw = rng.integers(0, 256, size=(nblocks, type_size), dtype=np.uint8)
-    scale = np.full((nblocks, 1), 0.01, np.float16).view(np.uint8)
-    if qtype == Q.Q6_K:          # d is the last 2 bytes
-        raw[:, -2:] = scale
-    else:                        # d, dmin are the first 4 bytes
-        raw[:, 0:2] = scale
-        raw[:, 2:4] = scale
-    return raw.reshape(ROWS, -1)
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +31,7 @@ def gguf_with_all_types(tmp_path_factory):
         data = x if qt == Q.F32 else quants.quantize(x, qt)
         w.add_tensor(qt.name, data, raw_dtype=None if qt == Q.F32 else qt)
     for qt in K_QUANTS:
-        raw = _k_quant_blocks(qt, rng)
+        raw = k_quant_blocks(qt, ROWS, COLS, rng)
         originals[qt.name] = quants.dequantize(raw, qt)
         w.add_tensor(qt.name, raw, raw_dtype=qt)
     w.write_header_to_file()

@@ -10,6 +10,8 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf import quants
 
+from gguf_helpers import k_quant_blocks
+
 from duetserve.loader import load_model
 from duetserve.loader.gguf_blocks import GGUFTensor
 from duetserve.loader.gguf_file import open_gguf
@@ -17,19 +19,6 @@ from duetserve.models.quant import (Int4Weight, Int8Weight, QuantEmbedding, Quan
                                     int4_groups_from_float, quantize_int8)
 
 ROWS, COLS = 64, 512      # int4 packing works in blocks of 64 rows
-
-
-def _k_blocks(qtype, rng) -> np.ndarray:
-    """Random K-quant blocks with finite fp16 super-block scales."""
-    block, size = gguf.GGML_QUANT_SIZES[qtype]
-    raw = rng.integers(0, 256, size=(ROWS * COLS // block, size), dtype=np.uint8)
-    scale = np.full((raw.shape[0], 1), 0.01, np.float16).view(np.uint8)
-    if qtype == Q.Q6_K:
-        raw[:, -2:] = scale
-    else:
-        raw[:, 0:2] = scale
-        raw[:, 2:4] = scale
-    return raw.reshape(ROWS, -1)
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +30,7 @@ def quant_file(tmp_path_factory):
         w.add_tensor(qt.name, quants.quantize(rng.standard_normal((ROWS, COLS))
                                               .astype(np.float32), qt), raw_dtype=qt)
     for qt in (Q.Q4_K, Q.Q6_K):
-        w.add_tensor(qt.name, _k_blocks(qt, rng), raw_dtype=qt)
+        w.add_tensor(qt.name, k_quant_blocks(qt, ROWS, COLS, rng), raw_dtype=qt)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
