@@ -31,6 +31,9 @@ class ForeignCpu:
         machine = _machine_busy_s() - self.machine0
         return max(0.0, machine - (time.process_time() - self.own0))
 
+    def elapsed_s(self) -> float:
+        return time.perf_counter() - self.wall0
+
     def foreign_fraction(self) -> float:
         """Foreign CPU seconds per wall second (0 = nothing else ran; 1 = a whole core)."""
         return self.foreign_s() / max(1e-9, time.perf_counter() - self.wall0)

@@ -28,12 +28,15 @@ def default_calibrated_path(model: str | None, num_threads: int) -> Path:
 
 def calibrate(model: str | None, num_threads: int, quick: bool = False,
               out: str | Path | None = None, kv_cache_memory: float = 2.0,
-              verbose: bool = True, loaded=None) -> tuple[SimProfile, Path]:
+              verbose: bool = True, loaded=None, max_foreign: float | None = None
+              ) -> tuple[SimProfile, Path]:
     """Build the engine (on `loaded` weights when given), measure the grid, fit, save.
-    Returns (profile, path)."""
+    `max_foreign`: redo a scenario when other processes used more of a core meanwhile
+    (default bench.calibrate.MAX_FOREIGN; inf: never wait). Returns (profile, path)."""
     import torch
 
-    from duetserve.bench.calibrate import CALIBRATION_BUDGET, GRID, QUICK_GRID, measure_grid
+    from duetserve.bench.calibrate import (CALIBRATION_BUDGET, GRID, MAX_FOREIGN, QUICK_GRID,
+                                           measure_grid)
     from duetserve.bench.token_workload import id_range_for_vocab
     from duetserve.config import EngineConfig
     from duetserve.engine.engine_core import EngineCore
@@ -51,12 +54,12 @@ def calibrate(model: str | None, num_threads: int, quick: bool = False,
                  "enable_prefix_caching": config.enable_prefix_caching}
     engine = EngineCore(replace(config, max_num_batched_tokens=CALIBRATION_BUDGET),
                         loaded=served.loaded)
-    del served
     say = (lambda msg: print(f"calibrate: {msg}", file=sys.stderr, flush=True)) if verbose \
         else None
-    cal = measure_grid(engine, QUICK_GRID if quick else GRID,
+    cal = measure_grid({"served": served, "wide": engine}, QUICK_GRID if quick else GRID,
                        id_range=id_range_for_vocab(engine.model_config.vocab_size),
-                       progress=say)
+                       progress=say,
+                       max_foreign=MAX_FOREIGN if max_foreign is None else max_foreign)
     cost, report = fit_cost(cal.samples, statistics.median(cal.arrival_s))
     path = Path(out) if out else default_calibrated_path(model, num_threads)
     meta = {"model": engine.loaded.path, "threads": num_threads, "cpu": cpu_name(),
@@ -70,6 +73,7 @@ def calibrate(model: str | None, num_threads: int, quick: bool = False,
     profile = calibrated_profile(path.stem, cost, scheduler, meta,
                                  f"{Path(engine.loaded.path).name}, {num_threads} threads, "
                                  f"{cpu_name()}")
+    del served
     profile.save(path)
     samples = path.with_suffix(".samples.json")     # raw steps, to refit without measuring
     samples.write_text(json.dumps({"samples": cal.samples, "arrival_s": cal.arrival_s}))

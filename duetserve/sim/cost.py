@@ -22,7 +22,7 @@ from typing import Iterable, Protocol
 
 # Feature names of the calibrated model, in coefficient order (see CalibratedCost).
 FEATURES = ("step", "requests", "rows_few", "many_rows", "rows_many", "logits",
-            "decode_context", "prefill_pairs")
+            "decode_context", "prefill_context", "prefill_pairs")
 
 
 @dataclass(slots=True)
@@ -76,6 +76,7 @@ class CalibratedCost:
         rows_many       T if T >  breakpoint  dense GEMM FLOPs per row
         logits          sampled positions     LM head rows, sampling, detokenizing
         decode_context  sum c over decodes    KV bytes read by decode attention
+        prefill_context sum c over prefills   cached context gathered for a prefill chunk
         prefill_pairs   sum n*c + n(n+1)/2    attention FLOPs of prefill slices
 
     `breakpoint` is the row count where the engine switches kernels (fitted).
@@ -89,7 +90,8 @@ class CalibratedCost:
     def features(self, s: StepShape) -> tuple[float, ...]:
         many = s.num_tokens > self.breakpoint
         return (1.0, s.num_reqs, 0 if many else s.num_tokens, 1.0 if many else 0.0,
-                s.num_tokens if many else 0, s.num_logits, s.decode_context, s.prefill_pairs)
+                s.num_tokens if many else 0, s.num_logits, s.decode_context,
+                s.prefill_context, s.prefill_pairs)
 
     def step_seconds(self, shape: StepShape) -> float:
         return sum(c * f for c, f in zip(self.coef, self.features(shape)))
