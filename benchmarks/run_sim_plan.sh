@@ -9,8 +9,8 @@ OUT=${OUT:-out/sim/plan}
 mkdir -p "$OUT"
 run() {  # name workload ttft tpot
     $PY -m duetserve plan --model llama-3-8b --hardware h100-sxm --workload "$2" \
-        --slo ttft="$3" tpot="$4" --attainment 90 --num-prompts 400 --max-gpus 4 \
-        --colocated-instances 1,2,4 --chunks 256,512,1024,2048,8192 --router least_loaded \
+        --slo ttft="$3" tpot="$4" --attainment 90 --num-prompts 600 --max-gpus 4 \
+        --colocated-instances 1,2,4 --chunks 256,512,2048,8192 --router least_loaded \
         --link nvlink --no-progress --output-json "$OUT/$1.json" --plot "$OUT/$1.png" \
         | tee "$OUT/$1.txt"
 }
