@@ -10,6 +10,9 @@ torch::Tensor q4_dequant_bf16(torch::Tensor qs, torch::Tensor d, torch::Tensor m
                               int64_t b);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 torch::Tensor silu_mul(torch::Tensor gate_up);
+torch::Tensor rope_kv_write(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
+                            torch::Tensor k_cache, torch::Tensor v_cache,
+                            torch::Tensor slot_mapping, int64_t H, int64_t KVH);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
@@ -19,4 +22,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_dequant_bf16", &q4_dequant_bf16, "rows [a, b) of a q4 weight as bf16");
   m.def("rms_norm", &rms_norm, "x * rsqrt(mean(x^2) + eps) * w, float32, one pass");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of [T, 2I] -> [T, I] float32");
+  m.def("rope_kv_write", &rope_kv_write,
+        "rotary on q/k of a qkv row block, k/v written into the paged cache; returns q");
 }

@@ -73,6 +73,42 @@ def test_backend_native_equals_group_fallback():
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_fused_rope_cache_write_equals_torch_path(kv_dtype):
+    """A decode-only step through `forward_qkv`: the native rotary + cache write + paged
+    attention equals the generic rotary and the torch cache write, output and cache
+    contents both (the two new slots up to float rounding, every other slot exactly)."""
+    from duetserve.models.attention import AttentionBackend, TorchAttention
+    from duetserve.models.layers import RotaryEmbedding
+    from duetserve.worker.batch import SeqWork, build_step_batch
+    kvh, heads, hd, bs, nb = 2, 6, 16, 4, 32
+    g = torch.Generator().manual_seed(2)
+    cache = (torch.randn(kvh, nb, bs, hd, generator=g).to(kv_dtype),
+             torch.randn(kvh, nb, bs, hd, generator=g).to(kv_dtype))
+    work = [SeqWork("a", [5], 9, [3, 7, 11], True), SeqWork("b", [6], 2, [20], True)]
+    qkv = torch.randn(2, (heads + 2 * kvh) * hd, generator=g)
+    rot = RotaryEmbedding(hd, 10000.0, None)
+    rot.build(64, "cpu", torch.float32)
+    backend = TorchAttention(heads, kvh, hd)
+    outs, caches = [], []
+    for fused in (True, False):
+        c = (cache[0].clone(), cache[1].clone())
+        meta = build_step_batch(work, bs, paged_decode=True).meta
+        meta.cos, meta.sin = rot.tables(torch.tensor([9, 2]))
+        fn = backend.forward_qkv if fused else \
+            (lambda *a: AttentionBackend.forward_qkv(backend, *a))
+        outs.append(fn(qkv, c, meta))
+        caches.append(c)
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+    written = torch.zeros(nb * bs, dtype=torch.bool)
+    written[meta.slot_mapping] = True
+    for a, b in zip(caches[0], caches[1]):
+        a, b = a.view(kvh, -1, hd), b.view(kvh, -1, hd)
+        assert torch.equal(a[:, ~written], b[:, ~written])
+        torch.testing.assert_close(a[:, written].float(), b[:, written].float(),
+                                   atol=1e-6, rtol=2 ** -7)
+
+
 def test_kv_cache_dtype_option(tiny_checkpoints):
     """--kv-cache-dtype bfloat16 stores K/V in bfloat16 (half the bytes) and the engine
     still decodes; a bad value is named."""
