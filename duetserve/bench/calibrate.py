@@ -2,10 +2,13 @@
 
 Drives in-process EngineCores (the real scheduler, runner, sampler and detokenizer) and
 times every `engine.step()` call from outside, so a sample is the step as the serving loop
-pays it. Two engines share the weights: "served" has the token budget `duet serve` uses by
-default (so its chunked prefills mixed with decodes, the common serving step, are
-measured as they happen), "wide" a budget of CALIBRATION_BUDGET (large prefills and
-batches, for simulations with bigger budgets). Scenarios (GRID; --quick: QUICK_GRID):
+pays it. Two engines share the weights: "served" is built with `duet serve`'s defaults, so
+it budgets every step as serving does (core/step_budget.StepBudget from its measured step
+cost: up to IDLE_BUDGET tokens when nothing decodes, prefill chunks sized to the running
+decodes otherwise), and its big idle prefills and its chunks mixed with decodes are
+measured as they happen in serving; "wide" has a fixed budget of CALIBRATION_BUDGET
+(prefills and contexts on a grid, for simulations with other budgets). Scenarios (GRID;
+--quick: QUICK_GRID):
 
   prefill   one fresh prompt of n tokens                  -> steps (n, 0)
   context   a cached prefix of c tokens, then n new ones  -> steps (n, c): chunk after context

@@ -26,6 +26,21 @@ def default_calibrated_path(model: str | None, num_threads: int) -> Path:
     return default_profile_dir() / f"cpu-{stem}-t{num_threads}.json"
 
 
+def served_scheduler_settings(engine) -> dict:
+    """The profile's "scheduler" entry for an engine built with the serving defaults: its
+    SchedulerConfig's settings plus, when the engine derived its per-step budget, the
+    measured step cost and max_step_ms it derived it from (SimProfile.scheduler_config
+    rebuilds the same StepBudget through core.step_budget.derive_step_budget)."""
+    from duetserve.sim.profile import SCHEDULER_KEYS
+    cfg = engine.scheduler.config
+    settings = {k: getattr(cfg, k) for k in SCHEDULER_KEYS}
+    if cfg.step_budget is not None:
+        settings["step_cost"] = {"fixed_ms": engine.step_cost.fixed_ms,
+                                 "per_token_ms": engine.step_cost.per_token_ms}
+        settings["max_step_ms"] = engine.config.max_step_ms
+    return settings
+
+
 def calibrate(model: str | None, num_threads: int, quick: bool = False,
               out: str | Path | None = None, kv_cache_memory: float = 2.0,
               verbose: bool = True, loaded=None, max_foreign: float | None = None
@@ -48,10 +63,7 @@ def calibrate(model: str | None, num_threads: int, quick: bool = False,
     t0 = time.perf_counter()
     config = EngineConfig(model=model, num_threads=num_threads, kv_cache_memory=kv_cache_memory)
     served = EngineCore(config, loaded)              # the settings `duet serve` would use
-    scheduler = {"max_num_batched_tokens": served.max_num_batched_tokens,
-                 "max_num_seqs": config.max_num_seqs, "num_blocks": served.num_blocks,
-                 "block_size": config.block_size, "max_model_len": served.max_model_len,
-                 "enable_prefix_caching": config.enable_prefix_caching}
+    scheduler = served_scheduler_settings(served)
     engine = EngineCore(replace(config, max_num_batched_tokens=CALIBRATION_BUDGET),
                         loaded=served.loaded)
     say = (lambda msg: print(f"calibrate: {msg}", file=sys.stderr, flush=True)) if verbose \

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,12 @@ def add_profile_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--write-profile", default=None, metavar="PATH",
                    help="save the profile in use (edit a GPU profile's factors, then --profile)")
     g = p.add_argument_group("scheduler (overrides the profile's settings)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="fixed token budget per step (as the engine's flag: no per-step "
+                   "budget from the running decodes)")
+    g.add_argument("--max-step-ms", type=float, default=None,
+                   help="fixed step-time target of the per-step budget (as the engine's "
+                   "flag; needs a calibrated profile, which carries the engine's step cost)")
     g.add_argument("--max-num-seqs", type=int, default=None)
     g.add_argument("--num-blocks", type=int, default=None, help="KV blocks per instance")
     g.add_argument("--block-size", type=int, default=None)
@@ -99,6 +105,7 @@ def resolve_profile(args: argparse.Namespace):
 
 def scheduler_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return {"max_num_batched_tokens": args.max_num_batched_tokens,
+            "max_step_ms": args.max_step_ms,
             "max_num_seqs": args.max_num_seqs, "num_blocks": args.num_blocks,
             "block_size": args.block_size, "max_model_len": args.max_model_len,
             "enable_prefix_caching": False if args.no_prefix_caching else None}
@@ -155,7 +162,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                        rates=[bench_serve.rate_json(r) for r in rates], percentiles=percentiles,
                        slo_ms=slo, simulated=True, profile=profile.name,
                        cost_model=profile.cost.describe(), cluster=cluster.describe(),
-                       scheduler={k: getattr(config, k) for k in profile.scheduler})
+                       scheduler=asdict(config))
     return {"schema": bench_serve.SCHEMA, "label": label, "config": config_json, "runs": runs}
 
 

@@ -88,7 +88,9 @@ class Planner:
         self.base = profile.scheduler_config()
 
     def config_for(self, cand: Candidate) -> SchedulerConfig:
-        return replace(self.base, max_num_batched_tokens=cand.chunk)
+        """The candidate's chunk size as a fixed budget (no StepBudget), as the engine's
+        explicit --max-num-batched-tokens is."""
+        return replace(self.base, max_num_batched_tokens=cand.chunk, step_budget=None)
 
     def evaluate(self, cand: Candidate, rate: float) -> Evaluation:
         result = simulate(self.convs, self.profile, cand.cluster, rate, self.burstiness,

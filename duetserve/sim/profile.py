@@ -4,11 +4,20 @@ saved as JSON so a calibration is rerun cheaply and a GPU profile can be edited 
     {"schema": "duet-sim-profile/1", "name", "kind": "calibrated" | "roofline",
      "description", "created",
      "scheduler": {max_num_batched_tokens, max_num_seqs, num_blocks, block_size,
-                   max_model_len, enable_prefix_caching},
+                   max_model_len, enable_prefix_caching,
+                   step_cost: {fixed_ms, per_token_ms} | absent, max_step_ms},
      "cost": CalibratedCost.to_json() | {"hardware", "model", "mfu", "mbu",
              "step_overhead_ms", "request_overhead_ms", "peak_flops", "mem_bandwidth",
              "weight_dtype", "kv_dtype"},
      "meta": {...}}      # calibration: grid, fit quality, engine and machine provenance
+
+The token budget follows the engine's rule (EngineCore._resolve_token_budget): a profile
+with a `step_cost` (the start-up measurement of the engine it was calibrated on) gets
+the per-step StepBudget from `core.step_budget.derive_step_budget`, the function the
+engine calls, with that cost and `max_step_ms`; an explicit max_num_batched_tokens
+(an override, `duet plan`'s chunk sizes) is a fixed budget, as `--max-num-batched-tokens`
+is for the engine; a profile without a step cost (GPU profiles, older calibrations) runs
+its saved fixed max_num_batched_tokens.
 
 A roofline profile stores its inputs, not derived figures: the per-unit FLOPs and bytes are
 recomputed from the model on load (metrics/cost_model.py stays their one owner), while the
@@ -22,6 +31,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from duetserve.config import ConfigError, SchedulerConfig
+from duetserve.core.step_budget import StepCost, derive_step_budget
 from duetserve.metrics.hardware import cache_path as hardware_cache_path
 from duetserve.metrics.hardware import get_hardware
 from duetserve.metrics.known_models import get_known_model
@@ -31,6 +41,7 @@ from duetserve.sim.gpu import Efficiency, kv_blocks, roofline_cost
 SCHEMA = "duet-sim-profile/1"
 SCHEDULER_KEYS = ("max_num_batched_tokens", "max_num_seqs", "num_blocks", "block_size",
                   "max_model_len", "enable_prefix_caching")
+BUDGET_KEYS = ("step_cost", "max_step_ms")       # the engine's StepBudget inputs
 
 
 @dataclass
@@ -47,14 +58,36 @@ class SimProfile:
     meta: dict = field(default_factory=dict)
     created: float = field(default_factory=time.time)
 
-    def scheduler_config(self, **overrides: int | bool | None) -> SchedulerConfig:
-        """The SchedulerConfig of one instance; non-None overrides replace saved values."""
-        values = dict(self.scheduler)
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        unknown = set(values) - set(SCHEDULER_KEYS) - {"long_prefill_token_threshold"}
+    def scheduler_config(self, **overrides: int | float | bool | None) -> SchedulerConfig:
+        """The SchedulerConfig of one instance, built as the engine builds its own: with a
+        saved step cost and no max_num_batched_tokens override, the budget and per-step
+        StepBudget come from core.step_budget.derive_step_budget (the engine's function);
+        an overridden max_num_batched_tokens is fixed (no StepBudget), as the engine's
+        explicit --max-num-batched-tokens is. Non-None overrides replace saved values."""
+        given = {k: v for k, v in overrides.items() if v is not None}
+        values = {**self.scheduler, **given}
+        unknown = set(values) - set(SCHEDULER_KEYS) - set(BUDGET_KEYS) \
+            - {"long_prefill_token_threshold"}
         if unknown:
             raise ConfigError(f"unknown scheduler settings {sorted(unknown)}")
-        return SchedulerConfig(**values)
+        cost = values.pop("step_cost", None)
+        max_step_ms = values.pop("max_step_ms", None)
+        if max_step_ms is not None and not max_step_ms > 0:
+            raise ConfigError(f"max_step_ms must be > 0, got {max_step_ms}")
+        if cost is None or "max_num_batched_tokens" in given:
+            if "max_step_ms" in given:
+                raise ConfigError("max_step_ms needs a profile with the engine's measured "
+                                  "step cost (a calibrated one) and no fixed "
+                                  "max_num_batched_tokens")
+            return SchedulerConfig(**values)
+        try:
+            step_cost = StepCost(float(cost["fixed_ms"]), float(cost["per_token_ms"]))
+        except (KeyError, TypeError, ValueError):
+            raise ConfigError(f"bad step_cost {cost!r} (expected fixed_ms, per_token_ms)") \
+                from None
+        budget, policy = derive_step_budget(step_cost, max_step_ms, values["max_num_seqs"])
+        values["max_num_batched_tokens"] = budget
+        return SchedulerConfig(**values, step_budget=policy)
 
     def to_json(self) -> dict:
         return {"schema": SCHEMA, "name": self.name, "kind": self.kind,

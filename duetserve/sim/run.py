@@ -16,10 +16,12 @@ from duetserve.sim.simulator import SimResult, Simulation
 
 
 def decode_instance_config(config: SchedulerConfig) -> SchedulerConfig:
-    """A decode instance's scheduler: its token budget holds a whole transferred prompt
-    (scheduled as one free slice, see sim/instance.py) plus a decode per sequence."""
+    """A decode instance's scheduler: a fixed token budget (no per-step StepBudget) that
+    holds a whole transferred prompt (scheduled as one free slice, see sim/instance.py)
+    plus a decode per sequence. The slice is a simulation device standing for KV that a
+    real decode instance receives rather than schedules, so no budget may chunk it."""
     budget = max(config.max_num_batched_tokens, config.max_model_len + config.max_num_seqs)
-    return replace(config, max_num_batched_tokens=budget)
+    return replace(config, max_num_batched_tokens=budget, step_budget=None)
 
 
 def kv_bytes_per_token(profile: SimProfile) -> float:

@@ -177,3 +177,24 @@ def test_rate_inf_sends_everything_at_once() -> None:
     _, res = run(convs, arrival_offsets(3, math.inf).tolist())
     # all three are added before the first step: they share every step
     assert [r.ttft for r in res.records] == pytest.approx([STEP] * 3)
+
+
+def test_a_step_budget_gives_idle_steps_the_idle_budget_and_chunks_beside_decodes() -> None:
+    # The engine's per-step budget (core/step_budget.StepBudget) through the real
+    # scheduler: 1.5 x (8 ms + 0.5 ms x 16) = 24 ms -> (24 - 8) / 0.5 = 32 tokens while
+    # anything decodes, the idle budget (2048) when nothing does.
+    from duetserve.core.step_budget import StepBudget, StepCost
+    policy = StepBudget(StepCost(fixed_ms=8.0, per_token_ms=0.5), lo=4)
+    assert (policy.for_step(0), policy.for_step(1)) == (2048, 32)
+    cfg = config(max_num_batched_tokens=policy.idle, step_budget=policy)
+    # A (100 tokens) arrives idle: one step, not the 4 a fixed 32 would take. B (100)
+    # arrives during it and then shares steps with A's decode: 31 + 31 + 31 + 7 -> its
+    # first token at the end of step 5.
+    _, res = run([one_turn(100, 10), one_turn(100, 2, first_id=2000)], [0.0, 0.003], cfg=cfg)
+    a, b = res.records
+    assert a.ttft == pytest.approx(STEP)
+    assert b.ttft == pytest.approx(5 * STEP - 0.003)
+    # the same workload under the fixed budget of the idle size: B in one step
+    _, res = run([one_turn(100, 10), one_turn(100, 2, first_id=2000)], [0.0, 0.003],
+                 cfg=config(max_num_batched_tokens=policy.idle))
+    assert res.records[1].ttft == pytest.approx(2 * STEP - 0.003)
