@@ -14,7 +14,10 @@ torch::Tensor rope_kv_write(torch::Tensor qkv, torch::Tensor cos, torch::Tensor 
                             torch::Tensor k_cache, torch::Tensor v_cache,
                             torch::Tensor slot_mapping, int64_t H, int64_t KVH);
 
+void bind_decode_stack(pybind11::module& m);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  bind_decode_stack(m);
   m.def("paged_decode_attention", &paged_decode_attention,
         "decode attention over a paged KV cache, read in place");
   m.def("q4_gemv", &q4_gemv, "x[M,K] f32 (int8 per 32) @ q4 W^T -> [M,N] f32 (few rows)");

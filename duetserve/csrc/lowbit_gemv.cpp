@@ -37,6 +37,10 @@ namespace {
 
 constexpr int64_t G = 32;       // group size along K
 constexpr int64_t CH = 4;       // q4: groups per 512-bit chunk
+#ifndef DUET_PF
+#define DUET_PF 8
+#endif
+constexpr int64_t PF = DUET_PF; // software prefetch distance, in 64-byte chunks of a row
 
 inline float half_to_float(uint16_t h) {
   return c10::detail::fp16_ieee_to_fp32_value(h);
@@ -153,8 +157,11 @@ void q4_block(const uint8_t* qs, const uint16_t* dw, const uint16_t* mw, const Q
     const __mmask64 wmask = tail ? (__mmask64)((1ULL << (rem * 16)) - 1) : ~(__mmask64)0;
     const __mmask8 dmask = tail ? (__mmask8)((1u << rem) - 1) : (__mmask8)0xF;
     for (int r = 0; r < R; ++r) {
+      const uint8_t* wrow = qs + (n + r) * ng * 16;
+      if constexpr (PF > 0)
+        _mm_prefetch(reinterpret_cast<const char*>(wrow + (c + PF) * 64), _MM_HINT_T0);
       // masked loads: the tail chunk reads nothing past the row
-      const __m512i w = _mm512_maskz_loadu_epi8(wmask, qs + (n + r) * ng * 16 + c * 64);
+      const __m512i w = _mm512_maskz_loadu_epi8(wmask, wrow + c * 64);
       const __m512i lo = _mm512_and_si512(w, low4);
       const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low4);
       const __m512 wd = _mm512_permutexvar_ps(bidx, _mm512_castps128_ps512(
@@ -198,6 +205,8 @@ void q8_block(const int8_t* wq, const float* ws, const QuantizedX& X, float* y, 
       s[i] = _mm512_permutexvar_ps(pidx, _mm512_castps128_ps512(_mm_castsi128_ps(
           _mm_loadl_epi64(reinterpret_cast<const __m128i*>(X.d.data() + (m0 + i) * gp + 2 * p)))));
     for (int r = 0; r < R; ++r) {
+      if constexpr (PF > 0)
+        _mm_prefetch(reinterpret_cast<const char*>(wq + (n + r) * K + (p + PF) * 64), _MM_HINT_T0);
       const __m512i w = _mm512_maskz_loadu_epi8(wmask, wq + (n + r) * K + p * 64);
       const __m512i aw = _mm512_abs_epi8(w);
       const __mmask64 neg = _mm512_movepi8_mask(w);
