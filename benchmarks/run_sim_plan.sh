@@ -1,8 +1,9 @@
 #!/bin/sh
 # duet plan for Llama-3-8B on H100 (989 TFLOP/s bf16, 3.35 TB/s): prefill-heavy and
 # decode-heavy workloads, each under a loose and a tight TTFT/TPOT SLO. Simulation only
-# (no model runs); about 5 minutes per plan on 2 cores. Output: out/sim/plan/*.{json,png,txt}
-#   flock -x /tmp/duet-bench.lock sh benchmarks/run_sim_plan.sh
+# (no model runs; the figures do not depend on the machine's load, so a shared lock is
+# enough): 31 minutes for the four on a busy 2-core machine. Output: $OUT/*.{json,png,txt}
+#   flock -s /tmp/duet-bench.lock sh benchmarks/run_sim_plan.sh
 set -e
 PY=${PY:-/work/main/.venv/bin/python}
 OUT=${OUT:-out/sim/plan}
