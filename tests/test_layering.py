@@ -9,7 +9,7 @@ Layers, lowest first; a module may import its own layer and lower ones:
     0  config, errors, sampling_params, outputs, request, the package __init__
     1  core (never torch, anywhere, not even transitively), metrics (no torch at module
        level; measure.py times kernels with torch inside functions), models, loader,
-       kv_transfer
+       kv_transfer, structured (grammars with llguidance; never torch, like core)
     2  worker, spec_decode
     3  engine, sim
     4  entrypoints, __main__, bench
@@ -49,6 +49,7 @@ LAYERS: dict[str, int] = {
     "duetserve.models": 1,
     "duetserve.loader": 1,
     "duetserve.kv_transfer": 1,
+    "duetserve.structured": 1,
     "duetserve.worker": 2,
     "duetserve.spec_decode": 2,
     "duetserve.engine": 3,
@@ -64,6 +65,8 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "duetserve.models": ("duetserve.loader", "duetserve.core"),
     "duetserve.metrics": ("duetserve.models", "duetserve.loader", "duetserve.core",
                           "duetserve.worker", "duetserve.engine"),
+    "duetserve.structured": ("duetserve.models", "duetserve.loader", "duetserve.core",
+                             "duetserve.metrics"),
 }
 
 # HTTP-only benchmark modules: their whole duetserve import set must stay inside this set.
@@ -71,7 +74,8 @@ HTTP_ONLY = ("duetserve.bench.serve", "duetserve.bench.datasets",
              "duetserve.bench.bench_metrics", "duetserve.bench.plot")
 HTTP_ONLY_MAY_IMPORT = HTTP_ONLY + ("duetserve.bench",)
 
-NO_TORCH_ANYWHERE = ("duetserve.core",)        # not even inside functions, nor transitively
+# Not even inside functions, nor transitively.
+NO_TORCH_ANYWHERE = ("duetserve.core", "duetserve.structured")
 NO_TORCH_AT_MODULE_LEVEL = ("duetserve.metrics",)
 
 # (importing module, imported module): intentional lazy imports inside a function.
@@ -163,7 +167,7 @@ def check_module(module: str, imports: list[Import], used_lazy: set | None = Non
         where = f"{module}:{imp.lineno} imports {imp.target}"
         if _matches(imp.target, "torch"):
             if any(_matches(module, p) for p in NO_TORCH_ANYWHERE) and not imp.type_only:
-                errors.append(f"{where}: core must never import torch")
+                errors.append(f"{where}: core and structured must never import torch")
             elif (any(_matches(module, p) for p in NO_TORCH_AT_MODULE_LEVEL)
                   and not imp.in_function and not imp.type_only):
                 errors.append(f"{where}: metrics may import torch only inside functions")
@@ -256,8 +260,9 @@ def test_package_layering() -> None:
 
 
 def test_core_is_torch_free_transitively() -> None:
-    """core imports only layer 0 and itself; none of those may pull torch in at import
-    time either (package __init__ files of every imported module included)."""
+    """core and structured import only layer 0 and themselves; none of those may pull
+    torch in at import time either (package __init__ files of every imported module
+    included)."""
     imports = _all_imports()
 
     def runtime_deps(mod: str) -> set[str]:
@@ -270,7 +275,7 @@ def test_core_is_torch_free_transitively() -> None:
                 deps.add(".".join(parts[:i]))
         return deps
 
-    for start in (m for m in imports if _matches(m, "duetserve.core")):
+    for start in (m for m in imports if any(_matches(m, p) for p in NO_TORCH_ANYWHERE)):
         seen, stack, parent = {start}, [start], {start: None}
         while stack:
             mod = stack.pop()
