@@ -6,7 +6,9 @@ duetserve uses the Hermes / Qwen2.5 form for every model:
     {"name": "get_weather", "arguments": {"city": "Paris"}}
     </tool_call>
 
-Several calls follow one another, separated by a newline. Qwen2.5's chat template
+Several calls follow one another, separated by a newline. (Small models sometimes write
+the call object without the tags: an output that is nothing but a call of a declared
+tool, or a JSON list of them, counts as calls too.) Qwen2.5's chat template
 describes exactly this form when it is given `tools`; for a template that cannot render
 tools, `tools_system_prompt` says the same in a system message. A forced tool choice
 constrains the output to it (structured/grammars.py builds that grammar from these tags).
@@ -16,6 +18,7 @@ Pure Python, no torch, no llguidance: the server parses with it.
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from dataclasses import dataclass
 
 TOOL_CALL_OPEN = "<tool_call>"
@@ -61,13 +64,9 @@ def tools_system_prompt(tools: list[dict]) -> str:
             f"{TOOL_CALL_CLOSE}")
 
 
-def parse_call_body(body: str) -> ParsedToolCall | None:
-    """The call inside one pair of tags, or None when it is not {"name": str,
-    "arguments": object} (arguments given as a JSON string holding an object also pass)."""
-    try:
-        obj = json.loads(body)
-    except ValueError:
-        return None
+def _call_from(obj: object) -> ParsedToolCall | None:
+    """{"name": str, "arguments": object} as a call (arguments given as a JSON string
+    holding an object also pass), else None."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
@@ -81,11 +80,35 @@ def parse_call_body(body: str) -> ParsedToolCall | None:
     return ParsedToolCall(obj["name"], args)
 
 
-def parse_tool_calls(text: str) -> tuple[str | None, list[ParsedToolCall]]:
+def parse_call_body(body: str) -> ParsedToolCall | None:
+    """The call inside one pair of tags, or None when it is not a call object."""
+    try:
+        return _call_from(json.loads(body))
+    except ValueError:
+        return None
+
+
+def parse_bare_calls(text: str, names: Collection[str]) -> list[ParsedToolCall] | None:
+    """Calls written without the tags (small models do this): the whole text is one call
+    object, or a JSON list of them, and every call names one of `names`. Else None."""
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return None
+    items = obj if isinstance(obj, list) else [obj]
+    calls = [_call_from(item) for item in items]
+    if not calls or any(c is None or c.name not in names for c in calls):
+        return None
+    return calls   # type: ignore[return-value]
+
+
+def parse_tool_calls(text: str, names: Collection[str] = ()
+                     ) -> tuple[str | None, list[ParsedToolCall]]:
     """(content, calls) of a whole output. Blocks that parse become calls; everything
     else (text around them, a block that does not parse, an unclosed block) is content.
-    With calls, the content is stripped and None when empty. Mutates nothing."""
-    parser = ToolCallStreamParser()
+    An output that is only a bare call of a tool in `names` is a call too. With calls,
+    the content is stripped and None when empty. Mutates nothing."""
+    parser = ToolCallStreamParser(names)
     events = parser.feed(text) + parser.finish()
     calls = [e for e in events if isinstance(e, ParsedToolCall)]
     content = "".join(e for e in events if isinstance(e, str))
@@ -102,14 +125,26 @@ class ToolCallStreamParser:
     Text that could still be the opening tag, and the inside of an open block, are held
     back until they are decided; `finish()` releases what is left as content. Once a call
     was seen, whitespace-only content is dropped (the separators between calls).
-    Mutates only its own buffer."""
+    With tool `names`, an output that starts (after whitespace) with "{" or "[" is held
+    back whole: at the end it is either a bare call (parse_bare_calls) or content.
+    Mutates only its own buffers."""
 
-    def __init__(self) -> None:
+    def __init__(self, names: Collection[str] = ()) -> None:
         self._buf = ""
         self._inside = False
         self.num_calls = 0
+        self._names = frozenset(names)
+        self._bare: bool | None = None if self._names else False   # None: undecided
+        self._held = ""
 
     def feed(self, delta: str) -> list[str | ParsedToolCall]:
+        if self._bare is not False:
+            self._held += delta
+            head = self._held.lstrip()
+            if not head or (head[0] in "{[" and TOOL_CALL_OPEN not in self._held):
+                self._bare = None if not head else True
+                return []
+            self._bare, delta, self._held = False, self._held, ""
         self._buf += delta
         events: list[str | ParsedToolCall] = []
         while True:
@@ -138,10 +173,19 @@ class ToolCallStreamParser:
             return events
 
     def finish(self) -> list[str | ParsedToolCall]:
-        """Release the held-back text as content (an unclosed block keeps its tag)."""
+        """Release the held-back text: a bare call, or content (an unclosed block keeps
+        its tag)."""
+        events: list[str | ParsedToolCall] = []
+        if self._held:
+            held, self._held, self._bare = self._held, "", False
+            calls = parse_bare_calls(held.strip(), self._names)
+            if calls is not None:
+                self.num_calls += len(calls)
+                return list(calls)
+            self._content(events, held)
+            return events
         rest = (TOOL_CALL_OPEN if self._inside else "") + self._buf
         self._buf, self._inside = "", False
-        events: list[str | ParsedToolCall] = []
         self._content(events, rest)
         return events
 

@@ -8,7 +8,9 @@
 
 Streamed tool calls arrive whole: one delta per call, with the complete arguments, as
 soon as its closing tag is generated (clients that concatenate argument fragments get
-the same result).
+the same result). An output that starts with "{" or "[" while tools are offered is held
+back to its end, where it is either a bare call (a small model leaving out the tags) or
+content.
 """
 from __future__ import annotations
 
@@ -53,11 +55,15 @@ def _chat_finish_reason(o: CompletionOutput, num_calls: int) -> str | None:
     return _finish_reason(o)
 
 
-def _message(o: CompletionOutput, parse: bool) -> tuple[dict, int]:
+def _tool_names(plan: tool_plans.ToolPlan) -> frozenset[str]:
+    return frozenset(t["function"]["name"] for t in plan.tools)
+
+
+def _message(o: CompletionOutput, plan: tool_plans.ToolPlan) -> tuple[dict, int]:
     """(the choice's message, number of tool calls in it)."""
-    if not parse:
+    if not plan.parse:
         return {"role": "assistant", "content": o.text}, 0
-    content, calls = parse_tool_calls(o.text)
+    content, calls = parse_tool_calls(o.text, _tool_names(plan))
     message = {"role": "assistant", "content": content}
     if calls:
         message["tool_calls"] = [tool_plans.tool_call_json(c) for c in calls]
@@ -106,7 +112,7 @@ async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest
         outs = await gen.final()
         choices = []
         for o in outs[0].outputs:
-            message, num_calls = _message(o, plan.parse)
+            message, num_calls = _message(o, plan)
             choices.append({"index": o.index, "message": message,
                             "logprobs": _chat_logprobs(ctx, o, 0, len(o.token_ids), num_top),
                             "finish_reason": _chat_finish_reason(o, num_calls),
@@ -115,7 +121,8 @@ async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest
 
     head["object"] = "chat.completion.chunk"
     sent = [_Sent() for _ in range(params.n)]
-    parsers = [ToolCallStreamParser() if plan.parse else None for _ in range(params.n)]
+    parsers = [ToolCallStreamParser(_tool_names(plan)) if plan.parse else None
+               for _ in range(params.n)]
 
     def deltas(_: int, out: RequestOutput) -> list[dict]:
         chunks = []

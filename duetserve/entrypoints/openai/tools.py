@@ -4,7 +4,8 @@ output may be, and how tool calls come back.
     tool_choice     prompt shows tools   output constrained to           parsed
     none / absent*  no                   -                               no
     auto            yes                  -                               yes
-    required        yes                  calls of any tool (several when parallel_tool_calls)
+    required        yes                  a call of any tool (several only when
+                                         parallel_tool_calls is true)
     {"function"}    yes                  one call of that function       yes
     (* absent with tools means auto, as OpenAI.)
 
@@ -62,7 +63,10 @@ def plan_tools(body: ChatCompletionRequest) -> ToolPlan:
     if choice in (None, "auto"):
         return ToolPlan(entries, True, None, check)
     if choice == "required":
-        chosen, parallel = tools, body.parallel_tool_calls is not False
+        # NOTE: one call unless parallel_tool_calls is explicitly true (OpenAI's default
+        # is true): forced into the syntax, small models repeat the call until
+        # max_tokens when the grammar lets them.
+        chosen, parallel = tools, body.parallel_tool_calls is True
     else:
         chosen = [t for t in tools if t.function.name == choice.function.name]
         if not chosen:
