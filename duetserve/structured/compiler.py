@@ -148,7 +148,13 @@ class GrammarCompiler:
                 self._cache.move_to_end(key)
                 return hit
         tokenizer = self.tokenizer
-        grammar = build_grammar(guided, tokenizer)
+        try:
+            grammar = build_grammar(guided, tokenizer)
+        except (ValueError, TypeError, KeyError) as e:
+            if isinstance(e, RequestError):
+                raise
+            raise RequestError(f"{guided.param}: cannot compile the constraint: "
+                               f"{str(e)[:MAX_ERROR_CHARS]}", guided.param) from None
         matcher = llg.LLMatcher(tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise RequestError(f"{guided.param}: {matcher.get_error()[:MAX_ERROR_CHARS]}",

@@ -104,10 +104,11 @@ class ModelRunner:
             work.append(SeqWork(req_id, st.token_ids[start:end], start, st.block_ids,
                                 end == len(st.token_ids)))
         batch = build_step_batch(work, self.block_size, self.device, self.paged_decode)
+        states = [self.requests[r] for r in batch.logits_req_ids]
+        self.sampler.prefetch_masks(states)      # grammar masks overlap the forward pass
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
         prompt_lps = self._prompt_logprobs(so, batch.order, hidden)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
-        states = [self.requests[r] for r in batch.logits_req_ids]
         sampled, logprobs = self.sampler.sample(logits, states)
         out = ModelRunnerOutput(req_ids=batch.order,
                                 sampled_token_ids={r: [] for r in batch.order})

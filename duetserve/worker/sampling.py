@@ -28,6 +28,14 @@ class StepSampler:
         self.sampler = Sampler()
         self.masker = masker
 
+    def prefetch_masks(self, states: list) -> None:
+        """Before the forward pass of a step that will sample `states`: start computing
+        the grammar masks of its constrained rows off the critical path (no-op when none
+        is constrained)."""
+        grammars = [st.grammar for st in states if st.grammar is not None]
+        if grammars and self.masker is not None:
+            self.masker.prefetch(grammars)
+
     def sample(self, logits: torch.Tensor, states: list
                ) -> tuple[list[int], list[dict[int, Logprob] | None] | None]:
         """logits [N, V] for the requests in `states` (RunnerRequestState) -> one token id

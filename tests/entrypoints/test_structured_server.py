@@ -82,7 +82,7 @@ def _schema_requests(server: ServerProcess, schemas: list[dict]) -> list:
 
 @pytest.mark.parametrize("which", ["tiny_server", "default_server"])
 def test_100_json_schema_requests_validate(which, request) -> None:
-    schemas = bounded_schemas(100, seed=17)
+    schemas = bounded_schemas(100, seed=17, max_bound=160)
     choices = _schema_requests(request.getfixturevalue(which), schemas)
     for choice, schema in zip(choices, schemas):
         assert choice.finish_reason == "stop", choice.message.content   # ended by grammar

@@ -89,3 +89,14 @@ def test_sampler_without_grammar_rows_never_masks(compiler) -> None:
     states = [_state("a", SamplingParams(temperature=0.0), None)] * 2
     assert sampler.sample(logits, states)[0] == logits.argmax(dim=-1).tolist()
     assert masker.num_masked_rows == 0
+
+
+def test_prefetched_masks_equal_synchronous_ones(compiler) -> None:
+    masker = GrammarMasker(compiler, VOCAB)
+    states = [compiler.new_state(g) for g in (DIGITS, ENUM)]
+    sync = masker.allowed(states)
+    masker.prefetch(states)
+    assert torch.equal(masker.allowed(states), sync)
+    other = [compiler.new_state(ENUM)]
+    masker.prefetch(states)                 # prefetched for other states: filled again
+    assert torch.equal(masker.allowed(other), sync[1:])
