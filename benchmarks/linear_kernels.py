@@ -4,8 +4,9 @@ measurement behind the kernel-by-phase policy (docs/performance.md).
     .venv/bin/python benchmarks/linear_kernels.py [--threads 2] [--out out/linear.json]
 
 Columns (ms per call, median): fp32 and bf16 dense GEMM (oneDNN), torch's int4/int8
-packed kernels (bf16 activations), duetserve's native int4/int8 GEMVs (fp32 activations,
-few rows only), and the int4 dequantize-then-bf16-GEMM path used without a dense copy.
+packed kernels (bf16 activations, torch's own int4 packing), duetserve's native q4/q8
+GEMVs (int8 activations per group of 32, VNNI; few rows only), and the q4
+dequantize-then-bf16-GEMM path used without a dense copy.
 """
 from __future__ import annotations
 
@@ -50,7 +51,12 @@ def main() -> None:
           f"{'t-int8':>8} {'d-int8':>8} {'deq+bf16':>9}")
     for n, k in SHAPES:
         w = torch.randn(n, k)
-        w4 = Int4Weight(*int4_groups_from_float(w))
+        q, d, mn = int4_groups_from_float(w)
+        w4 = Int4Weight(q, d, mn)
+        # torch's own int4 CPU packing of the same groups, for its kernel's column:
+        # w = (q - 8) * scale + zero with zero = m + 8 d
+        t4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+        t4sz = torch.stack([d.t(), (mn + 8 * d).t()], -1).to(torch.bfloat16).contiguous()
         w8 = Int8Weight(*quantize_int8(w))
         wb = w.bfloat16()
         for m in ROWS:
@@ -60,13 +66,13 @@ def main() -> None:
                  "fp32": median_ms(lambda: F.linear(x, w)),
                  "bf16": median_ms(lambda: F.linear(xb, wb)),
                  "torch_int4": median_ms(lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(
-                     xb, w4.packed, 32, w4.sz)),
+                     xb, t4, 32, t4sz)),
                  "torch_int8": median_ms(lambda: torch.ops.aten._weight_int8pack_mm(
                      xb, w8.q, w8.scale)),
                  "dequant_bf16": median_ms(lambda: F.linear(xb, w4.dequantize(torch.bfloat16)))}
             if native is not None and m <= 16:
-                r["duet_int4"] = median_ms(lambda: native.int4_gemv(x, w4.packed, w4.sz))
-                r["duet_int8"] = median_ms(lambda: native.int8_gemv(x, w8.q, w8.scale32))
+                r["duet_int4"] = median_ms(lambda: native.q4_gemv(x, w4.qs, w4.d, w4.m))
+                r["duet_int8"] = median_ms(lambda: native.q8_gemv(x, w8.q, w8.scale32))
             rows.append(r)
             f = lambda key: f"{r[key]:8.3f}" if key in r else f"{'':>8}"  # noqa: E731
             print(f"{n:>6} x {k:<5} {m:>4} {f('fp32')} {f('bf16')} {f('torch_int4')} "

@@ -148,5 +148,8 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     # Never schedule more than this many tokens for one request's prefill chunk (0 = budget).
     long_prefill_token_threshold: int = 0
+    # Per-step budget from the measured step cost (core/step_budget.StepBudget); None: the
+    # fixed max_num_batched_tokens (then also the largest budget any step gets).
+    step_budget: object | None = None
     # Refuse new requests while this many wait (0 = unbounded); preempted ones always fit.
     max_num_waiting: int = 0

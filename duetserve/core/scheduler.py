@@ -159,11 +159,20 @@ class Scheduler:
         requests it touches status, num_computed_tokens (admission: prefix hit; preemption:
         0), num_cached_tokens, num_preemptions. num_computed_tokens of scheduled requests is
         advanced later, by update_from_output. Returns the SchedulerOutput for the runner."""
-        step = _Step(self.config.max_num_batched_tokens)
+        step = _Step(self._token_budget())
         self._schedule_running(step)
         if not step.preempted:
             self._schedule_waiting(step)
         return self._build_output(step)
+
+    def _token_budget(self) -> int:
+        """This step's budget: fixed, or re-derived from the number of running decodes
+        (requests one token behind) when the config carries a StepBudget."""
+        policy = self.config.step_budget
+        if policy is None:
+            return self.config.max_num_batched_tokens
+        decodes = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
+        return policy.for_step(decodes)
 
     def _chunk(self, request: Request, budget: int) -> int:
         num_new = request.num_tokens - request.num_computed_tokens

@@ -14,6 +14,14 @@ The default target is STEP_FACTOR x the time of a small decode-only step
 at most that factor times a plain decode step, so a stream's gaps stay within about
 that factor of their median while a long prompt is prefilled. The price is TTFT: the
 long prompt needs more (shorter) steps.
+
+The gap only matters to streams that are decoding, and a decode step of D streams costs
+more than one of 16, so `StepBudget` re-derives the budget every step from the number D
+of running decodes: no decodes -> IDLE_BUDGET (prompts prefill in big, efficient chunks);
+otherwise the budget whose step fits STEP_FACTOR x a decode step of max(D, 16) streams
+(or the fixed `--max-step-ms` target when one was given). At saturation (many decodes)
+the budget therefore grows with D, so admitting new prompts is not starved, while each
+stream's gap stays within the factor of its decode-only step.
 """
 from __future__ import annotations
 
@@ -23,6 +31,7 @@ MIN_BUDGET = 64           # below this, step overhead dominates and decodes of m
 MAX_BUDGET = 8192         # cannot fit in one step
 STEP_FACTOR = 1.5         # default target: this many times a small decode step
 DECODE_REF_TOKENS = 16    # "a small decode step": this many running streams
+IDLE_BUDGET = 2048        # budget of a step with no running decode (nobody's gap to protect)
 
 
 @dataclass(frozen=True)
@@ -56,3 +65,22 @@ def token_budget(cost: StepCost, max_step_ms: float, lo: int = MIN_BUDGET,
     room = (max_step_ms - cost.fixed_ms) / cost.per_token_ms
     budget = int(room) // 16 * 16
     return max(lo, min(hi, budget))
+
+
+@dataclass(frozen=True)
+class StepBudget:
+    """The per-step token budget from the measured cost (see the module docstring).
+    `max_step_ms` None: the target follows the decode count; else it is fixed."""
+
+    cost: StepCost
+    max_step_ms: float | None = None
+    lo: int = MIN_BUDGET
+    idle: int = IDLE_BUDGET
+
+    def for_step(self, num_decodes: int) -> int:
+        """Token budget of a step whose running requests include `num_decodes` decodes."""
+        if num_decodes == 0:
+            return self.idle
+        target = self.max_step_ms if self.max_step_ms is not None else \
+            STEP_FACTOR * self.cost.step_ms(max(num_decodes, DECODE_REF_TOKENS))
+        return token_budget(self.cost, target, lo=self.lo, hi=self.idle)

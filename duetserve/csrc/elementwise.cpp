@@ -3,6 +3,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
+#include <type_traits>
 
 // x [T, d] float32, w [d] float32 -> x * rsqrt(mean(x^2) + eps) * w
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
@@ -46,4 +47,75 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
     }
   });
   return y;
+}
+
+// Decode steps: rotary on Q and K, and the K/V cache write, in one call (torch needs about
+// ten ops per layer for this: slices, mul, roll, addcmul, two transposed index_copy_s).
+//   qkv [T, (H + 2 KVH) D] float32, rows [q heads | k heads | v heads];
+//   cos, sin [T, 1, D] float32 (sin signed as models/layers.py builds it, so that
+//   rot(x)[i] = x[i] cos[i] + x[(i + D/2) % D] sin[i]);
+//   k_cache, v_cache [KVH, num_blocks, block_size, D] float32 or bfloat16, written at
+//   slot_mapping[t]. Returns the rotated q [T, H, D] float32. Mutates k_cache, v_cache.
+template <typename KV>
+static void rope_kv_impl(const float* qkv, const float* cs, const float* sn, KV* kc, KV* vc,
+                         const int64_t* slots, float* q, int64_t T, int64_t H, int64_t KVH,
+                         int64_t D, int64_t head_stride) {
+  const int64_t width = (H + 2 * KVH) * D, half = D / 2;
+  auto rot = [&](const float* x, const float* c, const float* s, auto* o) {
+    using O = std::remove_pointer_t<decltype(o)>;
+    for (int64_t i = 0; i < half; ++i) o[i] = O(x[i] * c[i] + x[i + half] * s[i]);
+    for (int64_t i = half; i < D; ++i) o[i] = O(x[i] * c[i] + x[i - half] * s[i]);
+  };
+  at::parallel_for(0, T, 16, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const float* row = qkv + t * width;
+      const float* c = cs + t * D;
+      const float* s = sn + t * D;
+      for (int64_t h = 0; h < H + KVH; ++h) {
+        const float* x = row + h * D;
+        if (h < H) rot(x, c, s, q + (t * H + h) * D);
+        else rot(x, c, s, kc + (h - H) * head_stride + slots[t] * D);
+      }
+      for (int64_t h = 0; h < KVH; ++h) {
+        const float* x = row + (H + KVH + h) * D;
+        KV* o = vc + h * head_stride + slots[t] * D;
+        for (int64_t i = 0; i < D; ++i) o[i] = KV(x[i]);
+      }
+    }
+  });
+}
+
+torch::Tensor rope_kv_write(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
+                            torch::Tensor k_cache, torch::Tensor v_cache,
+                            torch::Tensor slot_mapping, int64_t H, int64_t KVH) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == torch::kFloat32 && qkv.is_contiguous(),
+              "qkv must be contiguous float32 [T, (H + 2 KVH) D]");
+  TORCH_CHECK(cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32 &&
+              cos.is_contiguous() && sin.is_contiguous(), "cos/sin: contiguous float32");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() &&
+              k_cache.scalar_type() == v_cache.scalar_type(), "caches: contiguous, same dtype");
+  TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.is_contiguous(),
+              "slot_mapping: contiguous int64");
+  const int64_t T = qkv.size(0), D = k_cache.size(3);
+  TORCH_CHECK(qkv.size(1) == (H + 2 * KVH) * D && k_cache.size(0) == KVH && D % 2 == 0,
+              "head sizes do not match");
+  TORCH_CHECK(cos.numel() == T * D && sin.numel() == T * D && slot_mapping.numel() == T,
+              "one cos/sin row and one slot per token");
+  const int64_t head_stride = k_cache.size(1) * k_cache.size(2) * D;
+  auto q = torch::empty({T, H, D}, qkv.options());
+  if (k_cache.scalar_type() == torch::kFloat32) {
+    rope_kv_impl<float>(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
+                        k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+                        slot_mapping.data_ptr<int64_t>(), q.data_ptr<float>(), T, H, KVH, D,
+                        head_stride);
+  } else if (k_cache.scalar_type() == torch::kBFloat16) {
+    rope_kv_impl<at::BFloat16>(qkv.data_ptr<float>(), cos.data_ptr<float>(),
+                               sin.data_ptr<float>(), k_cache.data_ptr<at::BFloat16>(),
+                               v_cache.data_ptr<at::BFloat16>(),
+                               slot_mapping.data_ptr<int64_t>(), q.data_ptr<float>(), T, H, KVH,
+                               D, head_stride);
+  } else {
+    TORCH_CHECK(false, "KV cache dtype must be float32 or bfloat16");
+  }
+  return q;
 }

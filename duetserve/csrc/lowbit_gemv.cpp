@@ -1,204 +1,357 @@
-// Low-bit GEMV-style kernels for decode steps (few rows), float32 activations.
+// Low-bit weight x int8 activation products for decode steps (few rows), and the
+// dequantization the many-row path needs.
 //
-// int4: torch's CPU int4 packing (aten::_convert_weight_to_int4pack_for_cpu), read as is:
-//   packed [N/64, K, 32] uint8 -- for row block b and column k, byte j holds row
-//   b*64 + j in its low nibble and row b*64 + 32 + j in its high nibble;
-//   scales_and_zeros [K/32, N, 2] bfloat16, w = (q - 8) * scale + zero.
-//   Per group of 32 columns: acc = sum_k q * x_k, then
-//   y += scale * acc + (zero - 8 * scale) * sum_k x_k   (sum_k x_k computed once per call).
-//   Each column's 32 bytes give 64 output rows at once: broadcast x_k, FMA into 4 x 16 lanes.
-// int8: row-major int8 [N, K] with one scale per row: y = scale * sum_k q * x_k.
+// Activations are quantized per call, per row and group of 32 (like GGUF's Q8_0):
+//   dx = max|x_g| / 127, xq = round(x / dx) in -127..127, so x ~= dx * xq.
+// Products then run in integers with AVX512-VNNI's vpdpbusd (u8 x s8 -> s32, 64 per
+// instruction), and each group's int32 sum is scaled once. This is what makes decode
+// bandwidth-bound rather than instruction-bound: widening nibbles to float32 and using
+// FMAs costs ~4x more instructions per weight byte.
 //
-// x: [M, K] float32 (M small, e.g. <= 8); returns [M, N] float32. Row blocks (int4) or
-// rows (int8) are split across threads with at::parallel_for.
+// q4 weights ("Q4_1 layout", groups of 32 along K):
+//   qs [N, K/32, 16] uint8: byte j of a group holds element j (low nibble) and element
+//   j + 16 (high nibble), GGUF's own order; d, m [N, K/32] float16; w = d * q + m.
+//   Per group: sum_k w_k x_k = d * dx * sum_k q_k xq_k + m * (dx * sum_k xq_k).
+//   Four groups (64 bytes) are one 512-bit load: lane i of the low/high nibble vectors is
+//   group i's elements 0-15 / 16-31, so the activation is stored in that order
+//   (chunk c: 64 bytes of "low" elements, then 64 bytes of "high" elements).
+// q8 weights: int8 [N, K], one float32 scale per row: w = s_n * q.
+//   u8 x s8 needs an unsigned side: |q| times x with q's sign moved onto x.
+//
+// x: [M, K] float32 (M small); returns [M, N] float32. Rows of W are split across
+// threads with at::parallel_for. Without AVX512-VNNI a plain loop computes the same sums.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define DUET_VNNI 1
+#endif
 
 namespace {
 
-constexpr int64_t G = 32;     // int4 group size along K
-constexpr int64_t BN = 64;    // int4 row block
+constexpr int64_t G = 32;       // group size along K
+constexpr int64_t CH = 4;       // q4: groups per 512-bit chunk
 
-inline float bf16_lo(uint32_t v) { uint32_t u = v << 16; float f; std::memcpy(&f, &u, 4); return f; }
-inline float bf16_hi(uint32_t v) { uint32_t u = v & 0xFFFF0000u; float f; std::memcpy(&f, &u, 4); return f; }
+inline float half_to_float(uint16_t h) {
+  return c10::detail::fp16_ieee_to_fp32_value(h);
+}
 
-// One row block of 64 outputs for all M rows of x.
-void int4_block(const uint8_t* packed, const uint32_t* sz, const float* x, const float* xsum,
-                float* y, int64_t M, int64_t K, int64_t N, int64_t b) {
+// Per-call activation quantization, one row of x.
+//   xq: q4 order (see above) when q4_order, else plain; padded groups are zero.
+//   dx[g] = scale of group g (0 for padding); xs[g] = dx[g] * sum(xq of g).
+void quantize_row(const float* x, int64_t K, int64_t ngroups_padded, bool q4_order,
+                  int8_t* xq, float* dx, float* xs) {
   const int64_t ngroups = K / G;
-  const uint8_t* base = packed + b * K * 32;
-  for (int64_t m0 = 0; m0 < M; m0 += 4) {
-    const int64_t mm = std::min<int64_t>(4, M - m0);
-#if defined(__AVX512F__)
-    __m512 out[4][4];
-    for (int i = 0; i < 4; ++i) for (int r = 0; r < 4; ++r) out[i][r] = _mm512_setzero_ps();
-    const __m256i low4 = _mm256_set1_epi8(0x0F);
-    for (int64_t g = 0; g < ngroups; ++g) {
-      __m512 acc[4][4];
-      for (int i = 0; i < 4; ++i) for (int r = 0; r < 4; ++r) acc[i][r] = _mm512_setzero_ps();
-      const uint8_t* col = base + g * G * 32;
-      for (int64_t kk = 0; kk < G; ++kk) {
-        const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(col + kk * 32));
-        const __m256i lo = _mm256_and_si256(bytes, low4);
-        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
-        const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(lo)));
-        const __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(lo, 1)));
-        const __m512 w2 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(hi)));
-        const __m512 w3 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(hi, 1)));
-        const int64_t k = g * G + kk;
-        for (int64_t i = 0; i < mm; ++i) {
-          const __m512 xb = _mm512_set1_ps(x[(m0 + i) * K + k]);
-          acc[i][0] = _mm512_fmadd_ps(w0, xb, acc[i][0]);
-          acc[i][1] = _mm512_fmadd_ps(w1, xb, acc[i][1]);
-          acc[i][2] = _mm512_fmadd_ps(w2, xb, acc[i][2]);
-          acc[i][3] = _mm512_fmadd_ps(w3, xb, acc[i][3]);
-        }
+  std::memset(xq, 0, ngroups_padded * G);
+  for (int64_t g = 0; g < ngroups_padded; ++g) { dx[g] = 0.f; xs[g] = 0.f; }
+  for (int64_t g = 0; g < ngroups; ++g) {
+    const float* xg = x + g * G;
+    float amax = 0.f;
+    for (int64_t k = 0; k < G; ++k) amax = std::max(amax, std::fabs(xg[k]));
+    const float d = amax / 127.f;
+    const float inv = d > 0.f ? 1.f / d : 0.f;
+    int32_t sum = 0;
+    for (int64_t k = 0; k < G; ++k) {
+      const int v = static_cast<int>(std::nearbyint(xg[k] * inv));
+      sum += v;
+      int64_t pos = g * G + k;
+      if (q4_order) {   // chunk c = g / 4, lane i = g % 4; element k < 16 -> low half
+        const int64_t c = g / CH, i = g % CH;
+        pos = c * CH * G + (k < 16 ? 0 : 64) + i * 16 + (k % 16);
       }
-      // scales/zeros of rows b*64 .. b*64+63 in group g: 64 (scale, zero) bf16 pairs
-      const uint32_t* p = sz + g * N + b * BN;
-      for (int r = 0; r < 4; ++r) {
-        const __m512i v = _mm512_loadu_si512(p + r * 16);
-        const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-        const __m512 z = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(0xFFFF0000u)));
-        const __m512 zoff = _mm512_fnmadd_ps(s, _mm512_set1_ps(8.f), z);   // z - 8 s
-        for (int64_t i = 0; i < mm; ++i) {
-          const __m512 xs = _mm512_set1_ps(xsum[(m0 + i) * ngroups + g]);
-          out[i][r] = _mm512_fmadd_ps(s, acc[i][r], out[i][r]);
-          out[i][r] = _mm512_fmadd_ps(zoff, xs, out[i][r]);
-        }
-      }
+      xq[pos] = static_cast<int8_t>(v);
     }
-    for (int64_t i = 0; i < mm; ++i)
-      for (int r = 0; r < 4; ++r) _mm512_storeu_ps(y + (m0 + i) * N + b * BN + r * 16, out[i][r]);
-#else
-    float out[4][BN] = {};
-    for (int64_t g = 0; g < ngroups; ++g) {
-      float acc[4][BN] = {};
-      for (int64_t kk = 0; kk < G; ++kk) {
-        const uint8_t* bytes = base + (g * G + kk) * 32;
-        for (int64_t i = 0; i < mm; ++i) {
-          const float xv = x[(m0 + i) * K + g * G + kk];
-          for (int j = 0; j < 32; ++j) {
-            acc[i][j] += float(bytes[j] & 15) * xv;
-            acc[i][32 + j] += float(bytes[j] >> 4) * xv;
-          }
-        }
-      }
-      const uint32_t* p = sz + g * N + b * BN;
-      for (int j = 0; j < BN; ++j) {
-        const float s = bf16_lo(p[j]), z = bf16_hi(p[j]);
-        for (int64_t i = 0; i < mm; ++i)
-          out[i][j] += s * acc[i][j] + (z - 8.f * s) * xsum[(m0 + i) * ngroups + g];
-      }
-    }
-    for (int64_t i = 0; i < mm; ++i)
-      std::memcpy(y + (m0 + i) * N + b * BN, out[i], BN * sizeof(float));
-#endif
+    dx[g] = d;
+    xs[g] = d * static_cast<float>(sum);
   }
 }
 
+struct QuantizedX {
+  std::vector<int8_t> q;
+  std::vector<float> d, s;
+  std::vector<float> d16;  // q4: per row and chunk, dx of its 4 groups, each 4 times
+  int64_t gp;  // padded groups per row
+};
+
+QuantizedX quantize_x(const float* x, int64_t M, int64_t K, bool q4_order, int64_t pad_to) {
+  QuantizedX out;
+  const int64_t ng = K / G;
+  out.gp = (ng + pad_to - 1) / pad_to * pad_to;
+  out.q.resize(M * out.gp * G);
+  out.d.resize(M * out.gp);
+  out.s.resize(M * out.gp);
+  for (int64_t m = 0; m < M; ++m)
+    quantize_row(x + m * K, K, out.gp, q4_order, out.q.data() + m * out.gp * G,
+                 out.d.data() + m * out.gp, out.s.data() + m * out.gp);
+  if (q4_order) {   // one 16-float vector per chunk: lanes 4i..4i+3 = dx of group i
+    out.d16.resize(M * out.gp * 4);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t g = 0; g < out.gp; ++g)
+        for (int r = 0; r < 4; ++r) out.d16[(m * out.gp + g) * 4 + r] = out.d[m * out.gp + g];
+  }
+  return out;
+}
+
+#if defined(DUET_VNNI)
+// Four 16-lane sums at once: [sum(a), sum(b), sum(c), sum(d)].
+inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  auto h = [](__m512 v) {
+    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+  };
+  const __m256 ab = _mm256_hadd_ps(h(a), h(b));
+  const __m256 cd = _mm256_hadd_ps(h(c), h(d));
+  const __m256 abcd = _mm256_hadd_ps(ab, cd);
+  return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+
+template <int R, int MM>
+__attribute__((always_inline)) inline void store_rows(float* y, int64_t N, int64_t n,
+                                                      int64_t m0, const __m512 (&acc)[R][MM]) {
+  const __m512 z = _mm512_setzero_ps();
+  for (int i = 0; i < MM; ++i) {
+    const __m128 r = reduce4(acc[0][i], R > 1 ? acc[R > 1 ? 1 : 0][i] : z,
+                             R > 2 ? acc[R > 2 ? 2 : 0][i] : z, R > 3 ? acc[R > 3 ? 3 : 0][i] : z);
+    if constexpr (R == 4) {
+      _mm_storeu_ps(y + (m0 + i) * N + n, r);
+    } else {
+      y[(m0 + i) * N + n] = _mm_cvtss_f32(r);
+      static_assert(R == 1 || R == 4, "row blocks of 1 or 4");
+    }
+  }
+}
+
+// Calls f(std::integral_constant<int, mm>) for mm in 1..4.
+template <typename F>
+inline void dispatch(int64_t mm, F&& f) {
+  switch (mm) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    default: f(std::integral_constant<int, 4>{}); break;
+  }
+}
+
+// R weight rows n .. n + R - 1 (R <= 4) against activation rows m0 .. m0 + mm - 1 (<= 4).
+template <int R, int MM>
+void q4_block(const uint8_t* qs, const uint16_t* dw, const uint16_t* mw, const QuantizedX& X,
+              float* y, int64_t K, int64_t N, int64_t n, int64_t m0) {
+  constexpr int64_t mm = MM;   // compile-time, so the accumulators stay in registers
+  const int64_t ng = K / G, gp = X.gp, nfull = ng / CH, rem = ng % CH;
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const __m512i bidx = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  __m512 acc[R][MM];
+  for (int r = 0; r < R; ++r) for (int i = 0; i < MM; ++i) acc[r][i] = _mm512_setzero_ps();
+  const int64_t nchunks = nfull + (rem ? 1 : 0);
+  for (int64_t c = 0; c < nchunks; ++c) {
+    const bool tail = c == nfull;
+    const __mmask64 wmask = tail ? (__mmask64)((1ULL << (rem * 16)) - 1) : ~(__mmask64)0;
+    const __mmask8 dmask = tail ? (__mmask8)((1u << rem) - 1) : (__mmask8)0xF;
+    for (int r = 0; r < R; ++r) {
+      // masked loads: the tail chunk reads nothing past the row
+      const __m512i w = _mm512_maskz_loadu_epi8(wmask, qs + (n + r) * ng * 16 + c * 64);
+      const __m512i lo = _mm512_and_si512(w, low4);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low4);
+      const __m512 wd = _mm512_permutexvar_ps(bidx, _mm512_castps128_ps512(
+          _mm_cvtph_ps(_mm_maskz_loadu_epi16(dmask, dw + (n + r) * ng + c * CH))));
+      for (int64_t i = 0; i < mm; ++i) {
+        const int8_t* xq = X.q.data() + (m0 + i) * gp * G + c * CH * G;
+        __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xq));
+        dot = _mm512_dpbusd_epi32(dot, hi, _mm512_loadu_si512(xq + 64));
+        const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(dot),
+            _mm512_loadu_ps(X.d16.data() + ((m0 + i) * gp + c * CH) * 4));
+        acc[r][i] = _mm512_fmadd_ps(t, wd, acc[r][i]);
+      }
+    }
+  }
+  // + m * (dx * sum xq), 16 groups at a time
+  for (int64_t g = 0; g < ng; g += 16) {
+    const __mmask16 k = (__mmask16)((1u << std::min<int64_t>(16, ng - g)) - 1);
+    for (int r = 0; r < R; ++r) {
+      const __m512 mv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, mw + (n + r) * ng + g));
+      for (int64_t i = 0; i < mm; ++i)
+        acc[r][i] = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(k, X.s.data() + (m0 + i) * gp + g),
+                                    acc[r][i]);
+    }
+  }
+  store_rows<R, MM>(y, N, n, m0, acc);
+}
+
+template <int R, int MM>
+void q8_block(const int8_t* wq, const float* ws, const QuantizedX& X, float* y, int64_t K,
+              int64_t N, int64_t n, int64_t m0) {
+  constexpr int64_t mm = MM;
+  const int64_t gp = X.gp, npairs = (K + 63) / 64;
+  // dx of groups 2p, 2p+1 as one vector: lanes 0-7 and 8-15 (vpdpbusd sums 4 bytes a lane)
+  const __m512i pidx = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  __m512 acc[R][MM];
+  for (int r = 0; r < R; ++r) for (int i = 0; i < MM; ++i) acc[r][i] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < npairs; ++p) {
+    const __mmask64 wmask = (p + 1) * 64 <= K ? ~(__mmask64)0 : (__mmask64)0xFFFFFFFFULL;
+    __m512 s[MM];
+    for (int64_t i = 0; i < mm; ++i)
+      s[i] = _mm512_permutexvar_ps(pidx, _mm512_castps128_ps512(_mm_castsi128_ps(
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(X.d.data() + (m0 + i) * gp + 2 * p)))));
+    for (int r = 0; r < R; ++r) {
+      const __m512i w = _mm512_maskz_loadu_epi8(wmask, wq + (n + r) * K + p * 64);
+      const __m512i aw = _mm512_abs_epi8(w);
+      const __mmask64 neg = _mm512_movepi8_mask(w);
+      for (int64_t i = 0; i < mm; ++i) {
+        const __m512i xv = _mm512_loadu_si512(X.q.data() + (m0 + i) * gp * G + p * 64);
+        const __m512i sx = _mm512_mask_sub_epi8(xv, neg, _mm512_setzero_si512(), xv);
+        const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), aw, sx);
+        acc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s[i], acc[r][i]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int64_t i = 0; i < mm; ++i) acc[r][i] = _mm512_mul_ps(acc[r][i], _mm512_set1_ps(ws[n + r]));
+  store_rows<R, MM>(y, N, n, m0, acc);
+}
+#endif
+
+// y[m, n] for rows n in [n0, n1) of a q4 weight, activation rows m0 .. m0 + mm - 1.
+void q4_rows(const uint8_t* qs, const uint16_t* dw, const uint16_t* mw, const QuantizedX& X,
+             float* y, int64_t K, int64_t N, int64_t n0, int64_t n1, int64_t m0, int64_t mm) {
+#if defined(DUET_VNNI)
+  dispatch(mm, [&](auto MM) {
+    int64_t n = n0;
+    for (; n + 4 <= n1; n += 4) q4_block<4, MM.value>(qs, dw, mw, X, y, K, N, n, m0);
+    for (; n < n1; ++n) q4_block<1, MM.value>(qs, dw, mw, X, y, K, N, n, m0);
+  });
+#else
+  const int64_t ng = K / G, gp = X.gp;
+  for (int64_t n = n0; n < n1; ++n) {
+    for (int64_t i = 0; i < mm; ++i) {
+      const int8_t* xq = X.q.data() + (m0 + i) * gp * G;
+      float total = 0.f;
+      for (int64_t g = 0; g < ng; ++g) {
+        const uint8_t* b = qs + (n * ng + g) * 16;
+        const int64_t c = g / CH, lane = g % CH;
+        int32_t dot = 0;
+        for (int j = 0; j < 16; ++j) {
+          dot += int32_t(b[j] & 15) * xq[c * CH * G + lane * 16 + j];
+          dot += int32_t(b[j] >> 4) * xq[c * CH * G + 64 + lane * 16 + j];
+        }
+        total += half_to_float(dw[n * ng + g]) * X.d[(m0 + i) * gp + g] * float(dot)
+               + half_to_float(mw[n * ng + g]) * X.s[(m0 + i) * gp + g];
+      }
+      y[(m0 + i) * N + n] = total;
+    }
+  }
+#endif
+}
+
+void q8_rows(const int8_t* wq, const float* ws, const QuantizedX& X, float* y, int64_t K,
+             int64_t N, int64_t n0, int64_t n1, int64_t m0, int64_t mm) {
+#if defined(DUET_VNNI)
+  dispatch(mm, [&](auto MM) {
+    int64_t n = n0;
+    for (; n + 4 <= n1; n += 4) q8_block<4, MM.value>(wq, ws, X, y, K, N, n, m0);
+    for (; n < n1; ++n) q8_block<1, MM.value>(wq, ws, X, y, K, N, n, m0);
+  });
+#else
+  const int64_t gp = X.gp, ng = K / G;
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t i = 0; i < mm; ++i) {
+      const int8_t* xq = X.q.data() + (m0 + i) * gp * G;
+      float total = 0.f;
+      for (int64_t g = 0; g < ng; ++g) {
+        int32_t dot = 0;
+        for (int64_t k = g * G; k < (g + 1) * G; ++k) dot += int32_t(wq[n * K + k]) * xq[k];
+        total += X.d[(m0 + i) * gp + g] * float(dot);
+      }
+      y[(m0 + i) * N + n] = ws[n] * total;
+    }
+#endif
+}
+
+constexpr int64_t ROWS_PER_TASK = 16;
+
 }  // namespace
 
-torch::Tensor int4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor sz) {
+torch::Tensor q4_gemv(torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch::Tensor m) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be float32 [M, K]");
-  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous(), "packed: uint8");
-  TORCH_CHECK(sz.scalar_type() == torch::kBFloat16 && sz.is_contiguous(), "sz: bfloat16");
+  TORCH_CHECK(qs.scalar_type() == torch::kUInt8 && qs.is_contiguous() && qs.dim() == 3,
+              "qs: uint8 [N, K/32, 16]");
+  TORCH_CHECK(d.scalar_type() == torch::kHalf && m.scalar_type() == torch::kHalf &&
+              d.is_contiguous() && m.is_contiguous(), "d, m: float16 [N, K/32]");
   x = x.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0);
-  TORCH_CHECK(packed.size(1) * 2 == K && N % BN == 0 && K % G == 0, "shape mismatch");
-  TORCH_CHECK(sz.size(0) == K / G && sz.size(1) == N && sz.size(2) == 2, "sz shape mismatch");
+  const int64_t M = x.size(0), K = x.size(1), N = qs.size(0);
+  TORCH_CHECK(K % G == 0 && qs.size(1) * G == K && qs.size(2) == 16, "shape mismatch");
+  TORCH_CHECK(d.size(0) == N && d.size(1) == K / G && m.sizes() == d.sizes(), "d/m shape");
   auto y = torch::empty({M, N}, x.options());
-  const int64_t ngroups = K / G;
-  std::vector<float> xsum(M * ngroups);
-  const float* xp = x.data_ptr<float>();
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t g = 0; g < ngroups; ++g) {
-      float s = 0.f;
-      for (int64_t k = 0; k < G; ++k) s += xp[m * K + g * G + k];
-      xsum[m * ngroups + g] = s;
-    }
-  const uint8_t* pk = packed.data_ptr<uint8_t>();
-  const uint32_t* szp = reinterpret_cast<const uint32_t*>(sz.data_ptr<at::BFloat16>());
+  const QuantizedX X = quantize_x(x.data_ptr<float>(), M, K, /*q4_order=*/true, CH);
+  const uint8_t* qp = qs.data_ptr<uint8_t>();
+  const uint16_t* dp = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
+  const uint16_t* mp = reinterpret_cast<const uint16_t*>(m.data_ptr<at::Half>());
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, N / BN, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) int4_block(pk, szp, xp, xsum.data(), yp, M, K, N, b);
+  at::parallel_for(0, N, ROWS_PER_TASK, [&](int64_t n0, int64_t n1) {
+    for (int64_t m0 = 0; m0 < M; m0 += 4)
+      q4_rows(qp, dp, mp, X, yp, K, N, n0, n1, m0, std::min<int64_t>(4, M - m0));
   });
   return y;
 }
 
-torch::Tensor int8_gemv(torch::Tensor x, torch::Tensor w, torch::Tensor scale) {
+torch::Tensor q8_gemv(torch::Tensor x, torch::Tensor w, torch::Tensor scale) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be float32 [M, K]");
   TORCH_CHECK(w.scalar_type() == torch::kInt8 && w.is_contiguous(), "w: int8 [N, K]");
   TORCH_CHECK(scale.scalar_type() == torch::kFloat32 && scale.is_contiguous(), "scale: float32");
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  TORCH_CHECK(w.size(1) == K && K % 16 == 0, "shape mismatch (K must be a multiple of 16)");
+  TORCH_CHECK(w.size(1) == K && K % G == 0, "shape mismatch (K must be a multiple of 32)");
   auto y = torch::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>();
+  const QuantizedX X = quantize_x(x.data_ptr<float>(), M, K, /*q4_order=*/false, 2);
   const int8_t* wp = w.data_ptr<int8_t>();
   const float* sp = scale.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-      const int8_t* row = wp + n * K;
-      for (int64_t m0 = 0; m0 < M; m0 += 4) {
-        const int64_t mm = std::min<int64_t>(4, M - m0);
-#if defined(__AVX512F__)
-        __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
-                         _mm512_setzero_ps()};
-        for (int64_t k = 0; k < K; k += 16) {
-          const __m512 wv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-              _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k))));
-          for (int64_t i = 0; i < mm; ++i)
-            acc[i] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(xp + (m0 + i) * K + k), acc[i]);
-        }
-        for (int64_t i = 0; i < mm; ++i) yp[(m0 + i) * N + n] = sp[n] * _mm512_reduce_add_ps(acc[i]);
-#else
-        for (int64_t i = 0; i < mm; ++i) {
-          float s = 0.f;
-          for (int64_t k = 0; k < K; ++k) s += float(row[k]) * xp[(m0 + i) * K + k];
-          yp[(m0 + i) * N + n] = sp[n] * s;
-        }
-#endif
-      }
-    }
+  at::parallel_for(0, N, ROWS_PER_TASK, [&](int64_t n0, int64_t n1) {
+    for (int64_t m0 = 0; m0 < M; m0 += 4)
+      q8_rows(wp, sp, X, yp, K, N, n0, n1, m0, std::min<int64_t>(4, M - m0));
   });
   return y;
 }
 
-// Rows [a, b) (multiples of 64) of a torch-int4-packed weight as dense bfloat16 [b - a, K]:
-// the many-row path without a resident dense copy dequantizes a slice, then runs a bf16 GEMM.
-torch::Tensor int4_dequant_bf16(torch::Tensor packed, torch::Tensor sz, int64_t a, int64_t b) {
-  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous(), "packed: uint8");
-  TORCH_CHECK(sz.scalar_type() == torch::kBFloat16 && sz.is_contiguous(), "sz: bfloat16");
-  const int64_t N = packed.size(0), K = packed.size(1) * 2;
-  TORCH_CHECK(a % BN == 0 && b % BN == 0 && 0 <= a && a < b && b <= N, "rows must be 64-aligned");
-  auto out = torch::empty({b - a, K}, packed.options().dtype(torch::kBFloat16));
-  const uint8_t* pk = packed.data_ptr<uint8_t>();
-  const uint32_t* szp = reinterpret_cast<const uint32_t*>(sz.data_ptr<at::BFloat16>());
+// Rows [a, b) of a q4 weight as dense bfloat16 [b - a, K]: the many-row path without a
+// resident dense copy dequantizes a slice, then runs a bf16 GEMM.
+torch::Tensor q4_dequant_bf16(torch::Tensor qs, torch::Tensor d, torch::Tensor m, int64_t a,
+                              int64_t b) {
+  TORCH_CHECK(qs.scalar_type() == torch::kUInt8 && qs.is_contiguous() && qs.dim() == 3,
+              "qs: uint8 [N, K/32, 16]");
+  TORCH_CHECK(d.scalar_type() == torch::kHalf && m.scalar_type() == torch::kHalf, "d, m: f16");
+  const int64_t N = qs.size(0), ng = qs.size(1), K = ng * G;
+  TORCH_CHECK(0 <= a && a < b && b <= N, "row range out of bounds");
+  auto out = torch::empty({b - a, K}, qs.options().dtype(torch::kBFloat16));
+  const uint8_t* qp = qs.data_ptr<uint8_t>();
+  const uint16_t* dp = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
+  const uint16_t* mp = reinterpret_cast<const uint16_t*>(m.data_ptr<at::Half>());
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
-  at::parallel_for(a / BN, b / BN, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t blk = begin; blk < end; ++blk) {
-      const uint8_t* base = pk + blk * K * 32;
-      for (int64_t r = 0; r < BN; ++r) {
-        const int64_t row = blk * BN + r;
-        const int shift = r < 32 ? 0 : 4;
-        const int64_t lane = r % 32;
-        at::BFloat16* orow = op + (row - a) * K;
-        for (int64_t g = 0; g < K / G; ++g) {
-          const uint32_t v = szp[g * N + row];
-          const float s = bf16_lo(v), z = bf16_hi(v) - 8.f * s;
-          for (int64_t kk = 0; kk < G; ++kk) {
-            const int64_t k = g * G + kk;
-            const float q = float((base[k * 32 + lane] >> shift) & 15);
-            orow[k] = at::BFloat16(q * s + z);
-          }
+  at::parallel_for(a, b, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t n = r0; n < r1; ++n) {
+      at::BFloat16* orow = op + (n - a) * K;
+      for (int64_t g = 0; g < ng; ++g) {
+        const uint8_t* blk = qp + (n * ng + g) * 16;
+        const float dv = half_to_float(dp[n * ng + g]), mv = half_to_float(mp[n * ng + g]);
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+        const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
+        const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(15)));
+        const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4));
+        const __m512 dv16 = _mm512_set1_ps(dv), mv16 = _mm512_set1_ps(mv);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(orow + g * G),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(lo, dv16, mv16)));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(orow + g * G + 16),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(hi, dv16, mv16)));
+#else
+        for (int j = 0; j < 16; ++j) {
+          orow[g * G + j] = at::BFloat16(dv * float(blk[j] & 15) + mv);
+          orow[g * G + 16 + j] = at::BFloat16(dv * float(blk[j] >> 4) + mv);
         }
+#endif
       }
     }
   });

@@ -22,7 +22,8 @@ import torch
 
 from duetserve.config import EngineConfig, SchedulerConfig
 from duetserve.core.scheduler import Scheduler
-from duetserve.core.step_budget import StepCost, default_max_step_ms, token_budget
+from duetserve.core.step_budget import (DECODE_REF_TOKENS, StepBudget, StepCost,
+                                        default_max_step_ms, token_budget)
 from duetserve.engine.detokenizer import IncrementalDetokenizer
 from duetserve.engine.isolation import IsolatedExecutor
 from duetserve.engine.step_cost import is_plausible, measured_step_cost
@@ -136,9 +137,11 @@ class EngineCore:
                                   dtype, config.device, self.grammars)
         self.step_cost: StepCost | None = None
         self.max_step_ms: float | None = None
+        self.step_budget: StepBudget | None = None
         self.max_num_batched_tokens = self._resolve_token_budget(num_threads)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_batched_tokens=self.max_num_batched_tokens,
+            step_budget=self.step_budget,
             max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
             block_size=config.block_size, num_blocks=num_blocks,
             enable_prefix_caching=config.enable_prefix_caching,
@@ -163,9 +166,10 @@ class EngineCore:
                  self.loaded.load_seconds)
 
     def _resolve_token_budget(self, num_threads: int) -> int:
-        """The step token budget: the explicit max_num_batched_tokens, else derived from
-        the target step time and this machine's measured step cost (core/step_budget.py).
-        Sets self.step_cost and self.max_step_ms when derived."""
+        """The largest step token budget: the explicit max_num_batched_tokens, else the
+        idle budget of a StepBudget derived from this machine's measured step cost
+        (core/step_budget.py), which re-derives each step's budget from its decodes.
+        Sets self.step_cost, self.max_step_ms and self.step_budget when derived."""
         config = self.config
         if config.max_num_batched_tokens is not None:
             return config.max_num_batched_tokens
@@ -179,11 +183,14 @@ class EngineCore:
         self.max_step_ms = config.max_step_ms or default_max_step_ms(cost)
         if not is_plausible(cost):
             return FALLBACK_TOKEN_BUDGET
-        budget = token_budget(cost, self.max_step_ms, lo=min(64, config.max_num_seqs))
-        log.info("step budget: %d tokens for a %.0f ms step (measured%s: %.1f ms + "
-                 "%.3f ms/token)", budget, self.max_step_ms, ", cached" if cached else "",
+        lo = min(64, config.max_num_seqs)
+        self.step_budget = StepBudget(cost, config.max_step_ms, lo=lo)
+        log.info("step budget: %d tokens with <= %d decodes running (%.0f ms step), more "
+                 "with more decodes, %d with none (measured%s: %.1f ms + %.3f ms/token)",
+                 token_budget(cost, self.max_step_ms, lo=lo), DECODE_REF_TOKENS,
+                 self.max_step_ms, self.step_budget.idle, ", cached" if cached else "",
                  cost.fixed_ms, cost.per_token_ms)
-        return budget
+        return self.step_budget.idle
 
     # -- requests ----------------------------------------------------------------------
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:

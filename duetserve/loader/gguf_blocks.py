@@ -5,8 +5,8 @@ whole) and decodes a range of rows at a time, so a whole model never exists in f
 
 - `dequantize(a, b)`: float32 rows, exact (through `gguf.quants`).
 - `int4_groups(a, b)`: for Q4_0 / Q4_1 / Q4_K, the *exact* group-of-32 form
-  `w = (q - 8) * scale + zero` with `q` in 0..15, which is what torch's packed int4 CPU
-  kernel computes. Other formats return None (they are not 4-bit).
+  `w = d * q + m` with `q` in 0..15 (d and m in float32), which models/quant.py packs.
+  Other formats return None (they are not 4-bit).
 
 Block layouts (ggml's, little-endian, `d`/`m`/`dmin` are float16):
   Q4_0  [d | 16 bytes]:           x_j = qs[j] & 15, x_{j+16} = qs[j] >> 4;  w = d * (x - 8)
@@ -64,8 +64,8 @@ class GGUFTensor:
             .reshape(b - a, self.shape[1])
 
     def int4_groups(self, a: int = 0, b: int | None = None):
-        """(q uint8 [n, K] in 0..15, scale f32 [n, K/32], zero f32 [n, K/32]) for rows
-        [a, b) with w = (q - 8) * scale + zero exactly; None if not a 4-bit format."""
+        """(q uint8 [n, K] in 0..15, d f32 [n, K/32], m f32 [n, K/32]) for rows [a, b)
+        with w = d * q + m exactly; None if not a 4-bit format."""
         if not self.is_int4:
             return None
         b = self.shape[0] if b is None else b
@@ -86,7 +86,7 @@ def _q4_0(raw: np.ndarray, cols: int):
     blocks = raw.reshape(n, cols // 32, 18)
     d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)[..., 0]
     q = _nibbles32(blocks[..., 2:18]).reshape(n, cols)
-    return q, d, np.zeros_like(d)
+    return q, d, -8.0 * d
 
 
 def _q4_1(raw: np.ndarray, cols: int):
@@ -95,8 +95,7 @@ def _q4_1(raw: np.ndarray, cols: int):
     d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)[..., 0]
     m = blocks[..., 2:4].copy().view(np.float16).astype(np.float32)[..., 0]
     q = _nibbles32(blocks[..., 4:20]).reshape(n, cols)
-    # d * x + m == (x - 8) * d + (m + 8 d)
-    return q, d, m + 8.0 * d
+    return q, d, m
 
 
 def _q4_k(raw: np.ndarray, cols: int):
@@ -116,8 +115,7 @@ def _q4_k(raw: np.ndarray, cols: int):
     qs = blocks[..., 16:144].reshape(n, nb, 4, 32)
     q = np.stack([qs & 15, qs >> 4], axis=3).reshape(n, cols)    # sub-blocks 2i, 2i+1
     scale = (d[..., None] * sc).reshape(n, nb * 8)
-    zero = (-dmin[..., None] * mn).reshape(n, nb * 8) + 8.0 * scale
-    return q, scale, zero
+    return q, scale, (-dmin[..., None] * mn).reshape(n, nb * 8)
 
 
 _DECODERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k}

@@ -40,8 +40,8 @@ def _rows_float(arr, a: int, b: int) -> torch.Tensor:
 
 def _int4_rows(arr, a: int, b: int):
     if isinstance(arr, GGUFTensor) and arr.is_int4:
-        q, s, z = arr.int4_groups(a, b)
-        return torch.from_numpy(q), torch.from_numpy(s), torch.from_numpy(z)
+        q, d, m = arr.int4_groups(a, b)
+        return torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(m)
     return int4_groups_from_float(_rows_float(arr, a, b))
 
 
@@ -67,20 +67,18 @@ class QuantPlan:
             return isinstance(arr, GGUFTensor) and arr.type not in _FLOAT_TYPES
         return True
 
-    def _form(self, parts, n: int) -> str:
+    def _form(self, parts) -> str:
         all4 = all(isinstance(a, GGUFTensor) and a.is_int4 for _, a in parts)
-        if n % 64:
-            return "int8"      # torch's int4 packing interleaves rows in blocks of 64
         if self.mode == "int4" or (self.mode == "auto" and all4):
             return "int4"
         return "int8"
 
     def build(self, parts, shape) -> Int4Weight | Int8Weight:
-        form = self._form(parts, shape[0])
+        form = self._form(parts)
         self.summary[form] = self.summary.get(form, 0) + 1
         if form == "int4":
-            q, s, z = zip(*(_int4_rows(arr, a, b) for arr, a, b in _chunks(parts)))
-            return Int4Weight(torch.cat(q), torch.cat(s), torch.cat(z))
+            q, d, m = zip(*(_int4_rows(arr, a, b) for arr, a, b in _chunks(parts)))
+            return Int4Weight(torch.cat(q), torch.cat(d), torch.cat(m))
         q, s = zip(*(quantize_int8(_rows_float(arr, a, b)) for arr, a, b in _chunks(parts)))
         return Int8Weight(torch.cat(q), torch.cat(s))
 

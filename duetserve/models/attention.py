@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from duetserve.models.layers import RotaryEmbedding
+
 
 @dataclass(slots=True)
 class PrefillSeq:
@@ -61,6 +63,23 @@ class AttentionBackend:
     """Computes attention for one layer. Mutates `kv_cache` (writes the new K/V at
     `meta.slot_mapping`) and returns the attention output [T, H, D]."""
 
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    def forward_qkv(self, qkv: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                    meta: AttentionMetadata) -> torch.Tensor:
+        """From the fused projection qkv [T, (H + 2 KVH) hd]: rotary on Q and K, then
+        `forward`. Backends may fuse the two. Mutates `kv_cache`."""
+        t, hd = qkv.shape[0], self.head_dim
+        q_size, kv_size = self.num_heads * hd, self.num_kv_heads * hd
+        # Q and K rotated together: one set of ops for both.
+        qk = RotaryEmbedding.apply(qkv[:, :q_size + kv_size].view(t, -1, hd), meta.cos,
+                                   meta.sin)
+        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]  # [T, H, hd], [T, KVH, hd]
+        v = qkv[:, q_size + kv_size:].view(t, self.num_kv_heads, hd)
+        return self.forward(q, k, v, kv_cache, meta)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -75,11 +94,25 @@ class TorchAttention(AttentionBackend):
         from duetserve.models.native import ops
         native = ops()
         self.paged_decode = None if native is None else native.paged_decode_attention
+        self.rope_kv_write = None if native is None else native.rope_kv_write
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.gqa = num_heads != num_kv_heads
         self.scale = head_dim ** -0.5
+
+    def forward_qkv(self, qkv, kv_cache, meta):
+        """Decode-only steps with the native kernels: two calls per layer (rotary + cache
+        write, then paged attention) instead of about a dozen torch ops."""
+        if (self.rope_kv_write is None or meta.decode_block_tables is None or meta.prefills
+                or qkv.dtype != torch.float32 or not qkv.is_contiguous()
+                or meta.cos.dtype != torch.float32):
+            return super().forward_qkv(qkv, kv_cache, meta)
+        k_cache, v_cache = kv_cache
+        q = self.rope_kv_write(qkv, meta.cos, meta.sin, k_cache, v_cache, meta.slot_mapping,
+                               self.num_heads, self.num_kv_heads)
+        return self.paged_decode(q, k_cache, v_cache, meta.decode_block_tables,
+                                 meta.decode_context_lens, self.scale)
 
     def forward(self, q, k, v, kv_cache, meta):
         k_cache, v_cache = kv_cache

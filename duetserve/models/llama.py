@@ -32,12 +32,7 @@ class SelfAttention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)                                 # [T, q | k | v]
-        # Q and K rotated together: one set of ops for both.
-        qk = RotaryEmbedding.apply(
-            qkv[:, :self.q_size + self.kv_size].view(t, -1, self.head_dim), meta.cos, meta.sin)
-        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]  # [T, H, hd], [T, KVH, hd]
-        v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
-        o = self.backend.forward(q, k, v, kv_cache, meta)     # [T, H, hd]
+        o = self.backend.forward_qkv(qkv, kv_cache, meta)     # [T, H, hd]
         return self.o_proj(o.reshape(t, self.q_size))
 
 

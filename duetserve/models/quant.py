@@ -1,17 +1,20 @@
 """Low-bit weights kept low-bit, and the linear layer that picks its kernel by rows.
 
-Two packed forms, in torch's CPU layouts. Decode steps run duetserve's own GEMV kernels
-on them (csrc/lowbit_gemv.cpp: float32 activations, AVX-512) when those are built, else
-torch's kernels (which want bfloat16 activations; float32 ones take a slow path):
+Two packed forms. Decode steps run duetserve's own kernels on them (csrc/lowbit_gemv.cpp:
+activations quantized to int8 per group of 32 at each call, integer dot products with
+AVX512-VNNI, one float scale per group), else plain torch:
 
-- `Int4Weight`: groups of 32 along K, `w = (q - 8) * scale + zero`, q in 0..15, packed by
-  `aten._convert_weight_to_int4pack_for_cpu`, run by `aten._weight_int4pack_mm_for_cpu`.
-  GGUF Q4_0 / Q4_1 / Q4_K map onto it exactly, up to the scale and zero being stored in
-  bfloat16 (the kernel's requirement): |error| <= 2^-8 (|q - 8| |scale| + |zero|) per weight.
-- `Int8Weight`: one scale per output row, symmetric, run by `aten._weight_int8pack_mm`.
-  Formats that are not 4-bit (Q5_x, Q6_K, Q8_0, and float checkpoints) are requantized
-  into it: |error| <= scale / 2 = max|w_row| / 254 per weight (+ the bfloat16 rounding of
-  the scale, 2^-8 relative).
+- `Int4Weight`: GGUF Q4_1's layout, groups of 32 along K, `w = d * q + m`, q in 0..15,
+  16 bytes of nibbles + float16 d and m per group (0.625 bytes per weight). GGUF Q4_0 and
+  Q4_1 map onto it losslessly; Q4_K's per-sub-block `d * sc` and `-dmin * mn` are rounded
+  to float16: |error| <= 2^-11 (|d q| + |m|) per weight (+ 2^-25 for float16 subnormals).
+- `Int8Weight`: one scale per output row, symmetric. Formats that are not 4-bit (Q5_x,
+  Q6_K, Q8_0, and float checkpoints) are requantized into it: |error| <= scale / 2 =
+  max|w_row| / 254 per weight (+ the bfloat16 rounding of the scale, 2^-8 relative).
+
+The int8 activations add their own error to a product: per group, |x - dx xq| <= dx / 2
+with dx = max|x_g| / 127 (what llama.cpp's Q8_0 activations do; accuracy against the
+float32 path is measured by benchmarks/quant_accuracy.py).
 
 `QuantLinear.forward` picks per call: rows <= `policy.lowbit_max_rows` (decode steps) run
 the low-bit GEMV-style kernel, which reads 4 or 8 bits per weight; more rows (prefill
@@ -28,10 +31,9 @@ from torch import nn
 
 from duetserve.models.native import ops as _native_ops
 
-_NATIVE = _native_ops()   # compiled kernels (int4/int8 GEMV) or None: torch's kernels
+_NATIVE = _native_ops()   # compiled kernels (q4/q8 GEMV, q4 dequant) or None: plain torch
 GROUP = 32
 _DEQUANT_ROWS = 2048   # rows dequantized at a time on the many-row path without a dense copy
-_INT4_BLOCK_N = 64     # torch's CPU int4 packing interleaves rows in blocks of 64
 
 
 @dataclass
@@ -44,63 +46,51 @@ class KernelPolicy:
 
 
 class Int4Weight:
-    """Packed int4 [N, K/2] uint8 + scales_and_zeros [K/32, N, 2] bfloat16."""
+    """qs [N, K/32, 16] uint8 (byte j: element j low nibble, j + 16 high) + d, m
+    [N, K/32] float16; w = d * q + m."""
 
     bits = 4
 
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> None:
-        """q: [N, K] uint8 in 0..15; scale, zero: [N, K/32] float32."""
+    def __init__(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> None:
+        """q: [N, K] uint8 in 0..15; d, m: [N, K/32] float (w = d * q + m)."""
         n, k = q.shape
-        if n % _INT4_BLOCK_N or k % GROUP:
-            raise ValueError(f"int4 packing needs N % {_INT4_BLOCK_N} == 0 and K % {GROUP} "
-                             f"== 0, got {n} x {k}")
+        if k % GROUP:
+            raise ValueError(f"int4 groups need K % {GROUP} == 0, got K = {k}")
         self.shape = (n, k)
-        parts = [torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-            q[i:i + 4096].to(torch.int32), 1) for i in range(0, n, 4096)]
-        self.packed = torch.cat(parts) if len(parts) > 1 else parts[0]
-        self.sz = torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()
+        g = q.view(n, k // GROUP, GROUP).to(torch.uint8)
+        self.qs = (g[..., :16] | (g[..., 16:] << 4)).contiguous()
+        self.d = d.to(torch.float16).contiguous()
+        self.m = m.to(torch.float16).contiguous()
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [M, K] -> [M, N]: the native GEMV (float32 in and out) when built, else
-        torch's kernel (bfloat16 in and out)."""
+        """x [M, K] -> [M, N] float32: the native int8-activation kernel when built, else
+        a float32 product on the dequantized weight."""
         if _NATIVE is not None:
-            return _NATIVE.int4_gemv(x.float(), self.packed, self.sz)
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed,
-                                                          GROUP, self.sz)
+            return _NATIVE.q4_gemv(x.float(), self.qs, self.d, self.m)
+        return F.linear(x.float(), self.dequantize())
 
-    def _codes(self, blocks: torch.Tensor) -> torch.Tensor:
-        """Packed bytes [B, K, 32] of B row-blocks -> codes [B * 64, K] (int16)."""
-        b, k, _ = blocks.shape
-        lo, hi = blocks & 15, blocks >> 4           # rows j and 32 + j of each block
-        return torch.stack([lo, hi], 1).permute(0, 1, 3, 2).reshape(b * 64, k).to(torch.int16)
+    def _decode(self, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
+                dtype: torch.dtype) -> torch.Tensor:
+        """Packed rows -> dense [rows, K] in dtype (plain torch)."""
+        q = torch.cat([qs & 15, qs >> 4], dim=-1).to(dtype)         # [rows, K/32, 32]
+        w = q * d.to(dtype)[..., None] + m.to(dtype)[..., None]
+        return w.reshape(qs.shape[0], -1)
 
     def dequantize(self, dtype: torch.dtype = torch.float32, a: int = 0,
                    b: int | None = None) -> torch.Tensor:
-        """Rows [a, b) (multiples of 64) as a dense [b - a, K] tensor."""
-        n, k = self.shape
-        b = n if b is None else b
+        """Rows [a, b) as a dense [b - a, K] tensor."""
+        b = self.shape[0] if b is None else b
         if _NATIVE is not None and dtype == torch.bfloat16:
-            return _NATIVE.int4_dequant_bf16(self.packed, self.sz, a, b)
-        q = self._codes(self.packed[a:b].view((b - a) // 64, k, 32))
-        s = self.sz[:, a:b, 0].t().to(dtype).repeat_interleave(GROUP, 1)
-        z = self.sz[:, a:b, 1].t().to(dtype).repeat_interleave(GROUP, 1)
-        return (q - 8).to(dtype) * s + z
+            return _NATIVE.q4_dequant_bf16(self.qs, self.d, self.m, a, b)
+        return self._decode(self.qs[a:b], self.d[a:b], self.m[a:b], dtype)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Dequantized rows `ids` [n] -> [n, K] float32 (embedding lookup)."""
-        n, k = self.shape
-        view = self.packed.view(n // 64, k, 32)
-        blk, r = ids // 64, ids % 64
-        b = view[blk, :, r % 32]                                 # [n, K]
-        q = torch.where((r >= 32)[:, None], b >> 4, b & 15).float()
-        sz = self.sz[:, ids].float()                             # [K/32, n, 2]
-        s = sz[..., 0].t().repeat_interleave(GROUP, 1)
-        z = sz[..., 1].t().repeat_interleave(GROUP, 1)
-        return (q - 8) * s + z
+        return self._decode(self.qs[ids], self.d[ids], self.m[ids], torch.float32)
 
     @property
     def nbytes(self) -> int:
-        return self.packed.numel() + self.sz.numel() * 2
+        return self.qs.numel() + (self.d.numel() + self.m.numel()) * 2
 
 
 class Int8Weight:
@@ -120,10 +110,10 @@ class Int8Weight:
         return cls(*quantize_int8(w))
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        # The native int8 GEMV wins only for one row of a large matrix (the LM head at
-        # batch 1: 1.9 vs 3.2 ms for 49152 x 576 here); torch's kernel elsewhere.
-        if _NATIVE is not None and x.shape[0] == 1 and self.shape[0] >= 8192:
-            return _NATIVE.int8_gemv(x.float(), self.q, self.scale32)
+        """x [M, K] -> [M, N]: the native int8-activation kernel (float32 out) when built,
+        else torch's int8-weight kernel (bfloat16 in and out)."""
+        if _NATIVE is not None:
+            return _NATIVE.q8_gemv(x.float(), self.q, self.scale32)
         return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.q, self.scale)
 
     def dequantize(self, dtype: torch.dtype = torch.float32, a: int = 0,
@@ -152,14 +142,14 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def int4_groups_from_float(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric min/max int4 over groups of 32 of float w [N, K] -> (q uint8 [N, K],
-    scale [N, K/32], zero [N, K/32]) with w ~= (q - 8) * scale + zero (for `--quantization
-    int4` of a checkpoint that is not already 4-bit; lossy: |error| <= scale / 2)."""
+    d [N, K/32], m [N, K/32]) with w ~= d * q + m (for `--quantization int4` of a
+    checkpoint that is not already 4-bit; lossy: |error| <= d / 2)."""
     n, k = w.shape
     g = w.float().view(n, k // GROUP, GROUP)
     lo, hi = g.amin(-1), g.amax(-1)
     scale = ((hi - lo) / 15.0).clamp_min(1e-12)
     q = torch.round((g - lo[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.uint8)
-    return q.view(n, k), scale, lo + 8.0 * scale
+    return q.view(n, k), scale, lo
 
 
 class QuantLinear(nn.Module):

@@ -238,3 +238,19 @@ def test_prefix_caching_disabled(make_scheduler, step) -> None:
     stats = sched.make_stats()
     assert stats.prefix_cache_queries == 0 and stats.prefix_cache_hits == 0
     assert sched.kv_cache_manager.pool.num_cached_blocks == 0
+
+
+def test_step_budget_widens_without_decodes(make_scheduler, step) -> None:
+    """With a StepBudget, a prompt arriving to an idle engine prefills in one big step;
+    once a stream is decoding, a later long prompt is cut to the decode-step budget."""
+    from duetserve.core.step_budget import StepBudget, StepCost
+    # 1.5 x (10 + 1 x 16) = 39 ms -> 29 tokens -> 16 with decodes; 96 without
+    policy = StepBudget(StepCost(fixed_ms=10.0, per_token_ms=1.0), lo=16, idle=96)
+    sched, runner = make_scheduler(max_num_batched_tokens=96, step_budget=policy)
+    sched.add_request(mk("a", 80, max_tokens=30))
+    out, _ = step(sched, runner)
+    assert out.num_scheduled_tokens == {"a": 80}             # idle: one step
+    sched.add_request(mk("long", 50, max_tokens=2))
+    out, _ = step(sched, runner)
+    assert out.num_scheduled_tokens == {"a": 1, "long": 15}  # one decode: 16 tokens
+    drain(sched, runner, step)

@@ -39,3 +39,23 @@ def test_default_target_bounds_a_chunked_step_to_the_factor_of_a_decode_step() -
         budget = token_budget(cost, target, lo=1)
         assert cost.step_ms(budget) <= target + 1e-9
         assert cost.step_ms(budget + 16) > target or budget == MAX_BUDGET
+
+
+def test_step_budget_follows_the_running_decodes() -> None:
+    """No decode running: the idle budget. Up to DECODE_REF_TOKENS decodes: the default
+    target's budget. More decodes: a larger budget whose step still fits STEP_FACTOR x
+    the decode-only step of those decodes. A fixed --max-step-ms target stays fixed."""
+    from duetserve.core.step_budget import IDLE_BUDGET, StepBudget
+    cost = StepCost(fixed_ms=20.0, per_token_ms=0.25)
+    policy = StepBudget(cost)
+    assert policy.for_step(0) == IDLE_BUDGET
+    base = token_budget(cost, default_max_step_ms(cost))
+    assert policy.for_step(1) == policy.for_step(DECODE_REF_TOKENS) == base
+    # 1.5 x (20 + 0.25 x 64) = 54 ms -> (54 - 20) / 0.25 = 136 -> 128 tokens
+    assert policy.for_step(64) == 128 > base
+    for d in (1, 16, 64, 128):
+        assert cost.step_ms(policy.for_step(d)) <= STEP_FACTOR * cost.step_ms(
+            max(d, DECODE_REF_TOKENS)) + 1e-9
+    fixed = StepBudget(cost, max_step_ms=100.0)
+    assert fixed.for_step(1) == fixed.for_step(64) == 320
+    assert fixed.for_step(0) == IDLE_BUDGET

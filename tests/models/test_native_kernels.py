@@ -73,6 +73,42 @@ def test_backend_native_equals_group_fallback():
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_fused_rope_cache_write_equals_torch_path(kv_dtype):
+    """A decode-only step through `forward_qkv`: the native rotary + cache write + paged
+    attention equals the generic rotary and the torch cache write, output and cache
+    contents both (the two new slots up to float rounding, every other slot exactly)."""
+    from duetserve.models.attention import AttentionBackend, TorchAttention
+    from duetserve.models.layers import RotaryEmbedding
+    from duetserve.worker.batch import SeqWork, build_step_batch
+    kvh, heads, hd, bs, nb = 2, 6, 16, 4, 32
+    g = torch.Generator().manual_seed(2)
+    cache = (torch.randn(kvh, nb, bs, hd, generator=g).to(kv_dtype),
+             torch.randn(kvh, nb, bs, hd, generator=g).to(kv_dtype))
+    work = [SeqWork("a", [5], 9, [3, 7, 11], True), SeqWork("b", [6], 2, [20], True)]
+    qkv = torch.randn(2, (heads + 2 * kvh) * hd, generator=g)
+    rot = RotaryEmbedding(hd, 10000.0, None)
+    rot.build(64, "cpu", torch.float32)
+    backend = TorchAttention(heads, kvh, hd)
+    outs, caches = [], []
+    for fused in (True, False):
+        c = (cache[0].clone(), cache[1].clone())
+        meta = build_step_batch(work, bs, paged_decode=True).meta
+        meta.cos, meta.sin = rot.tables(torch.tensor([9, 2]))
+        fn = backend.forward_qkv if fused else \
+            (lambda *a: AttentionBackend.forward_qkv(backend, *a))
+        outs.append(fn(qkv, c, meta))
+        caches.append(c)
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+    written = torch.zeros(nb * bs, dtype=torch.bool)
+    written[meta.slot_mapping] = True
+    for a, b in zip(caches[0], caches[1]):
+        a, b = a.view(kvh, -1, hd), b.view(kvh, -1, hd)
+        assert torch.equal(a[:, ~written], b[:, ~written])
+        torch.testing.assert_close(a[:, written].float(), b[:, written].float(),
+                                   atol=1e-6, rtol=2 ** -7)
+
+
 def test_kv_cache_dtype_option(tiny_checkpoints):
     """--kv-cache-dtype bfloat16 stores K/V in bfloat16 (half the bytes) and the engine
     still decodes; a bad value is named."""
@@ -96,24 +132,42 @@ def test_kv_cache_dtype_option(tiny_checkpoints):
     assert outs["bfloat16"].token_ids[0] == outs["float32"].token_ids[0]
 
 
+def _int8_activations(x: torch.Tensor) -> torch.Tensor:
+    """x as the low-bit kernels see it: int8 per group of 32, dx = max|x_g| / 127."""
+    m, k = x.shape
+    g = x.double().view(m, k // 32, 32)
+    dx = g.abs().amax(-1, keepdim=True) / 127
+    q = torch.round(g / torch.where(dx > 0, dx, torch.ones_like(dx)))
+    return (q * dx).view(m, k)
+
+
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 9])
-def test_int4_gemv_equals_dequantized(rows):
+@pytest.mark.parametrize("n,k", [(192, 320), (100, 96), (64, 576)])   # K/32 = 10, 3, 18
+def test_q4_gemv_equals_dequantized(rows, n, k):
+    """Equal to the float64 product of the int8-quantized activation and the dequantized
+    weight (tail groups of K/32 % 4 included), and within the activation rounding of the
+    float product."""
     from duetserve.models.quant import Int4Weight, int4_groups_from_float
-    w = torch.randn(192, 320, generator=torch.Generator().manual_seed(rows))
-    qw = Int4Weight(*int4_groups_from_float(w))
-    x = torch.randn(rows, 320)
-    got = native.int4_gemv(x, qw.packed, qw.sz)
-    ref = x.double() @ qw.dequantize().double().t()
-    torch.testing.assert_close(got.double(), ref, atol=1e-4, rtol=1e-5)
+    gen = torch.Generator().manual_seed(rows)
+    qw = Int4Weight(*int4_groups_from_float(torch.randn(n, k, generator=gen)))
+    x = torch.randn(rows, k, generator=gen)
+    got = native.q4_gemv(x, qw.qs, qw.d, qw.m).double()
+    w = qw.dequantize().double()
+    torch.testing.assert_close(got, _int8_activations(x) @ w.t(), atol=1e-4, rtol=1e-5)
+    # |x - dx xq| <= dx / 2 per element, dx = max|x_g| / 127
+    dx = x.double().view(rows, -1, 32).abs().amax(-1) / 127
+    bound = (dx.repeat_interleave(32, 1) / 2) @ w.abs().t() + 1e-4
+    assert torch.all((got - x.double() @ w.t()).abs() <= bound)
 
 
 @pytest.mark.parametrize("rows", [1, 4, 6])
-def test_int8_gemv_equals_dequantized(rows):
+@pytest.mark.parametrize("k", [256, 96])     # whole and half 64-byte pairs
+def test_q8_gemv_equals_dequantized(rows, k):
     from duetserve.models.quant import Int8Weight, quantize_int8
-    qw = Int8Weight(*quantize_int8(torch.randn(100, 256)))
-    x = torch.randn(rows, 256)
-    got = native.int8_gemv(x, qw.q, qw.scale32)
-    ref = x.double() @ qw.dequantize().double().t()
+    qw = Int8Weight(*quantize_int8(torch.randn(100, k)))
+    x = torch.randn(rows, k)
+    got = native.q8_gemv(x, qw.q, qw.scale32)
+    ref = _int8_activations(x) @ (qw.q.double() * qw.scale32.double()[:, None]).t()
     torch.testing.assert_close(got.double(), ref, atol=1e-4, rtol=1e-5)
 
 
@@ -126,11 +180,11 @@ def test_fused_row_ops():
                                atol=1e-6, rtol=1e-5)
 
 
-def test_int4_dequant_slices():
+def test_q4_dequant_slices():
     from duetserve.models.quant import Int4Weight, int4_groups_from_float
     qw = Int4Weight(*int4_groups_from_float(torch.randn(256, 96)))
     ref = qw.dequantize(torch.float32)          # plain-torch path, float32
-    for a, b in ((0, 256), (64, 192)):
-        got = native.int4_dequant_bf16(qw.packed, qw.sz, a, b)
+    for a, b in ((0, 256), (64, 192), (5, 6)):
+        got = native.q4_dequant_bf16(qw.qs, qw.d, qw.m, a, b)
         assert got.dtype == torch.bfloat16 and got.shape == (b - a, 96)
         torch.testing.assert_close(got.float(), ref[a:b], atol=0, rtol=2 ** -8)

@@ -76,8 +76,9 @@ def main(args: argparse.Namespace) -> int:
                     max_request_bytes=args.max_request_bytes, read_timeout=args.header_timeout)
     log = logging.getLogger("duetserve.serve")
     if core.step_cost is not None:
-        log.info("step budget: %d tokens per step (target %.0f ms; measured step cost "
-                 "%.1f ms + %.3f ms/token)", core.max_num_batched_tokens, core.max_step_ms,
+        log.info("step budget: per step from the running decodes, up to %d tokens (target "
+                 "%.0f ms with <= 16 decodes; measured step cost %.1f ms + %.3f ms/token)",
+                 core.max_num_batched_tokens, core.max_step_ms,
                  core.step_cost.fixed_ms, core.step_cost.per_token_ms)
     else:
         log.info("step budget: %d tokens per step (--max-num-batched-tokens)",
