@@ -37,6 +37,10 @@ namespace {
 
 constexpr int64_t G = 32;       // group size along K
 constexpr int64_t CH = 4;       // q4: groups per 512-bit chunk
+#ifndef DUET_PF
+#define DUET_PF 8
+#endif
+constexpr int64_t PF = DUET_PF; // software prefetch distance, in 64-byte chunks of a row
 
 inline float half_to_float(uint16_t h) {
   return c10::detail::fp16_ieee_to_fp32_value(h);
@@ -153,8 +157,11 @@ void q4_block(const uint8_t* qs, const uint16_t* dw, const uint16_t* mw, const Q
     const __mmask64 wmask = tail ? (__mmask64)((1ULL << (rem * 16)) - 1) : ~(__mmask64)0;
     const __mmask8 dmask = tail ? (__mmask8)((1u << rem) - 1) : (__mmask8)0xF;
     for (int r = 0; r < R; ++r) {
+      const uint8_t* wrow = qs + (n + r) * ng * 16;
+      if constexpr (PF > 0)
+        _mm_prefetch(reinterpret_cast<const char*>(wrow + (c + PF) * 64), _MM_HINT_T0);
       // masked loads: the tail chunk reads nothing past the row
-      const __m512i w = _mm512_maskz_loadu_epi8(wmask, qs + (n + r) * ng * 16 + c * 64);
+      const __m512i w = _mm512_maskz_loadu_epi8(wmask, wrow + c * 64);
       const __m512i lo = _mm512_and_si512(w, low4);
       const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low4);
       const __m512 wd = _mm512_permutexvar_ps(bidx, _mm512_castps128_ps512(
@@ -198,6 +205,8 @@ void q8_block(const int8_t* wq, const float* ws, const QuantizedX& X, float* y, 
       s[i] = _mm512_permutexvar_ps(pidx, _mm512_castps128_ps512(_mm_castsi128_ps(
           _mm_loadl_epi64(reinterpret_cast<const __m128i*>(X.d.data() + (m0 + i) * gp + 2 * p)))));
     for (int r = 0; r < R; ++r) {
+      if constexpr (PF > 0)
+        _mm_prefetch(reinterpret_cast<const char*>(wq + (n + r) * K + (p + PF) * 64), _MM_HINT_T0);
       const __m512i w = _mm512_maskz_loadu_epi8(wmask, wq + (n + r) * K + p * 64);
       const __m512i aw = _mm512_abs_epi8(w);
       const __mmask64 neg = _mm512_movepi8_mask(w);
@@ -213,7 +222,49 @@ void q8_block(const int8_t* wq, const float* ws, const QuantizedX& X, float* y, 
     for (int64_t i = 0; i < mm; ++i) acc[r][i] = _mm512_mul_ps(acc[r][i], _mm512_set1_ps(ws[n + r]));
   store_rows<R, MM>(y, N, n, m0, acc);
 }
+
+// Dense float32 weights at few rows: R weight rows x MM activation rows of FMAs over K,
+// 16 floats at a time, the weight rows prefetched ahead (oneDNN's f32 GEMM reaches only
+// ~9 GB/s at one row here; this is DRAM-bound).
+template <int R, int MM>
+void f32_block(const float* w, const float* x, float* y, int64_t K, int64_t N, int64_t n,
+               int64_t m0) {
+  constexpr int64_t mm = MM;
+  __m512 acc[R][MM];
+  for (int r = 0; r < R; ++r) for (int i = 0; i < MM; ++i) acc[r][i] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) {
+    const __mmask16 km = k + 16 <= K ? (__mmask16)0xFFFF : (__mmask16)((1u << (K - k)) - 1);
+    __m512 xv[MM];
+    for (int64_t i = 0; i < mm; ++i) xv[i] = _mm512_maskz_loadu_ps(km, x + (m0 + i) * K + k);
+    for (int r = 0; r < R; ++r) {
+      const float* wr = w + (n + r) * K + k;
+      if constexpr (PF > 0)
+        _mm_prefetch(reinterpret_cast<const char*>(wr + PF * 16), _MM_HINT_T0);
+      const __m512 wv = _mm512_maskz_loadu_ps(km, wr);
+      for (int64_t i = 0; i < mm; ++i) acc[r][i] = _mm512_fmadd_ps(wv, xv[i], acc[r][i]);
+    }
+  }
+  store_rows<R, MM>(y, N, n, m0, acc);
+}
 #endif
+
+void f32_rows(const float* w, const float* x, float* y, int64_t K, int64_t N, int64_t n0,
+              int64_t n1, int64_t m0, int64_t mm) {
+#if defined(DUET_VNNI)
+  dispatch(mm, [&](auto MM) {
+    int64_t n = n0;
+    for (; n + 4 <= n1; n += 4) f32_block<4, MM.value>(w, x, y, K, N, n, m0);
+    for (; n < n1; ++n) f32_block<1, MM.value>(w, x, y, K, N, n, m0);
+  });
+#else
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t i = 0; i < mm; ++i) {
+      float total = 0.f;
+      for (int64_t k = 0; k < K; ++k) total += w[n * K + k] * x[(m0 + i) * K + k];
+      y[(m0 + i) * N + n] = total;
+    }
+#endif
+}
 
 // y[m, n] for rows n in [n0, n1) of a q4 weight, activation rows m0 .. m0 + mm - 1.
 void q4_rows(const uint8_t* qs, const uint16_t* dw, const uint16_t* mw, const QuantizedX& X,
@@ -313,6 +364,26 @@ torch::Tensor q8_gemv(torch::Tensor x, torch::Tensor w, torch::Tensor scale) {
   at::parallel_for(0, N, ROWS_PER_TASK, [&](int64_t n0, int64_t n1) {
     for (int64_t m0 = 0; m0 < M; m0 += 4)
       q8_rows(wp, sp, X, yp, K, N, n0, n1, m0, std::min<int64_t>(4, M - m0));
+  });
+  return y;
+}
+
+// x [M, K] float32 @ w [N, K] float32 ^T -> [M, N] float32, for few rows (decode steps of
+// dense float32 models).
+torch::Tensor f32_gemv(torch::Tensor x, torch::Tensor w) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be float32 [M, K]");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kFloat32 && w.is_contiguous(),
+              "w: contiguous float32 [N, K]");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(w.size(1) == K, "shape mismatch");
+  auto y = torch::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, N, ROWS_PER_TASK, [&](int64_t n0, int64_t n1) {
+    for (int64_t m0 = 0; m0 < M; m0 += 4)
+      f32_rows(wp, xp, yp, K, N, n0, n1, m0, std::min<int64_t>(4, M - m0));
   });
   return y;
 }

@@ -11,7 +11,11 @@ from torch import nn
 
 from duetserve.config import ModelConfig
 from duetserve.models.attention import AttentionBackend, AttentionMetadata, TorchAttention
-from duetserve.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from duetserve.models.decode_stack import NativeDecodeStack
+from duetserve.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, dense_linear
+
+
+_UNBUILT = object()
 
 
 class SelfAttention(nn.Module):
@@ -67,6 +71,9 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else \
             nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # decode-only steps through one native call (models/decode_stack.py), built on the
+        # first forward (weights are loaded by then)
+        self._stack: NativeDecodeStack | None | object = _UNBUILT
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -75,12 +82,19 @@ class LlamaForCausalLM(nn.Module):
         Returns final hidden states [T, d] (normed)."""
         x = self.embed_tokens(input_ids)
         meta.cos, meta.sin = self.rotary.tables(positions)
+        if self._stack is _UNBUILT:
+            self._stack = NativeDecodeStack.build(self)
+        if self._stack is not None and self._stack.applies(x, meta):
+            return self.norm(self._stack.forward(x, kv_caches, meta))
         for layer, kv in zip(self.layers, kv_caches):
             x = layer(x, kv, meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, d] for the positions that need logits -> [N, vocab] float32."""
-        if self.lm_head is not None:     # nn.Linear, or a QuantLinear (tied ones too)
-            return self.lm_head(hidden).float()
-        return torch.nn.functional.linear(hidden, self.embed_tokens.weight).float()
+        head = self.lm_head
+        if type(head) is nn.Linear and head.bias is None:
+            return dense_linear(hidden, head.weight.detach()).float()
+        if head is not None:             # a QuantLinear (tied ones too)
+            return head(hidden).float()
+        return dense_linear(hidden, self.embed_tokens.weight.detach()).float()

@@ -61,7 +61,8 @@ def _build():
     from torch.utils import cpp_extension
 
     sources = [os.path.join(_SRC, f) for f in ("bindings.cpp", "paged_attention.cpp",
-                                                "lowbit_gemv.cpp", "elementwise.cpp")]
+                                                "lowbit_gemv.cpp", "elementwise.cpp",
+                                                "decode_stack.cpp")]
     digest = hashlib.sha1()
     for path in sources:
         with open(path, "rb") as f:

@@ -188,3 +188,67 @@ def test_q4_dequant_slices():
         got = native.q4_dequant_bf16(qw.qs, qw.d, qw.m, a, b)
         assert got.dtype == torch.bfloat16 and got.shape == (b - a, 96)
         torch.testing.assert_close(got.float(), ref[a:b], atol=0, rtol=2 ** -8)
+
+
+@pytest.mark.parametrize("variant,quant", [("qwen2-qkv-bias", "int4"), ("llama-gqa-untied", "int8"),
+                                           ("llama-gqa-tied", "none")])
+def test_native_decode_stack_equals_module_path(tiny_checkpoints, variant, quant):
+    """Decode-only steps through the one-call native stack give the module path's logprobs
+    exactly for q4 (with QKV bias) and q8 linears (same kernels, same order), at 1 and 3
+    sequences, and the KV cache ends up identical; float32 linears run the native GEMV
+    there (oneDNN's GEMM in the modules): same tokens, float32 rounding apart."""
+    from duetserve.config import EngineConfig
+    from duetserve.engine.engine_core import EngineCore
+    from duetserve.sampling_params import SamplingParams
+    runs = {}
+    for use_stack in (True, False):
+        eng = EngineCore(EngineConfig(model=tiny_checkpoints[variant], num_threads=2,
+                                      kv_cache_memory=0.01, quantization=quant,
+                                      enable_prefix_caching=False))
+        model = eng.runner.model
+        for m in model.modules():     # tiny shapes calibrate to the dense path: force low-bit
+            if hasattr(m, "policy"):
+                m.policy.lowbit_max_rows = 8
+        if not use_stack:
+            model._stack = None
+        for t in (t for kv in eng.runner.kv_caches for t in kv):
+            t.zero_()     # start-up measurements may have written slots (or read a cache)
+        sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=2)
+        eng.add_request("a", [3, 4, 5, 6, 7], sp)
+        eng.add_request("b", [9, 8, 7], sp)
+        eng.add_request("c", [11], sp)
+        done = {}
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                if o.finished:
+                    done[o.request_id] = o.outputs[0]
+        if use_stack:
+            assert model._stack is not None and model._stack.calls >= 4   # built and used
+        runs[use_stack] = (done, [t.clone() for kv in eng.runner.kv_caches for t in kv])
+    (a, ca), (b, cb) = runs[True], runs[False]
+    for rid in "abc":
+        assert a[rid].token_ids == b[rid].token_ids
+        if quant != "none":
+            assert a[rid].logprobs == b[rid].logprobs
+        else:
+            for la, lb in zip(a[rid].logprobs, b[rid].logprobs):
+                assert la.keys() == lb.keys()
+                for t in la:
+                    assert abs(la[t].logprob - lb[t].logprob) < 1e-4
+    for x, y in zip(ca, cb):
+        if quant != "none":
+            assert torch.equal(x, y)
+        else:
+            torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows,n,k", [(1, 49152 // 64, 576), (3, 37, 100), (4, 64, 1536)])
+def test_f32_gemv_equals_linear(rows, n, k):
+    """The native float32 GEMV (decode steps and the LM head of float32 models) equals
+    F.linear within float32 summation-order rounding, K tails included."""
+    native = ops()
+    if native is None:
+        pytest.skip("native kernels not built")
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g)
+    torch.testing.assert_close(native.f32_gemv(x, w), F.linear(x, w), atol=1e-4, rtol=1e-5)

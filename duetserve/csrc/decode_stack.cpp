@@ -1,0 +1,139 @@
+// The decoder stack of a decode-only step in one call from Python.
+//
+// At batch 1 the kernels of a layer take tens of microseconds each, and Python's per-module
+// and per-op dispatch costs about as much again (~130 us a layer on the 2-core machine, a
+// third of a SmolLM2 decode step). DecodeStack holds each layer's weights once and runs,
+// per layer, the same kernels the Python modules call for such a step, in the same order:
+//   h = rms_norm(x); qkv = linear(h) (+ bias); q = rope_kv_write(qkv) (writes the cache);
+//   o = paged_decode_attention(q); x += linear(o);
+//   h = rms_norm(x); x += linear(silu(gate) * up of linear(h)).
+// so the result equals the module path's bit for bit for low-bit linears (a test checks
+// it). A linear is q4 (qs, d, m), q8 (q, scale) or dense float32 (weight), each with an
+// optional bias; dense ones at <= 4 rows run f32_gemv, where the modules' nn.Linear runs
+// oneDNN's GEMM (the same sums in another order: float32 rounding differences).
+#include <torch/extension.h>
+#include <vector>
+
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
+                                     torch::Tensor v_cache, torch::Tensor block_tables,
+                                     torch::Tensor context_lens, double scale);
+torch::Tensor q4_gemv(torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch::Tensor m);
+torch::Tensor q8_gemv(torch::Tensor x, torch::Tensor w, torch::Tensor scale);
+torch::Tensor f32_gemv(torch::Tensor x, torch::Tensor w);
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
+torch::Tensor silu_mul(torch::Tensor gate_up);
+torch::Tensor rope_kv_write(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
+                            torch::Tensor k_cache, torch::Tensor v_cache,
+                            torch::Tensor slot_mapping, int64_t H, int64_t KVH);
+
+namespace {
+
+// Dense float32 linears of up to this many rows run the native GEMV (DRAM-bound at one
+// row, where oneDNN's GEMM is not); more rows run at::linear. models/layers.py uses the
+// same bound for the LM head (DENSE_GEMV_ROWS).
+constexpr int64_t kDenseGemvRows = 4;
+
+// One linear: kind 4 -> (a, b, c) = (qs, d, m); kind 8 -> (q, scale32); kind 0 -> dense a.
+struct Linear {
+  int kind = 0;
+  torch::Tensor a, b, c, bias;   // bias undefined when absent
+
+  torch::Tensor operator()(const torch::Tensor& x) const {
+    torch::Tensor y;
+    if (kind == 4) y = q4_gemv(x, a, b, c);
+    else if (kind == 8) y = q8_gemv(x, a, b);
+    else if (x.size(0) <= kDenseGemvRows) y = f32_gemv(x, a);
+    else return bias.defined() ? at::linear(x, a, bias) : at::linear(x, a);
+    return bias.defined() ? y + bias : y;
+  }
+};
+
+Linear make_linear(const std::vector<torch::Tensor>& t, size_t i) {
+  // four slots per linear: a, b, c, bias; empty (numel 0) slots are absent
+  Linear l;
+  l.a = t.at(i);
+  if (l.a.scalar_type() == torch::kUInt8) {
+    TORCH_CHECK(l.a.dim() == 3, "q4 weight: qs [N, K/32, 16]");
+    l.kind = 4;
+    l.b = t.at(i + 1);
+    l.c = t.at(i + 2);
+  } else if (l.a.scalar_type() == torch::kInt8) {
+    l.kind = 8;
+    l.b = t.at(i + 1);
+  } else {
+    TORCH_CHECK(l.a.scalar_type() == torch::kFloat32, "dense weights: float32 only");
+  }
+  if (t.at(i + 3).numel() > 0) l.bias = t.at(i + 3);
+  return l;
+}
+
+struct Layer {
+  torch::Tensor in_norm, post_norm;
+  Linear qkv, o, gate_up, down;
+};
+
+}  // namespace
+
+class DecodeStack {
+ public:
+  // layers[i] = [input_norm, post_attention_norm, qkv(4 slots), o(4), gate_up(4), down(4)]
+  DecodeStack(const std::vector<std::vector<torch::Tensor>>& layers, int64_t H, int64_t KVH,
+              double eps, double scale)
+      : H_(H), KVH_(KVH), eps_(eps), scale_(scale) {
+    for (const auto& t : layers) {
+      TORCH_CHECK(t.size() == 18, "a layer is 2 norms + 4 linears of 4 slots");
+      Layer l;
+      l.in_norm = t[0];
+      l.post_norm = t[1];
+      l.qkv = make_linear(t, 2);
+      l.o = make_linear(t, 6);
+      l.gate_up = make_linear(t, 10);
+      l.down = make_linear(t, 14);
+      layers_.push_back(std::move(l));
+    }
+  }
+
+  // x [T, d] float32 (the embeddings; not mutated) -> hidden states [T, d] before the final
+  // norm. Mutates k_caches[i], v_caches[i] (the step's K/V at slot_mapping).
+  torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
+                        torch::Tensor slot_mapping, torch::Tensor block_tables,
+                        torch::Tensor context_lens, const std::vector<torch::Tensor>& k_caches,
+                        const std::vector<torch::Tensor>& v_caches) const {
+    TORCH_CHECK(k_caches.size() == layers_.size() && v_caches.size() == layers_.size(),
+                "one K and one V cache per layer");
+    TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2, "x: float32 [T, d]");
+    const int64_t T = x.size(0);
+    x = x.contiguous();
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const Layer& l = layers_[i];
+      torch::Tensor qkv = l.qkv(rms_norm(x, l.in_norm, eps_)).contiguous();
+      torch::Tensor q = rope_kv_write(qkv, cos, sin, k_caches[i], v_caches[i], slot_mapping,
+                                      H_, KVH_);
+      torch::Tensor att = paged_decode_attention(q, k_caches[i], v_caches[i], block_tables,
+                                                 context_lens, scale_);
+      x = x + l.o(att.reshape({T, -1}));
+      torch::Tensor gu = l.gate_up(rms_norm(x, l.post_norm, eps_));
+      torch::Tensor act;
+      if (T <= 2 && gu.is_contiguous()) {
+        act = silu_mul(gu);
+      } else {
+        auto parts = gu.chunk(2, -1);
+        act = at::silu(parts[0]) * parts[1];
+      }
+      x = x + l.down(act);
+    }
+    return x;
+  }
+
+ private:
+  std::vector<Layer> layers_;
+  int64_t H_, KVH_;
+  double eps_, scale_;
+};
+
+void bind_decode_stack(pybind11::module& m) {
+  pybind11::class_<DecodeStack>(m, "DecodeStack")
+      .def(pybind11::init<const std::vector<std::vector<torch::Tensor>>&, int64_t, int64_t,
+                          double, double>())
+      .def("forward", &DecodeStack::forward);
+}

@@ -1,0 +1,94 @@
+"""The decoder layers of a decode-only step in one native call (csrc/decode_stack.cpp).
+
+At batch 1 Python's dispatch (module calls, ~10 torch ops a layer) costs about as much as
+the kernels. For steps where every layer would run the native kernels anyway (decode
+tokens only, rows within the low-bit limit, float32 activations), `NativeDecodeStack`
+runs the same kernels in the same order from C++: the hidden states equal the module
+path's exactly. Any other step, model or backend uses the modules.
+
+`DUET_DECODE_STACK=0` turns it off (to compare the two paths).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from duetserve.models.attention import AttentionMetadata, TorchAttention
+from duetserve.models.native import ops
+from duetserve.models.quant import Int4Weight, Int8Weight, QuantLinear
+
+_EMPTY = torch.empty(0)
+
+
+def _linear_slots(mod: nn.Module) -> list[torch.Tensor] | None:
+    """The four slots csrc/decode_stack.cpp reads for one linear, or None when its
+    decode-step kernel is not one the native stack runs."""
+    if isinstance(mod, QuantLinear):
+        w = mod.qweight
+        bias = _EMPTY if mod.bias is None else mod.bias
+        if isinstance(w, Int4Weight):
+            return [w.qs, w.d, w.m, bias]
+        if isinstance(w, Int8Weight):
+            return [w.q, w.scale32, _EMPTY, bias]
+        return None
+    if type(mod) is nn.Linear and mod.weight.dtype == torch.float32:
+        bias = _EMPTY if mod.bias is None else mod.bias.detach()
+        if bias.dtype != torch.float32:
+            return None
+        return [mod.weight.detach(), _EMPTY, _EMPTY, bias]
+    return None
+
+
+class NativeDecodeStack:
+    """Built once per model (weights are referenced, not copied)."""
+
+    def __init__(self, native, layers: list, policies: list, backend: TorchAttention,
+                 eps: float) -> None:
+        self.policies = policies      # the low-bit linears' KernelPolicy objects (row limits)
+        self.calls = 0                # steps run through the stack
+        self.stack = native.DecodeStack(layers, backend.num_heads, backend.num_kv_heads,
+                                        eps, backend.scale)
+
+    @classmethod
+    def build(cls, model: nn.Module) -> "NativeDecodeStack | None":
+        """For a LlamaForCausalLM; None when any layer needs the module path."""
+        native = ops()
+        if native is None or os.environ.get("DUET_DECODE_STACK", "1") == "0":
+            return None
+        layers, policies = [], []
+        for layer in model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            backend = attn.backend
+            if type(backend) is not TorchAttention or backend.rope_kv_write is None:
+                return None
+            norms = [layer.input_layernorm, layer.post_attention_layernorm]
+            if any(n.weight.dtype != torch.float32 or n.eps != norms[0].eps for n in norms):
+                return None
+            slots = [_linear_slots(m) for m in (attn.qkv_proj, attn.o_proj,
+                                                mlp.gate_up_proj, mlp.down_proj)]
+            if any(s is None for s in slots):
+                return None
+            for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                if isinstance(m, QuantLinear) and all(p is not m.policy for p in policies):
+                    policies.append(m.policy)
+            layers.append([n.weight.detach() for n in norms] + [t for s in slots for t in s])
+        if not layers:
+            return None
+        return cls(native, layers, policies, model.layers[0].self_attn.backend,
+                   model.layers[0].input_layernorm.eps)
+
+    def applies(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
+        return (meta.decode_block_tables is not None and not meta.prefills
+                and x.dtype == torch.float32 and meta.cos is not None
+                and meta.cos.dtype == torch.float32
+                and all(x.shape[0] <= p.lowbit_max_rows for p in self.policies))
+
+    def forward(self, x: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states before the final norm. Mutates every layer's KV cache."""
+        self.calls += 1
+        return self.stack.forward(x, meta.cos, meta.sin, meta.slot_mapping,
+                                  meta.decode_block_tables, meta.decode_context_lens,
+                                  [kv[0] for kv in kv_caches], [kv[1] for kv in kv_caches])
