@@ -11,10 +11,14 @@ Layers, lowest first; a module may import its own layer and lower ones:
        level; measure.py times kernels with torch inside functions), models, loader,
        kv_transfer, structured (grammars with llguidance; never torch, like core)
     2  worker, spec_decode
-    3  engine, sim
-    4  entrypoints, __main__, bench
-    bench/{serve,datasets,bench_metrics,plot}.py import nothing from duetserve but each
-       other: `duet bench serve` talks HTTP to any OpenAI server and must stay light.
+    3  engine
+    4  entrypoints, __main__, bench, sim
+    bench/{serve,datasets,bench_metrics,plot,token_workload,cpu_meter}.py import nothing
+       from duetserve but each other: `duet bench serve` talks HTTP to any OpenAI server and
+       must stay light.
+    sim (the simulator) sits beside bench: it imports layer 0, core, metrics and those
+       light bench modules, never torch, the engine, the worker or the models; and only
+       entrypoints (and sim itself) may import sim.
 
 Inside layer 1 (FORBIDDEN below): core does not import models/loader; models do not
 import loader/core; metrics does not import models/loader/core. The loader may import
@@ -53,7 +57,7 @@ LAYERS: dict[str, int] = {
     "duetserve.worker": 2,
     "duetserve.spec_decode": 2,
     "duetserve.engine": 3,
-    "duetserve.sim": 3,
+    "duetserve.sim": 4,
     "duetserve.entrypoints": 4,
     "duetserve.__main__": 4,
     "duetserve.bench": 4,
@@ -67,15 +71,26 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
                           "duetserve.worker", "duetserve.engine"),
     "duetserve.structured": ("duetserve.models", "duetserve.loader", "duetserve.core",
                              "duetserve.metrics"),
+    "duetserve.sim": ("duetserve.models", "duetserve.loader", "duetserve.worker",
+                      "duetserve.engine", "duetserve.kv_transfer", "duetserve.spec_decode",
+                      "duetserve.entrypoints", "duetserve.bench.serve",
+                      "duetserve.bench.throughput", "duetserve.bench.replay",
+                      "duetserve.bench.calibrate"),
+}
+
+# Modules only the listed packages may import (besides themselves).
+IMPORTED_ONLY_BY: dict[str, tuple[str, ...]] = {
+    "duetserve.sim": ("duetserve.entrypoints",),
 }
 
 # HTTP-only benchmark modules: their whole duetserve import set must stay inside this set.
 HTTP_ONLY = ("duetserve.bench.serve", "duetserve.bench.datasets",
-             "duetserve.bench.bench_metrics", "duetserve.bench.plot")
+             "duetserve.bench.bench_metrics", "duetserve.bench.plot",
+             "duetserve.bench.token_workload", "duetserve.bench.cpu_meter")
 HTTP_ONLY_MAY_IMPORT = HTTP_ONLY + ("duetserve.bench",)
 
 # Not even inside functions, nor transitively.
-NO_TORCH_ANYWHERE = ("duetserve.core", "duetserve.structured")
+NO_TORCH_ANYWHERE = ("duetserve.core", "duetserve.structured", "duetserve.sim")
 NO_TORCH_AT_MODULE_LEVEL = ("duetserve.metrics",)
 
 # (importing module, imported module): intentional lazy imports inside a function.
@@ -167,7 +182,7 @@ def check_module(module: str, imports: list[Import], used_lazy: set | None = Non
         where = f"{module}:{imp.lineno} imports {imp.target}"
         if _matches(imp.target, "torch"):
             if any(_matches(module, p) for p in NO_TORCH_ANYWHERE) and not imp.type_only:
-                errors.append(f"{where}: core and structured must never import torch")
+                errors.append(f"{where}: core, structured and sim must never import torch")
             elif (any(_matches(module, p) for p in NO_TORCH_AT_MODULE_LEVEL)
                   and not imp.in_function and not imp.type_only):
                 errors.append(f"{where}: metrics may import torch only inside functions")
@@ -195,6 +210,10 @@ def check_module(module: str, imports: list[Import], used_lazy: set | None = Non
                 for b in banned:
                     if _matches(imp.target, b):
                         errors.append(f"{where}: {src_prefix} must not import {b}")
+        for target, importers in IMPORTED_ONLY_BY.items():
+            if (_matches(imp.target, target) and not _matches(module, target)
+                    and not any(_matches(module, m) for m in importers)):
+                errors.append(f"{where}: only {', '.join(importers)} may import {target}")
     return errors
 
 
@@ -259,10 +278,9 @@ def test_package_layering() -> None:
     assert time.perf_counter() - t0 < 2.0
 
 
-def test_core_is_torch_free_transitively() -> None:
-    """core and structured import only layer 0 and themselves; none of those may pull
-    torch in at import time either (package __init__ files of every imported module
-    included)."""
+def test_torch_free_packages_are_torch_free_transitively() -> None:
+    """core, structured and sim import nothing that pulls torch in at import time (package
+    __init__ files of every imported module included): they must stay light and fast."""
     imports = _all_imports()
 
     def runtime_deps(mod: str) -> set[str]:
@@ -337,6 +355,13 @@ def test_checker_torch_and_intra_layer_rules() -> None:
     assert check_source("duetserve.bench.serve", "from duetserve.bench.datasets import D\n") == []
     assert check_source("duetserve.bench.throughput", "from duetserve.engine.llm import LLM\n") == []
     assert check_source("duetserve.newpkg.x", "") != []  # unplaced module
+    assert check_source("duetserve.sim.x", "from duetserve.core.scheduler import S\n") == []
+    assert check_source("duetserve.sim.x", "from duetserve.bench.datasets import D\n") == []
+    assert check_source("duetserve.sim.x", "from duetserve.engine.llm import LLM\n")
+    assert check_source("duetserve.sim.x", "def f():\n    import torch\n")
+    assert check_source("duetserve.bench.replay", "from duetserve.sim.run import simulate\n")
+    assert check_source("duetserve.engine.x", "from duetserve.sim import run\n")
+    assert check_source("duetserve.entrypoints.x", "from duetserve.sim.run import simulate\n") == []
 
 
 def test_allowed_lazy_only_exempts_function_bodies() -> None:

@@ -48,6 +48,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--endpoint", choices=sorted(ENDPOINTS), default="completions", help="API to call")
     g.add_argument("--model", default=None, help="model name (default: first of GET /v1/models)")
     g.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
+    add_load_arguments(p)
+    add_dataset_arguments(p)
+    g = p.add_argument_group("request body")
+    g.add_argument("--ignore-eos", action="store_true", help="send ignore_eos: true (vLLM extension)")
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--extra-body", default=None, help="JSON object merged into every request body")
+    g.add_argument("--no-continuous-usage", action="store_true",
+                   help="do not ask for usage on every chunk (stream_options.continuous_usage_stats)")
+    add_report_arguments(p)
+
+
+def add_load_arguments(p: argparse.ArgumentParser) -> None:
+    """The arrival-process flags (shared with `duet simulate`)."""
     g = p.add_argument_group("load")
     g.add_argument("--num-prompts", type=int, default=100, help="requests (chat: conversations)")
     g.add_argument("--request-rate", type=float, default=math.inf, help="requests/s, inf = all at once")
@@ -55,6 +68,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-concurrency", type=int, default=None, help="cap on in-flight requests")
     g.add_argument("--sweep-rates", default=None, help="comma list of rates run in turn, e.g. 1,2,4,inf")
     g.add_argument("--seed", type=int, default=0)
+
+
+def add_dataset_arguments(p: argparse.ArgumentParser) -> None:
+    """The dataset flags (shared with `duet simulate`)."""
     g = p.add_argument_group("dataset")
     g.add_argument("--dataset", choices=["random", "prefix", "jsonl", "chat"], default="random")
     g.add_argument("--dataset-path", default=None, help="JSONL of {prompt, output_len} for --dataset jsonl")
@@ -62,18 +79,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--output-len", default="64", help="max_tokens: N or MIN:MAX")
     g.add_argument("--prefix-len", type=int, default=256, help="shared prefix (words) for --dataset prefix")
     g.add_argument("--num-turns", type=int, default=3, help="turns per conversation for --dataset chat")
-    g = p.add_argument_group("request body")
-    g.add_argument("--ignore-eos", action="store_true", help="send ignore_eos: true (vLLM extension)")
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--extra-body", default=None, help="JSON object merged into every request body")
-    g.add_argument("--no-continuous-usage", action="store_true",
-                   help="do not ask for usage on every chunk (stream_options.continuous_usage_stats)")
+
+
+def add_report_arguments(p: argparse.ArgumentParser) -> None:
+    """The report flags (shared with `duet simulate`)."""
     g = p.add_argument_group("report")
     g.add_argument("--percentiles", default="90,99", help="comma list, e.g. 50,90,99,99.9")
     g.add_argument("--slo", nargs="*", default=[], metavar="KEY=MS", help="goodput SLOs: ttft= tpot= e2e= (ms)")
     g.add_argument("--label", default=None, help="name of this run in JSON and plots")
     g.add_argument("--output-json", default=None, help="write config, per-request records and summary")
     g.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+
+
+def build_dataset(args: argparse.Namespace) -> list[Conversation]:
+    """The conversations the dataset flags describe (BenchError on a bad option)."""
+    try:
+        return make_dataset(args.dataset, num_prompts=args.num_prompts, input_len=args.input_len,
+                            output_len=args.output_len, prefix_len=args.prefix_len,
+                            num_turns=args.num_turns, path=args.dataset_path, seed=args.seed)
+    except DatasetError as e:
+        raise BenchError(str(e)) from None
 
 
 def parse_slo(items: list[str]) -> dict[str, float]:
@@ -243,7 +268,7 @@ def resolve_model(base_url: str, timeout: float = 30.0) -> str:
         raise BenchError(f"could not list models at {url} ({e}); pass --model") from None
 
 
-def _rate_json(rate: float) -> float | str:
+def rate_json(rate: float) -> float | str:
     return "inf" if math.isinf(rate) else rate
 
 
@@ -275,15 +300,10 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             extra = None
         if not isinstance(extra, dict):
             raise BenchError("--extra-body must be a JSON object")
-    try:
-        convs = make_dataset(args.dataset, num_prompts=args.num_prompts, input_len=args.input_len,
-                             output_len=args.output_len, prefix_len=args.prefix_len,
-                             num_turns=args.num_turns, path=args.dataset_path, seed=args.seed)
-    except DatasetError as e:
-        raise BenchError(str(e)) from None
+    convs = build_dataset(args)
     model = args.model or resolve_model(args.base_url)
     config = {k: v for k, v in vars(args).items() if not k.startswith("_") and k != "func"}
-    config.update(model=model, request_rate=_rate_json(args.request_rate), rates=[_rate_json(r) for r in rates],
+    config.update(model=model, request_rate=rate_json(args.request_rate), rates=[rate_json(r) for r in rates],
                   url=args.base_url.rstrip("/") + ENDPOINTS[args.endpoint], percentiles=percentiles, slo_ms=slo)
     runs = []
     for rate in rates:
@@ -296,7 +316,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             if len(failed) == len(records) and "HTTP 4" in failed[0].error and not args.no_continuous_usage:
                 print("hint: a strict server may reject stream_options.continuous_usage_stats; "
                       "retry with --no-continuous-usage")
-        runs.append({"request_rate": _rate_json(rate), "burstiness": args.burstiness,
+        runs.append({"request_rate": rate_json(rate), "burstiness": args.burstiness,
                      "max_concurrency": args.max_concurrency, "summary": summary,
                      "requests": [r.to_json() for r in records]})
     if len(runs) > 1:

@@ -32,6 +32,7 @@ MAX_BUDGET = 8192         # cannot fit in one step
 STEP_FACTOR = 1.5         # default target: this many times a small decode step
 DECODE_REF_TOKENS = 16    # "a small decode step": this many running streams
 IDLE_BUDGET = 2048        # budget of a step with no running decode (nobody's gap to protect)
+FALLBACK_TOKEN_BUDGET = 512   # fixed budget when the measured cost is implausible (noise)
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,12 @@ class StepCost:
         per_token = max((ms2 - ms1) / (n2 - n1), 1e-6)
         fixed = max(ms1 - per_token * n1, 0.0)
         return cls(fixed, per_token)
+
+
+def is_plausible(cost: StepCost) -> bool:
+    """A larger step must cost more: a flat or inverted fit means the machine was too
+    noisy while measuring (such a fit is neither used as is nor cached)."""
+    return cost.per_token_ms > 1e-4
 
 
 def default_max_step_ms(cost: StepCost) -> float:
@@ -84,3 +91,16 @@ class StepBudget:
         target = self.max_step_ms if self.max_step_ms is not None else \
             STEP_FACTOR * self.cost.step_ms(max(num_decodes, DECODE_REF_TOKENS))
         return token_budget(self.cost, target, lo=self.lo, hi=self.idle)
+
+
+def derive_step_budget(cost: StepCost, max_step_ms: float | None, max_num_seqs: int
+                       ) -> tuple[int, "StepBudget | None"]:
+    """What an engine without an explicit --max-num-batched-tokens schedules with, given
+    its measured step cost: (largest budget any step gets, the per-step StepBudget).
+    An implausible cost gives the fixed FALLBACK_TOKEN_BUDGET and no StepBudget.
+    EngineCore and the simulator's profiles (sim/profile.py) both call this, so a
+    simulated instance budgets its steps exactly as the engine it models."""
+    if not is_plausible(cost):
+        return FALLBACK_TOKEN_BUDGET, None
+    policy = StepBudget(cost, max_step_ms, lo=min(MIN_BUDGET, max_num_seqs))
+    return policy.idle, policy

@@ -23,10 +23,11 @@ import torch
 from duetserve.config import EngineConfig, SchedulerConfig
 from duetserve.core.scheduler import Scheduler
 from duetserve.core.step_budget import (DECODE_REF_TOKENS, StepBudget, StepCost,
-                                        default_max_step_ms, token_budget)
+                                        default_max_step_ms, derive_step_budget,
+                                        token_budget)
 from duetserve.engine.detokenizer import IncrementalDetokenizer
 from duetserve.engine.isolation import IsolatedExecutor
-from duetserve.engine.step_cost import is_plausible, measured_step_cost
+from duetserve.engine.step_cost import measured_step_cost
 from duetserve.errors import EngineOverloadedError, RequestError
 from duetserve.loader import LoadedModel, load_model, release_free_memory
 from duetserve.metrics.step_accounting import StepAccount, accountant_for_engine
@@ -39,9 +40,6 @@ from duetserve.worker.kv_cache import kv_bytes_per_token, num_blocks_for_memory
 from duetserve.worker.model_runner import ModelRunner
 
 log = logging.getLogger("duetserve")
-
-# Budget when the start-up measurement was too noisy to use (a loaded machine).
-FALLBACK_TOKEN_BUDGET = 512
 
 
 @dataclass
@@ -181,16 +179,17 @@ class EngineCore:
         self.step_cost = cost
         release_free_memory()        # the measurement's activations, back to the OS
         self.max_step_ms = config.max_step_ms or default_max_step_ms(cost)
-        if not is_plausible(cost):
-            return FALLBACK_TOKEN_BUDGET
-        lo = min(64, config.max_num_seqs)
-        self.step_budget = StepBudget(cost, config.max_step_ms, lo=lo)
+        budget, self.step_budget = derive_step_budget(cost, config.max_step_ms,
+                                                      config.max_num_seqs)
+        if self.step_budget is None:
+            return budget                            # FALLBACK_TOKEN_BUDGET, fixed
+        lo = self.step_budget.lo
         log.info("step budget: %d tokens with <= %d decodes running (%.0f ms step), more "
                  "with more decodes, %d with none (measured%s: %.1f ms + %.3f ms/token)",
                  token_budget(cost, self.max_step_ms, lo=lo), DECODE_REF_TOKENS,
                  self.max_step_ms, self.step_budget.idle, ", cached" if cached else "",
                  cost.fixed_ms, cost.per_token_ms)
-        return self.step_budget.idle
+        return budget
 
     # -- requests ----------------------------------------------------------------------
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from duetserve.core.step_budget import StepCost
+from duetserve.core.step_budget import StepCost, is_plausible
 from duetserve.models.native import cache_dir as native_cache_dir
 from duetserve.models.native import cpu_name
 from duetserve.outputs import NewRequestData, SchedulerOutput
@@ -91,12 +91,6 @@ def measure(runner, vocab_size: int, block_size: int, max_tokens: int) -> StepCo
         small_ms.append(_time_prefill(runner, SMALL, vocab_size, block_size))
         large_ms.append(_time_prefill(runner, large, vocab_size, block_size))
     return StepCost.fit(SMALL, min(small_ms), large, min(large_ms))
-
-
-def is_plausible(cost: StepCost) -> bool:
-    """A larger step must cost more: a flat or inverted fit means the machine was too
-    noisy while measuring (such a fit is neither used as is nor cached)."""
-    return cost.per_token_ms > 1e-4
 
 
 def measured_step_cost(runner, model_path: str, dtype: str, num_threads: int,

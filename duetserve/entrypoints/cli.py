@@ -17,6 +17,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench throughput": ("duetserve.bench.throughput", "offline throughput benchmark"),
     "bench serve": ("duetserve.bench.serve", "HTTP serving benchmark against any OpenAI server"),
     "bench plot": ("duetserve.bench.plot", "plot results of duet bench serve"),
+    "simulate": ("duetserve.entrypoints.simulate",
+                 "simulate serving: the real scheduler timed by a cost model"),
+    "plan": ("duetserve.entrypoints.plan",
+             "plan a deployment: colocated vs disaggregated goodput per GPU under SLOs"),
 }
 
 

@@ -1,0 +1,60 @@
+"""One figure of TTFT and TPOT CDF overlays (engine vs simulation) for every run that
+benchmarks/sim_fidelity.py wrote, plus the markdown table of docs/simulator.md.
+
+    .venv/bin/python benchmarks/sim_fidelity_plot.py out/sim/fidelity docs/sim_fidelity_cdf.png
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+
+def cdf(ax, values, label, style) -> None:
+    v = np.sort(np.asarray(values)) * 1000.0
+    ax.step(v, np.arange(1, len(v) + 1) / len(v), where="post", label=label, ls=style)
+
+
+def main(src: str, dst: str) -> int:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    d = json.loads((Path(src) / "fidelity.json").read_text())
+    runs = d["runs"]
+    fig, axes = plt.subplots(len(runs) // 2, 4, figsize=(18, 3.2 * (len(runs) // 2)),
+                             squeeze=False)
+    for i, r in enumerate(runs):
+        tag = f"{r['mix']}-{r['level']:g}"
+        row, col = i // 2, (i % 2) * 2
+        for kind, style in (("real", "-"), ("sim", "--")):
+            doc = json.loads((Path(src) / f"{tag}-{kind}.json").read_text())
+            reqs = [q for q in doc["runs"][0]["requests"] if q["success"]]
+            name = "engine" if kind == "real" else "simulated"
+            cdf(axes[row][col], [q["ttft"] for q in reqs], name, style)
+            cdf(axes[row][col + 1], [q["tpot"] for q in reqs if q["tpot"] is not None],
+                name, style)
+        for k, what in ((0, "TTFT"), (1, "TPOT")):
+            ax = axes[row][col + k]
+            ax.set_title(f"{r['mix']} @ {r['rate']:.3g}/s ({r['level']:g}x cap.): {what}",
+                         fontsize=9)
+            ax.set_xlabel("ms")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(dst, dpi=100)
+    print(f"wrote {dst}")
+    print("| mix | rate (conv/s) | load | requests | TTFT p50 | TTFT p90 | TTFT p99 | TPOT p50 "
+          "| TPOT p90 | TPOT p99 | steps pred/meas |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in runs:
+        cells = [f"{x['real_ms']:.0f} / {x['sim_ms']:.0f} (**{x['ratio']:.2f}**)"
+                 for x in r["ratios"].values()]
+        print(f"| {r['mix']} | {r['rate']:.3f} | {r['level']:g} | {r['requests']} | "
+              + " | ".join(cells) + f" | {r['step_errors']['total_time_ratio']:.3f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(*sys.argv[1:3]))

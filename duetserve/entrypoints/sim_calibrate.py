@@ -1,0 +1,115 @@
+"""`duet simulate --calibrate`: measure this machine's engine over the step grid
+(bench/calibrate.py), fit the cost model (sim/fit.py) and save the profile.
+
+Rerun it whenever the engine's speed changes (new kernels, another CPU, other threads):
+it takes a few minutes (`--quick`: seconds, a rough fit for tests and smoke runs).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from duetserve.sim.profile import SimProfile, calibrated_profile, default_profile_dir
+
+
+def default_calibrated_path(model: str | None, num_threads: int) -> Path:
+    """Where `--calibrate` saves (and `duet simulate` looks for) this machine's profile."""
+    from duetserve.loader import resolve_model_path
+    stem = Path(resolve_model_path(model).rstrip("/")).stem
+    return default_profile_dir() / f"cpu-{stem}-t{num_threads}.json"
+
+
+def served_scheduler_settings(engine) -> dict:
+    """The profile's "scheduler" entry for an engine built with the serving defaults: its
+    SchedulerConfig's settings plus, when the engine derived its per-step budget, the
+    measured step cost and max_step_ms it derived it from (SimProfile.scheduler_config
+    rebuilds the same StepBudget through core.step_budget.derive_step_budget)."""
+    from duetserve.sim.profile import SCHEDULER_KEYS
+    cfg = engine.scheduler.config
+    settings = {k: getattr(cfg, k) for k in SCHEDULER_KEYS}
+    if cfg.step_budget is not None:
+        settings["step_cost"] = {"fixed_ms": engine.step_cost.fixed_ms,
+                                 "per_token_ms": engine.step_cost.per_token_ms}
+        settings["max_step_ms"] = engine.config.max_step_ms
+    return settings
+
+
+def calibrate(model: str | None, num_threads: int, quick: bool = False,
+              out: str | Path | None = None, kv_cache_memory: float = 2.0,
+              verbose: bool = True, loaded=None, max_foreign: float | None = None
+              ) -> tuple[SimProfile, Path]:
+    """Build the engine (on `loaded` weights when given), measure the grid, fit, save.
+    `max_foreign`: redo a scenario when other processes used more of a core meanwhile
+    (default bench.calibrate.MAX_FOREIGN; inf: never wait). Returns (profile, path)."""
+    import torch
+
+    from duetserve.bench.calibrate import (CALIBRATION_BUDGET, GRID, MAX_FOREIGN, QUICK_GRID,
+                                           measure_grid)
+    from duetserve.bench.token_workload import id_range_for_vocab
+    from duetserve.config import EngineConfig
+    from duetserve.engine.engine_core import EngineCore
+    from duetserve.engine.step_cost import cache_key
+    from duetserve.models.native import cpu_name
+    from duetserve.sim.fit import fit_cost
+    from duetserve.worker.kv_cache import kv_bytes_per_token
+
+    t0 = time.perf_counter()
+    config = EngineConfig(model=model, num_threads=num_threads, kv_cache_memory=kv_cache_memory)
+    served = EngineCore(config, loaded)              # the settings `duet serve` would use
+    scheduler = served_scheduler_settings(served)
+    engine = EngineCore(replace(config, max_num_batched_tokens=CALIBRATION_BUDGET),
+                        loaded=served.loaded)
+    say = (lambda msg: print(f"calibrate: {msg}", file=sys.stderr, flush=True)) if verbose \
+        else None
+    cal = measure_grid({"served": served, "wide": engine}, QUICK_GRID if quick else GRID,
+                       id_range=id_range_for_vocab(engine.model_config.vocab_size),
+                       progress=say,
+                       max_foreign=MAX_FOREIGN if max_foreign is None else max_foreign)
+    cost, report = fit_cost(cal.samples, statistics.median(cal.arrival_s))
+    path = Path(out) if out else default_calibrated_path(model, num_threads)
+    meta = {"model": engine.loaded.path, "threads": num_threads, "cpu": cpu_name(),
+            "machine": platform.node(), "torch": torch.__version__,
+            "engine_key": cache_key(engine.loaded.path, "auto/auto/auto", num_threads),
+            "grid": "quick" if quick else "full", "calibration_budget": CALIBRATION_BUDGET,
+            "measured_s": cal.seconds, "total_s": time.perf_counter() - t0,
+            "foreign_cpu_s": cal.foreign_cpu_s, "scenarios_redone": cal.num_redone,
+            "kv_bytes_per_token": kv_bytes_per_token(engine.model_config, engine.kv_dtype),
+            "fit": report, "pid": os.getpid()}
+    profile = calibrated_profile(path.stem, cost, scheduler, meta,
+                                 f"{Path(engine.loaded.path).name}, {num_threads} threads, "
+                                 f"{cpu_name()}")
+    del served
+    profile.save(path)
+    samples = path.with_suffix(".samples.json")     # raw steps, to refit without measuring
+    samples.write_text(json.dumps({"samples": cal.samples, "arrival_s": cal.arrival_s}))
+    return profile, path
+
+
+def format_report(profile: SimProfile, path: Path) -> str:
+    fit = profile.meta["fit"]
+    return "\n".join([
+        f"profile {path}",
+        f"  {profile.description}",
+        f"  {profile.cost.describe()}",
+        f"  fit over {fit['num_steps']} steps ({fit['num_outliers']} outliers dropped): "
+        f"RMS relative error {fit['rms_rel_error']:.3f}, median |error| "
+        f"{fit['median_abs_rel_error']:.3f}, p90 |error| {fit['p90_abs_rel_error']:.3f}, "
+        f"total time predicted/measured {fit['total_time_ratio']:.3f}",
+        f"  engine defaults: {profile.scheduler}",
+        f"  measured in {profile.meta['measured_s']:.0f} s ({profile.meta['total_s']:.0f} s "
+        f"with start-up); other processes used {profile.meta['foreign_cpu_s']:.1f} CPU s "
+        f"meanwhile ({profile.meta['scenarios_redone']} scenarios redone for it)"])
+
+
+def main_calibrate(args: argparse.Namespace) -> int:
+    profile, path = calibrate(args.model, args.num_threads, args.quick, args.profile_out,
+                              verbose=not args.no_progress)
+    print(format_report(profile, path))
+    return 0

@@ -1,0 +1,164 @@
+"""Step cost models: the duration of one engine step from its shape.
+
+A step is what the scheduler decided: per scheduled request, (num_new_tokens,
+num_computed_tokens_before). `StepShape` reduces it to the few sums both models need:
+
+    request r:  [ 0 ........ c-1 | c ........ c+n-1 ]
+                  context (in KV)   new tokens this step
+    decode  : n == 1   -> reads c cached positions (memory: KV bytes)
+    prefill : n  > 1   -> n*c + n(n+1)/2 (query, key) pairs (compute: attention FLOPs)
+
+Two models implement `step_seconds(shape)`:
+  - `CalibratedCost`: measured on this machine (`duet simulate --calibrate`); linear in the
+    roofline terms, with fitted coefficients (sim/fit.py).
+  - `RooflineCost`: a GPU from the hardware table (metrics/hardware.py) with stated,
+    editable efficiency factors (MFU, MBU) and per-step overheads (sim/gpu.py builds it).
+Both are frozen; nothing here mutates anything.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Iterable, Protocol
+
+# Feature names of the calibrated model, in coefficient order (see CalibratedCost).
+FEATURES = ("step", "requests", "rows_few", "many_rows", "rows_many", "logits",
+            "decode_context", "prefill_context", "prefill_pairs")
+
+
+@dataclass(slots=True)
+class StepShape:
+    """The sums of one step that its cost depends on."""
+
+    num_reqs: int = 0
+    num_tokens: int = 0          # rows through the linear layers
+    num_logits: int = 0          # positions that are sampled (LM head rows)
+    num_decodes: int = 0
+    decode_context: int = 0      # sum of c over decodes (n == 1)
+    prefill_context: int = 0     # sum of c over prefill slices (n > 1)
+    prefill_pairs: int = 0       # sum of n*c + n(n+1)/2 over prefill slices
+
+    def add(self, num_new: int, num_computed: int, sampled: bool) -> None:
+        """Count one request's slice. Mutates self."""
+        self.num_reqs += 1
+        self.num_tokens += num_new
+        self.num_logits += sampled
+        if num_new == 1:
+            self.num_decodes += 1
+            self.decode_context += num_computed
+        else:
+            self.prefill_context += num_computed
+            self.prefill_pairs += num_new * num_computed + num_new * (num_new + 1) // 2
+
+
+def shape_of(items: Iterable[tuple[int, int, bool]]) -> StepShape:
+    """StepShape of (num_new, num_computed_before, sampled) per scheduled request."""
+    shape = StepShape()
+    for n, c, sampled in items:
+        if n > 0:
+            shape.add(n, c, sampled)
+    return shape
+
+
+class StepCostModel(Protocol):
+    def step_seconds(self, shape: StepShape) -> float: ...
+
+    def describe(self) -> str: ...
+
+
+@dataclass(frozen=True)
+class CalibratedCost:
+    """t = sum_i coef_i * feature_i (seconds), the features being (FEATURES order):
+
+        step            1                     fixed cost: Python, sampler set-up, ...
+        requests        scheduled requests    per-request bookkeeping
+        rows_few        T if T <= breakpoint  low-bit GEMV path (weight-byte bound)
+        many_rows       1 if T >  breakpoint  switching to the dense GEMM path
+        rows_many       T if T >  breakpoint  dense GEMM FLOPs per row
+        logits          sampled positions     LM head rows, sampling, detokenizing
+        decode_context  sum c over decodes    KV bytes read by decode attention
+        prefill_context sum c over prefills   cached context gathered for a prefill chunk
+        prefill_pairs   sum n*c + n(n+1)/2    attention FLOPs of prefill slices
+
+    `breakpoint` is the row count where the engine switches kernels (fitted).
+    `arrival_s` is the engine's cost of adding one request (validation, detokenizer set-up),
+    paid by the step after an arrival."""
+
+    coef: tuple[float, ...]
+    breakpoint: int
+    arrival_s: float = 0.0
+
+    def features(self, s: StepShape) -> tuple[float, ...]:
+        many = s.num_tokens > self.breakpoint
+        return (1.0, s.num_reqs, 0 if many else s.num_tokens, 1.0 if many else 0.0,
+                s.num_tokens if many else 0, s.num_logits, s.decode_context,
+                s.prefill_context, s.prefill_pairs)
+
+    def step_seconds(self, shape: StepShape) -> float:
+        return sum(c * f for c, f in zip(self.coef, self.features(shape)))
+
+    def describe(self) -> str:
+        terms = ", ".join(f"{name} {c * 1e3:.4g} ms" for name, c in zip(FEATURES, self.coef))
+        return f"calibrated (breakpoint {self.breakpoint} rows): {terms}"
+
+    def to_json(self) -> dict:
+        return {"kind": "calibrated", "features": list(FEATURES), "coef_s": list(self.coef),
+                "breakpoint": self.breakpoint, "arrival_s": self.arrival_s}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "CalibratedCost":
+        if list(d.get("features", FEATURES)) != list(FEATURES):
+            raise ValueError(f"profile features {d.get('features')} != {list(FEATURES)}: "
+                             "re-run `duet simulate --calibrate`")
+        return cls(tuple(float(c) for c in d["coef_s"]), int(d["breakpoint"]),
+                   float(d.get("arrival_s", 0.0)))
+
+
+@dataclass(frozen=True)
+class RooflineCost:
+    """A roofline per kernel group, summed (each group runs as its own kernels):
+
+        linear    max(FLOPs_lin / (peak*mfu), weight bytes / (bw*mbu))   weights read once
+                  per step, so prefill rows ride on a memory-bound decode step up to the
+                  ridge point (FLOPs_lin = per_token * T + per_logit * L)
+        prefill attention  max(per_pair * pairs / (peak*mfu), KV read / (bw*mbu))
+        decode attention   max(per_pair * (c+1) / (peak*mfu), KV read / (bw*mbu))
+        KV write  kv_bytes_per_token * T / (bw*mbu)
+        + step_overhead_s + request_overhead_s * requests
+
+    Per-unit FLOPs and bytes follow metrics/cost_model.py (sim/gpu.py derives them)."""
+
+    peak_flops: float
+    mem_bandwidth: float
+    mfu: float
+    mbu: float
+    step_overhead_s: float
+    request_overhead_s: float
+    flops_per_token: float
+    flops_per_pair: float
+    flops_per_logit: float
+    weight_bytes: float          # every step (layers, norms; embedding rows ignored)
+    head_bytes: float            # steps that sample anything
+    kv_bytes_per_token: float
+
+    def step_seconds(self, s: StepShape) -> float:
+        flop_s = self.peak_flops * self.mfu
+        byte_s = self.mem_bandwidth * self.mbu
+        kv = self.kv_bytes_per_token
+        linear = max((self.flops_per_token * s.num_tokens
+                      + self.flops_per_logit * s.num_logits) / flop_s,
+                     (self.weight_bytes + (self.head_bytes if s.num_logits else 0.0)) / byte_s)
+        prefill = max(self.flops_per_pair * s.prefill_pairs / flop_s,
+                      kv * s.prefill_context / byte_s)
+        decode = max(self.flops_per_pair * (s.decode_context + s.num_decodes) / flop_s,
+                     kv * s.decode_context / byte_s)
+        return (linear + prefill + decode + kv * s.num_tokens / byte_s
+                + self.step_overhead_s + self.request_overhead_s * s.num_reqs)
+
+    def describe(self) -> str:
+        return (f"roofline: {self.peak_flops / 1e12:.4g} TFLOP/s x MFU {self.mfu:g}, "
+                f"{self.mem_bandwidth / 1e12:.4g} TB/s x MBU {self.mbu:g}, overhead "
+                f"{self.step_overhead_s * 1e3:g} ms/step + "
+                f"{self.request_overhead_s * 1e3:g} ms/request")
+
+    def to_json(self) -> dict:
+        return {"kind": "roofline", **asdict(self)}

@@ -1,0 +1,115 @@
+"""Cost models, the calibration fit and profiles (pure arithmetic, no engine)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from duetserve.config import ConfigError
+from duetserve.metrics.cost_model import step_cost
+from duetserve.metrics.hardware import GPU_PROFILES
+from duetserve.metrics.known_models import LLAMA_3_8B
+from duetserve.sim.cost import FEATURES, CalibratedCost, shape_of
+from duetserve.sim.fit import fit_cost, nnls
+from duetserve.sim.gpu import Efficiency, roofline_cost, unit_costs
+from duetserve.sim.profile import load_profile, roofline_profile
+
+
+def test_shape_sums() -> None:
+    s = shape_of([(1, 100, True), (1, 50, True), (32, 64, False), (8, 0, True)])
+    assert (s.num_reqs, s.num_tokens, s.num_logits, s.num_decodes) == (4, 42, 3, 2)
+    assert s.decode_context == 150
+    assert s.prefill_context == 64
+    assert s.prefill_pairs == 32 * 64 + 32 * 33 // 2 + 8 * 9 // 2
+
+
+def test_unit_costs_reproduce_the_cost_model() -> None:
+    """FLOPs and bytes rebuilt from the per-unit figures equal metrics.cost_model's."""
+    u = unit_costs(LLAMA_3_8B)
+    step = [(7, 100), (1, 300), (1, 0)]
+    ref = step_cost(LLAMA_3_8B, step, weight_dtype="bf16", kv_dtype="bf16")
+    pairs = sum(n * c + n * (n + 1) // 2 for n, c in step)
+    flops = u["flops_per_token"] * 9 + u["flops_per_pair"] * pairs + u["flops_per_logit"] * 3
+    assert flops == pytest.approx(ref.flops, rel=1e-12)
+    kv = u["kv_bytes_per_token"]
+    assert kv * 400 == pytest.approx(ref.kv_read_bytes)
+    assert u["weight_bytes"] + u["head_bytes"] == pytest.approx(
+        ref.weight_bytes - dict(ref.byte_terms)["weights.embedding"])
+
+
+def test_roofline_decode_is_memory_bound_and_prefill_compute_bound() -> None:
+    hw = GPU_PROFILES["h100-sxm"]
+    eff = Efficiency(mfu=0.5, mbu=0.8, step_overhead_ms=0.0, request_overhead_ms=0.0)
+    cost = roofline_cost(LLAMA_3_8B, hw, eff)
+    u = unit_costs(LLAMA_3_8B)
+    byte_s, flop_s = hw.mem_bandwidth * 0.8, hw.peak("bf16") * 0.5
+    decode = shape_of([(1, 1000, True)])
+    expect = ((u["weight_bytes"] + u["head_bytes"]) / byte_s          # linear: weights
+              + u["kv_bytes_per_token"] * 1000 / byte_s               # decode attention: KV
+              + u["kv_bytes_per_token"] / byte_s)                     # KV write
+    assert cost.step_seconds(decode) == pytest.approx(expect)
+    prefill = shape_of([(4096, 0, True)])
+    lin = (u["flops_per_token"] * 4096 + u["flops_per_logit"]) / flop_s
+    attn = u["flops_per_pair"] * (4096 * 4097 // 2) / flop_s
+    assert cost.step_seconds(prefill) == pytest.approx(
+        lin + attn + u["kv_bytes_per_token"] * 4096 / byte_s)
+
+
+def test_nnls_matches_unconstrained_when_positive_and_clips_otherwise() -> None:
+    rng = np.random.default_rng(0)
+    a = rng.random((50, 4))
+    x_true = np.array([1.0, 2.0, 0.5, 3.0])
+    assert nnls(a, a @ x_true) == pytest.approx(x_true, rel=1e-9)
+    x = nnls(a, a @ np.array([1.0, -2.0, 0.5, 3.0]))
+    assert (x >= 0).all()
+
+
+def test_fit_recovers_a_known_cost_and_breakpoint() -> None:
+    coef = [0.0] * len(FEATURES)
+    for name, value in (("step", 0.009), ("requests", 0.0004), ("rows_few", 0.0015),
+                        ("many_rows", 0.006), ("rows_many", 0.0011), ("logits", 0.0002),
+                        ("decode_context", 2e-6), ("prefill_pairs", 3e-8)):
+        coef[FEATURES.index(name)] = value
+    truth = CalibratedCost(tuple(coef), 4)
+    rng = np.random.default_rng(1)
+    samples = []
+    for _ in range(300):
+        b = int(rng.choice([1, 2, 3, 4, 5, 6, 8, 16, 32, 47]))
+        slices = [(1, int(rng.integers(10, 2000)), True) for _ in range(b)]
+        if rng.random() < 0.5:
+            slices.append((int(rng.integers(2, 512)), int(rng.integers(0, 1024)),
+                           bool(rng.random() < 0.5)))     # mid-prompt chunks sample nothing
+        samples.append((slices, truth.step_seconds(shape_of(slices))))
+    samples.append(([(1, 10, True)], 5.0))       # a stall: dropped as an outlier
+    cost, report = fit_cost(samples, arrival_s=0.0003)
+    assert cost.breakpoint == 4
+    assert cost.coef == pytest.approx(truth.coef, rel=1e-6, abs=1e-12)
+    assert report["num_outliers"] == 1
+    assert report["rms_rel_error"] < 1e-6
+    assert cost.arrival_s == 0.0003
+
+
+def test_profiles_round_trip_and_reject_bad_files(tmp_path) -> None:
+    prof = roofline_profile("llama-3-8b", "h100-sxm", Efficiency(mfu=0.6))
+    path = prof.save(tmp_path / "gpu.json")
+    again = load_profile(path)
+    assert again.cost == prof.cost and again.scheduler == prof.scheduler
+    # an edited efficiency factor changes the model
+    text = path.read_text().replace('"mfu": 0.6', '"mfu": 0.3')
+    path.write_text(text)
+    assert load_profile(path).cost.mfu == 0.3
+    cal = CalibratedCost(tuple(range(len(FEATURES))), 8, 0.001)
+    assert CalibratedCost.from_json(cal.to_json()) == cal
+    (tmp_path / "bad.json").write_text('{"schema": "other"}')
+    with pytest.raises(ConfigError, match="not a simulation profile"):
+        load_profile(tmp_path / "bad.json")
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_profile(tmp_path / "missing.json")
+
+
+def test_kv_blocks_fill_the_memory_beside_the_weights() -> None:
+    prof = roofline_profile("llama-3-8b", "h100-sxm", Efficiency())
+    kv_tokens = prof.scheduler["num_blocks"] * 16
+    # 80 GB x (0.9 - 0.05) - 16 GB of bf16 weights = 52 GB at 128 KiB per token
+    assert kv_tokens == pytest.approx((80e9 * 0.85 - 16.06e9) / 131072, rel=0.01)
+    with pytest.raises(ConfigError, match="no room"):
+        roofline_profile("llama-3-70b", "l40s", Efficiency())

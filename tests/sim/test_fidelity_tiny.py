@@ -1,0 +1,68 @@
+"""The simulator against the real engine on a tiny random-weight model, in one run.
+
+`duet simulate --calibrate --quick` runs on the tiny model (the code path; its timings are
+not judged: tests share the machine). Then a small seeded chat workload is replayed on the
+engine on the wall clock (bench/replay.py), the cost model is fitted on that run's own
+steps (the engine measures every step; fitting on the same run keeps a neighbour's load
+from skewing the comparison), and the simulator replays the same workload under the
+engine's scheduler settings. Exact checks on what must match (requests, token counts);
+ratios measured in the same run with wide bounds on the latencies (the full-size figures
+are benchmarks/sim_fidelity.py's).
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from duetserve.bench.bench_metrics import summarize
+from duetserve.bench.datasets import make_dataset
+from duetserve.bench.replay import replay
+from duetserve.bench.token_workload import (arrival_offsets, id_range_for_vocab,
+                                             token_conversations)
+from duetserve.config import EngineConfig
+from duetserve.engine.engine_core import EngineCore
+from duetserve.entrypoints.sim_calibrate import calibrate
+from duetserve.loader import load_model
+from duetserve.sim.cluster import ClusterSpec
+from duetserve.sim.fit import fit_cost
+from duetserve.sim.profile import calibrated_profile, load_profile
+from duetserve.sim.run import simulate
+
+
+def test_simulation_tracks_the_engine_on_a_tiny_model(tiny_checkpoints, tmp_path) -> None:
+    path = tiny_checkpoints["llama-gqa-untied"]
+    loaded = load_model(path, "auto", quantization="auto")    # as EngineCore loads it
+    _, saved = calibrate(path, 2, quick=True, out=tmp_path / "tiny.json", kv_cache_memory=0.05,
+                         verbose=False, loaded=loaded, max_foreign=float("inf"))
+    profile = load_profile(saved)
+    raw = json.loads(saved.with_suffix(".samples.json").read_text())
+    assert profile.kind == "calibrated" and len(raw["samples"]) == profile.meta["fit"]["num_steps"]
+
+    engine = EngineCore(EngineConfig(model=path, num_threads=2, kv_cache_memory=0.05,
+                                     max_num_batched_tokens=32), loaded)
+    assert profile.scheduler["num_blocks"] == engine.num_blocks
+    id_range = id_range_for_vocab(engine.model_config.vocab_size)
+    convs = token_conversations(make_dataset("chat", num_prompts=8, input_len="8:24",
+                                             output_len="6:12", num_turns=2, seed=3), id_range)
+    rate = 20.0
+    real = replay(engine, convs, arrival_offsets(len(convs), rate, 1.0, 3).tolist())
+    cost, report = fit_cost([(sl, dt) for _, dt, sl in real.steps])
+    own = calibrated_profile("replay-fit", cost, profile.scheduler, {})
+    sim = simulate(convs, own, ClusterSpec(1), rate, 1.0, 3, None, engine.scheduler.config,
+                   id_range)
+
+    assert len(real.records) == len(sim.records) == 16
+    for r, s in zip(real.records, sim.records):
+        assert r.success and s.success
+        assert (r.req_id, r.prompt_tokens, r.output_tokens) == \
+            (s.req_id, s.prompt_tokens, s.output_tokens)
+    busy = real.foreign_cpu_s / real.duration_s
+    if busy > 0.3:
+        pytest.skip(f"other processes used {busy:.2f} cores during the replay: its timings "
+                    "measure them; the exact checks above passed")
+    rs = summarize(real.records, real.duration_s, [50])
+    ss = summarize(sim.records, sim.duration_s, [50])
+    for key in ("ttft_ms", "tpot_ms", "e2el_ms"):
+        ratio = ss[key]["median"] / rs[key]["median"]
+        assert 0.5 < ratio < 2.0, (key, ratio, report)
