@@ -14,6 +14,7 @@ from duetserve.errors import RequestError
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0
 MAX_PENALTY = 2.0
+GUIDED_KINDS = ("json", "json_object", "regex", "choice", "grammar", "tool_calls")
 
 
 # torch.Generator.manual_seed accepts [-2**63, 2**64): seeds outside can never run.
@@ -33,6 +34,32 @@ def _is_int(x: object) -> bool:
 
 def _is_real(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and not math.isnan(x)
+
+
+@dataclass(frozen=True)
+class GuidedDecoding:
+    """A constraint on the output: only token sequences the grammar accepts are sampled.
+
+    `spec` by kind: "json" a JSON schema (JSON text), "json_object" unused (any JSON
+    object), "regex" a regular expression (Rust `regex` syntax), "choice" a JSON list of
+    strings (the output is exactly one of them), "grammar" a Lark grammar (llguidance's
+    dialect), "tool_calls" a JSON object {"tools": [{"name", "parameters"}], "parallel":
+    bool} (one or more calls in the tool-call syntax, see structured/tool_syntax.py).
+    `param` names the request field it came from, for error messages; it is not part of
+    the grammar's identity (two requests with the same kind and spec share one compiled
+    grammar). Compiled and checked by `duetserve.structured`, not here."""
+
+    kind: str
+    spec: str = ""
+    param: str = field(default="guided", compare=False)
+
+    def __post_init__(self) -> None:
+        if self.kind not in GUIDED_KINDS:
+            raise SamplingParamsError(f"guided decoding kind must be one of {GUIDED_KINDS}, "
+                                      f"got {self.kind!r}", self.param)
+        if not isinstance(self.spec, str) or (not self.spec and self.kind != "json_object"):
+            raise SamplingParamsError(f"{self.param}: the {self.kind} constraint is empty",
+                                      self.param)
 
 
 @dataclass(frozen=True)
@@ -56,6 +83,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # top-N logprobs per prompt token (0..20)
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = field(default=None, hash=False)
+    guided: GuidedDecoding | None = None   # constrained decoding (structured output)
 
     def __post_init__(self) -> None:
         """Normalise containers (str/list -> tuple, logit_bias copied with int keys) and
@@ -63,6 +91,7 @@ class SamplingParams:
         self._normalise()
         self._validate_numbers()
         self._validate_stops()
+        self._validate_guided()
 
     # -- construction helpers (only called from __post_init__) -------------------------
 
@@ -148,6 +177,23 @@ class SamplingParams:
                 raise SamplingParamsError(
                     f"stop_token_ids must be token ids (int >= 0), got {t!r}",
                     "stop_token_ids")
+
+    def _validate_guided(self) -> None:
+        if self.guided is None:
+            return
+        if not isinstance(self.guided, GuidedDecoding):
+            raise SamplingParamsError(f"guided must be a GuidedDecoding, got "
+                                      f"{type(self.guided).__name__}", "guided")
+        # NOTE: the grammar decides where the output ends (it allows only EOS once
+        # complete); a rule that forbids or ignores EOS would make the two disagree.
+        if self.ignore_eos:
+            raise SamplingParamsError(
+                f"ignore_eos cannot be combined with {self.guided.param}: the grammar ends "
+                "the output with EOS", "ignore_eos")
+        if self.min_tokens > 0:
+            raise SamplingParamsError(
+                f"min_tokens cannot be combined with {self.guided.param}: the grammar "
+                "decides where the output ends", "min_tokens")
 
     # -- queries -------------------------------------------------------------------------
 

@@ -9,7 +9,7 @@ Layers, lowest first; a module may import its own layer and lower ones:
     0  config, errors, sampling_params, outputs, request, the package __init__
     1  core (never torch, anywhere, not even transitively), metrics (no torch at module
        level; measure.py times kernels with torch inside functions), models, loader,
-       kv_transfer
+       kv_transfer, structured (grammars with llguidance; never torch, like core)
     2  worker, spec_decode
     3  engine
     4  entrypoints, __main__, bench, sim
@@ -53,6 +53,7 @@ LAYERS: dict[str, int] = {
     "duetserve.models": 1,
     "duetserve.loader": 1,
     "duetserve.kv_transfer": 1,
+    "duetserve.structured": 1,
     "duetserve.worker": 2,
     "duetserve.spec_decode": 2,
     "duetserve.engine": 3,
@@ -68,6 +69,8 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "duetserve.models": ("duetserve.loader", "duetserve.core"),
     "duetserve.metrics": ("duetserve.models", "duetserve.loader", "duetserve.core",
                           "duetserve.worker", "duetserve.engine"),
+    "duetserve.structured": ("duetserve.models", "duetserve.loader", "duetserve.core",
+                             "duetserve.metrics"),
     "duetserve.sim": ("duetserve.models", "duetserve.loader", "duetserve.worker",
                       "duetserve.engine", "duetserve.kv_transfer", "duetserve.spec_decode",
                       "duetserve.entrypoints", "duetserve.bench.serve",
@@ -86,7 +89,8 @@ HTTP_ONLY = ("duetserve.bench.serve", "duetserve.bench.datasets",
              "duetserve.bench.token_workload", "duetserve.bench.cpu_meter")
 HTTP_ONLY_MAY_IMPORT = HTTP_ONLY + ("duetserve.bench",)
 
-NO_TORCH_ANYWHERE = ("duetserve.core", "duetserve.sim")   # not even inside functions
+# Not even inside functions, nor transitively.
+NO_TORCH_ANYWHERE = ("duetserve.core", "duetserve.structured", "duetserve.sim")
 NO_TORCH_AT_MODULE_LEVEL = ("duetserve.metrics",)
 
 # (importing module, imported module): intentional lazy imports inside a function.
@@ -178,7 +182,7 @@ def check_module(module: str, imports: list[Import], used_lazy: set | None = Non
         where = f"{module}:{imp.lineno} imports {imp.target}"
         if _matches(imp.target, "torch"):
             if any(_matches(module, p) for p in NO_TORCH_ANYWHERE) and not imp.type_only:
-                errors.append(f"{where}: core and sim must never import torch")
+                errors.append(f"{where}: core, structured and sim must never import torch")
             elif (any(_matches(module, p) for p in NO_TORCH_AT_MODULE_LEVEL)
                   and not imp.in_function and not imp.type_only):
                 errors.append(f"{where}: metrics may import torch only inside functions")
@@ -274,9 +278,9 @@ def test_package_layering() -> None:
     assert time.perf_counter() - t0 < 2.0
 
 
-def test_core_and_sim_are_torch_free_transitively() -> None:
-    """core and sim import nothing that pulls torch in at import time (package __init__
-    files of every imported module included): the simulator must stay light and fast."""
+def test_torch_free_packages_are_torch_free_transitively() -> None:
+    """core, structured and sim import nothing that pulls torch in at import time (package
+    __init__ files of every imported module included): they must stay light and fast."""
     imports = _all_imports()
 
     def runtime_deps(mod: str) -> set[str]:
@@ -289,8 +293,7 @@ def test_core_and_sim_are_torch_free_transitively() -> None:
                 deps.add(".".join(parts[:i]))
         return deps
 
-    for start in (m for m in imports
-                  if _matches(m, "duetserve.core") or _matches(m, "duetserve.sim")):
+    for start in (m for m in imports if any(_matches(m, p) for p in NO_TORCH_ANYWHERE)):
         seen, stack, parent = {start}, [start], {start: None}
         while stack:
             mod = stack.pop()

@@ -8,8 +8,9 @@ import os
 import torch
 
 
-def _byte_tokenizer_json(path: str, vocab_size: int) -> None:
-    """A byte-level BPE tokenizer whose vocabulary is the 256 byte symbols plus filler."""
+def byte_tokenizer(vocab_size: int = 300):
+    """A byte-level BPE `tokenizers.Tokenizer` whose vocabulary is the 256 byte symbols
+    plus filler, then <s> and </s> (the last two ids): one token per byte of text."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
@@ -21,7 +22,11 @@ def _byte_tokenizer_json(path: str, vocab_size: int) -> None:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(["<s>", "</s>"])
-    tok.save(os.path.join(path, "tokenizer.json"))
+    return tok
+
+
+def _byte_tokenizer_json(path: str, vocab_size: int) -> None:
+    byte_tokenizer(vocab_size).save(os.path.join(path, "tokenizer.json"))
 
 
 TINY = dict(vocab_size=300, hidden_size=64, intermediate_size=160, num_hidden_layers=3,

@@ -8,6 +8,7 @@ torch::Tensor q4_gemv(torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch:
 torch::Tensor q8_gemv(torch::Tensor x, torch::Tensor w, torch::Tensor scale);
 torch::Tensor q4_dequant_bf16(torch::Tensor qs, torch::Tensor d, torch::Tensor m, int64_t a,
                               int64_t b);
+torch::Tensor f32_gemv(torch::Tensor x, torch::Tensor w);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 torch::Tensor silu_mul(torch::Tensor gate_up);
 torch::Tensor rope_kv_write(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
@@ -23,6 +24,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_gemv", &q4_gemv, "x[M,K] f32 (int8 per 32) @ q4 W^T -> [M,N] f32 (few rows)");
   m.def("q8_gemv", &q8_gemv, "x[M,K] f32 (int8 per 32) @ int8 W^T * row scale -> [M,N] f32");
   m.def("q4_dequant_bf16", &q4_dequant_bf16, "rows [a, b) of a q4 weight as bf16");
+  m.def("f32_gemv", &f32_gemv, "x[M,K] f32 @ W[N,K] f32 ^T -> [M,N] f32 (few rows)");
   m.def("rms_norm", &rms_norm, "x * rsqrt(mean(x^2) + eps) * w, float32, one pass");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of [T, 2I] -> [T, I] float32");
   m.def("rope_kv_write", &rope_kv_write,

@@ -7,9 +7,10 @@
 //   h = rms_norm(x); qkv = linear(h) (+ bias); q = rope_kv_write(qkv) (writes the cache);
 //   o = paged_decode_attention(q); x += linear(o);
 //   h = rms_norm(x); x += linear(silu(gate) * up of linear(h)).
-// so the result equals the module path's bit for bit (a test checks it). A linear is q4
-// (qs, d, m), q8 (q, scale) or dense float (weight), each with an optional bias: the
-// forms QuantLinear / nn.Linear run for rows <= the low-bit row limit.
+// so the result equals the module path's bit for bit for low-bit linears (a test checks
+// it). A linear is q4 (qs, d, m), q8 (q, scale) or dense float32 (weight), each with an
+// optional bias; dense ones at <= 4 rows run f32_gemv, where the modules' nn.Linear runs
+// oneDNN's GEMM (the same sums in another order: float32 rounding differences).
 #include <torch/extension.h>
 #include <vector>
 
@@ -18,6 +19,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
                                      torch::Tensor context_lens, double scale);
 torch::Tensor q4_gemv(torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch::Tensor m);
 torch::Tensor q8_gemv(torch::Tensor x, torch::Tensor w, torch::Tensor scale);
+torch::Tensor f32_gemv(torch::Tensor x, torch::Tensor w);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 torch::Tensor silu_mul(torch::Tensor gate_up);
 torch::Tensor rope_kv_write(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
@@ -25,6 +27,11 @@ torch::Tensor rope_kv_write(torch::Tensor qkv, torch::Tensor cos, torch::Tensor 
                             torch::Tensor slot_mapping, int64_t H, int64_t KVH);
 
 namespace {
+
+// Dense float32 linears of up to this many rows run the native GEMV (DRAM-bound at one
+// row, where oneDNN's GEMM is not); more rows run at::linear. models/layers.py uses the
+// same bound for the LM head (DENSE_GEMV_ROWS).
+constexpr int64_t kDenseGemvRows = 4;
 
 // One linear: kind 4 -> (a, b, c) = (qs, d, m); kind 8 -> (q, scale32); kind 0 -> dense a.
 struct Linear {
@@ -35,6 +42,7 @@ struct Linear {
     torch::Tensor y;
     if (kind == 4) y = q4_gemv(x, a, b, c);
     else if (kind == 8) y = q8_gemv(x, a, b);
+    else if (x.size(0) <= kDenseGemvRows) y = f32_gemv(x, a);
     else return bias.defined() ? at::linear(x, a, bias) : at::linear(x, a);
     return bias.defined() ? y + bias : y;
   }

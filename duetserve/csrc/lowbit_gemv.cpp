@@ -222,7 +222,49 @@ void q8_block(const int8_t* wq, const float* ws, const QuantizedX& X, float* y, 
     for (int64_t i = 0; i < mm; ++i) acc[r][i] = _mm512_mul_ps(acc[r][i], _mm512_set1_ps(ws[n + r]));
   store_rows<R, MM>(y, N, n, m0, acc);
 }
+
+// Dense float32 weights at few rows: R weight rows x MM activation rows of FMAs over K,
+// 16 floats at a time, the weight rows prefetched ahead (oneDNN's f32 GEMM reaches only
+// ~9 GB/s at one row here; this is DRAM-bound).
+template <int R, int MM>
+void f32_block(const float* w, const float* x, float* y, int64_t K, int64_t N, int64_t n,
+               int64_t m0) {
+  constexpr int64_t mm = MM;
+  __m512 acc[R][MM];
+  for (int r = 0; r < R; ++r) for (int i = 0; i < MM; ++i) acc[r][i] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) {
+    const __mmask16 km = k + 16 <= K ? (__mmask16)0xFFFF : (__mmask16)((1u << (K - k)) - 1);
+    __m512 xv[MM];
+    for (int64_t i = 0; i < mm; ++i) xv[i] = _mm512_maskz_loadu_ps(km, x + (m0 + i) * K + k);
+    for (int r = 0; r < R; ++r) {
+      const float* wr = w + (n + r) * K + k;
+      if constexpr (PF > 0)
+        _mm_prefetch(reinterpret_cast<const char*>(wr + PF * 16), _MM_HINT_T0);
+      const __m512 wv = _mm512_maskz_loadu_ps(km, wr);
+      for (int64_t i = 0; i < mm; ++i) acc[r][i] = _mm512_fmadd_ps(wv, xv[i], acc[r][i]);
+    }
+  }
+  store_rows<R, MM>(y, N, n, m0, acc);
+}
 #endif
+
+void f32_rows(const float* w, const float* x, float* y, int64_t K, int64_t N, int64_t n0,
+              int64_t n1, int64_t m0, int64_t mm) {
+#if defined(DUET_VNNI)
+  dispatch(mm, [&](auto MM) {
+    int64_t n = n0;
+    for (; n + 4 <= n1; n += 4) f32_block<4, MM.value>(w, x, y, K, N, n, m0);
+    for (; n < n1; ++n) f32_block<1, MM.value>(w, x, y, K, N, n, m0);
+  });
+#else
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t i = 0; i < mm; ++i) {
+      float total = 0.f;
+      for (int64_t k = 0; k < K; ++k) total += w[n * K + k] * x[(m0 + i) * K + k];
+      y[(m0 + i) * N + n] = total;
+    }
+#endif
+}
 
 // y[m, n] for rows n in [n0, n1) of a q4 weight, activation rows m0 .. m0 + mm - 1.
 void q4_rows(const uint8_t* qs, const uint16_t* dw, const uint16_t* mw, const QuantizedX& X,
@@ -322,6 +364,26 @@ torch::Tensor q8_gemv(torch::Tensor x, torch::Tensor w, torch::Tensor scale) {
   at::parallel_for(0, N, ROWS_PER_TASK, [&](int64_t n0, int64_t n1) {
     for (int64_t m0 = 0; m0 < M; m0 += 4)
       q8_rows(wp, sp, X, yp, K, N, n0, n1, m0, std::min<int64_t>(4, M - m0));
+  });
+  return y;
+}
+
+// x [M, K] float32 @ w [N, K] float32 ^T -> [M, N] float32, for few rows (decode steps of
+// dense float32 models).
+torch::Tensor f32_gemv(torch::Tensor x, torch::Tensor w) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be float32 [M, K]");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kFloat32 && w.is_contiguous(),
+              "w: contiguous float32 [N, K]");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(w.size(1) == K, "shape mismatch");
+  auto y = torch::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, N, ROWS_PER_TASK, [&](int64_t n0, int64_t n1) {
+    for (int64_t m0 = 0; m0 < M; m0 += 4)
+      f32_rows(wp, xp, yp, K, N, n0, n1, m0, std::min<int64_t>(4, M - m0));
   });
   return y;
 }

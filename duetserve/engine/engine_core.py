@@ -35,6 +35,7 @@ from duetserve.metrics.trace import TraceWriter
 from duetserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from duetserve.request import Request
 from duetserve.sampling_params import SamplingParams
+from duetserve.structured import GrammarCompiler
 from duetserve.worker.kv_cache import kv_bytes_per_token, num_blocks_for_memory
 from duetserve.worker.model_runner import ModelRunner
 
@@ -126,8 +127,12 @@ class EngineCore:
         num_blocks = config.num_gpu_blocks_override or num_blocks_for_memory(
             mcfg, dtype, config.block_size, config.kv_cache_memory)
         self.num_blocks = num_blocks
+        # Constrained decoding: grammars compiled once per spec (the llguidance tokenizer
+        # is built on the first guided request, so unconstrained serving never pays it).
+        self.grammars = GrammarCompiler(self.tokenizer.to_json, mcfg.vocab_size,
+                                        tuple(mcfg.eos_token_ids), num_threads)
         self.runner = ModelRunner(self.loaded.model, mcfg, num_blocks, config.block_size,
-                                  dtype, config.device)
+                                  dtype, config.device, self.grammars)
         self.step_cost: StepCost | None = None
         self.max_step_ms: float | None = None
         self.step_budget: StepBudget | None = None
@@ -191,8 +196,9 @@ class EngineCore:
         """Everything about a request that could make it fail inside a step is checked
         here, at admission: prompt length and token ids, n, the sampling params against
         the vocabulary (seeds, ranges and stop lists are checked when the SamplingParams
-        is built). Raises RequestError whose `param` names the field. Reads only
-        immutable state, so any thread may call it. Mutates nothing."""
+        is built), the grammar of a guided request (compiled and cached). Raises
+        RequestError whose `param` names the field. Reads only immutable state and the
+        thread-safe grammar cache, so any thread may call it."""
         if not prompt_token_ids:
             raise RequestError("the prompt is empty (it must contain at least one token)",
                                "prompt")
@@ -219,6 +225,10 @@ class EngineCore:
                 f"the context of {self.max_model_len} tokens (max_model_len); ask for at "
                 f"most {self.max_model_len - num}", "max_tokens")
         params.validate_for_vocab(vocab)
+        if params.guided is not None:
+            # Compiled here once (the server does it first on a worker thread, so this
+            # is a cache hit there): an invalid grammar never reaches a step.
+            self.grammars.compile(params.guided)
 
     def add_request(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prompt: str | None = None, arrival_time: float | None = None,

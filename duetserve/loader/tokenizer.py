@@ -74,6 +74,11 @@ class Tokenizer:
             ids = [self.bos_token_id] + ids
         return ids
 
+    def to_json(self) -> str:
+        """The `tokenizers` JSON of the vocabulary, merges and added tokens (what
+        llguidance builds its token trie from)."""
+        return self.tok.to_str()
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
@@ -84,9 +89,18 @@ class Tokenizer:
         return render_chat_template(self.chat_template, messages, add_generation_prompt,
                                     self.special_tokens, **kwargs)
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    @property
+    def supports_tools(self) -> bool:
+        """True when the chat template renders a `tools` variable (e.g. Qwen2.5's)."""
+        return bool(self.chat_template) and "tools" in self.chat_template
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    **template_vars: object) -> list[int]:
+        """Token ids of the rendered conversation; `template_vars` (e.g. tools=[...]) are
+        passed to the template."""
         # The template already writes any BOS it wants: no second one.
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt),
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt,
+                                                    **template_vars),
                            add_special_tokens=False)
 
     @classmethod

@@ -12,6 +12,19 @@ from duetserve.models.native import ops
 _NATIVE = ops()     # compiled fused row ops, or None (plain torch below)
 
 
+DENSE_GEMV_ROWS = 4   # float32 linears of up to this many rows: the native GEMV
+#                       (csrc/decode_stack.cpp uses the same bound)
+
+
+def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w.T for a float32 weight: the native DRAM-bound GEMV at few rows (oneDNN's f32
+    GEMM reads a large matrix at ~1/3 of the bandwidth there), else F.linear."""
+    if (_NATIVE is not None and x.shape[0] <= DENSE_GEMV_ROWS and x.dim() == 2
+            and x.dtype == torch.float32 and w.dtype == torch.float32 and w.is_contiguous()):
+        return _NATIVE.f32_gemv(x, w)
+    return F.linear(x, w)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()

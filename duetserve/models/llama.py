@@ -12,7 +12,7 @@ from torch import nn
 from duetserve.config import ModelConfig
 from duetserve.models.attention import AttentionBackend, AttentionMetadata, TorchAttention
 from duetserve.models.decode_stack import NativeDecodeStack
-from duetserve.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from duetserve.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, dense_linear
 
 
 _UNBUILT = object()
@@ -92,6 +92,9 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, d] for the positions that need logits -> [N, vocab] float32."""
-        if self.lm_head is not None:     # nn.Linear, or a QuantLinear (tied ones too)
-            return self.lm_head(hidden).float()
-        return torch.nn.functional.linear(hidden, self.embed_tokens.weight).float()
+        head = self.lm_head
+        if type(head) is nn.Linear and head.bias is None:
+            return dense_linear(hidden, head.weight.detach()).float()
+        if head is not None:             # a QuantLinear (tied ones too)
+            return head(hidden).float()
+        return dense_linear(hidden, self.embed_tokens.weight.detach()).float()

@@ -13,7 +13,9 @@ import torch
 from duetserve.config import ModelConfig
 from duetserve.outputs import ModelRunnerOutput, SchedulerOutput
 from duetserve.sampling_params import SamplingParams
+from duetserve.structured import GrammarCompiler, GrammarState
 from duetserve.worker.batch import SeqWork, build_step_batch
+from duetserve.worker.grammar_mask import GrammarMasker
 from duetserve.worker.kv_cache import allocate_kv_cache
 from duetserve.worker.sampler import compute_prompt_logprobs
 from duetserve.worker.sampling import StepSampler
@@ -29,11 +31,15 @@ class RunnerRequestState:
     num_computed_tokens: int
     generator: torch.Generator | None
     prompt_logprobs: list | None = None    # accumulated over prefill chunks
+    grammar: GrammarState | None = None    # constrained decoding: advanced per kept token
 
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, num_blocks: int,
-                 block_size: int, dtype: torch.dtype, device: str = "cpu") -> None:
+                 block_size: int, dtype: torch.dtype, device: str = "cpu",
+                 grammars: GrammarCompiler | None = None) -> None:
+        """`grammars` compiles the constraints of guided requests (None: the runner
+        refuses them)."""
         self.model = model
         self.config = model_config
         self.block_size = block_size
@@ -41,7 +47,10 @@ class ModelRunner:
         self.device = device
         self.kv_caches = allocate_kv_cache(model_config, num_blocks, block_size, dtype, device)
         self.requests: dict[str, RunnerRequestState] = {}
-        self.sampler = StepSampler(model_config.vocab_size, model_config.eos_token_ids, device)
+        self.grammars = grammars
+        masker = None if grammars is None else GrammarMasker(grammars, model_config.vocab_size)
+        self.sampler = StepSampler(model_config.vocab_size, model_config.eos_token_ids, device,
+                                   masker)
         backend = getattr(model.layers[0].self_attn, "backend", None)
         self.paged_decode = getattr(backend, "paged_decode", None) is not None
 
@@ -60,11 +69,25 @@ class ModelRunner:
                 gen = old.generator   # resumed after preemption: keep the random stream
             self.requests[new.req_id] = RunnerRequestState(
                 new.req_id, list(new.token_ids), new.num_prompt_tokens, new.sampling_params,
-                list(new.block_ids), new.num_computed_tokens, gen)
+                list(new.block_ids), new.num_computed_tokens, gen,
+                grammar=self._grammar_state(new))
         for diff in so.scheduled_cached_reqs:
             st = self.requests[diff.req_id]
             st.block_ids.extend(diff.new_block_ids)
             st.num_computed_tokens = diff.num_computed_tokens
+
+    def _grammar_state(self, new) -> GrammarState | None:
+        """A grammar state for a guided request, advanced past the outputs it already has
+        (a request resumed after preemption, or re-sent by the engine's isolation)."""
+        guided = new.sampling_params.guided
+        if guided is None:
+            return None
+        if self.grammars is None:
+            raise RuntimeError(f"request {new.req_id} is guided but this runner has no "
+                               "grammar compiler")
+        state = self.grammars.new_state(guided)
+        state.accept_all(new.token_ids[new.num_prompt_tokens:])
+        return state
 
     # -- step --------------------------------------------------------------------------
     @torch.inference_mode()
@@ -81,16 +104,19 @@ class ModelRunner:
             work.append(SeqWork(req_id, st.token_ids[start:end], start, st.block_ids,
                                 end == len(st.token_ids)))
         batch = build_step_batch(work, self.block_size, self.device, self.paged_decode)
+        states = [self.requests[r] for r in batch.logits_req_ids]
+        self.sampler.prefetch_masks(states)      # grammar masks overlap the forward pass
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
         prompt_lps = self._prompt_logprobs(so, batch.order, hidden)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
-        states = [self.requests[r] for r in batch.logits_req_ids]
         sampled, logprobs = self.sampler.sample(logits, states)
         out = ModelRunnerOutput(req_ids=batch.order,
                                 sampled_token_ids={r: [] for r in batch.order})
         for st, tok in zip(states, sampled):
             out.sampled_token_ids[st.req_id] = [tok]
             st.token_ids.append(tok)
+            if st.grammar is not None:
+                st.grammar.accept(tok)
         for req_id, n in so.num_scheduled_tokens.items():
             self.requests[req_id].num_computed_tokens += n
         if logprobs is not None:

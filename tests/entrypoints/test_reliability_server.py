@@ -63,12 +63,13 @@ def test_n_capped_and_default_max_tokens(server) -> None:
 
 
 BAD_FIELDS = [
-    ("chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("chat/completions", {"response_format": {"type": "yaml"}}, "response_format"),
     ("chat/completions", {"response_format": {"type": "json_schema", "json_schema": {}}},
      "response_format"),
-    ("chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]},
+    ("chat/completions", {"tools": [{"type": "function", "function": {"name": "a b"}}]},
      "tools"),
     ("chat/completions", {"tool_choice": "required"}, "tool_choice"),
+    ("chat/completions", {"functions": [{"name": "f"}]}, "functions"),
     ("chat/completions", {"store": True}, "store"),
     ("chat/completions", {"no_such_field": 1}, "no_such_field"),
     ("completions", {"best_of": 3}, "best_of"),

@@ -1,6 +1,6 @@
 """The FastAPI app: routes, OpenAI-shaped errors, API-key check, metrics wiring.
 
-    POST /v1/completions, /v1/chat/completions     (serving.py)
+    POST /v1/completions, /v1/chat/completions     (serving.py, serving_chat.py)
     GET  /v1/models, /health, /version, /metrics
 
 Every client mistake is a 4xx with {"error": {"message", "type", "param", "code"}}:
@@ -23,8 +23,8 @@ from duetserve.engine.async_engine import AsyncEngine
 from duetserve.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                    error_body)
 from duetserve.entrypoints.openai.http_guard import RequestGuard
-from duetserve.entrypoints.openai.serving import (APIError, ServerContext,
-                                                  create_chat_completion, create_completion)
+from duetserve.entrypoints.openai.serving import APIError, ServerContext, create_completion
+from duetserve.entrypoints.openai.serving_chat import create_chat_completion
 from duetserve.metrics.prometheus import CONTENT_TYPE, ServerMetrics
 
 log = logging.getLogger("duetserve.serve")

@@ -3,10 +3,11 @@
 Nothing is silently ignored. Unknown fields are a 400 naming them (as OpenAI answers
 "Unrecognized request argument"). OpenAI fields this server does not implement are
 declared, so they parse, and `unsupported_field()` names the first one set to anything
-but its no-op value (e.g. `response_format` other than text, `tools`): the server answers
-400 with that `param`. Range checks live in SamplingParams and the engine's
-validate_request, which raise RequestError with `param`; the server turns that into a
-400 with `param` set.
+but its no-op value (e.g. `functions`, `audio`): the server answers 400 with that
+`param`. Range checks live in SamplingParams and the engine's validate_request, which
+raise RequestError with `param`; the server turns that into a 400 with `param` set.
+Output constraints (`response_format`, `guided_*`) map through guided.py, tools and
+tool_choice through tools.py.
 """
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from duetserve.sampling_params import SamplingParams
+from duetserve.entrypoints.openai import guided as guided_fields
+from duetserve.sampling_params import GuidedDecoding, SamplingParams
 
 
 class StreamOptions(BaseModel):
@@ -48,6 +50,12 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     logit_bias: dict[str, float] | None = None
     user: str | None = None                 # an end-user id: accepted, not used
+    # Output constraints (guided.py): OpenAI's response_format and vLLM's extras.
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # Accepted when they ask for nothing (None / their no-op value); else a 400.
     service_tier: str | None = None
 
@@ -58,7 +66,14 @@ class _SamplingFields(BaseModel):
             return "service_tier", "only the default service tier exists"
         return None
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def guided(self) -> GuidedDecoding | None:
+        """The output constraint the body asks for; RequestError names a bad field."""
+        return guided_fields.from_fields(self.response_format, self.guided_json,
+                                         self.guided_regex, self.guided_choice,
+                                         self.guided_grammar)
+
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                         constraint: GuidedDecoding | None) -> SamplingParams:
         """Raises SamplingParamsError naming the bad field."""
         def pick(value: Any, default: Any) -> Any:
             return default if value is None else value
@@ -74,7 +89,7 @@ class _SamplingFields(BaseModel):
             stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output,
             logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
-            logit_bias=self.logit_bias)
+            logit_bias=self.logit_bias, guided=constraint)
 
     @property
     def include_usage(self) -> bool:
@@ -110,7 +125,7 @@ class CompletionRequest(_SamplingFields):
         return super().unsupported_field()
 
     def to_sampling_params(self) -> SamplingParams:
-        return self._sampling_params(self.max_tokens, self.logprobs)
+        return self._sampling_params(self.max_tokens, self.logprobs, self.guided())
 
 
 class TextPart(BaseModel):
@@ -120,8 +135,46 @@ class TextPart(BaseModel):
 
 
 # OpenAI's roles; "developer" is rendered as "system" (what it means for chat models).
-# "tool" / "function" messages need tool calls, which are not implemented: 400.
+# "function" messages belong to the deprecated `functions` API, which is not implemented.
 Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None     # a JSON schema; None: any object
+    strict: bool | None = None                   # constrained output is always strict
+
+
+class ToolDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class _FunctionName(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: _FunctionName
+
+
+class ToolCallFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    arguments: str                               # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
 
 
 class ChatMessage(BaseModel):
@@ -130,30 +183,30 @@ class ChatMessage(BaseModel):
     content: str | list[TextPart] | None = None
     name: str | None = None
     refusal: str | None = None
-    tool_calls: list[Any] | None = None
-    tool_call_id: str | None = None
+    tool_calls: list[ToolCall] | None = None     # assistant turns that called tools
+    tool_call_id: str | None = None              # tool turns: the call answered
     function_call: Any | None = None
 
     def unsupported_field(self) -> str | None:
-        if self.role in ("tool", "function"):
+        if self.role == "function":
             return "role"
-        for name in ("tool_calls", "tool_call_id", "function_call"):
-            if getattr(self, name):
-                return name
+        if self.function_call:
+            return "function_call"
         return None
 
     @property
     def num_chars(self) -> int:
         if isinstance(self.content, list):
             return sum(len(p.text) for p in self.content)
-        return len(self.content or "")
+        return len(self.content or "") + sum(len(c.function.arguments)
+                                             for c in self.tool_calls or ())
 
-    def as_dict(self) -> dict[str, str]:
+    @property
+    def text(self) -> str:
         content = self.content
         if isinstance(content, list):
             content = "".join(p.text for p in content)
-        role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": content or ""}
+        return content or ""
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -162,11 +215,10 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
-    # OpenAI fields without an implementation here: only their no-op values pass.
-    response_format: dict[str, Any] | None = None
-    tools: list[Any] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # OpenAI fields without an implementation here: only their no-op values pass.
     functions: list[Any] | None = None
     function_call: str | dict[str, Any] | None = None
     audio: dict[str, Any] | None = None
@@ -179,17 +231,11 @@ class ChatCompletionRequest(_SamplingFields):
     metadata: dict[str, str] | None = None
 
     def unsupported_field(self) -> tuple[str, str] | None:
-        later = "is not supported yet (structured output and tool calls are their own issue)"
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            return "response_format", f"response_format {self.response_format.get('type')!r} {later}"
-        if self.tools:
-            return "tools", f"tools {later}"
-        if self.tool_choice not in (None, "none"):
-            return "tool_choice", f"tool_choice {later}"
+        legacy = "is the deprecated functions API, which is not supported: use tools"
         if self.functions:
-            return "functions", f"functions {later}"
+            return "functions", f"functions {legacy}"
         if self.function_call not in (None, "none"):
-            return "function_call", f"function_call {later}"
+            return "function_call", f"function_call {legacy}"
         if self.audio is not None or (self.modalities and self.modalities != ["text"]):
             return ("audio" if self.audio is not None else "modalities",
                     "only text output is supported")
@@ -206,19 +252,19 @@ class ChatCompletionRequest(_SamplingFields):
         for i, m in enumerate(self.messages):
             field = m.unsupported_field()
             if field is not None:
-                return "messages", (f"messages[{i}].{field}: tool and function messages "
-                                    f"{later}")
+                return "messages", f"messages[{i}].{field}: function messages {legacy}"
         return super().unsupported_field()
 
     @property
     def num_chars(self) -> int:
         return sum(m.num_chars for m in self.messages)
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, constraint: GuidedDecoding | None) -> SamplingParams:
+        """`constraint`: the output constraint, from guided() or a forced tool choice."""
         max_tokens = (self.max_completion_tokens if self.max_completion_tokens is not None
                       else self.max_tokens)
         num_logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, num_logprobs)
+        return self._sampling_params(max_tokens, num_logprobs, constraint)
 
 
 def error_body(message: str, type_: str = "BadRequestError", param: str | None = None,

@@ -2,7 +2,8 @@
 OpenAI JSON (one response) or SSE chunks (`data: {json}\\n\\n` ... `data: [DONE]\\n\\n`).
 
 Both endpoints share `_Generation` (prompt checks, context limit, add to the engine,
-abort on client disconnect) and differ only in how a choice is rendered.
+abort on client disconnect) and differ only in how a choice is rendered. This file holds
+the shared part and /v1/completions; /v1/chat/completions is serving_chat.py.
 """
 from __future__ import annotations
 
@@ -22,8 +23,8 @@ from duetserve.engine.async_engine import (AsyncEngine, EngineStepError, Request
 from duetserve.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                    error_body)
 from duetserve.errors import EngineOverloadedError, RequestError
-from duetserve.outputs import CompletionOutput, Logprob, RequestOutput
-from duetserve.sampling_params import SamplingParams
+from duetserve.outputs import CompletionOutput, RequestOutput
+from duetserve.sampling_params import GuidedDecoding, SamplingParams
 
 
 class APIError(Exception):
@@ -384,8 +385,9 @@ async def create_completion(ctx: ServerContext, body: CompletionRequest, raw: Re
     ctx.check_admitting()
     ctx.check_model(body.model)
     _check_fields(body)
-    params = _params(body)
+    params = _params(body.to_sampling_params)
     prompts = await _completion_prompts(ctx, body)
+    await compile_constraint(ctx, params.guided)
     if body.echo and body.logprobs is not None:   # echo scores the prompt too
         params = dataclasses.replace(params, prompt_logprobs=body.logprobs)
     gen = _Generation(ctx, raw, "cmpl")
@@ -431,82 +433,21 @@ async def create_completion(ctx: ServerContext, body: CompletionRequest, raw: Re
     return StreamingResponse(gen.sse(deltas, usage), media_type="text/event-stream")
 
 
-def _params(body: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
+def _params(build) -> SamplingParams:
+    """`build()` (a body's to_sampling_params) with RequestError as a 400."""
     try:
-        params = body.to_sampling_params()
+        return build()
     except RequestError as e:
         raise APIError(e.message, param=e.param) from None
-    return params
 
 
-# -- /v1/chat/completions ----------------------------------------------------------------
-
-def _chat_logprobs(ctx: ServerContext, o: CompletionOutput, start: int, end: int,
-                   num_top: int) -> dict | None:
-    if o.logprobs is None:
-        return None
-
-    def entry(tid: int, lp: Logprob) -> dict:
-        text = ctx.token_text(tid)
-        return {"token": text, "logprob": _finite(lp.logprob), "bytes": list(text.encode())}
-
-    content = []
-    for tid, entries in zip(o.token_ids[start:end], o.logprobs[start:end]):
-        chosen = entries.get(tid) or Logprob(float("-inf"), -1)
-        top = sorted(((t, lp) for t, lp in entries.items() if lp.rank <= num_top),
-                     key=lambda kv: kv[1].rank)[:num_top]
-        content.append({**entry(tid, chosen), "top_logprobs": [entry(t, lp) for t, lp in top]})
-    return {"content": content}
-
-
-async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest,
-                                 raw: Request):
-    ctx.check_admitting()
-    ctx.check_model(body.model)
-    _check_fields(body)
-    params = _params(body)
-    ctx.check_chars(body.num_chars, "messages")
-    messages = [m.as_dict() for m in body.messages]
+async def compile_constraint(ctx: ServerContext, guided: GuidedDecoding | None) -> None:
+    """Compile `guided`'s grammar on a worker thread (the event loop keeps serving; the
+    engine's admission check then finds it cached). An invalid one is a 400 naming its
+    field."""
+    if guided is None:
+        return
     try:
-        token_ids = await asyncio.to_thread(ctx.tokenizer.encode_chat, messages,
-                                            body.add_generation_prompt)
-    except Exception as e:  # noqa: BLE001 - a template rejecting the conversation
-        raise APIError(f"cannot apply the chat template: {e}", param="messages") from None
-    gen = _Generation(ctx, raw, "chatcmpl")
-    await gen.start([(token_ids, None)], params, "messages")
-    num_top = body.top_logprobs or 0
-    head = {"id": gen.req_id, "object": "chat.completion", "created": gen.created,
-            "model": ctx.served_model_name}
-
-    if not body.stream:
-        outs = await gen.final()
-        choices = [{"index": o.index,
-                    "message": {"role": "assistant", "content": o.text},
-                    "logprobs": _chat_logprobs(ctx, o, 0, len(o.token_ids), num_top),
-                    "finish_reason": _finish_reason(o), "stop_reason": o.stop_reason}
-                   for o in outs[0].outputs]
-        return JSONResponse({**head, "choices": choices, "usage": _usage(outs)})
-
-    head["object"] = "chat.completion.chunk"
-    sent = [_Sent() for _ in range(params.n)]
-
-    def deltas(_: int, out: RequestOutput) -> list[dict]:
-        chunks = []
-        for o in out.outputs:
-            s = sent[o.index]
-            first = s.num_tokens == 0 and s.num_chars == 0 and not s.finished
-            part = _new_part(o, s)
-            if part is None:
-                continue
-            text, start, end = part
-            delta = {"role": "assistant", "content": text} if first else (
-                {"content": text} if text else {})
-            choice = {"index": o.index, "delta": delta,
-                      "logprobs": _chat_logprobs(ctx, o, start, end, num_top),
-                      "finish_reason": _finish_reason(o)}
-            chunks.append(_chunk(head, choice, gen.lasts, body.continuous_usage))
-        return chunks
-
-    usage = (lambda outs: {**head, "choices": [], "usage": _usage(outs)}) \
-        if body.include_usage else None
-    return StreamingResponse(gen.sse(deltas, usage), media_type="text/event-stream")
+        await asyncio.to_thread(ctx.core.grammars.compile, guided)
+    except RequestError as e:
+        raise APIError(e.message, param=e.param) from None
