@@ -21,6 +21,7 @@ import logging
 import os
 import platform
 import threading
+import time
 
 log = logging.getLogger("duetserve")
 _SRC = os.path.join(os.path.dirname(os.path.dirname(__file__)), "csrc")
@@ -56,6 +57,23 @@ def cpu_flags() -> set[str]:
     return set()
 
 
+STALE_LOCK_S = 900   # no build of these sources takes this long on 2 cores (~4 min)
+
+
+def _clear_stale_lock(build_dir: str) -> None:
+    """torch's cpp_extension guards a build with a `lock` file that a killed build leaves
+    behind, after which every later load waits on it forever. Mutates build_dir: removes
+    a lock older than STALE_LOCK_S."""
+    lock = os.path.join(build_dir, "lock")
+    try:
+        if time.time() - os.path.getmtime(lock) > STALE_LOCK_S:
+            os.remove(lock)
+            log.warning("removed a stale native-build lock left by an interrupted build: %s",
+                        lock)
+    except OSError:     # no lock (the usual case), or another process removed it first
+        pass
+
+
 def _build():
     import torch
     from torch.utils import cpp_extension
@@ -67,10 +85,13 @@ def _build():
     for path in sources:
         with open(path, "rb") as f:
             digest.update(f.read())
-    digest.update(f"{cpu_name()}|{torch.__version__}".encode())
+    # the source directory too: the build file records absolute source paths, so two
+    # checkouts sharing one build folder would rebuild it in turn and wait on each other
+    digest.update(f"{cpu_name()}|{torch.__version__}|{os.path.abspath(_SRC)}".encode())
     tag = digest.hexdigest()[:12]
     build_dir = os.path.join(cache_dir(), "ext", tag)
     os.makedirs(build_dir, exist_ok=True)
+    _clear_stale_lock(build_dir)
     return cpp_extension.load(name=f"duet_native_{tag}", sources=sources,
                               build_directory=build_dir,
                               extra_cflags=["-O3", "-march=native", "-fopenmp"],

@@ -252,3 +252,21 @@ def test_f32_gemv_equals_linear(rows, n, k):
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g)
     torch.testing.assert_close(native.f32_gemv(x, w), F.linear(x, w), atol=1e-4, rtol=1e-5)
+
+
+def test_stale_build_lock_is_cleared(tmp_path):
+    """A lock left by a killed extension build would make every later load wait forever:
+    one older than STALE_LOCK_S is removed, a fresh one (a build in progress) is kept."""
+    import os
+    import time
+
+    from duetserve.models import native
+    lock = tmp_path / "lock"
+    lock.write_text("")
+    native._clear_stale_lock(str(tmp_path))
+    assert lock.exists()
+    old = time.time() - native.STALE_LOCK_S - 5
+    os.utime(lock, (old, old))
+    native._clear_stale_lock(str(tmp_path))
+    assert not lock.exists()
+    native._clear_stale_lock(str(tmp_path))     # nothing to remove: no error
