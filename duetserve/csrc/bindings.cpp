@@ -1,19 +1,5 @@
 // Python bindings of duetserve's native kernels (see duetserve/models/native.py).
-#include <torch/extension.h>
-
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
-                                     torch::Tensor v_cache, torch::Tensor block_tables,
-                                     torch::Tensor context_lens, double scale);
-torch::Tensor q4_gemv(torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch::Tensor m);
-torch::Tensor q8_gemv(torch::Tensor x, torch::Tensor w, torch::Tensor scale);
-torch::Tensor q4_dequant_bf16(torch::Tensor qs, torch::Tensor d, torch::Tensor m, int64_t a,
-                              int64_t b);
-torch::Tensor f32_gemv(torch::Tensor x, torch::Tensor w);
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
-torch::Tensor silu_mul(torch::Tensor gate_up);
-torch::Tensor rope_kv_write(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
-                            torch::Tensor k_cache, torch::Tensor v_cache,
-                            torch::Tensor slot_mapping, int64_t H, int64_t KVH);
+#include "ops.h"
 
 void bind_decode_stack(pybind11::module& m);
 

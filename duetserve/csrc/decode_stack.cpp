@@ -11,20 +11,9 @@
 // it). A linear is q4 (qs, d, m), q8 (q, scale) or dense float32 (weight), each with an
 // optional bias; dense ones at <= 4 rows run f32_gemv, where the modules' nn.Linear runs
 // oneDNN's GEMM (the same sums in another order: float32 rounding differences).
-#include <torch/extension.h>
 #include <vector>
 
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
-                                     torch::Tensor v_cache, torch::Tensor block_tables,
-                                     torch::Tensor context_lens, double scale);
-torch::Tensor q4_gemv(torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch::Tensor m);
-torch::Tensor q8_gemv(torch::Tensor x, torch::Tensor w, torch::Tensor scale);
-torch::Tensor f32_gemv(torch::Tensor x, torch::Tensor w);
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
-torch::Tensor silu_mul(torch::Tensor gate_up);
-torch::Tensor rope_kv_write(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
-                            torch::Tensor k_cache, torch::Tensor v_cache,
-                            torch::Tensor slot_mapping, int64_t H, int64_t KVH);
+#include "ops.h"
 
 namespace {
 
