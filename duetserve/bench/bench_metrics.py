@@ -23,8 +23,10 @@ with non-empty text counts as one token.
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
@@ -205,3 +207,25 @@ def format_summary(summary: dict[str, Any], title: str = "duet bench serve") -> 
         lines.append(f"{name:<14}" + "".join(f"{_fmt(stats[k]):>{col}}" for k in keys))
     lines.append("=" * width)
     return "\n".join(lines)
+
+
+@dataclass(slots=True)
+class TurnInFlight:
+    """One request of a workload turn while it runs (replayed on an engine or simulated):
+    its record and the times its tokens arrived. Mutated as tokens arrive."""
+
+    conv: int
+    turn: int
+    prompt: list[int]
+    record: RequestRecord
+    send: float
+    chunk_times: list[float] = field(default_factory=list)
+    num_tokens: int = 0
+
+
+def write_json(path: str, doc: dict) -> Path:
+    """Writes `doc` (indented JSON) to `path`, creating its folder; returns the path."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1))
+    return out

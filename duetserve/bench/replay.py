@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from duetserve.bench.bench_metrics import RequestRecord, compute_latencies
+from duetserve.bench.bench_metrics import RequestRecord, TurnInFlight, compute_latencies
 from duetserve.bench.cpu_meter import ForeignCpu
 from duetserve.bench.token_workload import TokenConversation
 
@@ -35,24 +35,13 @@ class ReplayResult:
     foreign_cpu_s: float | None = None    # CPU seconds other processes used during the run
 
 
-@dataclass(slots=True)
-class _Live:
-    conv: int
-    turn: int
-    prompt: list[int]
-    record: RequestRecord
-    send: float
-    chunk_times: list[float] = field(default_factory=list)
-    num_tokens: int = 0
-
-
 def replay(engine: Any, convs: list[TokenConversation], offsets: list[float],
            max_concurrency: int | None = None) -> ReplayResult:
     """Run the workload to completion on `engine` (idle on entry). Mutates the engine."""
     from duetserve.sampling_params import SamplingParams
     heap = [(float(t), cid, 0, []) for cid, t in enumerate(offsets)]
     heapq.heapify(heap)
-    live: dict[str, _Live] = {}
+    live: dict[str, TurnInFlight] = {}
     waiting: list[tuple[float, int, int, list[int]]] = []
     records: list[RequestRecord] = []
     steps: list[tuple[float, float, list[tuple[int, int, bool]]]] = []
@@ -73,7 +62,7 @@ def replay(engine: Any, convs: list[TokenConversation], offsets: list[float],
             rec.error = str(e)
             records.append(rec)
             return
-        live[req_id] = _Live(cid, turn, prompt, rec, now)
+        live[req_id] = TurnInFlight(cid, turn, prompt, rec, now)
 
     while heap or waiting or live:
         now = time.perf_counter() - t0

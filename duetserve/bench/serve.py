@@ -24,13 +24,13 @@ import json
 import math
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import httpx
 from tqdm import tqdm
 
-from duetserve.bench.bench_metrics import SLO_KEYS, RequestRecord, compute_latencies, format_summary, summarize
+from duetserve.bench.bench_metrics import (SLO_KEYS, RequestRecord, compute_latencies, format_summary, summarize,
+                                           write_json)
 from duetserve.bench.datasets import Conversation, DatasetError, arrival_intervals, make_dataset
 
 SCHEMA = "duet-bench-serve/1"
@@ -332,9 +332,6 @@ def main(args: argparse.Namespace) -> int:
         print(f"duet: error: {e}", file=sys.stderr)
         return 2
     if args.output_json:
-        path = Path(args.output_json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=1))
-        print(f"wrote {path}")
+        print(f"wrote {write_json(args.output_json, result)}")
     all_failed = all(run["summary"]["completed"] == 0 for run in result["runs"])
     return 1 if all_failed else 0

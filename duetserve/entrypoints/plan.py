@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from duetserve.bench import serve as bench_serve
+from duetserve.bench.bench_metrics import write_json
 from duetserve.config import ConfigError
 from duetserve.entrypoints.cli import UserError
 from duetserve.entrypoints.simulate import add_profile_arguments, resolve_profile
@@ -189,10 +190,7 @@ def main(args: argparse.Namespace) -> int:
            "curves": {k: {"gpus": g, "points": [vars(e) for e in evs]}
                       for k, (g, evs) in curves.items()}}
     if args.output_json:
-        path = Path(args.output_json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(doc, indent=1))
-        print(f"wrote {path}")
+        print(f"wrote {write_json(args.output_json, doc)}")
     if args.plot:
         print(f"wrote {plot(results, curves, args.plot, title)}")
     return 0

@@ -10,13 +10,12 @@ tables and JSON (`duet bench plot` draws simulated and measured runs together).
 from __future__ import annotations
 
 import argparse
-import json
 import re
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
 from duetserve.bench import serve as bench_serve
+from duetserve.bench.bench_metrics import write_json
 from duetserve.config import ConfigError
 from duetserve.entrypoints.cli import UserError
 
@@ -173,10 +172,7 @@ def main(args: argparse.Namespace) -> int:
         return main_calibrate(args)
     doc = run(args)
     if args.output_json:
-        path = Path(args.output_json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(doc, indent=1))
-        print(f"wrote {path}")
+        print(f"wrote {write_json(args.output_json, doc)}")
     if args.plot:
         from duetserve.bench.plot import plot
         print(f"wrote {plot([(doc['label'], doc)], args.plot)}")

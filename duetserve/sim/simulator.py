@@ -20,9 +20,9 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from duetserve.bench.bench_metrics import RequestRecord, compute_latencies
+from duetserve.bench.bench_metrics import RequestRecord, TurnInFlight, compute_latencies
 from duetserve.bench.token_workload import TokenConversation
 from duetserve.config import SchedulerConfig
 from duetserve.request import Request
@@ -32,18 +32,6 @@ from duetserve.sim.cost import StepCostModel
 from duetserve.sim.instance import SimInstance
 
 _SEND, _KICK, _STEP_END, _KV_ARRIVED = 0, 1, 2, 3
-
-
-@dataclass(slots=True)
-class _Turn:
-    """One turn in flight: its record and the token times gathered so far."""
-
-    conv: int
-    turn: int
-    prompt: list[int]
-    record: RequestRecord
-    send: float
-    chunk_times: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -82,7 +70,7 @@ class Simulation:
         self.max_concurrency = max_concurrency
         self._heap: list[tuple[float, int, int, object]] = []
         self._seq = itertools.count()
-        self._turns: dict[str, _Turn] = {}
+        self._turns: dict[str, TurnInFlight] = {}
         self._waiting_sends: list[tuple[int, int, list[int]]] = []   # concurrency queue
         self._in_flight = 0
         self.records: list[RequestRecord] = []
@@ -125,7 +113,7 @@ class Simulation:
         rec = RequestRecord(req_id=req_id, send_time=self.now, expected_output_len=spec.output_len,
                             prompt_tokens=len(prompt), token_source="sim",
                             conversation_id=cid, turn=turn)
-        state = _Turn(cid, turn, prompt, rec, self.now)
+        state = TurnInFlight(cid, turn, prompt, rec, self.now)
         self._turns[req_id] = state
         if len(prompt) + spec.output_len > self.max_len:
             self._fail(state, f"prompt ({len(prompt)} tokens) + max_tokens "
@@ -165,19 +153,19 @@ class Simulation:
         self._begin(inst)
 
     # -- disaggregation -----------------------------------------------------------------
-    def _start_transfer(self, inst: SimInstance, state: _Turn, req: Request) -> None:
+    def _start_transfer(self, inst: SimInstance, state: TurnInFlight, req: Request) -> None:
         link = self.links[inst.index]
         num_bytes = self.cluster.kv_bytes_per_token * len(state.prompt)
         arrive = link.transfer(self.now, num_bytes)
         self._push(arrive, _KV_ARRIVED, (state, req.output_token_ids[0]))
 
-    def _on_kv_arrived(self, state: _Turn, first_token: int) -> None:
+    def _on_kv_arrived(self, state: TurnInFlight, first_token: int) -> None:
         rest = state.record.expected_output_len - 1
         request = self._request(state.record.req_id, state.prompt + [first_token], rest)
         self._submit(self.decode_router.pick(self.decode), request, len(state.prompt))
 
     # -- outcomes -----------------------------------------------------------------------
-    def _finish(self, state: _Turn, req: Request) -> None:
+    def _finish(self, state: TurnInFlight, req: Request) -> None:
         rec = state.record
         rec.e2e = self.now - state.send
         rec.output_tokens = len(state.chunk_times)
@@ -186,16 +174,16 @@ class Simulation:
         rec.success = True
         self._close(state, state.prompt + self._reply(state, req))
 
-    def _reply(self, state: _Turn, req: Request) -> list[int]:
+    def _reply(self, state: TurnInFlight, req: Request) -> list[int]:
         """The reply tokens as the next turn resends them (P/D: the decode request's
         prompt already ends with the first token)."""
         return req.all_token_ids[len(state.prompt):]
 
-    def _fail(self, state: _Turn, error: str) -> None:
+    def _fail(self, state: TurnInFlight, error: str) -> None:
         state.record.error = error
         self._close(state, None)
 
-    def _close(self, state: _Turn, history: list[int] | None) -> None:
+    def _close(self, state: TurnInFlight, history: list[int] | None) -> None:
         """Record the turn, send the next turn of its conversation (not after a failure,
         as `duet bench serve` skips them), free its concurrency slot."""
         self.records.append(state.record)
