@@ -181,8 +181,8 @@ class StepTotals:
         self.num_steps += 1
         self.prefill_tokens += st.num_prefill_tokens
         self.decode_tokens += st.num_decode_tokens
-        kind = ("decode_only" if st.num_prefill_tokens == 0 else
-                "prefill_only" if st.num_decode_tokens == 0 else "mixed")
+        kind = {"decode": "decode_only", "prefill": "prefill_only",
+                "mixed": "mixed"}[st.phase]      # the scheduler's decision
         row = self.by_kind[kind]
         row[0] += 1
         row[1] += st.step_seconds
