@@ -235,9 +235,9 @@ class OutputAccumulator:
     """The cumulative view of a stream of delta RequestOutputs, assembled once, at the
     edge that needs it (LLM.generate, EngineCore.step, non-streaming responses).
 
-    `add(delta)` returns the request's cumulative RequestOutput: one object per request,
-    mutated in place by later adds (its token and logprob lists are extended, never
-    copied). Text is joined from its pieces when a sample finishes, or on every add with
+    `add(delta)` returns the request's cumulative RequestOutput: a new RequestOutput each
+    call (its `finished` is that step's), sharing one CompletionOutput per sample that
+    later adds extend in place (token and logprob lists extended, never copied). Text is joined from its pieces when a sample finishes, or on every add with
     `eager_text=True` (callers that read the text of unfinished outputs). Not
     thread-safe. Mutates only its own state and the outputs it returned."""
 
@@ -280,7 +280,9 @@ class OutputAccumulator:
                 out.text = pieces[0] if pieces else ""
         if acc.finished:
             self.forget(delta.request_id)
-        return acc
+        return RequestOutput(acc.request_id, acc.prompt, acc.prompt_token_ids,
+                             list(acc.outputs), acc.finished, acc.metrics,
+                             acc.num_cached_tokens, acc.prompt_logprobs, acc.error)
 
     def forget(self, request_id: str) -> None:
         """Drop the state of a request (done automatically when it finishes)."""

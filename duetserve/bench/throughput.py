@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from duetserve.bench.datasets import DatasetError, parse_len_range, sample_lengths
+from duetserve.outputs import StepStats
 
 DEFAULT_NUM_PROMPTS = 256
 
@@ -172,10 +173,10 @@ class StepTotals:
     # kind -> [steps, seconds, prefill tokens, decode tokens]
     by_kind: dict[str, list[float]] = field(default_factory=lambda: {
         k: [0, 0.0, 0, 0] for k in ("prefill_only", "mixed", "decode_only")})
-    last: Any = None
+    last: StepStats | None = None
     enabled: bool = False
 
-    def __call__(self, st: Any) -> None:
+    def __call__(self, st: StepStats) -> None:
         if not self.enabled:
             return
         self.num_steps += 1

@@ -293,8 +293,9 @@ class EngineCore:
         return outputs
 
     def step(self) -> list[RequestOutput]:
-        """step_deltas() assembled into cumulative RequestOutputs (one object per request,
-        updated in place on later steps), for offline callers that look at every step.
+        """step_deltas() assembled into cumulative RequestOutputs (each sample's
+        CompletionOutput is shared and extended in place by later steps), for offline
+        callers that look at every step.
         Use either step() or step_deltas() on one engine, not both."""
         return [self._cumulative.add(delta) for delta in self.step_deltas()]
 
