@@ -28,7 +28,9 @@ from duetserve.core.step_budget import (DECODE_REF_TOKENS, StepBudget, StepCost,
 from duetserve.engine.detokenizer import IncrementalDetokenizer
 from duetserve.engine.isolation import IsolatedExecutor
 from duetserve.engine.step_cost import measured_step_cost
+from duetserve.engine.kv_roles import KVRoles, make_shared_kv
 from duetserve.errors import EngineOverloadedError, RequestError
+from duetserve.kv_transfer import KVTransferConfig
 from duetserve.loader import LoadedModel, load_model, release_free_memory
 from duetserve.metrics.step_accounting import StepAccount, accountant_for_engine
 from duetserve.metrics.trace import TraceWriter
@@ -104,9 +106,11 @@ def _queue_and_kv_stats(st) -> StepStats:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None,
+                 kv_transfer: KVTransferConfig | None = None) -> None:
         """`loaded`: reuse weights already in memory (tests build several engines on one
-        model); it must have been loaded with config.model and config.dtype."""
+        model); it must have been loaded with config.model and config.dtype.
+        `kv_transfer`: this instance's role in prefill/decode disaggregation (None: both)."""
         self.config = config
         num_threads = config.num_threads or min(os.cpu_count() or 1, 16)
         torch.set_num_threads(num_threads)
@@ -131,8 +135,15 @@ class EngineCore:
         # is built on the first guided request, so unconstrained serving never pays it).
         self.grammars = GrammarCompiler(self.tokenizer.to_json, mcfg.vocab_size,
                                         tuple(mcfg.eos_token_ids), num_threads)
+        kv_transfer = kv_transfer or KVTransferConfig()
+        shared = None
+        if kv_transfer.is_disaggregated:      # the cache in shareable memory
+            shared = make_shared_kv(kv_transfer, mcfg.num_hidden_layers,
+                                    mcfg.num_key_value_heads, num_blocks, config.block_size,
+                                    mcfg.head_dim, dtype)
         self.runner = ModelRunner(self.loaded.model, mcfg, num_blocks, config.block_size,
-                                  dtype, config.device, self.grammars)
+                                  dtype, config.device, self.grammars,
+                                  kv_buffer=shared[1].tensor if shared else None)
         self.step_cost: StepCost | None = None
         self.max_step_ms: float | None = None
         self.step_budget: StepBudget | None = None
@@ -145,6 +156,8 @@ class EngineCore:
             enable_prefix_caching=config.enable_prefix_caching,
             max_num_waiting=config.max_waiting_requests))
         self.executor = IsolatedExecutor(self.runner.execute_model, self.scheduler)
+        self.kv_roles = None if shared is None else KVRoles(
+            kv_transfer, shared[0], shared[1], self.scheduler, self.max_model_len)
         self.eos_token_ids = tuple(mcfg.eos_token_ids)   # resolved once, by the loader
         self.requests: dict[str, _UserRequest] = {}
         self._child_to_user: dict[str, str] = {}
@@ -240,6 +253,8 @@ class EngineCore:
         if req_id in self.requests:
             raise RequestError(f"request id {req_id!r} is already in use")
         self.validate_request(prompt_token_ids, params)
+        kvp = None if self.kv_roles is None else self.kv_roles.check(
+            req_id, len(prompt_token_ids), params.n, params.max_tokens)
         if not self.scheduler.has_room(params.n):
             raise EngineOverloadedError(
                 f"the server is overloaded: {self.scheduler.num_waiting} requests are "
@@ -259,6 +274,8 @@ class EngineCore:
                                            child_params.skip_special_tokens, child_params.stop,
                                            child_params.include_stop_str_in_output)
             user.children[child_id] = _Child(i, req, detok, CompletionOutput(i, "", []))
+            if kvp is not None:
+                self._prepare_remote(user.children[child_id], kvp, arrival)
             children.append(req)
         for req in children:   # all validated before any is queued
             self.scheduler.add_request(req)
@@ -267,6 +284,31 @@ class EngineCore:
                 self.trace.request_arrived(req.req_id, arrival, len(prompt_token_ids))
         user.num_unfinished = len(children)
         self.requests[req_id] = user
+
+    def _prepare_remote(self, child: _Child, kvp, now: float) -> None:
+        """Disaggregation: a producer holds its KV after the first token; a consumer
+        starts from the prefill's first token (text and logprobs seeded here, as the
+        colocated engine would have produced them)."""
+        first = self.kv_roles.prepare(child.request, kvp)
+        if first is None:
+            return
+        out = child.output
+        out.token_ids.append(first)
+        lps = self.kv_roles.first_logprobs(child.request.req_id)
+        if child.request.sampling_params.logprobs is not None and lps is not None:
+            out.logprobs = [lps]
+        child.detok.add_tokens([first])
+        out.text = child.detok.output_text
+
+    def has_work_now(self) -> bool:
+        """Whether step() has something to do now (requests loading KV do not count);
+        the async engine sleeps otherwise, at most seconds_to_next_deadline()."""
+        if self.scheduler.has_schedulable_requests():
+            return True
+        return self.kv_roles is not None and self.kv_roles.has_work_now()
+
+    def seconds_to_next_deadline(self) -> float | None:
+        return None if self.kv_roles is None else self.kv_roles.seconds_to_next_deadline()
 
     def abort_request(self, req_ids: str | list[str]) -> None:
         """Abort user requests (unknown ids ignored); frees their KV blocks at once."""
@@ -277,6 +319,8 @@ class EngineCore:
             self.scheduler.abort_requests(list(user.children))
             for child_id in user.children:
                 self._child_to_user.pop(child_id, None)
+                if self.kv_roles is not None:
+                    self.kv_roles.forget(child_id)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -289,7 +333,11 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         start = time.time()
+        load_failures = {} if self.kv_roles is None else {
+            r.req_id: error for r, error in self.kv_roles.poll()}
         so = self.scheduler.schedule()
+        if self.kv_roles is not None:
+            self.kv_roles.start_loads()
         items = [(r, n, self.scheduler.requests[r].num_computed_tokens)
                  for r, n in so.num_scheduled_tokens.items()]
         now = time.time()
@@ -300,7 +348,7 @@ class EngineCore:
                 user.num_cached_tokens = new.num_computed_tokens
                 user.metrics.num_cached_tokens = new.num_computed_tokens
         ro, failed = self.executor.execute(so)
-        failed_users = self._fail_children(failed)
+        failed_users = self._fail_children({**load_failures, **failed})
         updated = self.scheduler.update_from_output(so, ro)
         now = time.time()
         changed: dict[str, _UserRequest] = {}
@@ -395,10 +443,15 @@ class EngineCore:
             if child.detok.finished and not req.is_finished:   # a stop string matched
                 self.scheduler.finish_requests([req.req_id], "stop", child.detok.stop_reason)
         if req.is_finished:
-            if not child.detok.finished:
+            remote = req.kv_hold and self.kv_roles is not None and \
+                self.kv_roles.producer_finished(req, child.detok.finished,
+                                                (out.logprobs or [None])[0])
+            if not child.detok.finished and not remote:   # remote: a decode continues it
                 child.detok.flush()
             out.finish_reason = req.finish_reason
             out.stop_reason = req.stop_reason
+            if req.kv_hold and child.detok.finished:      # stop string on the first token
+                out.finish_reason, out.stop_reason = "stop", child.detok.stop_reason
             user.num_unfinished -= 1
         out.text = child.detok.output_text
 
