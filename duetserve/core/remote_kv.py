@@ -4,12 +4,15 @@ blocks for a transfer (producer) and which wait for their prompt's KV (consumer)
     producer:  RUNNING --first token, finish "length"--> held (blocks kept, not in
                self.requests) --free_held()--> blocks freed
     consumer:  WAITING --admit: blocks allocated, not cached--> loading
-               --finish_load(ok)--> RUNNING, num_computed_tokens = num_external_tokens,
-                                    sent to the runner as a new request (fresh)
+               --finish_load(ok)--> loaded (num_computed_tokens = num_external_tokens,
+                                    blocks cached) --a running slot--> RUNNING, sent
+                                    to the runner as a new request (fresh)
                --finish_load(failed)--> FINISHED_ERROR, blocks freed
                aborted while loading --> orphaned until the load ends (a reader thread
                                     may still be writing the blocks), then freed
 
+NOTE: loads start whatever max_num_seqs says (only blocks bound them), so a prefill
+instance's held blocks are read, and freed, as early as possible.
 NOTE: a loading request's blocks are not in the prefix cache until the load is done, so
 no other request can hit KV that has not arrived. Pure bookkeeping; the Scheduler calls
 it and owns every mutation of the requests and the block pool.
@@ -25,6 +28,7 @@ from duetserve.request import Request
 class RemoteKV:
     held: dict[str, Request] = field(default_factory=dict)
     loading: dict[str, Request] = field(default_factory=dict)
+    loaded: dict[str, Request] = field(default_factory=dict)     # FIFO
     orphaned: dict[str, Request] = field(default_factory=dict)
     fresh: set[str] = field(default_factory=set)        # loaded, runner not told yet
     # (req_id, block ids, num local prefix-hit tokens) admitted since the last take

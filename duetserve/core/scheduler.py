@@ -128,6 +128,12 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None:
                 continue
+            if req_id in self.remote.loaded:
+                del self.remote.loaded[req_id]
+                request.set_finished(finish_reason, stop_reason)
+                self._release(request)
+                done.append(request)
+                continue
             if req_id in self.remote.loading:
                 # a reader thread may still write its blocks: freed when the load ends
                 del self.remote.loading[req_id]
@@ -166,7 +172,7 @@ class Scheduler:
 
     def has_schedulable_requests(self) -> bool:
         """Whether a step could run something now (requests loading KV cannot)."""
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.remote.loaded)
 
     # --- disaggregation (core/remote_kv.py) ----------------------------------------------
     def free_held(self, req_id: str) -> bool:
@@ -198,10 +204,18 @@ class Scheduler:
         request.num_computed_tokens = request.num_external_tokens
         request.num_external_tokens = 0
         self.kv_cache_manager.register_computed(request)
-        request.status = RequestStatus.RUNNING
-        self.running.append(request)
-        self.remote.fresh.add(req_id)
+        self.remote.loaded[req_id] = request      # runs when a running slot is free
         return None
+
+    def _run_loaded(self) -> None:
+        """Loaded consumers take free running slots (FIFO); the runner learns them as
+        new requests in this step. Mutates: remote.loaded, running, request.status."""
+        while self.remote.loaded and len(self.running) < self.config.max_num_seqs:
+            req_id = next(iter(self.remote.loaded))
+            request = self.remote.loaded.pop(req_id)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            self.remote.fresh.add(req_id)
 
     def _admit_load(self, request: Request) -> bool:
         """Allocate blocks for a consumer's external tokens (local prefix hits kept, new
@@ -236,6 +250,7 @@ class Scheduler:
         0), num_cached_tokens, num_preemptions. num_computed_tokens of scheduled requests is
         advanced later, by update_from_output. Returns the SchedulerOutput for the runner."""
         step = _Step(self._token_budget())
+        self._run_loaded()
         self._schedule_running(step)
         if not step.preempted:
             self._schedule_waiting(step)
@@ -299,12 +314,14 @@ class Scheduler:
 
     def _schedule_waiting(self, step: _Step) -> None:
         kv = self.kv_cache_manager
-        while self.waiting and step.budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and step.budget > 0:
             request = self.waiting.peek()
-            if RemoteKV.needs_load(request):
+            if RemoteKV.needs_load(request):   # loads do not wait for a running slot
                 if not self._admit_load(request):
                     break
                 continue
+            if len(self.running) >= self.config.max_num_seqs:
+                break
             hit_blocks, num_hit = kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit, step.budget)
             if self.config.long_prefill_token_threshold > 0:
@@ -419,7 +436,7 @@ class Scheduler:
             assert request.is_waiting, f"{request.req_id} in waiting with {request.status!r}"
             assert request.req_id not in self.kv_cache_manager.req_to_blocks, (
                 f"waiting request {request.req_id} holds blocks")
-        num_loading = len(self.remote.loading)
+        num_loading = len(self.remote.loading) + len(self.remote.loaded)
         assert len(self.running) + len(self.waiting) + num_loading == len(self.requests), (
             f"running ({len(self.running)}) + waiting ({len(self.waiting)}) + loading "
             f"({num_loading}) != unfinished ({len(self.requests)})")

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import logging
 import threading
-import time
 import urllib.request
 import uuid
 from collections import deque
@@ -94,10 +93,14 @@ class KVConnector:
         """The descriptor of a held request (any thread); forgotten once read."""
         return self._published.pop(req_id, None)
 
-    def post_release(self, transfer_id: str, ok: bool) -> None:
-        """A decode instance finished reading (any thread); applied at the next poll."""
+    def post_release(self, transfer_id: str, ok: bool) -> bool:
+        """A decode instance finished reading (any thread); applied at the next poll.
+        Returns whether the blocks were still held (not timed out), i.e. whether what it
+        read was valid. NOTE: a transfer leaves _held before its blocks are freed."""
+        held = transfer_id in self._held
         self._releases.append((transfer_id, ok))
         self.wake()
+        return held
 
     # -- consumer ------------------------------------------------------------------------
     def start_load(self, req_id: str, remote: RemotePrefill, dst_block_ids: list[int],
@@ -126,10 +129,16 @@ class KVConnector:
         except Exception as e:  # noqa: BLE001 - any failure ends this load, not the engine
             log.exception("KV load %s failed", transfer_id)
             result = (transfer_id, False, 0, f"{type(e).__name__}: {e}")
+        if remote.release_url:
+            answer = _post_json(remote.release_url, {"transfer_id": transfer_id,
+                                                     "ok": result[1]})
+            if result[1] and answer is not None and answer.get("held") is False:
+                # NOTE: the prefill instance freed the blocks (timeout) before the read
+                # ended: they may have been reused, so the bytes cannot be trusted.
+                result = (transfer_id, False, 0, "the prefill instance had already freed "
+                          "the KV (its --kv-transfer-timeout passed) when the read ended")
         self._loads_done.append(result)
         self.wake()
-        if remote.release_url:
-            _post_json(remote.release_url, {"transfer_id": transfer_id, "ok": result[1]})
 
     # -- engine thread -------------------------------------------------------------------
     def poll(self) -> tuple[list[str], list[LoadResult]]:
@@ -193,11 +202,14 @@ class KVConnector:
         return len(self._held)
 
 
-def _post_json(url: str, body: dict, timeout: float = 5.0) -> None:
-    """Best effort: a lost release is covered by the prefill instance's timeout."""
+def _post_json(url: str, body: dict, timeout: float = 5.0) -> dict | None:
+    """The answer, or None when there is none (a lost release is covered by the prefill
+    instance's timeout)."""
     req = urllib.request.Request(url, json.dumps(body).encode(), method="POST",
                                  headers={"Content-Type": "application/json"})
     try:
-        urllib.request.urlopen(req, timeout=timeout).read()
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
     except Exception as e:  # noqa: BLE001
         log.warning("KV release to %s failed: %s", url, e)
+        return None

@@ -185,8 +185,8 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
             transfer_id, ok = str(body["transfer_id"]), bool(body.get("ok", True))
         except Exception:  # noqa: BLE001 - malformed control message
             raise APIError("expected {\"transfer_id\": str, \"ok\": bool}") from None
-        roles.connector.post_release(transfer_id, ok)
-        return {"released": transfer_id}
+        held = roles.connector.post_release(transfer_id, ok)
+        return {"released": transfer_id, "held": held}
 
     @app.get("/version")
     async def version():
