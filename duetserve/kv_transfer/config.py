@@ -25,6 +25,7 @@ class KVTransferConfig:
     timeout_s: float = 30.0
     host: str = "127.0.0.1"
     mooncake: bool = True
+    compression: str = "none"     # prefill: "int8" sends int8 blocks + scales (compress.py)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -32,6 +33,9 @@ class KVTransferConfig:
         if self.backend not in BACKENDS:
             raise ConfigError(f"kv transfer backend must be one of {BACKENDS}, "
                               f"got {self.backend!r}")
+        if self.compression not in ("none", "int8"):
+            raise ConfigError(f"kv transfer compression must be none or int8, got "
+                              f"{self.compression!r}")
         if not self.timeout_s > 0:
             raise ConfigError(f"kv_transfer_timeout must be > 0 s, got {self.timeout_s}")
 

@@ -23,11 +23,14 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 from duetserve.kv_transfer.backends import MooncakeAgent, ShmReader, TransferError
+from duetserve.kv_transfer.compress import Int8Staging
 from duetserve.kv_transfer.config import KVTransferConfig
 from duetserve.kv_transfer.layout import KVLayout, segments
 from duetserve.kv_transfer.memory import SharedKVMemory
-from duetserve.kv_transfer.params import KVSource, RemotePrefill
+from duetserve.kv_transfer.params import KVSource, PeerRegion, RemotePrefill
 from duetserve.kv_transfer.state import Transfer, TransferTable
 from duetserve.outputs import Logprob
 
@@ -72,9 +75,27 @@ class KVConnector:
         self.mooncake = MooncakeAgent(memory, config.host) if config.uses_mooncake else None
         self.reader = None
         if config.role == "decode":
-            self.reader = self.mooncake if config.backend == "mooncake" else ShmReader(memory)
+            self.reader = self.mooncake if config.backend == "mooncake" else ShmReader()
+        # [planes, num_blocks, block_size * head_dim] view of the cache (compress.py)
+        self.cache = memory.view(getattr(torch, layout.dtype), (
+            layout.num_planes, layout.num_blocks, layout.block_size * layout.head_dim))
+        self.staging: Int8Staging | None = None
+        self._staging_lock = threading.Lock()
+        if config.role == "prefill" and config.compression == "int8":
+            self._ensure_staging()
+        staging = None if self.staging is None else PeerRegion(
+            self.staging.memory.fd, self.staging.memory.base_addr, self.staging.memory.nbytes)
         self.source = KVSource(hostname, memory.pid, memory.fd, memory.base_addr, layout,
-                               self.mooncake.session if self.mooncake else None)
+                               self.mooncake.session if self.mooncake else None, staging)
+
+    def _ensure_staging(self) -> Int8Staging:
+        """The int8 staging area, made (and registered with Mooncake) on first use."""
+        with self._staging_lock:
+            if self.staging is None:
+                self.staging = Int8Staging(self.layout, self.cache)
+                if self.mooncake is not None:
+                    self.mooncake.register(self.staging.memory)
+            return self.staging
 
     # -- producer ------------------------------------------------------------------------
     def hold(self, req_id: str, block_ids: list[int], num_tokens: int, first_token_id: int,
@@ -84,8 +105,11 @@ class KVConnector:
         transfer_id = f"{req_id}:{uuid.uuid4().hex[:8]}"
         self.table.add(transfer_id, req_id, self.config.timeout_s)
         self._held[transfer_id] = req_id
+        if self.staging is not None:
+            self.staging.pack(block_ids)
         remote = RemotePrefill(transfer_id, self.source, list(block_ids), num_tokens,
-                               first_token_id, first_logprobs)
+                               first_token_id, first_logprobs,
+                               compression="int8" if self.staging is not None else "none")
         self._published[req_id] = remote
         return remote
 
@@ -121,8 +145,7 @@ class KVConnector:
               dst_ids: list[int]) -> None:
         """Reader thread: copy, report, then tell the prefill instance to free."""
         try:
-            segs = segments(remote.source.layout, self.layout, src_ids, dst_ids)
-            nbytes = self.reader.read(remote.source, segs)
+            nbytes = self._copy(remote, src_ids, dst_ids)
             result = (transfer_id, True, nbytes, None)
         except (TransferError, ValueError, OSError) as e:
             result = (transfer_id, False, 0, str(e))
@@ -139,6 +162,24 @@ class KVConnector:
                           "the KV (its --kv-transfer-timeout passed) when the read ended")
         self._loads_done.append(result)
         self.wake()
+
+    def _copy(self, remote: RemotePrefill, src_ids: list[int], dst_ids: list[int]) -> int:
+        """Reader thread: the blocks' bytes, straight or through the int8 staging areas."""
+        source = remote.source
+        if remote.compression == "none":
+            segs = segments(source.layout, self.layout, src_ids, dst_ids)
+            return self.reader.read(source, source.cache, self.memory, segs)
+        if remote.compression != "int8" or source.staging is None:
+            raise TransferError(f"unknown KV compression {remote.compression!r}")
+        staging = self._ensure_staging()
+        src_data, src_scales = Int8Staging.layouts_of(source.layout)
+        segs = segments(src_data, staging.data_layout, src_ids, dst_ids)
+        off_src, off_dst = src_data.nbytes, staging.scales_offset
+        segs += [(s + off_src, d + off_dst, n) for s, d, n in
+                 segments(src_scales, staging.scales_layout, src_ids, dst_ids)]
+        nbytes = self.reader.read(source, source.staging, staging.memory, segs)
+        staging.unpack(dst_ids)
+        return nbytes
 
     # -- engine thread -------------------------------------------------------------------
     def poll(self) -> tuple[list[str], list[LoadResult]]:

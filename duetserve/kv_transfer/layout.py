@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
 
 
 @dataclass(frozen=True)

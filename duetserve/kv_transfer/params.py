@@ -10,12 +10,21 @@ bodies under `kv_transfer_params`. Only ids, addresses and sizes; never KV bytes
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from duetserve.errors import RequestError
 from duetserve.kv_transfer.layout import KVLayout
 from duetserve.outputs import Logprob
 
 PARAM = "kv_transfer_params"
+
+
+class PeerRegion(NamedTuple):
+    """One memory file of a peer: its fd (in the peer's process), address, size."""
+
+    fd: int
+    addr: int
+    nbytes: int
 
 
 @dataclass(frozen=True)
@@ -30,16 +39,24 @@ class KVSource:
     base_addr: int
     layout: KVLayout
     mooncake_session: str | None = None
+    staging: PeerRegion | None = None     # int8 staging memory (compress.py), if any
+
+    @property
+    def cache(self) -> PeerRegion:
+        return PeerRegion(self.fd, self.base_addr, self.layout.nbytes)
 
     def to_dict(self) -> dict:
         return {"hostname": self.hostname, "pid": self.pid, "fd": self.fd,
                 "base_addr": self.base_addr, "layout": self.layout.to_dict(),
-                "mooncake_session": self.mooncake_session}
+                "mooncake_session": self.mooncake_session,
+                "staging": None if self.staging is None else list(self.staging)}
 
     @classmethod
     def from_dict(cls, d: dict) -> "KVSource":
+        st = d.get("staging")
         return cls(str(d["hostname"]), int(d["pid"]), int(d["fd"]), int(d["base_addr"]),
-                   KVLayout.from_dict(d["layout"]), d.get("mooncake_session"))
+                   KVLayout.from_dict(d["layout"]), d.get("mooncake_session"),
+                   None if st is None else PeerRegion(*(int(x) for x in st)))
 
 
 @dataclass(frozen=True)
@@ -53,13 +70,15 @@ class RemotePrefill:
     first_token_id: int
     first_logprobs: dict[int, Logprob] | None = None
     release_url: str | None = None
+    compression: str = "none"        # "int8": read the staging area (compress.py)
 
     def to_dict(self) -> dict:
         lps = None if self.first_logprobs is None else [
             [t, lp.logprob, lp.rank] for t, lp in self.first_logprobs.items()]
         d = {"transfer_id": self.transfer_id, "source": self.source.to_dict(),
              "block_ids": list(self.block_ids), "num_tokens": self.num_tokens,
-             "first_token_id": self.first_token_id, "first_logprobs": lps}
+             "first_token_id": self.first_token_id, "first_logprobs": lps,
+             "compression": self.compression}
         if self.release_url:
             d["release_url"] = self.release_url
         return d
@@ -71,7 +90,8 @@ class RemotePrefill:
             int(t): Logprob(float(lp), int(rank)) for t, lp, rank in lps}
         return cls(str(d["transfer_id"]), KVSource.from_dict(d["source"]),
                    [int(b) for b in d["block_ids"]], int(d["num_tokens"]),
-                   int(d["first_token_id"]), first_lps, d.get("release_url"))
+                   int(d["first_token_id"]), first_lps, d.get("release_url"),
+                   str(d.get("compression") or "none"))
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     d.add_argument("--kv-transfer-host", default=None,
                    help="address Mooncake publishes for this instance (default: --host, "
                         "or 127.0.0.1 when binding 0.0.0.0)")
+    d.add_argument("--kv-transfer-compression", default="none", choices=["none", "int8"],
+                   help="prefill: send KV as int8 with a scale per block and head (about "
+                        "1/4 of float32 bytes; lossy, see docs/benchmarks.md)")
     d.add_argument("--no-mooncake", dest="mooncake", action="store_false",
                    help="a prefill instance serves shared memory only (no Mooncake)")
     s.add_argument("--uvicorn-log-level", default="warning",
@@ -73,7 +76,8 @@ def kv_transfer_config(args: argparse.Namespace):
                                      else "127.0.0.1")
     try:
         return KVTransferConfig(args.role, args.kv_transfer_backend,
-                                args.kv_transfer_timeout, host, args.mooncake)
+                                args.kv_transfer_timeout, host, args.mooncake,
+                                args.kv_transfer_compression)
     except ConfigError as e:
         raise UserError(str(e)) from None
 
