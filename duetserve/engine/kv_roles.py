@@ -48,7 +48,8 @@ class KVRoles:
         self.max_model_len = max_model_len
         self.connector = KVConnector(config, layout, memory, socket.gethostname())
         self._expected: dict[str, KVRequestParams] = {}
-        self._params: dict[str, KVRequestParams] = {}     # child req_id -> params
+        self._consumers: dict[str, KVRequestParams] = {}  # loading: req_id -> params
+        self._start_failures: list[str] = []
 
     # -- admission -----------------------------------------------------------------------
     def expect(self, req_id: str, params: KVRequestParams | None) -> None:
@@ -83,18 +84,18 @@ class KVRoles:
     def prepare(self, req: Request, params: KVRequestParams) -> int | None:
         """Set a child's disaggregation fields before it is queued (see request.py).
         Returns the first token id a consumer starts from, else None."""
-        self._params[req.req_id] = params
         if params.do_remote_decode:
             if req.max_tokens is None or req.max_tokens > 1:
                 req.kv_hold, req.max_tokens = True, 1
             return None
         remote = params.remote_prefill
+        self._consumers[req.req_id] = params
         req.append_output_token_ids(remote.first_token_id)
         req.num_external_tokens = remote.num_tokens
         return remote.first_token_id
 
     def first_logprobs(self, req_id: str):
-        p = self._params.get(req_id)
+        p = self._consumers.get(req_id)
         return None if p is None or p.remote_prefill is None else p.remote_prefill.first_logprobs
 
     # -- after a step ----------------------------------------------------------------------
@@ -102,7 +103,6 @@ class KVRoles:
         """A producer child finished (engine thread). Publishes its blocks and returns
         True when a decode instance is to continue it; otherwise frees them (EOS, stop
         string, context full) and returns False."""
-        self._params.pop(req.req_id, None)
         if req.req_id not in self.scheduler.remote.held:
             return False
         if stop_matched or req.num_tokens >= self.max_model_len:
@@ -114,7 +114,8 @@ class KVRoles:
         return True
 
     def forget(self, req_id: str) -> None:
-        self._params.pop(req_id, None)
+        """An aborted request: its params are no longer needed."""
+        self._consumers.pop(req_id, None)
 
     # -- each step -------------------------------------------------------------------------
     def poll(self) -> list[tuple[Request, str]]:
@@ -123,8 +124,12 @@ class KVRoles:
         free, loads = self.connector.poll()
         for req_id in free:
             self.scheduler.free_held(req_id)
+        loads += [LoadResult(r, False, "its transfer parameters were lost")
+                  for r in self._start_failures]
+        self._start_failures.clear()
         failed = []
         for res in loads:
+            self._consumers.pop(res.req_id, None)
             req = self.scheduler.finish_load(res.req_id, res.ok)
             if req is not None:
                 failed.append((req, f"KV transfer failed: {res.error}"))
@@ -133,9 +138,10 @@ class KVRoles:
     def start_loads(self) -> None:
         """Start a reader for each consumer the scheduler admitted this step."""
         for req_id, block_ids, num_hit in self.scheduler.remote.take_new_loads():
-            params = self._params.get(req_id)
-            if params is None or params.remote_prefill is None:   # cannot happen
-                self.connector._loads_done.append((req_id, False, 0, "no transfer params"))
+            params = self._consumers.get(req_id)
+            if params is None:      # NOTE: cannot happen (aborts come between steps)
+                log.error("no transfer parameters for %s", req_id)
+                self._start_failures.append(req_id)
                 continue
             self.connector.start_load(req_id, params.remote_prefill, block_ids,
                                       num_hit // self.scheduler.block_size)
