@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 import urllib.request
 import uuid
 from collections import deque
@@ -70,7 +71,8 @@ class KVConnector:
         self._published: dict[str, RemotePrefill] = {}      # producer: req_id -> descriptor
         self._held: dict[str, str] = {}                     # producer: transfer_id -> req_id
         self._releases: deque[tuple[str, bool]] = deque()   # from the server
-        self._loads_done: deque[tuple[str, bool, int, str | None]] = deque()  # from readers
+        # from readers: (transfer_id, ok, nbytes, error, seconds of the copy)
+        self._loads_done: deque[tuple[str, bool, int, str | None, float]] = deque()
         self._load_backend: dict[str, str] = {}             # consumer: transfer_id -> name
         self.mooncake = MooncakeAgent(memory, config.host) if config.uses_mooncake else None
         self.reader = None
@@ -144,14 +146,16 @@ class KVConnector:
     def _read(self, transfer_id: str, remote: RemotePrefill, src_ids: list[int],
               dst_ids: list[int]) -> None:
         """Reader thread: copy, report, then tell the prefill instance to free."""
+        t0 = time.perf_counter()
         try:
             nbytes = self._copy(remote, src_ids, dst_ids)
-            result = (transfer_id, True, nbytes, None)
+            result = (transfer_id, True, nbytes, None, time.perf_counter() - t0)
         except (TransferError, ValueError, OSError) as e:
-            result = (transfer_id, False, 0, str(e))
+            result = (transfer_id, False, 0, str(e), time.perf_counter() - t0)
         except Exception as e:  # noqa: BLE001 - any failure ends this load, not the engine
             log.exception("KV load %s failed", transfer_id)
-            result = (transfer_id, False, 0, f"{type(e).__name__}: {e}")
+            result = (transfer_id, False, 0, f"{type(e).__name__}: {e}",
+                      time.perf_counter() - t0)
         if remote.release_url:
             answer = _post_json(remote.release_url, {"transfer_id": transfer_id,
                                                      "ok": result[1]})
@@ -159,7 +163,8 @@ class KVConnector:
                 # NOTE: the prefill instance freed the blocks (timeout) before the read
                 # ended: they may have been reused, so the bytes cannot be trusted.
                 result = (transfer_id, False, 0, "the prefill instance had already freed "
-                          "the KV (its --kv-transfer-timeout passed) when the read ended")
+                          "the KV (its --kv-transfer-timeout passed) when the read ended",
+                          result[4])
         self._loads_done.append(result)
         self.wake()
 
@@ -195,8 +200,8 @@ class KVConnector:
                 self._ended(t, "held")
                 free.append(t.req_id)
         while self._loads_done:
-            transfer_id, ok, nbytes, error = self._loads_done.popleft()
-            t = self.table.finish(transfer_id, ok, nbytes, error)
+            transfer_id, ok, nbytes, error, seconds = self._loads_done.popleft()
+            t = self.table.finish(transfer_id, ok, nbytes, error, seconds)
             if t is not None:       # None: timed out before, already reported failed
                 self._ended(t, self._load_backend.pop(transfer_id, "?"))
                 loads.append(LoadResult(t.req_id, ok, error))
@@ -223,7 +228,8 @@ class KVConnector:
             tot = self.totals.setdefault(backend, BackendTotals())
             tot.transfers += 1
             tot.bytes += t.nbytes
-            tot.seconds += (t.finished or 0.0) - (t.started or t.finished or 0.0)
+            tot.seconds += t.seconds if t.seconds is not None else \
+                (t.finished or 0.0) - (t.started or t.finished or 0.0)
             tot.failures += 0 if t.status.value == "done" else 1
         for fn in self.observers:
             try:

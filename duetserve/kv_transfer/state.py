@@ -33,6 +33,7 @@ class Transfer:
     finished: float | None = None    # time.time()
     nbytes: int = 0
     error: str | None = None
+    seconds: float | None = None     # the byte copy alone (reader thread), when measured
 
     @property
     def is_live(self) -> bool:
@@ -62,13 +63,13 @@ class TransferTable:
         return t
 
     def finish(self, transfer_id: str, ok: bool, nbytes: int = 0,
-               error: str | None = None) -> Transfer | None:
+               error: str | None = None, seconds: float | None = None) -> Transfer | None:
         """-> DONE (ok) or FAILED; removes it. None when unknown (expired already)."""
         t = self.live.pop(transfer_id, None)
         if t is None:
             return None
         t.status = TransferStatus.DONE if ok else TransferStatus.FAILED
-        t.finished, t.nbytes, t.error = time.time(), nbytes, error
+        t.finished, t.nbytes, t.error, t.seconds = time.time(), nbytes, error, seconds
         if t.started is None:
             t.started = t.finished
         return t

@@ -49,7 +49,8 @@ class KVTransferMetrics:
             self.transfers.labels(self._model, backend, status).inc()
             if backend == "held" or status != "done":
                 return
-            seconds = max(0.0, (t.finished or 0.0) - (t.started or 0.0))
+            seconds = t.seconds if t.seconds is not None else \
+                max(0.0, (t.finished or 0.0) - (t.started or 0.0))
             self.bytes.labels(self._model, backend).inc(t.nbytes)
             self.seconds.labels(self._model, backend).inc(seconds)
             self.hist.labels(self._model, backend).observe(seconds)

@@ -176,6 +176,8 @@ class TraceWriter:
             return
         start = t.created if backend == "held" else (t.started or t.created)
         end = t.finished or start
+        if backend != "held" and t.seconds is not None:    # the copy itself
+            end = start + t.seconds
         self._see(start)
         self._see(end)
         self._events.append({"name": f"kv transfer ({backend})", "ph": "X",
