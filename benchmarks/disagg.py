@@ -234,7 +234,7 @@ def bench_serve(base: str, label: str, args: argparse.Namespace, out_dir: str) -
            "--label", label, "--output-json", path, "--seed", "1"]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     with open(path) as f:
-        summary = json.load(f)["summary"]
+        summary = json.load(f)["runs"][0]["summary"]
     return {k: summary[k] for k in ("ttft_ms", "tpot_ms", "e2el_ms", "completed",
                                      "duration") if k in summary}
 
