@@ -52,7 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="address Mooncake publishes for this instance (default: --host, "
                         "or 127.0.0.1 when binding 0.0.0.0)")
     d.add_argument("--kv-transfer-compression", default="none", choices=["none", "int8"],
-                   help="prefill: send KV as int8 with a scale per block and head (about "
+                   help="prefill: send KV as int8 with a scale per token and head (about "
                         "1/4 of float32 bytes; lossy, see docs/benchmarks.md)")
     d.add_argument("--no-mooncake", dest="mooncake", action="store_false",
                    help="a prefill instance serves shared memory only (no Mooncake)")
