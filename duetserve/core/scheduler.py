@@ -354,12 +354,16 @@ class Scheduler:
                     req_id=req_id, new_block_ids=block_ids,
                     num_computed_tokens=request.num_computed_tokens))
             out.num_scheduled_tokens[req_id] = num_new
+            # NOTE: the one place the phase of a slice is decided; everything downstream
+            # (StepStats, metrics, traces, benchmarks) reads it from the SchedulerOutput.
             if (num_new == 1 and request.num_computed_tokens >= request.num_prompt_tokens
                     and request.num_computed_tokens + 1 == request.num_tokens):
                 num_decode += 1
+                out.decode_req_ids.add(req_id)
             else:
                 num_prefill += num_new
         out.total_num_scheduled_tokens = num_prefill + num_decode
+        out.num_prefill_tokens, out.num_decode_tokens = num_prefill, num_decode
         self._last_num_prefill_tokens = num_prefill
         self._last_num_decode_tokens = num_decode
         return out
