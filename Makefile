@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 MODEL_STAMP := $(VENV)/.model
 
-.PHONY: setup demo test serve bench clean
+.PHONY: setup libibverbs demo test serve bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -14,7 +14,11 @@ $(BIN)/python:
 # torch first and pinned: a looser requirement pulls gigabytes of CUDA packages.
 $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install torch==2.13.0
-	$(BIN)/pip install -e '.[serve,plot,test]'
+	# Mooncake (prefill/decode KV transfer over TCP, extra `disagg`) needs Debian's
+	# libibverbs1: installed when apt can (idempotent); without it the Mooncake tests
+	# skip and say why.
+	$(MAKE) --no-print-directory libibverbs
+	$(BIN)/pip install -e '.[serve,plot,test,disagg]'
 	# build the native kernels for this CPU now (cached in ~/.cache/duetserve; ~40 s once)
 	$(BIN)/python -c "from duetserve.models.native import ops; ops()"
 	touch $(STAMP)
@@ -26,6 +30,17 @@ $(MODEL_STAMP): $(BIN)/python
 	touch $(MODEL_STAMP)
 
 setup: $(STAMP) $(MODEL_STAMP)
+
+# Safe to run again: nothing happens when the library is there.
+libibverbs:
+	@if ldconfig -p 2>/dev/null | grep -q libibverbs.so.1; then :; \
+	elif command -v apt-get >/dev/null 2>&1; then \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  ( $$SUDO apt-get install -y --no-install-recommends libibverbs1 >/dev/null 2>&1 || \
+	    ( $$SUDO apt-get update >/dev/null 2>&1 && \
+	      $$SUDO apt-get install -y --no-install-recommends libibverbs1 >/dev/null ) ) || \
+	  echo "warning: could not install libibverbs1; Mooncake transfers will be unavailable"; \
+	else echo "warning: no apt-get; install libibverbs1 for Mooncake transfers"; fi
 
 demo: setup
 	$(BIN)/duet generate --prompt "The three primary colors are" --max-tokens 48

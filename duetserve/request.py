@@ -15,7 +15,11 @@ Who mutates what (NOTE: the worker never touches a Request):
                                      status/finish_reason/stop_reason on finish
   - Scheduler.abort_requests()/finish_requests(): status, finish_reason, stop_reason
   - the engine: the optional timing stamps (first_scheduled_time, ...) and eos_token_ids
-    before add_request.
+    before add_request; for prefill/decode disaggregation (kv_transfer/) also, before
+    add_request, kv_hold and max_tokens (a prefill instance stops after the first token
+    and holds the blocks) or num_external_tokens and the first output token (a decode
+    instance loads the prompt's KV instead of computing it).
+  - Scheduler.finish_load(): num_external_tokens back to 0 once the KV is loaded.
 """
 from __future__ import annotations
 
@@ -73,6 +77,9 @@ class Request:
     finish_reason: str | None = None       # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None   # stop token id or stop string
     max_tokens: int | None = None          # resolved from sampling_params; None = to max len
+    # --- prefill/decode disaggregation (set by the engine before add_request) ------------
+    kv_hold: bool = False                  # on finish by length: keep the blocks (producer)
+    num_external_tokens: int = 0           # prompt KV to load from a prefill instance
 
     # --- optional wall-clock stamps the engine sets (time.time()) ------------------------
     first_scheduled_time: float | None = None

@@ -87,7 +87,8 @@ class KVCacheManager:
 
     # --- allocation -----------------------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       new_computed_blocks: Sequence[KVBlock] = ()) -> list[int] | None:
+                       new_computed_blocks: Sequence[KVBlock] = (),
+                       register: bool = True) -> list[int] | None:
         """Make room for `num_new_tokens` tokens after the request's computed ones.
 
         `new_computed_blocks` are prefix hits from get_computed_blocks (only when the request
@@ -98,6 +99,8 @@ class KVCacheManager:
         the request's block table, the cached map (blocks full after this step), and the
         prefix-cache stats when this is the request's first allocation.
         Does NOT change request.num_computed_tokens (the scheduler does).
+        `register=False`: the new blocks are not offered to the cache (their KV arrives
+        from another instance later; register_computed offers them once it has).
         """
         blocks = self.req_to_blocks.get(request.req_id)
         first_alloc = blocks is None
@@ -125,9 +128,16 @@ class KVCacheManager:
             self._num_registered[request.req_id] = len(blocks)
         new_blocks = self.pool.get_new_blocks(num_new_blocks)
         blocks.extend(new_blocks)
-        if self.enable_caching:
+        if self.enable_caching and register:
             self._register_full_blocks(request, blocks, num_total_tokens)
         return [b.block_id for b in new_blocks]
+
+    def register_computed(self, request: Request) -> None:
+        """Offer the request's blocks that are full of computed tokens to the cache (after
+        allocate_slots(register=False) and a load). Mutates: the cached map."""
+        blocks = self.req_to_blocks.get(request.req_id)
+        if self.enable_caching and blocks:
+            self._register_full_blocks(request, blocks, request.num_computed_tokens)
 
     def _register_full_blocks(self, request: Request, blocks: list[KVBlock],
                               num_tokens: int) -> None:

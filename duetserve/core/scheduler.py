@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from duetserve.config import SchedulerConfig
 from duetserve.core import hashing
 from duetserve.core.kv_cache_manager import KVCacheManager, cdiv
+from duetserve.core.remote_kv import RemoteKV
 from duetserve.core.request_queue import RequestQueue
 from duetserve.errors import RequestError
 from duetserve.outputs import (CachedRequestData, ModelRunnerOutput, NewRequestData,
@@ -67,6 +68,7 @@ class Scheduler:
         self.num_preemptions = 0
         self._last_num_prefill_tokens = 0
         self._last_num_decode_tokens = 0
+        self.remote = RemoteKV()                 # disaggregation: held / loading requests
 
     # --- request lifecycle -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -126,24 +128,112 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None:
                 continue
+            if req_id in self.remote.loaded:
+                del self.remote.loaded[req_id]
+                request.set_finished(finish_reason, stop_reason)
+                self._release(request)
+                done.append(request)
+                continue
+            if req_id in self.remote.loading:
+                # a reader thread may still write its blocks: freed when the load ends
+                del self.remote.loading[req_id]
+                request.set_finished(finish_reason, stop_reason)
+                self.remote.orphaned[req_id] = request
+                self._forget(request)
+                done.append(request)
+                continue
             if request.is_waiting:
                 self.waiting.remove(req_id)
             else:
                 self.running.remove(request)
+            self.remote.fresh.discard(req_id)
             request.set_finished(finish_reason, stop_reason)
             self._release(request, request.num_computed_tokens if failed else None)
             done.append(request)
         return done
 
     def _release(self, request: Request, num_valid_tokens: int | None = None) -> None:
-        """Forget a finished request. Mutates: block tables, self.requests."""
-        self.kv_cache_manager.free(request, num_valid_tokens)
+        """Forget a finished request and free its blocks, unless it is a producer whose
+        KV a decode instance will read (held until free_held). Mutates: block tables,
+        self.requests, self.remote.held."""
+        if RemoteKV.should_hold(request, num_valid_tokens is not None):
+            self.remote.held[request.req_id] = request
+        else:
+            self.kv_cache_manager.free(request, num_valid_tokens)
+        self._forget(request)
+
+    def _forget(self, request: Request) -> None:
         del self.requests[request.req_id]
         del self._arrival_seq[request.req_id]
         self._finished_req_ids.add(request.req_id)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def has_schedulable_requests(self) -> bool:
+        """Whether a step could run something now (requests loading KV cannot)."""
+        return bool(self.waiting or self.running or self.remote.loaded)
+
+    # --- disaggregation (core/remote_kv.py) ----------------------------------------------
+    def free_held(self, req_id: str) -> bool:
+        """Free a held producer's blocks (transferred, or timed out). Returns whether it
+        was held. Mutates: the block pool, self.remote.held."""
+        request = self.remote.held.pop(req_id, None)
+        if request is not None:
+            self.kv_cache_manager.free(request)
+        return request is not None
+
+    def finish_load(self, req_id: str, ok: bool) -> Request | None:
+        """A consumer's load ended. ok: its counter jumps to num_external_tokens, its
+        full blocks enter the prefix cache and it runs from the next step. Failed: it
+        finishes with "error" and is returned (the engine reports it). A request aborted
+        while loading only has its blocks freed now. Mutates: the request, the block pool,
+        the queues, self.remote."""
+        orphan = self.remote.orphaned.pop(req_id, None)
+        if orphan is not None:
+            self.kv_cache_manager.free(orphan, 0)
+            return None
+        request = self.remote.loading.pop(req_id, None)
+        if request is None:
+            return None
+        if not ok:
+            request.set_finished("error")
+            self.kv_cache_manager.free(request, request.num_computed_tokens)
+            self._forget(request)
+            return request
+        request.num_computed_tokens = request.num_external_tokens
+        request.num_external_tokens = 0
+        self.kv_cache_manager.register_computed(request)
+        self.remote.loaded[req_id] = request      # runs when a running slot is free
+        return None
+
+    def _run_loaded(self) -> None:
+        """Loaded consumers take free running slots (FIFO); the runner learns them as
+        new requests in this step. Mutates: remote.loaded, running, request.status."""
+        while self.remote.loaded and len(self.running) < self.config.max_num_seqs:
+            req_id = next(iter(self.remote.loaded))
+            request = self.remote.loaded.pop(req_id)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            self.remote.fresh.add(req_id)
+
+    def _admit_load(self, request: Request) -> bool:
+        """Allocate blocks for a consumer's external tokens (local prefix hits kept, new
+        blocks not cached) and park it in remote.loading. False when they do not fit."""
+        kv = self.kv_cache_manager
+        hit_blocks, num_hit = kv.get_computed_blocks(request)
+        num_hit = min(num_hit, request.num_external_tokens // self.block_size * self.block_size)
+        hit_blocks = hit_blocks[:num_hit // self.block_size]
+        if kv.allocate_slots(request, request.num_external_tokens - num_hit, hit_blocks,
+                             register=False) is None:
+            return False
+        self.waiting.pop()
+        request.num_cached_tokens = num_hit
+        request.num_computed_tokens = num_hit
+        self.remote.loading[request.req_id] = request
+        self.remote.new_loads.append((request.req_id, kv.get_block_ids(request.req_id),
+                                      num_hit))
+        return True
 
     @property
     def num_running(self) -> int:
@@ -160,6 +250,7 @@ class Scheduler:
         0), num_cached_tokens, num_preemptions. num_computed_tokens of scheduled requests is
         advanced later, by update_from_output. Returns the SchedulerOutput for the runner."""
         step = _Step(self._token_budget())
+        self._run_loaded()
         self._schedule_running(step)
         if not step.preempted:
             self._schedule_waiting(step)
@@ -192,7 +283,12 @@ class Scheduler:
             while True:
                 new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
                 if new_block_ids is not None:
-                    step.add(request, num_new, new_block_ids, is_new=False)
+                    if request.req_id in self.remote.fresh:    # loaded: runner learns it
+                        self.remote.fresh.discard(request.req_id)
+                        step.add(request, num_new,
+                                 self.kv_cache_manager.get_block_ids(request.req_id), True)
+                    else:
+                        step.add(request, num_new, new_block_ids, is_new=False)
                     break
                 victim = max(self.running, key=self._victim_key)
                 self._preempt(victim, step)
@@ -207,6 +303,7 @@ class Scheduler:
         scheduling if it was already scheduled in this step."""
         self.running.remove(request)
         step.remove(request)
+        self.remote.fresh.discard(request.req_id)
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -217,8 +314,14 @@ class Scheduler:
 
     def _schedule_waiting(self, step: _Step) -> None:
         kv = self.kv_cache_manager
-        while self.waiting and step.budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and step.budget > 0:
             request = self.waiting.peek()
+            if RemoteKV.needs_load(request):   # loads do not wait for a running slot
+                if not self._admit_load(request):
+                    break
+                continue
+            if len(self.running) >= self.config.max_num_seqs:
+                break
             hit_blocks, num_hit = kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit, step.budget)
             if self.config.long_prefill_token_threshold > 0:
@@ -337,9 +440,10 @@ class Scheduler:
             assert request.is_waiting, f"{request.req_id} in waiting with {request.status!r}"
             assert request.req_id not in self.kv_cache_manager.req_to_blocks, (
                 f"waiting request {request.req_id} holds blocks")
-        assert len(self.running) + len(self.waiting) == len(self.requests), (
-            f"running ({len(self.running)}) + waiting ({len(self.waiting)}) != "
-            f"unfinished ({len(self.requests)})")
+        num_loading = len(self.remote.loading) + len(self.remote.loaded)
+        assert len(self.running) + len(self.waiting) + num_loading == len(self.requests), (
+            f"running ({len(self.running)}) + waiting ({len(self.waiting)}) + loading "
+            f"({num_loading}) != unfinished ({len(self.requests)})")
 
 
 class _Step:

@@ -107,6 +107,8 @@ class AsyncEngine:
         self.finish_observers: list[FinishObserver] = []
         self.idle_stats_observers: list[IdleStatsObserver] = []
         self.num_step_errors = 0
+        if engine.kv_roles is not None:     # transfers end on other threads: wake us
+            engine.kv_roles.connector.wake = self._wake
 
     # -- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
@@ -157,6 +159,11 @@ class AsyncEngine:
         blocks, at the next engine iteration (graceful shutdown past its timeout)."""
         self._submit(_Command("fail_all", message))
 
+    def _wake(self) -> None:
+        """Any thread: make the engine thread look for work."""
+        with self._cv:
+            self._cv.notify()
+
     def _submit(self, cmd: _Command) -> None:
         if not self.is_running:
             raise RuntimeError("the engine loop is not running")
@@ -170,15 +177,17 @@ class AsyncEngine:
         while True:
             with self._cv:
                 while not self._stopping and not self._commands \
-                        and not engine.has_unfinished_requests():
-                    self._cv.wait()
+                        and not engine.has_work_now():
+                    # NOTE: waits for commands, wake-ups (a KV transfer ended) or the
+                    # next transfer deadline; requests loading KV are not work.
+                    self._cv.wait(engine.seconds_to_next_deadline())
                 if self._stopping:
                     break
                 commands = list(self._commands)
                 self._commands.clear()
             if commands:
                 self._handle_commands(commands)
-            if engine.has_unfinished_requests():
+            if engine.has_work_now():
                 self._step()
         self._fail_all(RequestAbortedError("the engine is shutting down"), drain_commands=True)
 

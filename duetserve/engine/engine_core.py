@@ -32,7 +32,9 @@ from duetserve.core.step_budget import (DECODE_REF_TOKENS, StepBudget, StepCost,
 from duetserve.engine.detokenizer import IncrementalDetokenizer
 from duetserve.engine.isolation import IsolatedExecutor
 from duetserve.engine.step_cost import measured_step_cost
+from duetserve.engine.kv_roles import KVRoles, make_shared_kv
 from duetserve.errors import EngineOverloadedError, RequestError
+from duetserve.kv_transfer import KVTransferConfig
 from duetserve.loader import LoadedModel, load_model, release_free_memory
 from duetserve.metrics.step_accounting import StepAccountant
 from duetserve.metrics.trace import TraceWriter
@@ -57,6 +59,9 @@ class _Child:
     detok: IncrementalDetokenizer
     num_output_tokens: int = 0      # of request.output_token_ids already in a delta
     finished: bool = False
+    # disaggregation, decode side: the prefill instance's first token (ids, text,
+    # logprobs), put in front of the sample's first delta
+    seed: CompletionOutput | None = None
 
 
 @dataclass
@@ -86,9 +91,11 @@ def _step_stats(st: SchedulerStats, **step: object) -> StepStats:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None,
+                 kv_transfer: KVTransferConfig | None = None) -> None:
         """`loaded`: reuse weights already in memory (tests build several engines on one
-        model); it must have been loaded with config.model and config.dtype."""
+        model); it must have been loaded with config.model and config.dtype.
+        `kv_transfer`: this instance's role in prefill/decode disaggregation (None: both)."""
         self.config = config
         num_threads = config.num_threads or min(os.cpu_count() or 1, 16)
         torch.set_num_threads(num_threads)
@@ -113,8 +120,15 @@ class EngineCore:
         # is built on the first guided request, so unconstrained serving never pays it).
         self.grammars = GrammarCompiler(self.tokenizer.to_json, mcfg.vocab_size,
                                         tuple(mcfg.eos_token_ids), num_threads)
+        kv_transfer = kv_transfer or KVTransferConfig()
+        shared = None
+        if kv_transfer.is_disaggregated:      # the cache in shareable memory
+            shared = make_shared_kv(kv_transfer, mcfg.num_hidden_layers,
+                                    mcfg.num_key_value_heads, num_blocks, config.block_size,
+                                    mcfg.head_dim, dtype)
         self.runner = ModelRunner(self.loaded.model, mcfg, num_blocks, config.block_size,
-                                  dtype, config.device, self.grammars)
+                                  dtype, config.device, self.grammars,
+                                  kv_buffer=shared[1].tensor if shared else None)
         self.step_cost: StepCost | None = None
         self.max_step_ms: float | None = None
         self.step_budget: StepBudget | None = None
@@ -127,6 +141,8 @@ class EngineCore:
             enable_prefix_caching=config.enable_prefix_caching,
             max_num_waiting=config.max_waiting_requests))
         self.executor = IsolatedExecutor(self.runner.execute_model, self.scheduler)
+        self.kv_roles = None if shared is None else KVRoles(
+            kv_transfer, shared[0], shared[1], self.scheduler, self.max_model_len)
         self.eos_token_ids = tuple(mcfg.eos_token_ids)   # resolved once, by the loader
         self.requests: dict[str, _UserRequest] = {}
         self._child_to_user: dict[str, str] = {}
@@ -226,6 +242,8 @@ class EngineCore:
         if req_id in self.requests:
             raise RequestError(f"request id {req_id!r} is already in use")
         self.validate_request(prompt_token_ids, params)
+        kvp = None if self.kv_roles is None else self.kv_roles.check(
+            req_id, len(prompt_token_ids), params.n, params.max_tokens)
         if not self.scheduler.has_room(params.n):
             raise EngineOverloadedError(
                 f"the server is overloaded: {self.scheduler.num_waiting} requests are "
@@ -243,6 +261,8 @@ class EngineCore:
                                            child_params.skip_special_tokens, child_params.stop,
                                            child_params.include_stop_str_in_output)
             children.append(_Child(i, req, detok))
+            if kvp is not None:
+                self._prepare_remote(children[-1], kvp)
         user = _UserRequest(req_id, prompt, children[0].request.prompt_token_ids,
                             {c.request.req_id: c for c in children},
                             RequestMetrics(arrival_time=arrival,
@@ -256,6 +276,30 @@ class EngineCore:
         user.num_unfinished = len(children)
         self.requests[req_id] = user
 
+    def _prepare_remote(self, child: _Child, kvp) -> None:
+        """Disaggregation: a producer holds its KV after the first token; a consumer
+        starts from the prefill's first token, detokenized here on its own as the
+        colocated engine would have, and handed out with the sample's first delta.
+        Mutates child (seed, count, detokenizer) and, via kv_roles, its Request."""
+        first = self.kv_roles.prepare(child.request, kvp)
+        if first is None:
+            return
+        lps = self.kv_roles.first_logprobs(child.request.req_id)
+        wants = child.request.sampling_params.logprobs is not None and lps is not None
+        child.seed = CompletionOutput(child.index, child.detok.add_tokens([first]) or "",
+                                      [first], None, [lps] if wants else None)
+        child.num_output_tokens = 1
+
+    def has_work_now(self) -> bool:
+        """Whether step() has something to do now (requests loading KV do not count);
+        the async engine sleeps otherwise, at most seconds_to_next_deadline()."""
+        if self.scheduler.has_schedulable_requests():
+            return True
+        return self.kv_roles is not None and self.kv_roles.has_work_now()
+
+    def seconds_to_next_deadline(self) -> float | None:
+        return None if self.kv_roles is None else self.kv_roles.seconds_to_next_deadline()
+
     def abort_request(self, req_ids: str | list[str]) -> None:
         """Abort user requests (unknown ids ignored); frees their KV blocks at once."""
         for req_id in [req_ids] if isinstance(req_ids, str) else req_ids:
@@ -266,6 +310,8 @@ class EngineCore:
             self._cumulative.forget(req_id)
             for child_id in user.children:
                 self._child_to_user.pop(child_id, None)
+                if self.kv_roles is not None:
+                    self.kv_roles.forget(child_id)
         if not self.requests:
             self._on_idle()
 
@@ -283,10 +329,14 @@ class EngineCore:
         changed (new token ids, new text, new logprobs, finish state): see
         _make_outputs. Observers get the step's StepStats."""
         t0, start = time.perf_counter(), time.time()
+        load_failures = {} if self.kv_roles is None else {
+            r.req_id: error for r, error in self.kv_roles.poll()}
         so = self.scheduler.schedule()
+        if self.kv_roles is not None:
+            self.kv_roles.start_loads()
         self._stamp_scheduled(so)
         ro, failed = self.executor.execute(so)
-        failed_users = self._fail_children(failed)
+        failed_users = self._fail_children({**load_failures, **failed})
         updated = self.scheduler.update_from_output(so, ro)
         outputs = self._make_outputs(updated, ro, failed_users)
         self._record_step(so, outputs, start, time.perf_counter() - t0)
@@ -364,7 +414,9 @@ class EngineCore:
         block tables and block pool (AssertionError on a broken invariant)."""
         if self.check_integrity_when_idle:
             self.scheduler.check_integrity()
-            assert self.scheduler.kv_cache_manager.num_used_blocks == 0, (
+            remote = self.scheduler.remote      # held or orphaned blocks may remain
+            assert self.scheduler.kv_cache_manager.num_used_blocks == 0 or remote.held \
+                or remote.orphaned, (
                 f"idle engine holds {self.scheduler.kv_cache_manager.num_used_blocks} blocks")
 
     def _fail_children(self, failed: dict[str, str]) -> dict[str, tuple[_UserRequest, str]]:
@@ -414,6 +466,9 @@ class EngineCore:
         new_ids = req.output_token_ids[child.num_output_tokens:]
         child.num_output_tokens = req.num_output_tokens
         text, new_logprobs = "", None
+        seed, child.seed = child.seed, None
+        if seed is not None:
+            user.metrics.num_generation_tokens += 1
         if new_ids:
             m = user.metrics
             if m.first_token_time is None:
@@ -430,11 +485,20 @@ class EngineCore:
                 self.scheduler.finish_requests([req.req_id], "stop", child.detok.stop_reason)
         finish_reason = stop_reason = None
         if req.is_finished:
-            if not child.detok.finished:
+            remote = req.kv_hold and self.kv_roles is not None and \
+                self.kv_roles.producer_finished(req, child.detok.finished,
+                                                (new_logprobs or [None])[0])
+            if not child.detok.finished and not remote:   # remote: a decode continues it
                 text += child.detok.flush() or ""
             finish_reason, stop_reason = req.finish_reason, req.stop_reason
+            if req.kv_hold and child.detok.finished:      # stop string on the first token
+                finish_reason, stop_reason = "stop", child.detok.stop_reason
             child.finished = True
             user.num_unfinished -= 1
+        if seed is not None:      # the first token, from the prefill instance
+            text, new_ids = seed.text + text, seed.token_ids + new_ids
+            if seed.logprobs is not None:
+                new_logprobs = seed.logprobs + (new_logprobs or [])
         return CompletionOutput(child.index, text, new_ids, None, new_logprobs,
                                 finish_reason, stop_reason)
 

@@ -12,6 +12,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("duetserve.entrypoints.generate", "generate completions (greedy by default)"),
     "chat": ("duetserve.entrypoints.chat", "interactive chat with streaming output"),
     "serve": ("duetserve.entrypoints.openai.serve", "OpenAI-compatible HTTP server"),
+    "router": ("duetserve.entrypoints.router.app",
+               "OpenAI API in front of prefill and decode instances (disaggregation)"),
     "roofline": ("duetserve.metrics.roofline", "roofline analysis of a model on hardware"),
     "plot": ("duetserve.metrics.plot_trace", "plot a step trace written by --trace-file"),
     "bench throughput": ("duetserve.bench.throughput", "offline throughput benchmark"),

@@ -75,13 +75,15 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         raise UserError(str(e)) from None
 
 
-def build_engine(args: argparse.Namespace):
-    """EngineCore from flags; checkpoint problems become one-line UserErrors."""
+def build_engine(args: argparse.Namespace, kv_transfer=None):
+    """EngineCore from flags; checkpoint problems (and a KV transfer backend that cannot
+    start) become one-line UserErrors. `kv_transfer`: a KVTransferConfig (serve --role)."""
     from duetserve.engine.engine_core import EngineCore
     from duetserve.errors import DuetError
+    from duetserve.kv_transfer.backends import TransferError
     try:
-        return EngineCore(engine_config_from_args(args))
-    except DuetError as e:
+        return EngineCore(engine_config_from_args(args), kv_transfer=kv_transfer)
+    except (DuetError, TransferError) as e:
         raise UserError(str(e)) from None
 
 

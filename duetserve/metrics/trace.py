@@ -165,6 +165,23 @@ class TraceWriter:
                 self._events.append({"name": "finished", "ph": "i", "s": "t",
                                      "tid": track.tid, "start": end, "end": end, "args": {}})
 
+    def transfer(self, t: Any, backend: str) -> None:
+        """A KV transfer ended (Transfer from kv_transfer/state.py, duck-typed): a span
+        "kv transfer (backend)" on its request's track, from start (or, for blocks a
+        prefill instance held, creation) to end, with bytes and status."""
+        if self._closed:
+            return
+        start = t.created if backend == "held" else (t.started or t.created)
+        end = t.finished or start
+        if backend != "held" and t.seconds is not None:    # the copy itself
+            end = start + t.seconds
+        self._see(start)
+        self._see(end)
+        self._events.append({"name": f"kv transfer ({backend})", "ph": "X",
+                             "tid": self._track(t.req_id).tid, "start": start, "end": end,
+                             "args": {"bytes": t.nbytes, "status": t.status.value,
+                                      "transfer_id": t.transfer_id, "error": t.error}})
+
     def _close_decode(self, track: _ReqTrack) -> None:
         if track.decode is not None:
             d = track.decode

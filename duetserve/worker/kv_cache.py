@@ -39,10 +39,17 @@ def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 
 def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int,
-                      dtype: torch.dtype, device: str | torch.device
+                      dtype: torch.dtype, device: str | torch.device,
+                      buffer: torch.Tensor | None = None
                       ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer (k, v) views of one cache tensor; `buffer` (zeroed uint8 CPU memory of
+    exactly the cache's bytes) is used in place when given."""
     shape = (cfg.num_hidden_layers, 2, cfg.num_key_value_heads, num_blocks, block_size,
              cfg.head_dim)
-    cache = _lazy_zeros(shape, dtype) if str(device) == "cpu" else \
-        torch.zeros(shape, dtype=dtype, device=device)
+    if buffer is not None:
+        cache = buffer.view(dtype).view(shape)
+    elif str(device) == "cpu":
+        cache = _lazy_zeros(shape, dtype)
+    else:
+        cache = torch.zeros(shape, dtype=dtype, device=device)
     return [(cache[i, 0], cache[i, 1]) for i in range(cfg.num_hidden_layers)]

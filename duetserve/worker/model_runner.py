@@ -37,15 +37,18 @@ class RunnerRequestState:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, num_blocks: int,
                  block_size: int, dtype: torch.dtype, device: str = "cpu",
-                 grammars: GrammarCompiler | None = None) -> None:
+                 grammars: GrammarCompiler | None = None,
+                 kv_buffer: torch.Tensor | None = None) -> None:
         """`grammars` compiles the constraints of guided requests (None: the runner
-        refuses them)."""
+        refuses them). `kv_buffer`: uint8 memory to hold the KV cache (shareable memory
+        of a disaggregated instance); None allocates it."""
         self.model = model
         self.config = model_config
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.device = device
-        self.kv_caches = allocate_kv_cache(model_config, num_blocks, block_size, dtype, device)
+        self.kv_caches = allocate_kv_cache(model_config, num_blocks, block_size, dtype, device,
+                                           kv_buffer)
         self.requests: dict[str, RunnerRequestState] = {}
         self.grammars = grammars
         masker = None if grammars is None else GrammarMasker(grammars, model_config.vocab_size)

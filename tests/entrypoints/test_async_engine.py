@@ -28,6 +28,7 @@ class FakeCore:
         self.aborted: list[str] = []
         self.thread_ids: set[int] = set()
         self.shut_down = False
+        self.kv_roles = None
 
     def make_stats(self):
         return SimpleNamespace(num_running=len(self.reqs), num_waiting=0, kv_usage=0.0,
@@ -51,6 +52,12 @@ class FakeCore:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.reqs)
+
+    def has_work_now(self) -> bool:
+        return bool(self.reqs)
+
+    def seconds_to_next_deadline(self) -> None:
+        return None
 
     def step_deltas(self) -> list[RequestOutput]:
         self.thread_ids.add(threading.get_ident())

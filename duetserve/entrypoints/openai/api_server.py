@@ -25,6 +25,7 @@ from duetserve.entrypoints.openai.protocol import (ChatCompletionRequest, Comple
 from duetserve.entrypoints.openai.http_guard import RequestGuard
 from duetserve.entrypoints.openai.serving import APIError, ServerContext, create_completion
 from duetserve.entrypoints.openai.serving_chat import create_chat_completion
+from duetserve.metrics.kv_transfer import KVTransferMetrics
 from duetserve.metrics.prometheus import CONTENT_TYPE, ServerMetrics
 
 log = logging.getLogger("duetserve.serve")
@@ -88,6 +89,14 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     core.add_step_observer(metrics.observe_step)
     engine.idle_stats_observers.append(metrics.observe_step)
     engine.finish_observers.append(metrics.observe_finished)
+    roles = core.kv_roles
+    if roles is not None:      # disaggregated: transfer metrics, TTFT split, trace spans
+        kv_metrics = KVTransferMetrics(metrics.registry, served_model_name,
+                                       roles.config.role, metrics._lock)
+        roles.connector.observers.append(kv_metrics.observe_transfer)
+        engine.finish_observers.append(kv_metrics.observe_finished)
+        if core.trace is not None:
+            roles.connector.observers.append(core.trace.transfer)
     ctx = ServerContext(engine, served_model_name, core.model_config.vocab_size,
                         engine.max_model_len)
     created = int(time.time())
@@ -154,6 +163,30 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
             return JSONResponse(error_body("the engine loop is not running",
                                            "ServiceUnavailableError", None, 503), 503)
         return Response(status_code=200)
+
+    @app.get("/load")
+    async def load():
+        """What the router's least-loaded policy reads: the latest step's queue and KV
+        state (a snapshot the engine thread replaces after every step)."""
+        st = core.last_step
+        return {"role": roles.config.role if roles else "both",
+                "num_running": st.num_running, "num_waiting": st.num_waiting,
+                "kv_usage": st.kv_usage, "num_used_blocks": st.num_used_blocks,
+                "num_held_transfers": roles.connector.num_held if roles else 0}
+
+    @app.post("/kv/release")
+    async def kv_release(raw: Request):
+        """A decode instance finished reading a transfer: free the held blocks."""
+        if roles is None or roles.config.role != "prefill":
+            raise APIError("this instance is not a prefill instance", 404, None,
+                           "NotFoundError")
+        try:
+            body = await raw.json()
+            transfer_id, ok = str(body["transfer_id"]), bool(body.get("ok", True))
+        except Exception:  # noqa: BLE001 - malformed control message
+            raise APIError("expected {\"transfer_id\": str, \"ok\": bool}") from None
+        held = roles.connector.post_release(transfer_id, ok)
+        return {"released": transfer_id, "held": held}
 
     @app.get("/version")
     async def version():

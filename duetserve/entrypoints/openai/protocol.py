@@ -58,6 +58,8 @@ class _SamplingFields(BaseModel):
     guided_grammar: str | None = None
     # Accepted when they ask for nothing (None / their no-op value); else a 400.
     service_tier: str | None = None
+    # Prefill/decode disaggregation (kv_transfer/params.py): set by `duet router`.
+    kv_transfer_params: dict[str, Any] | None = None
 
     def unsupported_field(self) -> tuple[str, str] | None:
         """(field, why) of the first OpenAI field set to something this server does not

@@ -36,6 +36,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--timeout-keep-alive", type=float, default=5.0,
                    help="close an idle keep-alive connection after this many seconds "
                         "(default %(default)s)")
+    d = p.add_argument_group("prefill/decode disaggregation (docs/disaggregation.md)")
+    d.add_argument("--role", default="both", choices=["both", "prefill", "decode"],
+                   help="both (default): colocated; prefill: compute prompts' KV and first "
+                        "tokens for decode instances; decode: continue from a prefill "
+                        "instance's KV. Put `duet router` in front of them")
+    d.add_argument("--kv-transfer-backend", default="shm", choices=["shm", "mooncake"],
+                   help="how a decode instance reads KV: shm (same host) or mooncake "
+                        "(Mooncake Transfer Engine over TCP, any host) (default %(default)s)")
+    d.add_argument("--kv-transfer-timeout", type=float, default=30.0,
+                   help="seconds a prefill instance holds a request's KV for a decode "
+                        "instance before freeing it; also a decode instance's limit on one "
+                        "read (default %(default)s)")
+    d.add_argument("--kv-transfer-host", default=None,
+                   help="address Mooncake publishes for this instance (default: --host, "
+                        "or 127.0.0.1 when binding 0.0.0.0)")
+    d.add_argument("--kv-transfer-compression", default="none", choices=["none", "int8"],
+                   help="prefill: send KV as int8 with a scale per token and head (about "
+                        "1/4 of float32 bytes; lossy, see docs/benchmarks.md)")
+    d.add_argument("--no-mooncake", dest="mooncake", action="store_false",
+                   help="a prefill instance serves shared memory only (no Mooncake)")
     s.add_argument("--uvicorn-log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug"])
 
@@ -47,6 +67,19 @@ def served_name(model_arg: str | None) -> tuple[str, str]:
     base = os.path.basename(os.path.normpath(path))
     stem = base if os.path.isdir(path) else os.path.splitext(base)[0]
     return stem, path
+
+
+def kv_transfer_config(args: argparse.Namespace):
+    from duetserve.config import ConfigError
+    from duetserve.kv_transfer import KVTransferConfig
+    host = args.kv_transfer_host or (args.host if args.host not in ("0.0.0.0", "::")
+                                     else "127.0.0.1")
+    try:
+        return KVTransferConfig(args.role, args.kv_transfer_backend,
+                                args.kv_transfer_timeout, host, args.mooncake,
+                                args.kv_transfer_compression)
+    except ConfigError as e:
+        raise UserError(str(e)) from None
 
 
 def main(args: argparse.Namespace) -> int:
@@ -64,7 +97,7 @@ def main(args: argparse.Namespace) -> int:
         if not getattr(args, name) > 0:
             raise UserError(f"--{name.replace('_', '-')} must be > 0, got "
                             f"{getattr(args, name)}")
-    core = build_engine(args)
+    core = build_engine(args, kv_transfer_config(args))
     name, path = served_name(getattr(args, "model_pos", None) or args.model)
     name = args.served_model_name or name
     api_key = args.api_key or os.environ.get("DUET_API_KEY") or None

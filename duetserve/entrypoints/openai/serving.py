@@ -26,6 +26,8 @@ from duetserve.engine.async_engine import (AsyncEngine, EngineStepError, Request
 from duetserve.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                    error_body)
 from duetserve.errors import EngineOverloadedError, RequestError
+from duetserve.kv_transfer.params import PARAM as KV_PARAM
+from duetserve.kv_transfer.params import parse_request_params
 from duetserve.outputs import CompletionOutput, Logprob, OutputAccumulator, RequestOutput
 from duetserve.sampling_params import GuidedDecoding, SamplingParams
 
@@ -148,8 +150,10 @@ class _Generation:
     their output streams merged, abort on client disconnect (watched through ASGI
     `http.disconnect`), counted in ctx.in_flight until its last byte."""
 
-    def __init__(self, ctx: ServerContext, raw: Request, prefix: str) -> None:
+    def __init__(self, ctx: ServerContext, raw: Request, prefix: str,
+                 kv_transfer_params: dict | None = None) -> None:
         self.ctx, self.raw = ctx, raw
+        self.kv_params = kv_transfer_params
         self.req_id = f"{prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.arrival_time = getattr(raw.state, "arrival_time", None) or time.time()
@@ -164,6 +168,7 @@ class _Generation:
         many = len(prompts) > 1
         self.subs = [_Sub(f"{self.req_id}-p{i}" if many else self.req_id, ids, text)
                      for i, (ids, text) in enumerate(prompts)]
+        self._expect_kv_transfer(many)
         try:
             for sub in self.subs:
                 sub.stream = await self.ctx.engine.add_request(
@@ -179,6 +184,31 @@ class _Generation:
             self.close()
             raise
         self._watcher = asyncio.create_task(self._watch_disconnect())
+
+    def _expect_kv_transfer(self, many: bool) -> None:
+        """Hand the body's kv_transfer_params to the engine (disaggregation: one prompt,
+        checked against this instance's role). Raises APIError."""
+        if self.kv_params is None:
+            return
+        roles = self.ctx.core.kv_roles
+        try:
+            parsed = parse_request_params(self.kv_params,
+                                          "both" if roles is None else roles.config.role)
+        except RequestError as e:
+            raise APIError(e.message, param=e.param) from None
+        if parsed is not None and many:
+            raise APIError(f"{KV_PARAM} needs a single prompt", param=KV_PARAM)
+        if parsed is not None:
+            roles.expect(self.subs[0].req_id, parsed)
+
+    def kv_response(self) -> dict:
+        """{"kv_transfer_params": descriptor} when a prefill instance holds this
+        request's KV for a decode instance, else {} (the request is complete)."""
+        roles = self.ctx.core.kv_roles
+        if self.kv_params is None or roles is None or len(self.subs) != 1:
+            return {}
+        remote = roles.connector.published(self.subs[0].req_id)
+        return {} if remote is None else {"kv_transfer_params": remote.to_dict()}
 
     async def _watch_disconnect(self) -> None:
         while True:
@@ -374,7 +404,7 @@ async def create_completion(ctx: ServerContext, body: CompletionRequest, raw: Re
     await compile_constraint(ctx, params.guided)
     if body.echo and body.logprobs is not None:   # echo scores the prompt too
         params = dataclasses.replace(params, prompt_logprobs=body.logprobs)
-    gen = _Generation(ctx, raw, "cmpl")
+    gen = _Generation(ctx, raw, "cmpl", body.kv_transfer_params)
     await gen.start(prompts, params, "prompt")
     n = params.n
     echoes = [""] * len(prompts)
@@ -391,7 +421,8 @@ async def create_completion(ctx: ServerContext, body: CompletionRequest, raw: Re
                         ctx, o.token_ids, o.logprobs, len(echoes[i]))),
                     "finish_reason": _finish_reason(o), "stop_reason": o.stop_reason}
                    for i, out in enumerate(outs) for o in out.outputs]
-        return JSONResponse({**head, "choices": choices, "usage": gen.usage()})
+        return JSONResponse({**head, "choices": choices, "usage": gen.usage(),
+                             **gen.kv_response()})
 
     started: set[int] = set()      # choices that have sent a chunk
 

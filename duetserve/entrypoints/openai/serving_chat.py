@@ -102,7 +102,7 @@ async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest
     ctx.check_model(body.model)
     _check_fields(body)
     token_ids, plan, params = await _prompt(ctx, body)
-    gen = _Generation(ctx, raw, "chatcmpl")
+    gen = _Generation(ctx, raw, "chatcmpl", body.kv_transfer_params)
     await gen.start([(token_ids, None)], params, "messages")
     num_top = body.top_logprobs or 0
     head = {"id": gen.req_id, "object": "chat.completion", "created": gen.created,
@@ -117,7 +117,8 @@ async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest
                             "logprobs": _chat_logprobs(ctx, o.token_ids, o.logprobs, num_top),
                             "finish_reason": _chat_finish_reason(o, num_calls),
                             "stop_reason": o.stop_reason})
-        return JSONResponse({**head, "choices": choices, "usage": gen.usage()})
+        return JSONResponse({**head, "choices": choices, "usage": gen.usage(),
+                             **gen.kv_response()})
 
     head["object"] = "chat.completion.chunk"
     started = [False] * params.n      # a choice's first chunk carries the role

@@ -1,0 +1,312 @@
+"""Prefill/decode disaggregation benchmarks (docs/benchmarks.md): prints tables, writes JSON.
+
+  1. transfer: KV of one 2,048-token prompt of the 1.5B model read by a decode instance,
+     per backend (shm, Mooncake TCP), next to raw loopback TCP moving the same bytes in
+     the same run; with int8 compression too (bytes and time saved).
+  2. int8 accuracy: greedy continuations and top-20 logprobs of the same prompts decoded
+     from uncompressed and from int8-compressed KV: token agreement and KL.
+  3. serving: colocated (one instance, 2 threads) against 1P1D behind `duet router`
+     (1 thread each) on a prefill-heavy workload (`duet bench serve`): TTFT and TPOT.
+
+    python benchmarks/disagg.py --model /root/.cache/duetserve-models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf \
+        --output-json benchmarks/results/disagg.json
+
+Every instance runs in its own process on loopback; each part starts and stops its own.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import httpx
+
+PY = sys.executable
+WORDS = ("river stone light paper window garden music number silver market engine "
+         "forest signal table yellow orbit").split()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Proc:
+    """`python -m duetserve <args>` on a free port, ready when /health answers."""
+
+    def __init__(self, *args: str) -> None:
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen([PY, "-m", "duetserve", *args, "--port", str(self.port)],
+                                     stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self.log.seek(0)
+                raise RuntimeError(f"{args[0]} exited:\n{self.log.read().decode()[-3000:]}")
+            try:
+                if httpx.get(self.base + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError("not ready")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+def serve(model: str | None, threads: int, *extra: str) -> Proc:
+    args = ["serve", "--num-threads", str(threads), "--max-num-batched-tokens", "512",
+            "--kv-cache-memory", "1.0", *extra]
+    return Proc(*(args + (["--model", model] if model else [])))
+
+
+def metric(proc: Proc, name: str) -> float:
+    total = 0.0
+    for line in httpx.get(proc.base + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def words_prompt(n: int, seed: int) -> str:
+    return " ".join(WORDS[(seed * 7 + i * 13 + i // 5) % len(WORDS)] for i in range(n))
+
+
+def prefill(pre: Proc, prompt, max_tokens: int = 2, **extra) -> dict:
+    r = httpx.post(pre.base + "/v1/completions", timeout=900, json={
+        "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+        "kv_transfer_params": {"do_remote_decode": True}, **extra})
+    r.raise_for_status()
+    return r.json()
+
+
+def decode(dec: Proc, prompt, kv: dict, max_tokens: int = 2, **extra) -> dict:
+    r = httpx.post(dec.base + "/v1/completions", timeout=900, json={
+        "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+        "kv_transfer_params": {"remote_prefill": kv}, **extra})
+    r.raise_for_status()
+    return r.json()
+
+
+def raw_tcp_seconds(nbytes: int, repeats: int) -> list[float]:
+    """Loopback TCP: one connection, `nbytes` sent and received into preallocated
+    buffers (the best case for a byte stream), `repeats` times."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    payload = memoryview(bytearray(os.urandom(1 << 20)) * (nbytes // (1 << 20) + 1))[:nbytes]
+    sink = bytearray(nbytes)
+
+    def sender() -> None:
+        conn, _ = srv.accept()
+        with conn:
+            for _ in range(repeats):
+                conn.recv(1)
+                conn.sendall(payload)
+    t = threading.Thread(target=sender, daemon=True)
+    t.start()
+    out = []
+    with socket.create_connection(srv.getsockname()) as c:
+        view = memoryview(sink)
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            c.sendall(b"x")
+            got = 0
+            while got < nbytes:
+                got += c.recv_into(view[got:], nbytes - got)
+            out.append(time.perf_counter() - t0)
+    t.join()
+    srv.close()
+    return out
+
+
+def part_transfer(model: str | None, prompt_tokens: int, repeats: int) -> dict:
+    """One prefill per compression mode, read `repeats` times by each backend (the
+    blocks stay held: no release_url, a long timeout)."""
+    result: dict = {"prompt_tokens": prompt_tokens, "backends": {}}
+    # no prefix caching: each repeat reads every block again
+    decs = {"shm": serve(model, 1, "--role", "decode", "--no-prefix-caching"),
+            "mooncake": serve(model, 1, "--role", "decode", "--no-prefix-caching",
+                              "--kv-transfer-backend", "mooncake")}
+    try:
+        for compression in ("none", "int8"):
+            pre = serve(model, 2, "--role", "prefill", "--kv-transfer-timeout", "1800",
+                        "--kv-transfer-compression", compression)
+            try:
+                prompt = list(range(1000, 1000 + prompt_tokens))     # token ids
+                kv = prefill(pre, prompt)["kv_transfer_params"]
+                for name, dec in decs.items():
+                    secs, nbytes = [], 0
+                    for _ in range(repeats):
+                        b0, s0 = (metric(dec, "duet:kv_transfer_bytes_total"),
+                                  metric(dec, "duet:kv_transfer_time_seconds_total"))
+                        decode(dec, prompt, kv)
+                        nbytes = metric(dec, "duet:kv_transfer_bytes_total") - b0
+                        secs.append(metric(dec, "duet:kv_transfer_time_seconds_total") - s0)
+                    result["backends"][f"{name}/{compression}"] = {
+                        "bytes": int(nbytes), "seconds": secs,
+                        "median_s": statistics.median(secs),
+                        "gb_per_s": nbytes / statistics.median(secs) / 1e9}
+            finally:
+                pre.close()
+        nbytes = result["backends"]["shm/none"]["bytes"]
+        tcp = raw_tcp_seconds(nbytes, repeats)
+        result["raw_tcp"] = {"bytes": nbytes, "seconds": tcp, "median_s": statistics.median(tcp),
+                             "gb_per_s": nbytes / statistics.median(tcp) / 1e9}
+    finally:
+        for d in decs.values():
+            d.close()
+    return result
+
+
+def _kl_top(p: dict[str, float], q: dict[str, float]) -> float:
+    """KL(p || q) over p's top tokens; a token missing from q's list gets q's smallest
+    listed logprob (an upper bound on its probability), p renormalised on its list."""
+    floor = min(q.values())
+    z = math.log(sum(math.exp(v) for v in p.values()))
+    return sum(math.exp(lp - z) * ((lp - z) - q.get(t, floor)) for t, lp in p.items())
+
+
+def part_accuracy(model: str | None, num_prompts: int, prompt_words: int,
+                  max_tokens: int) -> dict:
+    dec = serve(model, 1, "--role", "decode", "--no-prefix-caching")
+    runs: dict[str, list] = {}
+    try:
+        for compression in ("none", "int8"):
+            pre = serve(model, 1, "--role", "prefill", "--kv-transfer-compression", compression)
+            try:
+                outs = []
+                for i in range(num_prompts):
+                    prompt = words_prompt(prompt_words, i)
+                    kv = prefill(pre, prompt, max_tokens, logprobs=20)["kv_transfer_params"]
+                    kv["release_url"] = pre.base + "/kv/release"
+                    lp = decode(dec, prompt, kv, max_tokens, logprobs=20)["choices"][0]["logprobs"]
+                    outs.append(lp)
+                runs[compression] = outs
+            finally:
+                pre.close()
+    finally:
+        dec.close()
+    same_tokens = total = identical = 0
+    kls = []
+    for a, b in zip(runs["none"], runs["int8"]):
+        ta, tb = a["tokens"], b["tokens"]
+        total += len(ta)
+        diverged = False
+        for k, (x, y) in enumerate(zip(ta, tb)):
+            if x != y:
+                diverged = True
+                break
+            same_tokens += 1
+            if k > 0:       # the first token comes from the prefill (no int8 involved)
+                kls.append(_kl_top(a["top_logprobs"][k], b["top_logprobs"][k]))
+        identical += not diverged and len(ta) == len(tb)
+    return {"num_prompts": num_prompts, "prompt_words": prompt_words, "max_tokens": max_tokens,
+            "tokens_before_first_divergence": same_tokens, "tokens": total,
+            "agreement": same_tokens / max(total, 1), "identical_outputs": identical,
+            "kl_mean": statistics.fmean(kls) if kls else None,
+            "kl_max": max(kls) if kls else None, "kl_positions": len(kls)}
+
+
+def bench_serve(base: str, label: str, args: argparse.Namespace, out_dir: str) -> dict:
+    path = os.path.join(out_dir, f"{label}.json")
+    cmd = [PY, "-m", "duetserve", "bench", "serve", "--base-url", base, "--no-progress",
+           "--num-prompts", str(args.serve_prompts), "--request-rate", str(args.serve_rate),
+           "--input-len", str(args.serve_input_len), "--output-len", str(args.serve_output_len),
+           "--ignore-eos", "--no-continuous-usage", "--percentiles", "50,99",
+           "--label", label, "--output-json", path, "--seed", "1"]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    with open(path) as f:
+        summary = json.load(f)["runs"][0]["summary"]
+    return {k: summary[k] for k in ("ttft_ms", "tpot_ms", "e2el_ms", "completed",
+                                     "duration") if k in summary}
+
+
+def part_serving(model: str | None, args: argparse.Namespace) -> dict:
+    out: dict = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        colo = serve(model, 2)
+        try:
+            out["colocated_2t"] = bench_serve(colo.base, "colocated", args, tmp)
+        finally:
+            colo.close()
+        pre = serve(model, 1, "--role", "prefill")
+        dec = serve(model, 1, "--role", "decode")
+        router = Proc("router", "--prefill", pre.base, "--decode", dec.base)
+        try:
+            out["1p1d_1t_each"] = bench_serve(router.base, "1p1d", args, tmp)
+        finally:
+            for p in (router, dec, pre):
+                p.close()
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=None, help="GGUF for the transfer part (default model "
+                   "otherwise); accuracy and serving use --small-model")
+    p.add_argument("--small-model", default=None, help="model for accuracy and serving "
+                   "(default: the default model)")
+    p.add_argument("--prompt-tokens", type=int, default=2048)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--accuracy-prompts", type=int, default=8)
+    p.add_argument("--serve-prompts", type=int, default=24)
+    p.add_argument("--serve-rate", type=float, default=1.0)
+    p.add_argument("--serve-input-len", default="1024")
+    p.add_argument("--serve-output-len", default="48")
+    p.add_argument("--parts", default="transfer,accuracy,serving")
+    p.add_argument("--output-json", default=None)
+    args = p.parse_args()
+    parts = set(args.parts.split(","))
+    result: dict = {"args": vars(args)}
+    if "transfer" in parts:
+        t = result["transfer"] = part_transfer(args.model, args.prompt_tokens, args.repeats)
+        raw = t["raw_tcp"]
+        print(f"\nKV transfer, {t['prompt_tokens']}-token prompt ({args.model or 'default model'})")
+        print(f"{'path':<16}{'MB':>10}{'median ms':>12}{'GB/s':>8}{'x raw TCP':>11}")
+        for name, r in [*t["backends"].items(), ("raw tcp", raw)]:
+            print(f"{name:<16}{r['bytes'] / 1e6:>10.1f}{r['median_s'] * 1e3:>12.1f}"
+                  f"{r['gb_per_s']:>8.2f}{r['gb_per_s'] / raw['gb_per_s']:>11.2f}")
+    if "accuracy" in parts:
+        a = result["accuracy"] = part_accuracy(args.small_model, args.accuracy_prompts, 48, 32)
+        print(f"\nint8 KV transfer vs uncompressed ({args.small_model or 'default model'}): "
+              f"{a['tokens_before_first_divergence']}/{a['tokens']} tokens before the first "
+              f"divergence ({100 * a['agreement']:.1f}%), {a['identical_outputs']}/"
+              f"{a['num_prompts']} outputs identical; top-20 KL mean {a['kl_mean']:.2e}, "
+              f"max {a['kl_max']:.2e} over {a['kl_positions']} positions")
+    if "serving" in parts:
+        s = result["serving"] = part_serving(args.small_model, args)
+        print(f"\nServing, {args.serve_prompts} requests at {args.serve_rate}/s, input "
+              f"{args.serve_input_len}, output {args.serve_output_len} "
+              f"({args.small_model or 'default model'})")
+        print(f"{'setup':<16}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}{'TPOT p99':>10}")
+        for name, r in s.items():
+            tt, tp = r["ttft_ms"], r["tpot_ms"]
+            print(f"{name:<16}{tt['median']:>10.1f}{tt['p99']:>10.1f}{tp['median']:>10.1f}"
+                  f"{tp['p99']:>10.1f}")
+    if args.output_json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.output_json)), exist_ok=True)
+        with open(args.output_json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

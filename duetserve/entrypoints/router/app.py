@@ -1,0 +1,159 @@
+"""`duet router --prefill URL[,URL...] --decode URL[,URL...]`: the OpenAI API in front of
+prefill and decode instances (`duet serve --role prefill|decode`).
+
+    POST /v1/completions, /v1/chat/completions   split into samples (merge.py), each
+                                                 prefill -> decode (flow.py)
+    GET  /v1/models                              the first healthy prefill instance's
+    GET  /health                                 200 while each kind has a healthy one
+    GET  /instances                              the pool: health, load, last error
+    GET  /metrics                                requests, failovers, TTFT split
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+from contextlib import asynccontextmanager
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram,
+                               generate_latest)
+
+from duetserve.entrypoints.cli import UserError
+from duetserve.entrypoints.router.flow import Flow, Timings, UpstreamError, error_body
+from duetserve.entrypoints.router.merge import complete, split, stream
+from duetserve.entrypoints.router.policy import POLICIES, Policy
+from duetserve.entrypoints.router.pool import InstancePool, parse_urls
+
+log = logging.getLogger("duetserve.router")
+BUCKETS = [0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prefill", required=True, help="prefill instance URLs, comma-separated")
+    p.add_argument("--decode", required=True, help="decode instance URLs, comma-separated")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--prefill-policy", default="prefix", choices=POLICIES,
+                   help="how a prefill instance is picked (default %(default)s)")
+    p.add_argument("--decode-policy", default="least_loaded", choices=POLICIES[:2],
+                   help="how a decode instance is picked (default %(default)s)")
+    p.add_argument("--health-interval", type=float, default=2.0,
+                   help="seconds between health checks of each instance (default %(default)s)")
+
+
+def build_app(pool: InstancePool, prefill_policy: Policy, decode_policy: Policy) -> FastAPI:
+    registry = CollectorRegistry()
+    requests = Counter("duet_router:requests", "Requests by outcome.", ["outcome"],
+                       registry=registry)
+    phase = Histogram("duet_router:ttft_phase_seconds", "Per sample, as the router sees "
+                      "it: prefill (to the prefill answer: queue + prefill + first token) "
+                      "and first_decode (to the first decode chunk: transfer + first "
+                      "decode step).", ["phase"], buckets=BUCKETS, registry=registry)
+
+    def on_timings(t: Timings) -> None:
+        if t.prefill_s is not None:
+            phase.labels("prefill").observe(t.prefill_s)
+        if t.first_decode_s is not None:
+            phase.labels("first_decode").observe(t.first_decode_s)
+
+    state: dict = {}
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
+        async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(None, connect=5.0)
+                                     ) as client:
+            state["flow"] = Flow(client, pool, prefill_policy, decode_policy, on_timings)
+            state["client"] = client
+            await pool.check_all(client)
+            pool.start(client)
+            try:
+                yield
+            finally:
+                await pool.stop()
+
+    app = FastAPI(title="duetserve router", lifespan=lifespan)
+
+    async def generate(raw: Request, kind: str):
+        try:
+            body = await raw.json()
+            if not isinstance(body, dict):
+                raise ValueError("the body must be a JSON object")
+        except ValueError as e:
+            requests.labels("bad_request").inc()
+            return JSONResponse(error_body(f"malformed JSON body: {e}", "BadRequestError",
+                                           400), 400)
+        try:
+            samples, n = split(body, kind)
+            if samples and samples[0].stream:
+                include = bool((body.get("stream_options") or {}).get("include_usage"))
+                requests.labels("stream").inc()
+                return StreamingResponse(stream(state["flow"], samples, n, include),
+                                         media_type="text/event-stream")
+            out = await complete(state["flow"], samples, n)
+            requests.labels("ok").inc()
+            return JSONResponse(out)
+        except UpstreamError as e:
+            requests.labels("error").inc()
+            return JSONResponse(e.body, status_code=e.status)
+
+    @app.post("/v1/completions")
+    async def completions(raw: Request):
+        return await generate(raw, "completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(raw: Request):
+        return await generate(raw, "chat")
+
+    @app.get("/v1/models")
+    async def models():
+        for inst in pool.prefill:
+            if inst.healthy:
+                try:
+                    r = await state["client"].get(inst.url + "/v1/models", timeout=5.0)
+                    return JSONResponse(r.json(), r.status_code)
+                except httpx.HTTPError as e:
+                    inst.mark_down(f"{type(e).__name__}: {e}")
+        return JSONResponse(error_body("no healthy prefill instance",
+                                       "ServiceUnavailableError", 503), 503)
+
+    @app.get("/health")
+    async def health():
+        if any(i.healthy for i in pool.prefill) and any(i.healthy for i in pool.decode):
+            return Response(status_code=200)
+        return JSONResponse(error_body("no healthy prefill or decode instance",
+                                       "ServiceUnavailableError", 503), 503)
+
+    @app.get("/instances")
+    async def instances():
+        return {"instances": [{"url": i.url, "kind": i.kind, "healthy": i.healthy,
+                               "in_flight": i.in_flight, "load": i.load,
+                               "last_error": i.last_error} for i in pool.all]}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def main(args: argparse.Namespace) -> int:
+    import uvicorn
+    try:
+        pool = InstancePool(parse_urls(args.prefill, "prefill"),
+                            parse_urls(args.decode, "decode"), args.health_interval)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    if not args.health_interval > 0:
+        raise UserError(f"--health-interval must be > 0, got {args.health_interval}")
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO,
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)    # not every health check
+    app = build_app(pool, Policy(args.prefill_policy), Policy(args.decode_policy))
+    log.info("router at http://%s:%d/v1: prefill %s (%s), decode %s (%s)", args.host,
+             args.port, args.prefill, args.prefill_policy, args.decode, args.decode_policy)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0

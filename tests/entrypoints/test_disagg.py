@@ -1,0 +1,245 @@
+"""Prefill/decode disaggregation end to end with real processes on loopback: one prefill
+instance, two decode instances (shared memory and Mooncake TCP), routers in front, and a
+colocated server as the reference. Greedy outputs must be identical (every server runs
+one sequence per step, so the kernels see the same rows in both set-ups). The fault test
+runs last: it kills a decode instance."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import httpx
+import pytest
+from server_process import ServerProcess, free_port
+
+from duetserve.kv_transfer.backends import mooncake_available
+
+# 16 short prompts (under one 16-token block: no prefix sharing between samples).
+PROMPTS = ["The sky is", "My favourite fruit is", "Paris is the capital of",
+           "Once upon a time", "The best way to learn is", "Water boils at",
+           "A cat and a dog", "In the morning I", "The number after seven is",
+           "Python is a", "The moon", "Three primary colors are", "I like to eat",
+           "The ocean is", "Music makes me", "A good friend"]
+COMMON = ("--max-num-seqs", "1", "--max-num-batched-tokens", "256",
+          "--kv-cache-memory", "0.25")
+TIMEOUT_S = 6.0          # the prefill instance's --kv-transfer-timeout
+MOONCAKE = mooncake_available()
+
+
+class RouterProcess(ServerProcess):
+    def __init__(self, prefill: list[ServerProcess], decode: list[ServerProcess]) -> None:
+        super().__init__()
+        self.args = ["router", "--port", str(self.port), "--health-interval", "0.5",
+                     "--prefill", ",".join(p.base for p in prefill),
+                     "--decode", ",".join(d.base for d in decode)]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    procs = {}
+    try:
+        procs["colo"] = ServerProcess(*COMMON).__enter__()
+        procs["prefill"] = ServerProcess(*COMMON, "--role", "prefill", "--kv-transfer-timeout",
+                                         str(TIMEOUT_S)).__enter__()
+        procs["shm"] = ServerProcess(*COMMON, "--role", "decode").__enter__()
+        decodes = [procs["shm"]]
+        if MOONCAKE is None:
+            procs["mooncake"] = ServerProcess(*COMMON, "--role", "decode",
+                                              "--kv-transfer-backend", "mooncake").__enter__()
+            decodes.append(procs["mooncake"])
+        procs["r_shm"] = RouterProcess([procs["prefill"]], [procs["shm"]]).__enter__()
+        if MOONCAKE is None:
+            procs["r_mooncake"] = RouterProcess([procs["prefill"]],
+                                                [procs["mooncake"]]).__enter__()
+        procs["r_1p2d"] = RouterProcess([procs["prefill"]], decodes).__enter__()
+        yield procs
+    finally:
+        for p in reversed(list(procs.values())):
+            p.__exit__()
+
+
+ROUTERS = ["r_shm", pytest.param("r_mooncake", marks=pytest.mark.skipif(
+    MOONCAKE is not None, reason=f"Mooncake unavailable: {MOONCAKE}")), "r_1p2d"]
+
+
+def _body(stream: bool) -> dict:
+    return {"prompt": PROMPTS, "max_tokens": 8, "temperature": 0, "n": 2, "logprobs": 2,
+            "stop": [".", "\n\n"], "stream": stream,
+            **({"stream_options": {"include_usage": True}} if stream else {})}
+
+
+def _collect(base: str, body: dict, path: str = "/v1/completions") -> dict:
+    """Non-streamed answer, or the streamed chunks folded into the same shape."""
+    if not body.get("stream"):
+        r = httpx.post(base + path, json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()
+    choices: dict[int, dict] = {}
+    usage = None
+    with httpx.stream("POST", base + path, json=body, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
+            usage = chunk.get("usage") or usage
+            for c in chunk["choices"]:
+                acc = choices.setdefault(c["index"], {"text": "", "lps": [], "tokens": [],
+                                                      "finish_reason": None})
+                if "delta" in c:
+                    acc["text"] += c["delta"].get("content") or ""
+                    lps = (c.get("logprobs") or {}).get("content") or []
+                    acc["lps"] += [round(e["logprob"], 4) for e in lps]
+                    acc["tokens"] += [e["token"] for e in lps]
+                else:
+                    acc["text"] += c["text"]
+                    lps = c.get("logprobs") or {}
+                    acc["lps"] += [round(x, 4) for x in lps.get("token_logprobs") or []]
+                    acc["tokens"] += lps.get("tokens") or []
+                    acc["offsets"] = acc.get("offsets", []) + (lps.get("text_offset") or [])
+                acc["finish_reason"] = c["finish_reason"] or acc["finish_reason"]
+    return {"choices": [{"index": i, **c} for i, c in sorted(choices.items())],
+            "usage": usage}
+
+
+def _norm(answer: dict) -> list[tuple]:
+    out = []
+    for c in sorted(answer["choices"], key=lambda c: c["index"]):
+        if "lps" in c:
+            out.append((c["index"], c["text"], c["finish_reason"], c["tokens"], c["lps"]))
+            continue
+        lp = c.get("logprobs") or {}
+        text = c["text"] if "text" in c else c["message"]["content"]
+        lps = lp.get("token_logprobs") or [e["logprob"] for e in lp.get("content") or []]
+        tokens = lp.get("tokens") or [e["token"] for e in lp.get("content") or []]
+        out.append((c["index"], text, c["finish_reason"], tokens,
+                    [round(x, 4) for x in lps]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(cluster):
+    """The colocated server's answers, asked once per mode."""
+    cache: dict[bool, dict] = {}
+
+    def get(stream: bool) -> dict:
+        if stream not in cache:
+            cache[stream] = _collect(cluster["colo"].base, _body(stream))
+        return cache[stream]
+    return get
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+@pytest.mark.parametrize("router", ROUTERS)
+def test_completions_match_colocated(cluster, reference, router, stream):
+    ref = reference(stream)
+    got = _collect(cluster[router].base, _body(stream))
+    assert len(got["choices"]) == 32
+    assert _norm(got) == _norm(ref)
+    assert got["usage"]["prompt_tokens"] == ref["usage"]["prompt_tokens"]
+    assert got["usage"]["completion_tokens"] == ref["usage"]["completion_tokens"]
+    if stream:       # per-chunk text offsets as the colocated server streams them
+        assert [c.get("offsets") for c in got["choices"]] == \
+            [c.get("offsets") for c in ref["choices"]]
+    else:
+        assert [c["stop_reason"] for c in got["choices"]] == \
+            [c["stop_reason"] for c in ref["choices"]]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_chat_matches_colocated(cluster, stream):
+    body = {"messages": [{"role": "user", "content": "Name a color."}], "max_tokens": 8,
+            "temperature": 0, "logprobs": True, "top_logprobs": 2, "stream": stream}
+    ref = _collect(cluster["colo"].base, body, "/v1/chat/completions")
+    got = _collect(cluster["r_1p2d"].base, body, "/v1/chat/completions")
+    assert _norm(got) == _norm(ref)
+
+
+def _load(proc: ServerProcess) -> dict:
+    return httpx.get(proc.base + "/load", timeout=5).json()
+
+
+def _poll(cond, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout} s: {what}")
+        time.sleep(0.1)
+
+
+def test_transfers_released_and_metrics(cluster):
+    """After the equivalence runs, nothing is held; the decode instances counted bytes;
+    a request with bad transfer params is a 400 naming the field."""
+    _poll(lambda: _load(cluster["prefill"])["kv_usage"] == 0.0, TIMEOUT_S + 5,
+          "prefill KV usage back to 0")
+    m = cluster["shm"].metrics()
+    assert m.get("duet:kv_transfer_bytes_total", 0) > 0
+    r = httpx.post(cluster["colo"].base + "/v1/completions", timeout=10, json={
+        "prompt": "x", "max_tokens": 2, "kv_transfer_params": {"do_remote_decode": True}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "kv_transfer_params"
+
+
+def test_stalled_transfer_is_freed_by_timeout(cluster):
+    """A prefill whose KV no decode instance ever reads (a stalled transfer) holds its
+    blocks until --kv-transfer-timeout, then frees them; a decode instance handed the
+    stale descriptor afterwards fails the request cleanly instead of reading freed
+    blocks."""
+    pre = cluster["prefill"]
+    r = httpx.post(pre.base + "/v1/completions", timeout=30, json={
+        "prompt": "A stalled transfer holds", "max_tokens": 8, "temperature": 0,
+        "kv_transfer_params": {"do_remote_decode": True}})
+    kv = r.json()["kv_transfer_params"]
+    assert _load(pre)["num_held_transfers"] >= 1 and _load(pre)["kv_usage"] > 0
+    _poll(lambda: _load(pre)["kv_usage"] == 0.0, TIMEOUT_S + 5, "held blocks freed")
+    kv["release_url"] = pre.base + "/kv/release"
+    r = httpx.post(cluster["shm"].base + "/v1/completions", timeout=30, json={
+        "prompt": "A stalled transfer holds", "max_tokens": 8, "temperature": 0,
+        "kv_transfer_params": {"remote_prefill": kv}})
+    assert r.status_code == 500 and "freed the KV" in r.json()["error"]["message"]
+    assert _load(cluster["shm"])["kv_usage"] == 0.0
+
+
+def test_decode_killed_mid_stream(cluster):
+    """kill -9 one decode instance while streams run through the 1P2D router: its streams
+    end with an error event within 10 s, the others finish, the prefill instance holds
+    nothing after the timeout, and the router keeps serving on the survivor."""
+    router, victim = cluster["r_1p2d"], cluster["mooncake" if MOONCAKE is None else "shm"]
+    if MOONCAKE is not None:
+        pytest.skip("needs two decode instances (Mooncake unavailable)")
+    body = {"prompt": "Count: one, two, three,", "max_tokens": 120, "ignore_eos": True,
+            "temperature": 0, "stream": True}
+    clients = [httpx.Client(timeout=30) for _ in range(4)]
+    streams = [c.stream("POST", router.base + "/v1/completions", json=body) for c in clients]
+    responses = [s.__enter__() for s in streams]
+    lines = [r.iter_lines() for r in responses]
+    try:
+        for it in lines:             # every stream has its first token
+            assert next(l for l in it if l.startswith("data: "))
+        killed_at = time.monotonic()
+        os.kill(victim.proc.pid, signal.SIGKILL)
+        victim.proc.wait(10)
+        outcomes = []
+        for it in lines:
+            outcome = "finished"
+            for line in it:
+                if line.startswith("data: {") and '"error"' in line:
+                    outcome = "error"
+                    assert time.monotonic() - killed_at < 10
+            outcomes.append(outcome)
+    finally:
+        for s in streams:
+            s.__exit__(None, None, None)
+        for c in clients:
+            c.close()
+    assert "error" in outcomes and "finished" in outcomes, outcomes
+    _poll(lambda: _load(cluster["prefill"])["kv_usage"] == 0.0, TIMEOUT_S + 5,
+          "prefill KV usage back to 0")
+    r = httpx.post(router.base + "/v1/completions", timeout=60,
+                   json={"prompt": "Still serving?", "max_tokens": 4, "temperature": 0})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"]
