@@ -10,8 +10,10 @@ Token positions of a request (block_size 4 in the picture):
 Who mutates what (NOTE: the worker never touches a Request):
   - Scheduler.schedule():            status, num_computed_tokens (prefix hit at admission,
                                      0 on preemption), num_cached_tokens, num_preemptions
-  - Scheduler.update_from_output():  num_computed_tokens, output_token_ids/all_token_ids
-                                     (via append_output_token_ids), block_hashes,
+  - Scheduler.update_from_output():  num_computed_tokens (minus rejected drafts),
+                                     output_token_ids/all_token_ids (via
+                                     append_output_token_ids), block_hashes,
+                                     spec_token_ids and the acceptance counts,
                                      status/finish_reason/stop_reason on finish
   - Scheduler.abort_requests()/finish_requests(): status, finish_reason, stop_reason
   - the engine: the optional timing stamps (first_scheduled_time, ...) and eos_token_ids
@@ -73,6 +75,12 @@ class Request:
     finish_reason: str | None = None       # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None   # stop token id or stop string
     max_tokens: int | None = None          # resolved from sampling_params; None = to max len
+    # Speculative decoding: drafts proposed by the runner for the next step (never part of
+    # all_token_ids: they become tokens only once verified), and the request's measured
+    # acceptance (drafts accepted; verify steps that rejected one).
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_num_accepted: int = 0
+    spec_num_rejections: int = 0
 
     # --- optional wall-clock stamps the engine sets (time.time()) ------------------------
     first_scheduled_time: float | None = None

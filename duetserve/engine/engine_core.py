@@ -32,9 +32,10 @@ from duetserve.errors import EngineOverloadedError, RequestError
 from duetserve.loader import LoadedModel, load_model, release_free_memory
 from duetserve.metrics.step_accounting import StepAccount, accountant_for_engine
 from duetserve.metrics.trace import TraceWriter
-from duetserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from duetserve.outputs import CompletionOutput, RequestMetrics, RequestOutput, SpecDecodeStats
 from duetserve.request import Request
 from duetserve.sampling_params import SamplingParams
+from duetserve.spec_decode.factory import build_speculator, spec_policy_for
 from duetserve.structured import GrammarCompiler
 from duetserve.worker.kv_cache import kv_bytes_per_token, num_blocks_for_memory
 from duetserve.worker.model_runner import ModelRunner
@@ -85,6 +86,7 @@ class StepStats:
     items: list[tuple[str, int, int]] = field(default_factory=list)
     finished_req_ids: list[str] = field(default_factory=list)
     account: StepAccount | None = None   # FLOPs, bytes, MFU, MBU of this step
+    spec: SpecDecodeStats | None = None  # cumulative speculative-decoding counters
 
     @property
     def num_tokens(self) -> int:
@@ -100,7 +102,7 @@ def _queue_and_kv_stats(st) -> StepStats:
                      kv_usage=st.kv_usage, num_used_blocks=st.num_used_blocks,
                      num_preemptions=st.num_preemptions,
                      prefix_cache_queries=st.prefix_cache_queries,
-                     prefix_cache_hits=st.prefix_cache_hits)
+                     prefix_cache_hits=st.prefix_cache_hits, spec=st.spec)
 
 
 class EngineCore:
@@ -131,8 +133,12 @@ class EngineCore:
         # is built on the first guided request, so unconstrained serving never pays it).
         self.grammars = GrammarCompiler(self.tokenizer.to_json, mcfg.vocab_size,
                                         tuple(mcfg.eos_token_ids), num_threads)
+        spec = config.speculative_config
+        self.speculator = None if spec is None else build_speculator(
+            spec, self.loaded, mcfg, num_blocks, config.block_size, dtype, config.dtype,
+            config.device, config.max_model_len)
         self.runner = ModelRunner(self.loaded.model, mcfg, num_blocks, config.block_size,
-                                  dtype, config.device, self.grammars)
+                                  dtype, config.device, self.grammars, self.speculator)
         self.step_cost: StepCost | None = None
         self.max_step_ms: float | None = None
         self.step_budget: StepBudget | None = None
@@ -143,7 +149,9 @@ class EngineCore:
             max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
             block_size=config.block_size, num_blocks=num_blocks,
             enable_prefix_caching=config.enable_prefix_caching,
-            max_num_waiting=config.max_waiting_requests))
+            max_num_waiting=config.max_waiting_requests,
+            spec_policy=None if spec is None else spec_policy_for(
+                spec, self.loaded, self.speculator, self.step_cost)))
         self.executor = IsolatedExecutor(self.runner.execute_model, self.scheduler)
         self.eos_token_ids = tuple(mcfg.eos_token_ids)   # resolved once, by the loader
         self.requests: dict[str, _UserRequest] = {}
