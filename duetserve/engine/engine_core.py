@@ -151,7 +151,7 @@ class EngineCore:
             enable_prefix_caching=config.enable_prefix_caching,
             max_num_waiting=config.max_waiting_requests,
             spec_policy=None if spec is None else spec_policy_for(
-                spec, self.loaded, self.speculator, self.step_cost)))
+                spec, self.loaded, self.speculator, self.runner)))
         self.executor = IsolatedExecutor(self.runner.execute_model, self.scheduler)
         self.eos_token_ids = tuple(mcfg.eos_token_ids)   # resolved once, by the loader
         self.requests: dict[str, _UserRequest] = {}
