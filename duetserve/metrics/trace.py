@@ -103,6 +103,12 @@ class TraceWriter:
             "num_waiting": int(getattr(stats, "num_waiting", 0)),
             "kv_usage": float(getattr(stats, "kv_usage", 0.0)),
             "num_requests": len(stats.items)}
+        spec = getattr(stats, "spec", None)
+        if spec is not None:      # cumulative speculative-decoding counters
+            args.update(spec_drafts=spec.num_drafts, spec_draft_tokens=spec.num_draft_tokens,
+                        spec_accepted_tokens=spec.num_accepted_tokens,
+                        spec_acceptance_rate=spec.acceptance_rate,
+                        spec_mean_accepted_length=spec.mean_accepted_length)
         name = classify_phase(args["prefill_tokens"], args["decode_tokens"])
         if self.accountant is not None:
             acc = self.accountant.account_for(stats)
