@@ -71,7 +71,7 @@ def main() -> None:
                      xb, w8.q, w8.scale)),
                  "dequant_bf16": median_ms(lambda: F.linear(xb, w4.dequantize(torch.bfloat16)))}
             if native is not None and m <= 16:
-                r["duet_int4"] = median_ms(lambda: native.q4_gemv(x, w4.qs, w4.d, w4.m))
+                r["duet_int4"] = median_ms(lambda: native.q4_gemv(x, w4.packed, w4.shape[0]))
                 r["duet_int8"] = median_ms(lambda: native.q8_gemv(x, w8.q, w8.scale32))
             rows.append(r)
             f = lambda key: f"{r[key]:8.3f}" if key in r else f"{'':>8}"  # noqa: E731

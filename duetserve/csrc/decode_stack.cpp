@@ -8,7 +8,7 @@
 //   o = paged_decode_attention(q); x += linear(o);
 //   h = rms_norm(x); x += linear(silu(gate) * up of linear(h)).
 // so the result equals the module path's bit for bit for low-bit linears (a test checks
-// it). A linear is q4 (qs, d, m), q8 (q, scale) or dense float32 (weight), each with an
+// it). A linear is q4 (packed, N), q8 (q, scale) or dense float32 (weight), each with an
 // optional bias; dense ones at <= 4 rows run f32_gemv, where the modules' nn.Linear runs
 // oneDNN's GEMM (the same sums in another order: float32 rounding differences).
 #include <vector>
@@ -22,14 +22,16 @@ namespace {
 // same bound for the LM head (DENSE_GEMV_ROWS).
 constexpr int64_t kDenseGemvRows = 4;
 
-// One linear: kind 4 -> (a, b, c) = (qs, d, m); kind 8 -> (q, scale32); kind 0 -> dense a.
+// One linear: kind 4 -> a = packed, n = output rows; kind 8 -> (a, b) = (q, scale32);
+// kind 0 -> dense a.
 struct Linear {
   int kind = 0;
-  torch::Tensor a, b, c, bias;   // bias undefined when absent
+  int64_t n = 0;
+  torch::Tensor a, b, bias;   // bias undefined when absent
 
   torch::Tensor operator()(const torch::Tensor& x) const {
     torch::Tensor y;
-    if (kind == 4) y = q4_gemv(x, a, b, c);
+    if (kind == 4) y = q4_gemv(x, a, n);
     else if (kind == 8) y = q8_gemv(x, a, b);
     else if (x.size(0) <= kDenseGemvRows) y = f32_gemv(x, a);
     else return bias.defined() ? at::linear(x, a, bias) : at::linear(x, a);
@@ -42,10 +44,9 @@ Linear make_linear(const std::vector<torch::Tensor>& t, size_t i) {
   Linear l;
   l.a = t.at(i);
   if (l.a.scalar_type() == torch::kUInt8) {
-    TORCH_CHECK(l.a.dim() == 3, "q4 weight: qs [N, K/32, 16]");
+    TORCH_CHECK(l.a.dim() == 3, "q4 weight: packed [ceil(N/4), ceil(K/128), 320]");
     l.kind = 4;
-    l.b = t.at(i + 1);
-    l.c = t.at(i + 2);
+    l.n = t.at(i + 1).item<int64_t>();   // a one-element int64 tensor
   } else if (l.a.scalar_type() == torch::kInt8) {
     l.kind = 8;
     l.b = t.at(i + 1);

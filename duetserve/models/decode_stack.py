@@ -29,7 +29,7 @@ def _linear_slots(mod: nn.Module) -> list[torch.Tensor] | None:
         w = mod.qweight
         bias = _EMPTY if mod.bias is None else mod.bias
         if isinstance(w, Int4Weight):
-            return [w.qs, w.d, w.m, bias]
+            return [w.packed, torch.tensor([w.shape[0]]), _EMPTY, bias]
         if isinstance(w, Int8Weight):
             return [w.q, w.scale32, _EMPTY, bias]
         return None

@@ -4,8 +4,10 @@ Two packed forms. Decode steps run duetserve's own kernels on them (csrc/lowbit_
 activations quantized to int8 per group of 32 at each call, integer dot products with
 AVX512-VNNI, one float scale per group), else plain torch:
 
-- `Int4Weight`: GGUF Q4_1's layout, groups of 32 along K, `w = d * q + m`, q in 0..15,
-  16 bytes of nibbles + float16 d and m per group (0.625 bytes per weight). GGUF Q4_0 and
+- `Int4Weight`: GGUF Q4_1's groups, 32 along K, `w = d * q + m`, q in 0..15, 16 bytes
+  of nibbles + float16 d and m per group (0.625 bytes per weight), packed in blocks of 4
+  rows x 4 groups so the decode kernel reads one sequential stream (layout in
+  csrc/lowbit_gemv.cpp). GGUF Q4_0 and
   Q4_1 map onto it losslessly; Q4_K's per-sub-block `d * sc` and `-dmin * mn` are rounded
   to float16: |error| <= 2^-11 (|d q| + |m|) per weight (+ 2^-25 for float16 subnormals).
 - `Int8Weight`: one scale per output row, symmetric. Formats that are not 4-bit (Q5_x,
@@ -46,10 +48,12 @@ class KernelPolicy:
 
 
 class Int4Weight:
-    """qs [N, K/32, 16] uint8 (byte j: element j low nibble, j + 16 high) + d, m
-    [N, K/32] float16; w = d * q + m."""
+    """`packed` [ceil(N/4), ceil(K/128), 320] uint8: per block of 4 rows and 4 groups, the
+    rows' nibbles (64 bytes each; byte j of a group: element j low nibble, j + 16 high),
+    then d [4 rows][4 groups] and m [4][4] as float16; w = d * q + m. Padding is zero."""
 
     bits = 4
+    BLOCK = 4 * 64 + 2 * 32
 
     def __init__(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> None:
         """q: [N, K] uint8 in 0..15; d, m: [N, K/32] float (w = d * q + m)."""
@@ -57,21 +61,38 @@ class Int4Weight:
         if k % GROUP:
             raise ValueError(f"int4 groups need K % {GROUP} == 0, got K = {k}")
         self.shape = (n, k)
-        g = q.view(n, k // GROUP, GROUP).to(torch.uint8)
-        self.qs = (g[..., :16] | (g[..., 16:] << 4)).contiguous()
-        self.d = d.to(torch.float16).contiguous()
-        self.m = m.to(torch.float16).contiguous()
+        ng = k // GROUP
+        nb, nch = -(-n // 4), -(-ng // 4)
+        g = q.view(n, ng, GROUP).to(torch.uint8)
+        qs = torch.zeros(nb * 4, nch * 4, 16, dtype=torch.uint8)
+        qs[:n, :ng] = g[..., :16] | (g[..., 16:] << 4)
+        dm = torch.zeros(2, nb * 4, nch * 4, dtype=torch.float16)
+        dm[0, :n, :ng], dm[1, :n, :ng] = d, m
+        dm = dm.view(2, nb, 4, nch, 4).permute(1, 3, 0, 2, 4).reshape(nb, nch, 32)
+        self.packed = torch.cat([qs.view(nb, 4, nch, 64).permute(0, 2, 1, 3).reshape(nb, nch, 256),
+                                 dm.contiguous().view(torch.uint8)], dim=-1).contiguous()
+
+    def groups(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rows `ids` [n] unpacked: (qs [n, K/32, 16] uint8, d, m [n, K/32] float16)."""
+        nb, nch, _ = self.packed.shape
+        ng = self.shape[1] // GROUP
+        blk, r = ids // 4, ids % 4
+        qs = self.packed[..., :256].view(nb, nch, 4, 64)[blk, :, r]           # [n, nch, 64]
+        dm = self.packed[..., 256:].view(torch.float16).view(nb, nch, 2, 4, 4)[blk, :, :, r]
+        return (qs.reshape(len(ids), nch * 4, 16)[:, :ng],
+                dm[:, :, 0].reshape(len(ids), -1)[:, :ng], dm[:, :, 1].reshape(len(ids), -1)[:, :ng])
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] -> [M, N] float32: the native int8-activation kernel when built, else
         a float32 product on the dequantized weight."""
         if _NATIVE is not None:
-            return _NATIVE.q4_gemv(x.float(), self.qs, self.d, self.m)
+            return _NATIVE.q4_gemv(x.float(), self.packed, self.shape[0])
         return F.linear(x.float(), self.dequantize())
 
-    def _decode(self, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
+    @staticmethod
+    def _decode(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
                 dtype: torch.dtype) -> torch.Tensor:
-        """Packed rows -> dense [rows, K] in dtype (plain torch)."""
+        """Unpacked rows -> dense [rows, K] in dtype (plain torch)."""
         q = torch.cat([qs & 15, qs >> 4], dim=-1).to(dtype)         # [rows, K/32, 32]
         w = q * d.to(dtype)[..., None] + m.to(dtype)[..., None]
         return w.reshape(qs.shape[0], -1)
@@ -81,16 +102,16 @@ class Int4Weight:
         """Rows [a, b) as a dense [b - a, K] tensor."""
         b = self.shape[0] if b is None else b
         if _NATIVE is not None and dtype == torch.bfloat16:
-            return _NATIVE.q4_dequant_bf16(self.qs, self.d, self.m, a, b)
-        return self._decode(self.qs[a:b], self.d[a:b], self.m[a:b], dtype)
+            return _NATIVE.q4_dequant_bf16(self.packed, self.shape[1], a, b)
+        return self._decode(*self.groups(torch.arange(a, b)), dtype)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Dequantized rows `ids` [n] -> [n, K] float32 (embedding lookup)."""
-        return self._decode(self.qs[ids], self.d[ids], self.m[ids], torch.float32)
+        return self._decode(*self.groups(ids.reshape(-1)), torch.float32).view(*ids.shape, -1)
 
     @property
     def nbytes(self) -> int:
-        return self.qs.numel() + (self.d.numel() + self.m.numel()) * 2
+        return self.packed.numel()
 
 
 class Int8Weight:

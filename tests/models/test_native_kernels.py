@@ -151,7 +151,7 @@ def test_q4_gemv_equals_dequantized(rows, n, k):
     gen = torch.Generator().manual_seed(rows)
     qw = Int4Weight(*int4_groups_from_float(torch.randn(n, k, generator=gen)))
     x = torch.randn(rows, k, generator=gen)
-    got = native.q4_gemv(x, qw.qs, qw.d, qw.m).double()
+    got = native.q4_gemv(x, qw.packed, n).double()
     w = qw.dequantize().double()
     torch.testing.assert_close(got, _int8_activations(x) @ w.t(), atol=1e-4, rtol=1e-5)
     # |x - dx xq| <= dx / 2 per element, dx = max|x_g| / 127
@@ -182,10 +182,14 @@ def test_fused_row_ops():
 
 def test_q4_dequant_slices():
     from duetserve.models.quant import Int4Weight, int4_groups_from_float
-    qw = Int4Weight(*int4_groups_from_float(torch.randn(256, 96)))
+    q, d, m = int4_groups_from_float(torch.randn(254, 96))   # rows and groups padded
+    qw = Int4Weight(q, d, m)
     ref = qw.dequantize(torch.float32)          # plain-torch path, float32
-    for a, b in ((0, 256), (64, 192), (5, 6)):
-        got = native.q4_dequant_bf16(qw.qs, qw.d, qw.m, a, b)
+    torch.testing.assert_close(ref, Int4Weight._decode(
+        (q.view(254, 3, 32)[..., :16] | (q.view(254, 3, 32)[..., 16:] << 4)),
+        d.half(), m.half(), torch.float32), atol=0, rtol=0)
+    for a, b in ((0, 254), (64, 192), (5, 6), (253, 254)):
+        got = native.q4_dequant_bf16(qw.packed, 96, a, b)
         assert got.dtype == torch.bfloat16 and got.shape == (b - a, 96)
         torch.testing.assert_close(got.float(), ref[a:b], atol=0, rtol=2 ** -8)
 
