@@ -57,7 +57,8 @@ def main() -> None:
         # w = (q - 8) * scale + zero with zero = m + 8 d
         t4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
         t4sz = torch.stack([d.t(), (mn + 8 * d).t()], -1).to(torch.bfloat16).contiguous()
-        w8 = Int8Weight(*quantize_int8(w))
+        q8, s8 = quantize_int8(w)
+        w8 = Int8Weight(q8, s8)
         wb = w.bfloat16()
         for m in ROWS:
             x = torch.randn(m, k)
@@ -68,11 +69,11 @@ def main() -> None:
                  "torch_int4": median_ms(lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(
                      xb, t4, 32, t4sz)),
                  "torch_int8": median_ms(lambda: torch.ops.aten._weight_int8pack_mm(
-                     xb, w8.q, w8.scale)),
+                     xb, q8, w8.scale)),
                  "dequant_bf16": median_ms(lambda: F.linear(xb, w4.dequantize(torch.bfloat16)))}
             if native is not None and m <= 16:
                 r["duet_int4"] = median_ms(lambda: native.q4_gemv(x, w4.packed, w4.shape[0]))
-                r["duet_int8"] = median_ms(lambda: native.q8_gemv(x, w8.q, w8.scale32))
+                r["duet_int8"] = median_ms(lambda: native.q8_gemv(x, w8.packed, w8.scale32))
             rows.append(r)
             f = lambda key: f"{r[key]:8.3f}" if key in r else f"{'':>8}"  # noqa: E731
             print(f"{n:>6} x {k:<5} {m:>4} {f('fp32')} {f('bf16')} {f('torch_int4')} "

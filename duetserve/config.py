@@ -66,6 +66,12 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
 
+    def kv_bytes_per_token(self, bytes_per_element: float) -> float:
+        """KV cache bytes per token: 2 (K and V) x layers x kv_heads x head_dim x bytes
+        (the one definition; the worker sizes the cache with it, the cost model counts
+        its traffic)."""
+        return 2 * self.num_hidden_layers * self.kv_size * bytes_per_element
+
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
@@ -159,6 +165,9 @@ class EngineConfig:
     num_threads: int | None = None
     seed: int = 0
     trace_file: str | None = None       # Chrome/Perfetto trace of steps and requests
+    # Debug: run the scheduler's and block pool's check_integrity() each time the engine
+    # goes idle (also switched on by the environment variable DUET_CHECK_INTEGRITY=1).
+    check_integrity_when_idle: bool = False
     # Speculative decoding: a SpeculativeConfig, or its dict / JSON form (parsed once here).
     speculative_config: SpeculativeConfig | dict | str | None = None
 

@@ -1,12 +1,21 @@
 """Data passed between the layers of one engine step.
 
     Scheduler --SchedulerOutput--> ModelRunner --ModelRunnerOutput--> Scheduler/Engine
-    Engine --RequestOutput--> user
+    Engine --RequestOutput (a delta)--> user;  Engine --StepStats--> metrics observers
 
 `SchedulerOutput` sends a request's full data once (`NewRequestData`: when it is first
 scheduled, and again when it resumes after preemption) and only diffs afterwards
 (`CachedRequestData`). The runner keeps its own copy of each running request's tokens and
 block table; it appends the tokens it samples itself. The runner never sees a Request.
+
+The phase of a step is decided once, by the scheduler: `SchedulerOutput.num_prefill_tokens`
+/ `num_decode_tokens` / `decode_req_ids`; `StepStats` carries them to metrics, traces and
+benchmarks, which never re-derive it.
+
+Outputs travel as deltas: a `RequestOutput` from `EngineCore.step_deltas()` holds, per
+sample that changed, only this step's new token ids, text and logprobs. The cumulative
+view is built at the edge that needs it by `OutputAccumulator` (LLM.generate, the
+server's non-streaming responses).
 """
 from __future__ import annotations
 
@@ -48,6 +57,11 @@ class SchedulerOutput:
     # Requests finished, aborted or preempted since the last step: the runner drops its state.
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)
+    # The phase of this step, decided here once (Scheduler._build_output): a slice is a
+    # decode when it is 1 token, past the prompt, and that token is the last known one.
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    decode_req_ids: set[str] = field(default_factory=set)
     # Speculative decoding. Drafts to verify: request r's slice ends with these tokens, which
     # sit after its known tokens (num_scheduled_tokens[r] counts them):
     #     [ num_computed .. num_tokens-1 | d_0 .. d_{k-1} ]   k+1 positions with logits
@@ -59,6 +73,75 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return self.total_num_scheduled_tokens == 0
+
+    @property
+    def phase(self) -> str:
+        return step_phase(self.num_prefill_tokens, self.num_decode_tokens)
+
+    def slices(self) -> list[ScheduledSlice]:
+        """One ScheduledSlice per scheduled request, in schedule order (running first)."""
+        return [ScheduledSlice(req_id=d.req_id,
+                               num_new_tokens=self.num_scheduled_tokens[d.req_id],
+                               num_computed_before=d.num_computed_tokens,
+                               is_decode=d.req_id in self.decode_req_ids)
+                for d in (*self.scheduled_cached_reqs, *self.scheduled_new_reqs)]
+
+
+PHASES = ("prefill", "decode", "mixed")
+
+
+def step_phase(num_prefill_tokens: int, num_decode_tokens: int) -> str:
+    """"prefill" (no decode tokens), "decode" (no prefill tokens) or "mixed"."""
+    if num_decode_tokens == 0:
+        return "prefill"
+    if num_prefill_tokens == 0:
+        return "decode"
+    return "mixed"
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledSlice:
+    """One request's part of a step: its new tokens attend to num_computed_before +
+    num_new_tokens positions. `is_decode` is the scheduler's decision (see
+    SchedulerOutput)."""
+
+    req_id: str
+    num_new_tokens: int
+    num_computed_before: int
+    is_decode: bool = False
+
+
+@dataclass
+class StepStats:
+    """What one step did (for metrics, traces and `duet bench throughput`), or, with no
+    tokens, a snapshot of queue and KV state (`EngineCore.make_stats`). Build it by
+    keyword."""
+
+    start_time: float = 0.0          # time.time() when the step began
+    step_seconds: float = 0.0
+    num_prefill_tokens: int = 0      # from SchedulerOutput (the scheduler's decision)
+    num_decode_tokens: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    num_used_blocks: int = 0
+    num_preemptions: int = 0         # cumulative
+    prefix_cache_queries: int = 0    # tokens, cumulative
+    prefix_cache_hits: int = 0       # tokens, cumulative
+    items: list[ScheduledSlice] = field(default_factory=list)
+    finished_req_ids: list[str] = field(default_factory=list)
+    # FLOPs, bytes, MFU, MBU of this step: a metrics.step_accounting.StepAccount, set by
+    # the engine's accountant (typed loosely: outputs.py sits below metrics/).
+    account: object | None = None
+    spec: SpecDecodeStats | None = None  # cumulative speculative-decoding counters
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_tokens
+
+    @property
+    def phase(self) -> str:
+        return step_phase(self.num_prefill_tokens, self.num_decode_tokens)
 
 
 @dataclass(slots=True)
@@ -183,3 +266,64 @@ class RequestOutput:
     # Set (with finished=True, finish_reason "error") when this request's own processing
     # raised inside a step; the other requests of that step were not affected.
     error: str | None = None
+
+
+class OutputAccumulator:
+    """The cumulative view of a stream of delta RequestOutputs, assembled once, at the
+    edge that needs it (LLM.generate, EngineCore.step, non-streaming responses).
+
+    `add(delta)` returns the request's cumulative RequestOutput: a new RequestOutput each
+    call (its `finished` is that step's), sharing one CompletionOutput per sample that
+    later adds extend in place (token and logprob lists extended, never copied). Text is joined from its pieces when a sample finishes, or on every add with
+    `eager_text=True` (callers that read the text of unfinished outputs). Not
+    thread-safe. Mutates only its own state and the outputs it returned."""
+
+    def __init__(self, eager_text: bool = False) -> None:
+        self.eager_text = eager_text
+        self._outs: dict[str, RequestOutput] = {}
+        self._pieces: dict[tuple[str, int], list[str]] = {}
+
+    def add(self, delta: RequestOutput) -> RequestOutput:
+        acc = self._outs.get(delta.request_id)
+        if acc is None:
+            acc = self._outs[delta.request_id] = RequestOutput(
+                delta.request_id, delta.prompt, delta.prompt_token_ids, [], False,
+                delta.metrics, delta.num_cached_tokens)
+        acc.finished, acc.metrics, acc.error = delta.finished, delta.metrics, delta.error
+        acc.num_cached_tokens = delta.num_cached_tokens
+        if delta.prompt_logprobs is not None:
+            acc.prompt_logprobs = delta.prompt_logprobs
+        for d in delta.outputs:
+            key = (delta.request_id, d.index)
+            pieces = self._pieces.get(key)
+            if pieces is None:
+                pieces = self._pieces[key] = []
+                acc.outputs.append(CompletionOutput(d.index, "", []))
+                acc.outputs.sort(key=lambda o: o.index)
+            out = next(o for o in acc.outputs if o.index == d.index)
+            out.token_ids.extend(d.token_ids)
+            if d.logprobs is not None:
+                if out.logprobs is None:
+                    out.logprobs = []
+                out.logprobs.extend(d.logprobs)
+            if d.cumulative_logprob is not None:
+                out.cumulative_logprob = d.cumulative_logprob
+            out.finish_reason, out.stop_reason = d.finish_reason, d.stop_reason
+            if d.text:
+                pieces.append(d.text)
+            if self.eager_text or d.finished:
+                if len(pieces) > 1:
+                    pieces[:] = ["".join(pieces)]
+                out.text = pieces[0] if pieces else ""
+        if acc.finished:
+            self.forget(delta.request_id)
+        return RequestOutput(acc.request_id, acc.prompt, acc.prompt_token_ids,
+                             list(acc.outputs), acc.finished, acc.metrics,
+                             acc.num_cached_tokens, acc.prompt_logprobs, acc.error)
+
+    def forget(self, request_id: str) -> None:
+        """Drop the state of a request (done automatically when it finishes)."""
+        out = self._outs.pop(request_id, None)
+        if out is not None:
+            for o in out.outputs:
+                self._pieces.pop((request_id, o.index), None)

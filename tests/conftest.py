@@ -9,6 +9,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 torch.set_num_threads(2)
+# Every engine the tests build (in process or a server subprocess) checks the scheduler's
+# queues, block tables and block pool each time it goes idle.
+os.environ.setdefault("DUET_CHECK_INTEGRITY", "1")
 
 from tiny_models import TINY_VARIANTS, make_tiny_checkpoint  # noqa: E402
 

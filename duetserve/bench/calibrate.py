@@ -93,11 +93,13 @@ class _Driver:
 
     def step(self, record: bool = True) -> None:
         t0 = time.perf_counter()
-        self.engine.step()
+        self.engine.step_deltas()
         dt = time.perf_counter() - t0
         items = self.engine.last_step.items
         if record and items:
-            slices = [(n, c, c + n >= self.prompt_len[r]) for r, n, c in items]
+            slices = [(s.num_new_tokens, s.num_computed_before,
+                       s.num_computed_before + s.num_new_tokens >= self.prompt_len[s.req_id])
+                      for s in items]
             self.cal.samples.append((slices, dt))
 
     def drain(self, between: Callable[[int], None] | None = None) -> None:

@@ -24,6 +24,7 @@ from typing import Any
 from duetserve.bench.bench_metrics import RequestRecord, TurnInFlight, compute_latencies
 from duetserve.bench.cpu_meter import ForeignCpu
 from duetserve.bench.token_workload import TokenConversation
+from duetserve.outputs import OutputAccumulator
 
 
 @dataclass
@@ -42,6 +43,7 @@ def replay(engine: Any, convs: list[TokenConversation], offsets: list[float],
     heap = [(float(t), cid, 0, []) for cid, t in enumerate(offsets)]
     heapq.heapify(heap)
     live: dict[str, TurnInFlight] = {}
+    acc = OutputAccumulator()
     waiting: list[tuple[float, int, int, list[int]]] = []
     records: list[RequestRecord] = []
     steps: list[tuple[float, float, list[tuple[int, int, bool]]]] = []
@@ -80,18 +82,21 @@ def replay(engine: Any, convs: list[TokenConversation], offsets: list[float],
                 time.sleep(max(0.0, heap[0][0] - (time.perf_counter() - t0)))
             continue
         start = time.perf_counter()
-        outputs = engine.step()
+        outputs = engine.step_deltas()
         end = time.perf_counter()
         items = engine.last_step.items
         if items:
             steps.append((start - t0, end - start, [
-                (n, c, c + n >= len(live[r].prompt) if r in live else True)
-                for r, n, c in items]))
+                (s.num_new_tokens, s.num_computed_before,
+                 s.num_computed_before + s.num_new_tokens >= len(live[s.req_id].prompt)
+                 if s.req_id in live else True)
+                for s in items]))
         t = end - t0
         for out in outputs:
             st = live.get(out.request_id)
             if st is None:
                 continue
+            out = acc.add(out)          # the cumulative view, for the next turn's prompt
             n = len(out.outputs[0].token_ids)
             for _ in range(n - st.num_tokens):
                 st.chunk_times.append(t - st.send)
@@ -107,7 +112,7 @@ def replay(engine: Any, convs: list[TokenConversation], offsets: list[float],
                 records.append(rec)
                 del live[out.request_id]
                 if st.turn + 1 < len(convs[st.conv]):
-                    reply = list(out.outputs[0].token_ids)
+                    reply = out.outputs[0].token_ids
                     heapq.heappush(heap, (t, st.conv, st.turn + 1, st.prompt + reply))
     duration = time.perf_counter() - t0
     records.sort(key=lambda r: (r.conversation_id, r.turn))

@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from duetserve.bench.datasets import DatasetError, parse_len_range, sample_lengths
+from duetserve.outputs import StepStats
 
 DEFAULT_NUM_PROMPTS = 256
 
@@ -172,17 +173,17 @@ class StepTotals:
     # kind -> [steps, seconds, prefill tokens, decode tokens]
     by_kind: dict[str, list[float]] = field(default_factory=lambda: {
         k: [0, 0.0, 0, 0] for k in ("prefill_only", "mixed", "decode_only")})
-    last: Any = None
+    last: StepStats | None = None
     enabled: bool = False
 
-    def __call__(self, st: Any) -> None:
+    def __call__(self, st: StepStats) -> None:
         if not self.enabled:
             return
         self.num_steps += 1
         self.prefill_tokens += st.num_prefill_tokens
         self.decode_tokens += st.num_decode_tokens
-        kind = ("decode_only" if st.num_prefill_tokens == 0 else
-                "prefill_only" if st.num_decode_tokens == 0 else "mixed")
+        kind = {"decode": "decode_only", "prefill": "prefill_only",
+                "mixed": "mixed"}[st.phase]      # the scheduler's decision
         row = self.by_kind[kind]
         row[0] += 1
         row[1] += st.step_seconds

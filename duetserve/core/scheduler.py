@@ -343,14 +343,20 @@ class Scheduler:
                 out.scheduled_spec_token_ids[req_id] = list(drafts)
             if propose:
                 out.num_drafts_to_propose[req_id] = propose
-            if drafts:       # a verify slice: the decode's token plus its drafts
+            # NOTE: the one place the phase of a slice is decided; everything downstream
+            # (StepStats, metrics, traces, benchmarks) reads it from the SchedulerOutput.
+            # A verify slice (the decode's token plus its drafts) is a decode of k+1 rows.
+            if drafts:
                 num_decode += num_new
+                out.decode_req_ids.add(req_id)
             elif (num_new == 1 and request.num_computed_tokens >= request.num_prompt_tokens
                     and request.num_computed_tokens + 1 == request.num_tokens):
                 num_decode += 1
+                out.decode_req_ids.add(req_id)
             else:
                 num_prefill += num_new
         out.total_num_scheduled_tokens = num_prefill + num_decode
+        out.num_prefill_tokens, out.num_decode_tokens = num_prefill, num_decode
         self._last_num_prefill_tokens = num_prefill
         self._last_num_decode_tokens = num_decode
         return out

@@ -8,7 +8,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "decode attention over a paged KV cache, read in place");
   m.def("q4_gemv", &q4_gemv, "x[M,K] f32 (int8 per 32) @ packed q4 W^T -> [M,N] f32 (few rows)");
-  m.def("q8_gemv", &q8_gemv, "x[M,K] f32 (int8 per 32) @ int8 W^T * row scale -> [M,N] f32");
+  m.def("q8_gemv", &q8_gemv, "x[M,K] f32 (int8 per 32) @ packed int8 W^T * row scale -> [M,N] f32");
   m.def("q4_dequant_bf16", &q4_dequant_bf16, "rows [a, b) of a packed q4 weight (K columns) as bf16");
   m.def("f32_gemv", &f32_gemv, "x[M,K] f32 @ W[N,K] f32 ^T -> [M,N] f32 (few rows)");
   m.def("rms_norm", &rms_norm, "x * rsqrt(mean(x^2) + eps) * w, float32, one pass");

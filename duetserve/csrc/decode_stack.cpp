@@ -22,7 +22,7 @@ namespace {
 // same bound for the LM head (DENSE_GEMV_ROWS).
 constexpr int64_t kDenseGemvRows = 4;
 
-// One linear: kind 4 -> a = packed, n = output rows; kind 8 -> (a, b) = (q, scale32);
+// One linear: kind 4 -> a = packed, n = output rows; kind 8 -> (a, b) = (packed, scale32);
 // kind 0 -> dense a.
 struct Linear {
   int kind = 0;

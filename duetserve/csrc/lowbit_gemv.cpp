@@ -20,7 +20,9 @@
 //   A 64-byte row chunk is one 512-bit load: lane i of the low/high nibble vectors is
 //   group i's elements 0-15 / 16-31, so the activation is stored in that order
 //   (chunk c: 64 bytes of "low" elements, then 64 bytes of "high" elements).
-// q8 weights: int8 [N, K], one float32 scale per row: w = s_n * q.
+// q8 weights, one float32 scale per row: w = s_n * q, packed like q4 for streaming:
+//   packed [ceil(N/4), ceil(K/64), 256] int8: per block of 4 rows, 64 columns of each row
+//   in turn; rows and columns past N and K are zero.
 //   u8 x s8 needs an unsigned side: |q| times x with q's sign moved onto x.
 //
 // x: [M, K] float32 (M small); returns [M, N] float32. Rows of W are split across
@@ -43,14 +45,12 @@ namespace {
 constexpr int64_t G = 32;       // group size along K
 constexpr int64_t CH = 4;       // q4: groups per 512-bit chunk
 constexpr int64_t Q4_BLOCK = 4 * 64 + 2 * 32;   // q4: bytes per block of 4 rows x 4 groups
+constexpr int64_t Q8_BLOCK = 4 * 64;            // q8: bytes per block of 4 rows x 64 columns
 #ifndef DUET_PF
 #define DUET_PF 8
 #endif
 constexpr int64_t PF = DUET_PF; // f32: software prefetch distance, in 64-byte chunks of a row
-// q4/q8: while a block of R rows is read, the same chunk of the next block's rows is
-// prefetched (one block ahead: 3 KB at K = 1536, in flight while the block computes;
-// prefetching 8 chunks ahead within a row left the 4 interleaved row streams starved:
-// 1.5B shapes at 2 threads, gate_up q4 14.9 -> 18.1 GB/s, q8 18.0 -> 22.2 GB/s).
+// q4/q8 blocks prefetch two chunks ahead in their one stream.
 
 inline float half_to_float(uint16_t h) {
   return c10::detail::fp16_ieee_to_fp32_value(h);
@@ -198,27 +198,29 @@ void q4_block(const uint8_t* pk, const QuantizedX& X, float* y, int64_t nch, int
   }
 }
 
-template <int R, int MM>
-void q8_block(const int8_t* wq, const float* ws, const QuantizedX& X, float* y, int64_t K,
-              int64_t N, int64_t n, int64_t m0) {
-  constexpr int64_t mm = MM;
-  const int64_t gp = X.gp, npairs = (K + 63) / 64;
+// Weight rows 4 nb .. 4 nb + 3 (one packed block) against activation rows m0 .. m0 + MM - 1.
+template <int MM>
+void q8_block(const int8_t* pk, const float* ws, const QuantizedX& X, float* y, int64_t npairs,
+              int64_t N, int64_t nb, int64_t m0) {
+  const int64_t gp = X.gp;
+  const int8_t* base = pk + nb * npairs * Q8_BLOCK;
   // dx of groups 2p, 2p+1 as one vector: lanes 0-7 and 8-15 (vpdpbusd sums 4 bytes a lane)
   const __m512i pidx = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-  __m512 acc[R][MM];
-  for (int r = 0; r < R; ++r) for (int i = 0; i < MM; ++i) acc[r][i] = _mm512_setzero_ps();
+  __m512 acc[4][MM];
+  for (int r = 0; r < 4; ++r) for (int i = 0; i < MM; ++i) acc[r][i] = _mm512_setzero_ps();
   for (int64_t p = 0; p < npairs; ++p) {
-    const __mmask64 wmask = (p + 1) * 64 <= K ? ~(__mmask64)0 : (__mmask64)0xFFFFFFFFULL;
+    const int8_t* blk = base + p * Q8_BLOCK;
+    for (int l = 0; l < Q8_BLOCK / 64; ++l)
+      _mm_prefetch(reinterpret_cast<const char*>(blk + 2 * Q8_BLOCK + l * 64), _MM_HINT_T0);
     __m512 s[MM];
-    for (int64_t i = 0; i < mm; ++i)
+    for (int i = 0; i < MM; ++i)
       s[i] = _mm512_permutexvar_ps(pidx, _mm512_castps128_ps512(_mm_castsi128_ps(
           _mm_loadl_epi64(reinterpret_cast<const __m128i*>(X.d.data() + (m0 + i) * gp + 2 * p)))));
-    for (int r = 0; r < R; ++r) {
-      _mm_prefetch(reinterpret_cast<const char*>(wq + (n + r + R) * K + p * 64), _MM_HINT_T0);
-      const __m512i w = _mm512_maskz_loadu_epi8(wmask, wq + (n + r) * K + p * 64);
+    for (int r = 0; r < 4; ++r) {
+      const __m512i w = _mm512_loadu_si512(blk + r * 64);
       const __m512i aw = _mm512_abs_epi8(w);
       const __mmask64 neg = _mm512_movepi8_mask(w);
-      for (int64_t i = 0; i < mm; ++i) {
+      for (int i = 0; i < MM; ++i) {
         const __m512i xv = _mm512_loadu_si512(X.q.data() + (m0 + i) * gp * G + p * 64);
         const __m512i sx = _mm512_mask_sub_epi8(xv, neg, _mm512_setzero_si512(), xv);
         const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), aw, sx);
@@ -226,9 +228,12 @@ void q8_block(const int8_t* wq, const float* ws, const QuantizedX& X, float* y, 
       }
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int64_t i = 0; i < mm; ++i) acc[r][i] = _mm512_mul_ps(acc[r][i], _mm512_set1_ps(ws[n + r]));
-  store_rows<R, MM>(y, N, n, m0, acc);
+  for (int i = 0; i < MM; ++i) {
+    alignas(16) float o[4];
+    _mm_store_ps(o, reduce4(acc[0][i], acc[1][i], acc[2][i], acc[3][i]));
+    for (int r = 0; r < 4 && nb * 4 + r < N; ++r)
+      y[(m0 + i) * N + nb * 4 + r] = o[r] * ws[nb * 4 + r];
+  }
 }
 
 // Dense float32 weights at few rows: R weight rows x MM activation rows of FMAs over K,
@@ -311,27 +316,28 @@ void q4_rows(const uint8_t* pk, const QuantizedX& X, float* y, int64_t nch, int6
 #endif
 }
 
-void q8_rows(const int8_t* wq, const float* ws, const QuantizedX& X, float* y, int64_t K,
-             int64_t N, int64_t n0, int64_t n1, int64_t m0, int64_t mm) {
+void q8_rows(const int8_t* pk, const float* ws, const QuantizedX& X, float* y, int64_t npairs,
+             int64_t N, int64_t b0, int64_t b1, int64_t m0, int64_t mm) {
 #if defined(DUET_VNNI)
   dispatch(mm, [&](auto MM) {
-    int64_t n = n0;
-    for (; n + 4 <= n1; n += 4) q8_block<4, MM.value>(wq, ws, X, y, K, N, n, m0);
-    for (; n < n1; ++n) q8_block<1, MM.value>(wq, ws, X, y, K, N, n, m0);
+    for (int64_t nb = b0; nb < b1; ++nb) q8_block<MM.value>(pk, ws, X, y, npairs, N, nb, m0);
   });
 #else
-  const int64_t gp = X.gp, ng = K / G;
-  for (int64_t n = n0; n < n1; ++n)
+  const int64_t gp = X.gp;
+  for (int64_t n = b0 * 4; n < std::min(N, b1 * 4); ++n) {
+    const int8_t* base = pk + (n / 4) * npairs * Q8_BLOCK + (n % 4) * 64;
     for (int64_t i = 0; i < mm; ++i) {
       const int8_t* xq = X.q.data() + (m0 + i) * gp * G;
       float total = 0.f;
-      for (int64_t g = 0; g < ng; ++g) {
+      for (int64_t g = 0; g < 2 * npairs; ++g) {
+        const int8_t* wg = base + (g / 2) * Q8_BLOCK + (g % 2) * G;
         int32_t dot = 0;
-        for (int64_t k = g * G; k < (g + 1) * G; ++k) dot += int32_t(wq[n * K + k]) * xq[k];
+        for (int64_t k = 0; k < G; ++k) dot += int32_t(wg[k]) * xq[g * G + k];
         total += X.d[(m0 + i) * gp + g] * float(dot);
       }
       y[(m0 + i) * N + n] = ws[n] * total;
     }
+  }
 #endif
 }
 
@@ -359,21 +365,24 @@ torch::Tensor q4_gemv(torch::Tensor x, torch::Tensor packed, int64_t N) {
   return y;
 }
 
-torch::Tensor q8_gemv(torch::Tensor x, torch::Tensor w, torch::Tensor scale) {
+torch::Tensor q8_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor scale) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be float32 [M, K]");
-  TORCH_CHECK(w.scalar_type() == torch::kInt8 && w.is_contiguous(), "w: int8 [N, K]");
+  TORCH_CHECK(packed.scalar_type() == torch::kInt8 && packed.is_contiguous() &&
+              packed.dim() == 3 && packed.size(2) == Q8_BLOCK,
+              "packed: int8 [ceil(N/4), ceil(K/64), 256]");
   TORCH_CHECK(scale.scalar_type() == torch::kFloat32 && scale.is_contiguous(), "scale: float32");
   x = x.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  TORCH_CHECK(w.size(1) == K && K % G == 0, "shape mismatch (K must be a multiple of 32)");
+  const int64_t M = x.size(0), K = x.size(1), N = scale.size(0), npairs = packed.size(1);
+  TORCH_CHECK(K % G == 0 && npairs == (K + 63) / 64 && packed.size(0) == (N + 3) / 4,
+              "shape mismatch (K must be a multiple of 32)");
   auto y = torch::empty({M, N}, x.options());
   const QuantizedX X = quantize_x(x.data_ptr<float>(), M, K, /*q4_order=*/false, 2);
-  const int8_t* wp = w.data_ptr<int8_t>();
+  const int8_t* pp = packed.data_ptr<int8_t>();
   const float* sp = scale.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, N, ROWS_PER_TASK, [&](int64_t n0, int64_t n1) {
+  at::parallel_for(0, packed.size(0), ROWS_PER_TASK / 4, [&](int64_t b0, int64_t b1) {
     for (int64_t m0 = 0; m0 < M; m0 += 4)
-      q8_rows(wp, sp, X, yp, K, N, n0, n1, m0, std::min<int64_t>(4, M - m0));
+      q8_rows(pp, sp, X, yp, npairs, N, b0, b1, m0, std::min<int64_t>(4, M - m0));
   });
   return y;
 }

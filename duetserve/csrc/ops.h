@@ -7,7 +7,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
                                      torch::Tensor v_cache, torch::Tensor block_tables,
                                      torch::Tensor context_lens, double scale);
 torch::Tensor q4_gemv(torch::Tensor x, torch::Tensor packed, int64_t N);
-torch::Tensor q8_gemv(torch::Tensor x, torch::Tensor w, torch::Tensor scale);
+torch::Tensor q8_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor scale);
 torch::Tensor q4_dequant_bf16(torch::Tensor packed, int64_t K, int64_t a, int64_t b);
 torch::Tensor f32_gemv(torch::Tensor x, torch::Tensor w);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);

@@ -1,15 +1,17 @@
 """AsyncEngine: EngineCore stepped by one background thread, with one asyncio stream of
-RequestOutputs per request.
+delta RequestOutputs per request (each holds only that step's new tokens, text and
+logprobs; `OutputAccumulator` assembles the cumulative view where one is needed).
 
     event loop(s)                         engine thread (owns the EngineCore)
     ─────────────                         ───────────────────────────────────
     add_request() ──("add", ...)──┐       wait on `_cv` while no commands and no work
     abort()       ──("abort", id)─┼─> _commands ──> engine.add_request / abort_request
-                                  │       engine.step() -> [RequestOutput]
-    RequestStream <─call_soon_threadsafe──  snapshot each output, deliver per loop
+                                  │       engine.step_deltas() -> [RequestOutput]
+    RequestStream <─call_soon_threadsafe──  deliver the deltas, one wake-up per loop
 
 NOTE: only the engine thread calls EngineCore methods. The event loop only queues
-commands; results and errors come back through `loop.call_soon_threadsafe`.
+commands; results and errors come back through `loop.call_soon_threadsafe`. A delta is
+never mutated after the step that made it, so it crosses threads without a copy.
 The thread blocks on a threading.Condition when there is nothing to do (no polling).
 """
 from __future__ import annotations
@@ -21,16 +23,16 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from duetserve.engine.engine_core import EngineCore, StepStats
+from duetserve.engine.engine_core import EngineCore
 from duetserve.errors import RequestFailedError
-from duetserve.outputs import CompletionOutput, RequestOutput
+from duetserve.outputs import RequestOutput, StepStats
 from duetserve.sampling_params import SamplingParams
 
 log = logging.getLogger("duetserve.async_engine")
 
-# fn(last_output_or_None, aborted) on the engine thread when a request ends (finished,
-# aborted or failed). `last_output` is the engine's last RequestOutput for it (may be None
-# when it was aborted before producing anything).
+# fn(last_output_or_None, reason) on the engine thread when a request ends (finished,
+# aborted or failed). `last_output` is the engine's last delta RequestOutput for it (None
+# when it was aborted before producing anything); its `metrics` hold the totals.
 FinishObserver = Callable[[RequestOutput | None, str], None]
 # fn(stats) on the engine thread after commands changed the cache without a step (aborts).
 IdleStatsObserver = Callable[[StepStats], None]
@@ -48,19 +50,9 @@ __all__ = ["AsyncEngine", "EngineStepError", "RequestAbortedError", "RequestFail
            "RequestStream"]
 
 
-def _snapshot(out: RequestOutput) -> RequestOutput:
-    """Copy what the engine mutates in place after the step (texts, token lists)."""
-    outs = [CompletionOutput(o.index, o.text, list(o.token_ids), o.cumulative_logprob,
-                             list(o.logprobs) if o.logprobs is not None else None,
-                             o.finish_reason, o.stop_reason) for o in out.outputs]
-    return RequestOutput(out.request_id, out.prompt, out.prompt_token_ids, outs,
-                         out.finished, out.metrics, out.num_cached_tokens,
-                         out.prompt_logprobs)
-
-
 class RequestStream:
-    """Async iterator of one request's RequestOutputs (cumulative, snapshotted).
-    Ends after the finished output; raises EngineStepError / RequestAbortedError."""
+    """Async iterator of one request's delta RequestOutputs. Ends after the finished
+    one; raises EngineStepError / RequestAbortedError / RequestFailedError."""
 
     def __init__(self, req_id: str, loop: asyncio.AbstractEventLoop) -> None:
         self.req_id = req_id
@@ -226,7 +218,7 @@ class AsyncEngine:
 
     def _step(self) -> None:
         try:
-            outputs = self.engine.step()
+            outputs = self.engine.step_deltas()
         except Exception as e:  # noqa: BLE001 - fail the affected requests, keep serving
             self.num_step_errors += 1
             log.exception("engine step failed; failing %d request(s)", len(self._entries))
@@ -239,7 +231,7 @@ class AsyncEngine:
             if entry is None:
                 continue
             entry.last = out
-            item: RequestOutput | BaseException = _snapshot(out)
+            item: RequestOutput | BaseException = out
             if out.error is not None:   # this request failed alone; the step went on
                 item = RequestFailedError(out.error)
             per_loop.setdefault(entry.stream.loop, []).append((entry.stream, item))

@@ -15,6 +15,10 @@ Stop strings are searched in the decoded text, so they are found across token
 boundaries. Text that could still be the start of a stop string is held back
 (at most len(longest stop) - 1 characters) until it is known not to be; `flush()`
 releases it when the request ends for another reason.
+
+NOTE: the state is bounded, whatever the output length: the token window starts at
+`prefix`, and only decoded text not yet emitted is kept (a stop string cannot start in
+emitted text). The caller keeps the deltas it needs.
 """
 from __future__ import annotations
 
@@ -39,15 +43,13 @@ class IncrementalDetokenizer:
         self._token_ids: list[int] = list(prompt_token_ids[-_INITIAL_CONTEXT_TOKENS:])
         self._prefix_offset = 0
         self._read_offset = len(self._token_ids)
-        self._text = ""            # decoded output text (complete characters only)
-        self._num_emitted = 0      # characters of _text already returned
-        self.output_text = ""      # concatenation of every delta returned so far
+        self._pending = ""         # decoded text (complete characters) not yet returned
         self.stop_reason: str | None = None   # the stop string that matched
         self.finished = False
 
     def add_tokens(self, new_token_ids: list[int]) -> str | None:
         """Append generated tokens. Returns the newly printable text (None when nothing new
-        is printable yet). Mutates: the decoding window, `output_text`, and on a stop-string
+        is printable yet). Mutates: the decoding window, the pending text, and on a stop-string
         match `finished` and `stop_reason` (text is then cut before the stop string, or
         after it with include_stop_str_in_output). After `finished`, returns None."""
         if self.finished or not new_token_ids:
@@ -73,7 +75,7 @@ class IncrementalDetokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def _decode_window(self, force: bool) -> None:
-        """Move newly complete characters into _text and slide the window forward."""
+        """Move newly complete characters into the pending text; slide the window."""
         if self._read_offset == len(self._token_ids):
             return
         prefix_text = self._decode(self._token_ids[self._prefix_offset:self._read_offset])
@@ -82,32 +84,34 @@ class IncrementalDetokenizer:
             return        # e.g. a skipped special token: nothing printable yet
         if full_text.endswith(_REPLACEMENT_CHAR) and not force:
             return        # incomplete UTF-8 sequence: wait for its remaining bytes
-        self._text += full_text[len(prefix_text):]
-        self._prefix_offset = self._read_offset
-        self._read_offset = len(self._token_ids)
+        self._pending += full_text[len(prefix_text):]
+        # Slide the window: tokens before the new prefix are never decoded again.
+        del self._token_ids[:self._read_offset]
+        self._prefix_offset, self._read_offset = 0, len(self._token_ids)
 
     def _emit(self, final: bool) -> str | None:
-        """Search stop strings in the not-yet-emitted tail, then return what is safe."""
+        """Search stop strings in the not-yet-emitted text, then return what is safe."""
         if self.stop:
             # A match cannot start in emitted text (that text was no stop-string prefix).
-            match = _find_first_stop(self._text, self.stop, self._num_emitted)
+            match = _find_first_stop(self._pending, self.stop, 0)
             if match is not None:
                 pos, stop_str = match
                 end = pos + len(stop_str) if self.include_stop_str_in_output else pos
-                self._text = self._text[:end]
                 self.finished, self.stop_reason = True, stop_str
                 return self._release(end)
-        end = len(self._text)
+        end = len(self._pending)
         if not final:
-            end -= _stop_prefix_overlap(self._text, self.stop, self._max_stop_len)
+            end -= _stop_prefix_overlap(self._pending, self.stop, self._max_stop_len)
         return self._release(end)
 
     def _release(self, end: int) -> str | None:
-        if end <= self._num_emitted:
+        """Return the first `end` pending characters (None when end is 0); keep the rest
+        (dropped once finished)."""
+        if end <= 0:
             return None
-        delta = self._text[self._num_emitted:end]
-        self._num_emitted = end
-        self.output_text += delta
+        delta, self._pending = self._pending[:end], self._pending[end:]
+        if self.finished:
+            self._pending = ""
         return delta
 
 

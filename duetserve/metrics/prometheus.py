@@ -14,17 +14,12 @@ import logging
 import threading
 import time
 
-from typing import Any
-
 import prometheus_client
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge,
                                Histogram, generate_latest)
 
-from duetserve.outputs import RequestOutput
-
-# NOTE: metrics sits below the engine (tests/test_layering.py), so the engine's StepStats
-# is duck-typed here: any object with StepStats' fields.
-StepStats = Any
+from duetserve.metrics.step_accounting import StepAccount
+from duetserve.outputs import RequestOutput, StepStats
 
 log = logging.getLogger("duetserve.metrics")
 
@@ -154,8 +149,8 @@ class ServerMetrics:
             rows = st.num_prefill_tokens + st.num_decode_tokens
             self.steps_by_kernel.labels(
                 self._model, "lowbit" if rows <= self._lowbit_max_rows else "dense").inc()
-            account = getattr(st, "account", None)
-            if account is not None:
+            account = st.account
+            if isinstance(account, StepAccount):
                 self.step_mfu.labels(self._model, account.phase).set(account.mfu)
                 self.step_mbu.labels(self._model, account.phase).set(account.mbu)
             self._window[1] += st.num_prefill_tokens
@@ -210,7 +205,8 @@ class ServerMetrics:
             if out is None:
                 return
             m = out.metrics
-            num_gen = sum(len(o.token_ids) for o in out.outputs)
+            # `out` is the request's last delta: the count comes from its metrics.
+            num_gen = m.num_generation_tokens if m is not None else 0
             self.prompt_tokens.inc(len(out.prompt_token_ids))
             self.gen_tokens.inc(num_gen)
             self.req_prompt.observe(len(out.prompt_token_ids))

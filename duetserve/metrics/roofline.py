@@ -13,14 +13,13 @@ import os
 import sys
 
 from duetserve.config import ConfigError, ModelConfig
-from duetserve.metrics.cost_model import (StepCost, bits_per_weight, decode_step,
+from duetserve.metrics.cost_model import (COMPUTE_DTYPE_OF, StepCost, bits_per_weight, decode_step,
                                           kv_bytes_per_token, normalise_dtype, param_count,
                                           prefill_step, step_cost)
 from duetserve.metrics.hardware import HardwareProfile, get_hardware, hardware_names
 from duetserve.metrics.known_models import KNOWN_MODELS, get_known_model
 
 _FLOAT_KV = ("f32", "f16", "bf16", "fp8")
-_COMPUTE_OF = {"f32": "fp32", "f16": "fp16", "bf16": "bf16", "fp8": "fp8"}
 NOTES = ("activations are not counted in bytes; norms/RoPE/softmax are not counted in FLOPs",
          "each request's KV context is read once per step; new tokens' K/V are written",
          "prefill is one prompt from an empty cache; decode is `batch` requests at context_len")
@@ -81,7 +80,7 @@ def analyse(model_config: ModelConfig, hardware: HardwareProfile | str, batch: i
     wdtype = normalise_dtype(dtype or model_config.weight_dtype)
     kvd = normalise_dtype(kv_dtype) if kv_dtype else (wdtype if wdtype in _FLOAT_KV else "f16")
     if compute_dtype is None:
-        compute_dtype = _COMPUTE_OF.get(wdtype, hw.default_compute)
+        compute_dtype = COMPUTE_DTYPE_OF.get(wdtype, hw.default_compute)
         if compute_dtype not in dict(hw.peak_flops):
             compute_dtype = hw.default_compute
     peak = hw.peak(compute_dtype)

@@ -1,8 +1,8 @@
 """Live phase accounting: FLOPs, bytes, MFU and MBU of every engine step as it runs.
 
-An engine step is described by a `StepStats` (taken duck-typed: `start_time`,
-`step_seconds`, `num_prefill_tokens`, `num_decode_tokens`, `items` =
-[(req_id, num_new_tokens, num_computed_before)]). The cost model turns the items into
+An engine step is described by a `StepStats` (duetserve/outputs.py: `start_time`,
+`step_seconds`, `num_prefill_tokens`, `num_decode_tokens` as the scheduler decided them,
+`items` = [ScheduledSlice]). The cost model turns the items into
 FLOPs and bytes; the step's measured duration turns those into achieved FLOP/s and
 bytes/s; the hardware profile turns those into utilisations:
 
@@ -20,12 +20,10 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from duetserve.config import ConfigError, ModelConfig
-from duetserve.metrics.cost_model import normalise_dtype, step_cost
+from duetserve.metrics.cost_model import COMPUTE_DTYPE_OF, normalise_dtype, step_cost
 from duetserve.metrics.hardware import HardwareProfile, get_hardware, local_profile
-
-PHASES = ("prefill", "decode", "mixed")
-# storage dtype (normalised) -> compute dtype of the hardware peak table
-_COMPUTE_OF = {"f32": "fp32", "f16": "fp16", "bf16": "bf16", "fp8": "fp8"}
+from duetserve.outputs import PHASES, StepStats
+from duetserve.outputs import step_phase as classify_phase
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,34 +80,6 @@ class _PhaseTotals:
         self.sum_mbu += acc.mbu
 
 
-def classify_phase(num_prefill_tokens: int, num_decode_tokens: int) -> str:
-    """Return "prefill" (no decode tokens), "decode" (no prefill tokens) or "mixed"."""
-    if num_decode_tokens == 0:
-        return "prefill"
-    if num_prefill_tokens == 0:
-        return "decode"
-    return "mixed"
-
-
-def _phase_counts(stats: Any) -> tuple[int, int]:
-    """Return (prefill tokens, decode tokens) of `stats`.
-
-    Uses the scheduler's counts when present; otherwise an item with num_new == 1 after a
-    non-empty context is a decode, anything else prefill.
-    """
-    num_prefill = getattr(stats, "num_prefill_tokens", None)
-    num_decode = getattr(stats, "num_decode_tokens", None)
-    if num_prefill is not None and num_decode is not None and num_prefill + num_decode > 0:
-        return int(num_prefill), int(num_decode)
-    num_prefill = num_decode = 0
-    for _, n, c in stats.items:
-        if n == 1 and c > 0:
-            num_decode += 1
-        else:
-            num_prefill += n
-    return num_prefill, num_decode
-
-
 class StepAccountant:
     """Accounts every step it observes; keeps running per-phase totals.
 
@@ -134,26 +104,24 @@ class StepAccountant:
         if hardware is None:
             hardware = local_profile()
         self.hardware = get_hardware(hardware) if isinstance(hardware, str) else hardware
-        self.compute_dtype = compute_dtype or _COMPUTE_OF.get(self.kv_dtype,
+        self.compute_dtype = compute_dtype or COMPUTE_DTYPE_OF.get(self.kv_dtype,
                                                               self.hardware.default_compute)
         self.peak_flops = self.hardware.peak(self.compute_dtype)
         self.mem_bandwidth = self.hardware.mem_bandwidth
         self.last: StepAccount | None = None
-        self.last_stats: Any = None     # the stats object `last` was computed from
+        self.last_stats: StepStats | None = None   # the stats `last` was computed from
         self._totals: dict[str, _PhaseTotals] = {p: _PhaseTotals() for p in PHASES}
         self._lock = threading.Lock()
 
-    def account(self, stats: Any, num_logits: int | None = None) -> StepAccount:
+    def account(self, stats: StepStats, num_logits: int | None = None) -> StepAccount:
         """Return the StepAccount of `stats` without recording it (pure).
 
-        num_logits: positions that needed logits; default `stats.num_logits` if present,
-        else one per scheduled item (decode items + prefill items; a prefill chunk that
+        num_logits: positions that needed logits; default one per scheduled item (decode items + prefill items; a prefill chunk that
         does not reach the end of the prompt needs none, so this slightly over-counts).
         """
-        step = [(int(n), int(c)) for _, n, c in stats.items if n > 0]
-        if num_logits is None:
-            num_logits = getattr(stats, "num_logits", None)
-        num_prefill, num_decode = _phase_counts(stats)
+        step = [(s.num_new_tokens, s.num_computed_before) for s in stats.items
+                if s.num_new_tokens > 0]
+        num_prefill, num_decode = stats.num_prefill_tokens, stats.num_decode_tokens
         if step:
             cost = step_cost(self.model_config, step, num_logits=num_logits,
                              kv_dtype=self.kv_dtype, weight_bytes=self.weight_bytes)
@@ -165,12 +133,12 @@ class StepAccountant:
         bps = nbytes / seconds if seconds > 0 else 0.0
         return StepAccount(
             phase=classify_phase(num_prefill, num_decode),
-            start_time=float(getattr(stats, "start_time", 0.0)), seconds=seconds,
+            start_time=float(stats.start_time), seconds=seconds,
             num_prefill_tokens=num_prefill, num_decode_tokens=num_decode,
             num_logits=n_logits, flops=flops, bytes=nbytes, flops_per_s=fps,
             bytes_per_s=bps, mfu=fps / self.peak_flops, mbu=bps / self.mem_bandwidth)
 
-    def observe(self, stats: Any, num_logits: int | None = None) -> StepAccount:
+    def observe(self, stats: StepStats, num_logits: int | None = None) -> StepAccount:
         """Account `stats`, add it to the per-phase totals, set `last`; return the account."""
         acc = self.account(stats, num_logits)
         with self._lock:
@@ -181,7 +149,7 @@ class StepAccountant:
 
     __call__ = observe
 
-    def account_for(self, stats: Any) -> StepAccount:
+    def account_for(self, stats: StepStats) -> StepAccount:
         """Return `last` if it was computed from this very `stats` object, else `account()`.
 
         Lets a second observer (the trace writer) reuse the figures without counting twice,
@@ -247,13 +215,4 @@ class StepAccountant:
         return "\n".join(lines)
 
 
-def accountant_for_engine(engine: Any, hardware: HardwareProfile | str | None = None
-                          ) -> StepAccountant:
-    """Return a StepAccountant for a running engine (duck-typed: `model_config`,
-    `loaded.weight_bytes`, `kv_dtype`). Does not register it as an observer."""
-    return StepAccountant(engine.model_config, engine.loaded.weight_bytes,
-                          str(engine.kv_dtype).replace("torch.", ""), hardware)
-
-
-__all__ = ["PHASES", "StepAccount", "StepAccountant", "classify_phase",
-           "accountant_for_engine"]
+__all__ = ["PHASES", "StepAccount", "StepAccountant", "classify_phase"]

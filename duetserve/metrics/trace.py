@@ -25,7 +25,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from duetserve.metrics.step_accounting import classify_phase
+from duetserve.metrics.step_accounting import StepAccountant
+from duetserve.outputs import StepStats
 
 PID = 1
 STEPS_TID = 0
@@ -59,7 +60,7 @@ class TraceWriter:
     `accountant` (StepAccountant) is given, step events carry its MFU/MBU/FLOPs/bytes.
     """
 
-    def __init__(self, path: str, accountant: Any = None, *,
+    def __init__(self, path: str, accountant: StepAccountant | None = None, *,
                  metadata: dict[str, Any] | None = None,
                  flush_every_s: float | None = None) -> None:
         self.path = path
@@ -79,14 +80,14 @@ class TraceWriter:
     def request_arrived(self, req_id: str, t: float | None = None,
                         num_prompt_tokens: int | None = None) -> None:
         """Record the arrival time (time.time() clock; default now) and, optionally, the
-        prompt length of `req_id` (makes prefill/decode classification exact)."""
+        prompt length of `req_id`."""
         track = self._track(req_id)
         track.arrival = time.time() if t is None else t
         track.num_prompt_tokens = num_prompt_tokens
         self._see(track.arrival)
 
-    def observe(self, stats: Any) -> None:
-        """Record one step (StepStats duck-typed). Mutates the in-memory event lists."""
+    def observe(self, stats: StepStats) -> None:
+        """Record one step. Mutates the in-memory event lists."""
         if self._closed:
             return
         start, dur = float(stats.start_time), max(0.0, float(stats.step_seconds))
@@ -97,31 +98,31 @@ class TraceWriter:
         self._see(end)
         args: dict[str, Any] = {
             "step": self._step_index,
-            "prefill_tokens": int(getattr(stats, "num_prefill_tokens", 0)),
-            "decode_tokens": int(getattr(stats, "num_decode_tokens", 0)),
-            "num_running": int(getattr(stats, "num_running", 0)),
-            "num_waiting": int(getattr(stats, "num_waiting", 0)),
-            "kv_usage": float(getattr(stats, "kv_usage", 0.0)),
+            "prefill_tokens": stats.num_prefill_tokens,
+            "decode_tokens": stats.num_decode_tokens,
+            "num_running": stats.num_running,
+            "num_waiting": stats.num_waiting,
+            "kv_usage": stats.kv_usage,
             "num_requests": len(stats.items)}
-        spec = getattr(stats, "spec", None)
-        if spec is not None:      # cumulative speculative-decoding counters
+        if stats.spec is not None:      # cumulative speculative-decoding counters
+            spec = stats.spec
             args.update(spec_drafts=spec.num_drafts, spec_draft_tokens=spec.num_draft_tokens,
                         spec_accepted_tokens=spec.num_accepted_tokens,
                         spec_acceptance_rate=spec.acceptance_rate,
                         spec_mean_accepted_length=spec.mean_accepted_length)
-        name = classify_phase(args["prefill_tokens"], args["decode_tokens"])
+        name = stats.phase
         if self.accountant is not None:
             acc = self.accountant.account_for(stats)
-            name = acc.phase
             args.update(mfu=acc.mfu, mbu=acc.mbu, flops=acc.flops, bytes=acc.bytes,
                         flops_per_s=acc.flops_per_s, bytes_per_s=acc.bytes_per_s)
         else:
             args.update(mfu=None, mbu=None)
         self._events.append({"name": name, "ph": "X", "tid": STEPS_TID, "start": start,
                              "end": end, "args": args})
-        for req_id, num_new, computed in stats.items:
-            self._observe_item(req_id, int(num_new), int(computed), start, end)
-        for req_id in getattr(stats, "finished_req_ids", ()):
+        for item in stats.items:
+            self._observe_item(item.req_id, item.num_new_tokens, item.num_computed_before,
+                               item.is_decode, start, end)
+        for req_id in stats.finished_req_ids:
             self._finish(req_id, end)
         self._step_index += 1
         if (self.flush_every_s is not None
@@ -130,8 +131,8 @@ class TraceWriter:
 
     __call__ = observe
 
-    def _observe_item(self, req_id: str, num_new: int, computed: int, start: float,
-                      end: float) -> None:
+    def _observe_item(self, req_id: str, num_new: int, computed: int, is_decode: bool,
+                      start: float, end: float) -> None:
         track = self._track(req_id)
         if not track.scheduled:
             track.scheduled = True
@@ -142,11 +143,7 @@ class TraceWriter:
                 self._events.append({"name": "queued", "ph": "X", "tid": track.tid,
                                      "start": queued_from, "end": start,
                                      "args": {"arrival_known": track.arrival is not None}})
-        prompt = track.num_prompt_tokens
-        # NOTE: without the prompt length, a 1-token step after a non-empty context is a
-        # decode (a 1-token final prefill chunk is then drawn as decode).
-        is_prefill = num_new > 1 or computed == 0 or (prompt is not None and computed < prompt)
-        if is_prefill:
+        if not is_decode:      # the scheduler's decision (StepStats items)
             self._close_decode(track)
             self._events.append({"name": "prefill", "ph": "X", "tid": track.tid,
                                  "start": start, "end": end,

@@ -31,7 +31,7 @@ def _linear_slots(mod: nn.Module) -> list[torch.Tensor] | None:
         if isinstance(w, Int4Weight):
             return [w.packed, torch.tensor([w.shape[0]]), _EMPTY, bias]
         if isinstance(w, Int8Weight):
-            return [w.q, w.scale32, _EMPTY, bias]
+            return [w.packed, w.scale32, _EMPTY, bias]
         return None
     if type(mod) is nn.Linear and mod.weight.dtype == torch.float32:
         bias = _EMPTY if mod.bias is None else mod.bias.detach()

@@ -73,11 +73,15 @@ def bf16_gemm_speedup() -> float:
     return float(_cached(_key("bf16_gemm_speedup"), measure))
 
 
+# --dtype name -> torch dtype (the one map; the loader uses it too)
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
+                "float16": torch.float16}
+
+
 def choose_dense_dtype(dtype: str) -> tuple[torch.dtype, str]:
     """The dtype of dense GEMMs for many-row steps, and why."""
     if dtype != "auto":
-        return {"float32": torch.float32, "bfloat16": torch.bfloat16,
-                "float16": torch.float16}[dtype], f"--dtype {dtype}"
+        return TORCH_DTYPES[dtype], f"--dtype {dtype}"
     speedup = bf16_gemm_speedup()
     flags = cpu_flags()
     has = [f for f in ("amx_bf16", "avx512_bf16") if f in flags] or ["no bf16 instructions"]

@@ -115,38 +115,54 @@ class Int4Weight:
 
 
 class Int8Weight:
-    """int8 [N, K] + one bfloat16 scale per row."""
+    """int8 [N, K] + one bfloat16 scale per row, packed like `Int4Weight` for streaming:
+    `packed` [ceil(N/4), ceil(K/64), 256] int8, per block of 4 rows 64 columns of each row
+    in turn; padding is zero."""
 
     bits = 8
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor) -> None:
         """q: int8 [N, K]; scale: [N] (see `quantize_int8`)."""
-        self.q = q
+        n, k = q.shape
+        nb, npairs = -(-n // 4), -(-k // 64)
+        padded = torch.zeros(nb * 4, npairs * 64, dtype=torch.int8)
+        padded[:n, :k] = q
+        self.packed = padded.view(nb, 4, npairs, 64).permute(0, 2, 1, 3).reshape(
+            nb, npairs, 256).contiguous()
         self.scale = scale.to(torch.bfloat16)
         self.scale32 = self.scale.float()     # the native kernel's operand (N floats)
-        self.shape = tuple(q.shape)
+        self.shape = (n, k)
 
     @classmethod
     def from_float(cls, w: torch.Tensor) -> "Int8Weight":
         return cls(*quantize_int8(w))
 
+    def int8_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` [n] unpacked: int8 [n, K]."""
+        nb, npairs, _ = self.packed.shape
+        q = self.packed.view(nb, npairs, 4, 64)[ids // 4, :, ids % 4]      # [n, npairs, 64]
+        return q.reshape(len(ids), -1)[:, : self.shape[1]]
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [M, K] -> [M, N]: the native int8-activation kernel (float32 out) when built,
-        else torch's int8-weight kernel (bfloat16 in and out)."""
+        """x [M, K] -> [M, N] float32: the native int8-activation kernel when built, else
+        a float32 product on the dequantized weight."""
         if _NATIVE is not None:
-            return _NATIVE.q8_gemv(x.float(), self.q, self.scale32)
-        return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.q, self.scale)
+            return _NATIVE.q8_gemv(x.float(), self.packed, self.scale32)
+        return F.linear(x.float(), self.dequantize())
 
     def dequantize(self, dtype: torch.dtype = torch.float32, a: int = 0,
                    b: int | None = None) -> torch.Tensor:
-        return self.q[a:b].to(dtype) * self.scale[a:b].to(dtype)[:, None]
+        b = self.shape[0] if b is None else b
+        return self.int8_rows(torch.arange(a, b)).to(dtype) * self.scale[a:b].to(dtype)[:, None]
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.q[ids].float() * self.scale[ids].float()[:, None]
+        flat = ids.reshape(-1)
+        w = self.int8_rows(flat).float() * self.scale[flat].float()[:, None]
+        return w.view(*ids.shape, -1)
 
     @property
     def nbytes(self) -> int:
-        return self.q.numel() + self.scale.numel() * 2
+        return self.packed.numel() + self.scale.numel() * 2
 
 
 QuantWeight = Int4Weight | Int8Weight

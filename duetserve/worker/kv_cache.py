@@ -18,9 +18,8 @@ GiB = 1 << 30
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    """2 x layers x kv_heads x head_dim x bytes."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * elem
+    """KV cache bytes per token of a `dtype` cache (ModelConfig's formula), exact."""
+    return int(cfg.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size()))
 
 
 def num_blocks_for_memory(cfg: ModelConfig, dtype: torch.dtype, block_size: int,

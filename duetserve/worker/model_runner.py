@@ -97,6 +97,17 @@ class ModelRunner:
     # -- step --------------------------------------------------------------------------
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step: forward the scheduled slices, sample where a slice reaches the end
+        of its request's known tokens, score prompt positions that asked for it.
+
+        Mutates (the runner's own state only; never a Request nor `so`):
+          - self.requests: drops finished/preempted ones, learns new ones, applies diffs
+            (block ids, num_computed_tokens), appends each sampled token to token_ids,
+            advances num_computed_tokens by the slice, advances seeded generators and
+            grammar states, accumulates prompt logprobs;
+          - self.kv_caches: the K/V of every scheduled position is written.
+        Returns a fresh ModelRunnerOutput (sampled ids per request, logprobs when asked);
+        the caller may keep it."""
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput()

@@ -55,15 +55,14 @@ def test_multibyte_never_printed_half(tok: Tokenizer, chunk: int) -> None:
     ids = tok.encode(TEXT).ids
     detok, deltas = stream(tok, ids, chunk)
     assert all("\ufffd" not in d for d in deltas)
-    assert "".join(deltas) == tok.decode(ids) == TEXT == detok.output_text
+    assert "".join(deltas) == tok.decode(ids) == TEXT
     assert detok.stop_reason is None
 
 
 def test_special_tokens_skipped_or_kept(tok: Tokenizer) -> None:
     ids = tok.encode("hello world").ids + [tok.token_to_id("<eos>")]
-    assert stream(tok, ids)[0].output_text == "hello world"
-    kept, _ = stream(tok, ids, skip_special_tokens=False)
-    assert kept.output_text == "hello world<eos>"
+    assert "".join(stream(tok, ids)[1]) == "hello world"
+    assert "".join(stream(tok, ids, skip_special_tokens=False)[1]) == "hello world<eos>"
 
 
 def test_stop_string_spanning_tokens_removed(tok: Tokenizer) -> None:
@@ -73,7 +72,7 @@ def test_stop_string_spanning_tokens_removed(tok: Tokenizer) -> None:
     detok, deltas = stream(tok, ids, stop=("STOP",))
     want = TEXT[:TEXT.index("STOP")]
     assert detok.finished and detok.stop_reason == "STOP"
-    assert "".join(deltas) == detok.output_text == want
+    assert "".join(deltas) == want
     assert detok.add_tokens(ids[:1]) is None and detok.flush() is None   # stays finished
 
 
@@ -95,15 +94,15 @@ def test_no_stop_text_leaks_while_streaming(tok: Tokenizer) -> None:
     stops = ("here!", "world?", "世界 🙂!")             # prefixes occur, full strings never
     ids = tok.encode(TEXT).ids
     detok = IncrementalDetokenizer(tok, [], stop=stops)
+    emitted = ""
     for token_id in ids:
-        detok.add_tokens([token_id])
-        emitted = detok.output_text
+        emitted += detok.add_tokens([token_id]) or ""
         assert TEXT.startswith(emitted)
         for s in stops:
             assert not any(emitted.endswith(s[:k]) for k in range(1, len(s)))
-    assert not detok.finished and detok.output_text == TEXT[:-4]   # "here" held back...
-    detok.flush()
-    assert detok.output_text == TEXT and detok.finished        # ...until the end
+    assert not detok.finished and emitted == TEXT[:-4]   # "here" held back...
+    emitted += detok.flush() or ""
+    assert emitted == TEXT and detok.finished        # ...until the end
 
 
 def test_stop_emitted_text_is_cut_exactly(tok: Tokenizer) -> None:
@@ -127,5 +126,19 @@ def test_first_completed_stop_wins_whatever_the_chunking(tok: Tokenizer) -> None
     for chunk in (1, 4, len(ids)):
         detok, deltas = stream(tok, ids, chunk, stop=("stop here", "stop h", "world, st"))
         assert detok.stop_reason == "world, st" and "".join(deltas) == "hello "
-        detok, _ = stream(tok, ids, chunk, stop=("stop here", "stop h"))
-        assert detok.stop_reason == "stop h" and detok.output_text == "hello world, "
+        detok, deltas = stream(tok, ids, chunk, stop=("stop here", "stop h"))
+        assert detok.stop_reason == "stop h" and "".join(deltas) == "hello world, "
+
+
+def test_state_stays_bounded_over_a_long_output(tok: Tokenizer) -> None:
+    """Two thousand tokens later the detokenizer holds a window of a few tokens and no
+    emitted text: its work per token does not grow with the output."""
+    ids = tok.encode(TEXT).ids * 100
+    assert len(ids) >= 2000
+    detok = IncrementalDetokenizer(tok, tok.encode(PROMPT).ids, stop=("STOP!",))
+    sizes, deltas = [], []
+    for token_id in ids:
+        deltas.append(detok.add_tokens([token_id]) or "")
+        sizes.append((len(detok._token_ids), len(detok._pending)))
+    assert max(n for n, _ in sizes) <= 8 and max(c for _, c in sizes) <= 8
+    assert "".join(deltas) + (detok.flush() or "") == TEXT * 100

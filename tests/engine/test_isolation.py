@@ -13,6 +13,7 @@ from duetserve.engine.async_engine import AsyncEngine, RequestFailedError
 from duetserve.engine.engine_core import EngineCore
 from duetserve.engine.isolation import IsolatedExecutor
 from duetserve.loader import load_model
+from duetserve.outputs import OutputAccumulator
 from duetserve.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -119,10 +120,10 @@ def test_eight_streams_complete_while_one_request_fails(loaded) -> None:
 
     async def consume(req_id: str, ids: list[int], params) -> list[int] | BaseException:
         stream = await aeng.add_request(req_id, ids, params)
-        last = None
+        last, acc = None, OutputAccumulator()
         try:
-            async for out in stream:
-                last = out
+            async for delta in stream:
+                last = acc.add(delta)        # the stream carries deltas
         except RequestFailedError as e:
             return e
         return last.outputs[0].token_ids

@@ -16,12 +16,13 @@ from duetserve.sampling_params import SamplingParams
 
 
 class FakeCore:
-    """Each step appends token 7 to every request; finishes at max_tokens."""
+    """Each step gives every request token 7 (text "a") as a delta; finishes at
+    max_tokens."""
 
     def __init__(self) -> None:
         self.tokenizer = object()
         self.max_model_len = 64
-        self.reqs: dict[str, tuple[list[int], SamplingParams, CompletionOutput]] = {}
+        self.reqs: dict[str, tuple[list[int], SamplingParams, list[int]]] = {}
         self.num_steps = 0
         self.fail_next_step = False
         self.aborted: list[str] = []
@@ -41,7 +42,7 @@ class FakeCore:
         self.thread_ids.add(threading.get_ident())
         if not token_ids:
             raise RequestError("the prompt is empty")
-        self.reqs[req_id] = (token_ids, params, CompletionOutput(0, "", []))
+        self.reqs[req_id] = (token_ids, params, [])
 
     def abort_request(self, req_id) -> None:
         self.thread_ids.add(threading.get_ident())
@@ -51,17 +52,17 @@ class FakeCore:
     def has_unfinished_requests(self) -> bool:
         return bool(self.reqs)
 
-    def step(self) -> list[RequestOutput]:
+    def step_deltas(self) -> list[RequestOutput]:
         self.thread_ids.add(threading.get_ident())
         self.num_steps += 1
         if self.fail_next_step:
             self.fail_next_step = False
             raise RuntimeError("boom")
         outs = []
-        for req_id, (ids, params, out) in list(self.reqs.items()):
-            out.token_ids.append(7)
-            out.text += "a"
-            if len(out.token_ids) >= params.max_tokens:
+        for req_id, (ids, params, generated) in list(self.reqs.items()):
+            generated.append(7)
+            out = CompletionOutput(0, "a", [7])
+            if len(generated) >= params.max_tokens:
                 out.finish_reason = "length"
                 del self.reqs[req_id]
             outs.append(RequestOutput(req_id, None, ids, [out], out.finished))
@@ -85,8 +86,9 @@ def test_stream_add_error_abort_and_step_error(engine) -> None:
     async def main() -> None:
         stream = await engine.add_request("a", [1, 2], SamplingParams(max_tokens=3))
         outs = [o async for o in stream]
-        assert [len(o.outputs[0].token_ids) for o in outs] == [1, 2, 3]
-        assert outs[-1].finished and outs[0].outputs[0].text == "a"   # snapshots
+        assert [o.outputs[0].token_ids for o in outs] == [[7], [7], [7]]   # deltas
+        assert [o.finished for o in outs] == [False, False, True]
+        assert "".join(o.outputs[0].text for o in outs) == "aaa"
         with pytest.raises(ValueError, match="empty"):
             await engine.add_request("b", [], SamplingParams())
         long = await engine.add_request("c", [1], SamplingParams(max_tokens=10_000))

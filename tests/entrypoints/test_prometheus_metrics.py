@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import logging
 
-from duetserve.engine.engine_core import StepStats
 from duetserve.metrics.prometheus import ServerMetrics, buckets_1_2_5
-from duetserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from duetserve.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepStats
 
 NAMES = ["time_to_first_token_seconds", "time_per_output_token_seconds",
          "inter_token_latency_seconds", "e2e_request_latency_seconds",
@@ -26,8 +25,14 @@ def _sample(text: str, name: str) -> float:
 def test_metrics_feed_and_render(caplog) -> None:
     a, b = ServerMetrics("m", 2048, 512, log_interval=0.0), ServerMetrics("m", 2048, 512)
     with caplog.at_level(logging.INFO, logger="duetserve.metrics"):
-        a.observe_step(StepStats(0.0, 0.01, 100, 3, 4, 1, 0.5, 10, 1, 64, 32))
-        a.observe_step(StepStats(0.0, 0.01, 0, 4, 4, 0, 0.5, 12, 2, 64, 48))
+        a.observe_step(StepStats(start_time=0.0, step_seconds=0.01, num_prefill_tokens=100,
+                                 num_decode_tokens=3, num_running=4, num_waiting=1,
+                                 kv_usage=0.5, num_used_blocks=10, num_preemptions=1,
+                                 prefix_cache_queries=64, prefix_cache_hits=32))
+        a.observe_step(StepStats(start_time=0.0, step_seconds=0.01, num_prefill_tokens=0,
+                                 num_decode_tokens=4, num_running=4, num_waiting=0,
+                                 kv_usage=0.5, num_used_blocks=12, num_preemptions=2,
+                                 prefix_cache_queries=64, prefix_cache_hits=48))
     assert any("prefill" in r.message and "decode" in r.message for r in caplog.records)
     m = RequestMetrics(arrival_time=1.0, first_scheduled_time=1.5, first_token_time=2.0,
                        last_token_time=3.0, finished_time=3.0, num_generation_tokens=3,

@@ -1,11 +1,13 @@
 """EOS ids are resolved once, at load: a HF folder whose config.json names no EOS but whose
-tokenizer does gets the tokenizer's id everywhere, so the stop check and `min_tokens`
-suppression agree (they used to read different sources)."""
+generation_config.json or tokenizer does gets that id everywhere, so the stop check and
+`min_tokens` suppression agree (they used to read different sources)."""
 from __future__ import annotations
 
 import json
 import os
 import shutil
+
+import pytest
 
 from duetserve.config import EngineConfig
 from duetserve.engine.engine_core import EngineCore
@@ -15,7 +17,9 @@ from duetserve.sampling_params import SamplingParams
 EOS = 299      # "</s>" in the tiny byte tokenizer
 
 
-def _folder_without_config_eos(src: str, dst: str) -> str:
+def _folder_without_config_eos(src: str, dst: str, source: str) -> str:
+    """A copy of `src` whose config.json names no EOS; `source` ("tokenizer" or
+    "generation_config") is the only file that does."""
     shutil.copytree(src, dst)
     cfg_path = os.path.join(dst, "config.json")
     with open(cfg_path) as f:
@@ -26,18 +30,28 @@ def _folder_without_config_eos(src: str, dst: str) -> str:
     gen = os.path.join(dst, "generation_config.json")
     if os.path.exists(gen):
         os.remove(gen)
-    with open(os.path.join(dst, "tokenizer_config.json"), "w") as f:
-        json.dump({"eos_token": "</s>", "bos_token": "<s>"}, f)
+    if source == "tokenizer":
+        with open(os.path.join(dst, "tokenizer_config.json"), "w") as f:
+            json.dump({"eos_token": "</s>", "bos_token": "<s>"}, f)
+    else:
+        tcfg = os.path.join(dst, "tokenizer_config.json")
+        if os.path.exists(tcfg):
+            os.remove(tcfg)
+        with open(gen, "w") as f:
+            json.dump({"eos_token_id": EOS}, f)
     return dst
 
 
-def test_tokenizer_eos_used_by_stop_check_and_min_tokens(tiny_checkpoints, tmp_path):
-    path = _folder_without_config_eos(tiny_checkpoints["llama-gqa-tied"], str(tmp_path / "m"))
+@pytest.mark.parametrize("source", ["tokenizer", "generation_config"])
+def test_one_eos_for_stop_check_and_min_tokens(tiny_checkpoints, tmp_path, source):
+    path = _folder_without_config_eos(tiny_checkpoints["llama-gqa-tied"], str(tmp_path / "m"),
+                                      source)
     loaded = load_model(path)
     assert loaded.config.eos_token_ids == (EOS,)
     eng = EngineCore(EngineConfig(model=path, num_threads=2, kv_cache_memory=0.01,
                                   max_num_batched_tokens=256), loaded=loaded)
     assert eng.eos_token_ids == eng.runner.sampler.eos_token_ids == (EOS,)
+    assert eng.tokenizer.eos_token_ids == (EOS,)
     # EOS is made certain by a bias: min_tokens must hold it off for 3 tokens, then the
     # stop check must end the request on it.
     eng.add_request("r", [5, 6, 7], SamplingParams(temperature=0, max_tokens=10, min_tokens=3,

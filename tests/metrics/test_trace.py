@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+
 
 import jsonschema
 import pytest
@@ -10,6 +10,7 @@ import pytest
 from duetserve.metrics.hardware import HardwareProfile
 from duetserve.metrics.step_accounting import StepAccountant
 from duetserve.metrics.trace import STEPS_TID, STEPS_TRACK, TraceWriter
+from duetserve.outputs import ScheduledSlice, StepStats
 
 # A strict schema of the Chrome trace "JSON object format" subset we write.
 _EVENT = {
@@ -50,17 +51,18 @@ def validate_trace(data: dict) -> dict[int, str]:
     return names
 
 
-@dataclass
-class Stats:
-    start_time: float
-    step_seconds: float
-    items: list[tuple[str, int, int]]
-    num_prefill_tokens: int = 0
-    num_decode_tokens: int = 0
-    num_running: int = 1
-    num_waiting: int = 0
-    kv_usage: float = 0.1
-    finished_req_ids: list[str] = field(default_factory=list)
+def Stats(start_time: float, step_seconds: float, items: list[tuple[str, int, int]],
+          num_prefill_tokens: int = 0, num_decode_tokens: int = 0,
+          finished_req_ids: list[str] | None = None) -> StepStats:
+    """A StepStats of (req_id, num_new, num_computed_before) slices; the 1-token slices of
+    the steps with decode tokens are decodes (the scheduler's decision in the engine)."""
+    return StepStats(start_time=start_time, step_seconds=step_seconds,
+                     num_prefill_tokens=num_prefill_tokens,
+                     num_decode_tokens=num_decode_tokens, num_running=1, kv_usage=0.1,
+                     items=[ScheduledSlice(req_id=r, num_new_tokens=n, num_computed_before=c,
+                                           is_decode=n == 1 and num_decode_tokens > 0)
+                            for r, n, c in items],
+                     finished_req_ids=finished_req_ids or [])
 
 
 def test_request_tracks_on_synthetic_steps(tmp_path) -> None:
@@ -122,13 +124,14 @@ def test_engine_run_trace_and_plot(tiny_checkpoints, tmp_path) -> None:
     from duetserve.engine.engine_core import EngineCore
     from duetserve.engine.llm import LLM
     from duetserve.entrypoints.cli import main as cli_main
-    from duetserve.metrics.step_accounting import accountant_for_engine
+    from duetserve.metrics.step_accounting import StepAccountant
     from duetserve.sampling_params import SamplingParams
 
     engine = EngineCore(EngineConfig(model=tiny_checkpoints["llama-gqa-untied"],
                                      num_threads=1, kv_cache_memory=0.05,
                                      max_num_batched_tokens=2048))
-    acc = accountant_for_engine(engine)
+    acc = StepAccountant(engine.model_config, engine.loaded.weight_bytes,
+                         str(engine.kv_dtype).replace("torch.", ""))
     trace = str(tmp_path / "trace.json")
     writer = TraceWriter(trace, acc)
     engine.add_step_observer(acc.observe)

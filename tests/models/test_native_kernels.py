@@ -164,10 +164,12 @@ def test_q4_gemv_equals_dequantized(rows, n, k):
 @pytest.mark.parametrize("k", [256, 96])     # whole and half 64-byte pairs
 def test_q8_gemv_equals_dequantized(rows, k):
     from duetserve.models.quant import Int8Weight, quantize_int8
-    qw = Int8Weight(*quantize_int8(torch.randn(100, k)))
+    q, scale = quantize_int8(torch.randn(99, k))      # 99 rows: the last block padded
+    qw = Int8Weight(q, scale)
+    assert torch.equal(qw.int8_rows(torch.arange(99)), q)
     x = torch.randn(rows, k)
-    got = native.q8_gemv(x, qw.q, qw.scale32)
-    ref = _int8_activations(x) @ (qw.q.double() * qw.scale32.double()[:, None]).t()
+    got = native.q8_gemv(x, qw.packed, qw.scale32)
+    ref = _int8_activations(x) @ (q.double() * qw.scale32.double()[:, None]).t()
     torch.testing.assert_close(got.double(), ref, atol=1e-4, rtol=1e-5)
 
 

@@ -1,9 +1,12 @@
 """The two generation endpoints: request -> token ids + SamplingParams -> engine stream ->
 OpenAI JSON (one response) or SSE chunks (`data: {json}\\n\\n` ... `data: [DONE]\\n\\n`).
 
-Both endpoints share `_Generation` (prompt checks, context limit, add to the engine,
-abort on client disconnect) and differ only in how a choice is rendered. This file holds
-the shared part and /v1/completions; /v1/chat/completions is serving_chat.py.
+Both endpoints share `_Generation` (add to the engine, whose `validate_request` is the one
+validation, abort on client disconnect) and differ only in how a choice is rendered. The
+engine streams deltas (each step's new tokens, text and logprobs): a streamed chunk
+renders one delta as it is; a non-streaming response assembles them once
+(`OutputAccumulator`). This file holds the shared part and /v1/completions;
+/v1/chat/completions is serving_chat.py.
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ from duetserve.engine.async_engine import (AsyncEngine, EngineStepError, Request
 from duetserve.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                    error_body)
 from duetserve.errors import EngineOverloadedError, RequestError
-from duetserve.outputs import CompletionOutput, RequestOutput
+from duetserve.outputs import CompletionOutput, Logprob, OutputAccumulator, RequestOutput
 from duetserve.sampling_params import GuidedDecoding, SamplingParams
 
 
@@ -100,15 +103,6 @@ class ServerContext:
                            f"context of {self.max_model_len} tokens (max_model_len): at "
                            f"most {self.max_prompt_chars} characters", param=field)
 
-    def validate(self, token_ids: list[int], params: SamplingParams, field: str) -> None:
-        """The engine's admission checks (one validator), on this thread: a 400 comes
-        back before anything is queued."""
-        try:
-            self.core.validate_request(token_ids, params)
-        except RequestError as e:
-            param = field if e.param == "prompt" else e.param
-            raise APIError(e.message, param=param) from None
-
     def token_text(self, token_id: int) -> str:
         text = self._token_text.get(token_id)
         if text is None:
@@ -118,20 +112,17 @@ class ServerContext:
         return text
 
 
-def _usage(outs: list[RequestOutput]) -> dict:
-    completion = sum(len(o.token_ids) for out in outs for o in out.outputs)
-    prompt = sum(len(out.prompt_token_ids) for out in outs)
-    cached = sum(out.num_cached_tokens for out in outs)
+def _usage(prompt: int, completion: int, cached: int) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def _chunk(head: dict, choice: dict, outs: list[RequestOutput], with_usage: bool) -> dict:
-    """One streamed chunk; usage on every chunk when continuous usage was asked."""
+def _chunk(head: dict, choice: dict, usage: dict | None) -> dict:
+    """One streamed chunk; `usage` on every chunk when continuous usage was asked."""
     chunk = {**head, "choices": [choice]}
-    if with_usage:
-        chunk["usage"] = _usage(outs)
+    if usage is not None:
+        chunk["usage"] = usage
     return chunk
 
 
@@ -147,7 +138,9 @@ class _Sub:
     token_ids: list[int]
     prompt: str | None
     stream: RequestStream | None = None
-    last: RequestOutput | None = None
+    num_output_tokens: int = 0      # over its samples, from the deltas seen so far
+    num_cached_tokens: int = 0
+    started: bool = False           # a delta has arrived
 
 
 class _Generation:
@@ -166,9 +159,8 @@ class _Generation:
 
     async def start(self, prompts: list[tuple[list[int], str | None]],
                     params: SamplingParams, field: str) -> None:
-        """Validate every prompt, then add them. Raises APIError (nothing left queued)."""
-        for token_ids, _ in prompts:
-            self.ctx.validate(token_ids, params, field)
+        """Add every prompt (the engine validates each, once). Raises APIError for the
+        first refused; the ones added before it are aborted (nothing left queued)."""
         many = len(prompts) > 1
         self.subs = [_Sub(f"{self.req_id}-p{i}" if many else self.req_id, ids, text)
                      for i, (ids, text) in enumerate(prompts)]
@@ -209,10 +201,11 @@ class _Generation:
         self._abort_unfinished()
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """(prompt index, cumulative output) as they come, all prompts merged."""
+        """(prompt index, delta output) as they come, all prompts merged. Mutates the
+        subs' token counts (for usage)."""
         if len(self.subs) == 1:
             async for out in self.subs[0].stream:
-                self.subs[0].last = out
+                self._count(self.subs[0], out)
                 yield 0, out
             return
         queue: asyncio.Queue = asyncio.Queue()
@@ -235,38 +228,48 @@ class _Generation:
                 elif isinstance(item, BaseException):
                     raise item
                 else:
-                    self.subs[i].last = item
+                    self._count(self.subs[i], item)
                     yield i, item
         finally:
             for t in tasks:
                 t.cancel()
 
-    @property
-    def lasts(self) -> list[RequestOutput]:
-        return [s.last for s in self.subs if s.last is not None]
+    @staticmethod
+    def _count(sub: _Sub, delta: RequestOutput) -> None:
+        sub.started = True
+        sub.num_output_tokens += sum(len(o.token_ids) for o in delta.outputs)
+        sub.num_cached_tokens = delta.num_cached_tokens
+
+    def usage(self) -> dict:
+        """The OpenAI usage object of the outputs so far (all prompts)."""
+        return _usage(sum(len(s.token_ids) for s in self.subs),
+                      sum(s.num_output_tokens for s in self.subs),
+                      sum(s.num_cached_tokens for s in self.subs))
 
     async def final(self) -> list[RequestOutput]:
-        """Wait for every prompt's finished output (non-streaming)."""
+        """Wait for every prompt's finished output (non-streaming): the deltas
+        assembled into one cumulative RequestOutput per prompt."""
+        acc, finals = OutputAccumulator(), [None] * len(self.subs)
         try:
-            async for _ in self.outputs():
-                pass
+            async for i, delta in self.outputs():
+                finals[i] = acc.add(delta)
         except (EngineStepError, RequestFailedError) as e:
             raise APIError(str(e), 500, None, "InternalServerError") from None
         except RequestAbortedError as e:
             raise APIError(str(e), 503, None, "ServiceUnavailableError") from None
         finally:
             self.close()
-        return [s.last for s in self.subs]
+        return finals
 
     async def sse(self, render_deltas, render_usage) -> AsyncIterator[str]:
-        """SSE body: each output becomes the chunks `render_deltas(i, out)` returns; an
+        """SSE body: each delta becomes the chunks `render_deltas(i, delta)` returns; an
         error ends the stream with an error event, and [DONE] always comes last."""
         try:
             async for i, out in self.outputs():
                 for chunk in render_deltas(i, out):
                     yield _sse(chunk)
-            if render_usage is not None and self.lasts:
-                yield _sse(render_usage(self.lasts))
+            if render_usage is not None and any(s.started for s in self.subs):
+                yield _sse(render_usage(self.usage()))
         except RequestAbortedError as e:
             yield _sse(error_body(str(e), "ServiceUnavailableError", None, 503))
         except (EngineStepError, RequestFailedError) as e:
@@ -274,27 +277,6 @@ class _Generation:
         finally:
             self.close()
         yield _sse("[DONE]")
-
-
-@dataclass
-class _Sent:
-    """What has been streamed of one choice so far."""
-
-    num_chars: int = 0
-    num_tokens: int = 0
-    finished: bool = False
-
-
-def _new_part(o: CompletionOutput, sent: _Sent) -> tuple[str, int, int] | None:
-    """(delta text, token start, token end) of choice `o` since `sent`; None if nothing."""
-    if sent.finished:
-        return None
-    text = o.text[sent.num_chars:]
-    start, end = sent.num_tokens, len(o.token_ids)
-    if not text and start == end and not o.finished:
-        return None
-    sent.num_chars, sent.num_tokens, sent.finished = len(o.text), end, o.finished
-    return text, start, end
 
 
 def _finish_reason(o: CompletionOutput) -> str | None:
@@ -325,12 +307,14 @@ async def _completion_prompts(ctx: ServerContext, body: CompletionRequest
     return out
 
 
-def _completion_logprobs(ctx: ServerContext, o: CompletionOutput, start: int, end: int,
-                         offset: int) -> dict | None:
-    if o.logprobs is None:
+def _completion_logprobs(ctx: ServerContext, token_ids: list[int],
+                         logprobs: list[dict[int, Logprob]] | None, offset: int
+                         ) -> dict | None:
+    """The logprobs object of `token_ids` (a delta's, or a whole output's)."""
+    if logprobs is None:
         return None
     tokens, token_lps, tops, offsets = [], [], [], []
-    for tid, entries in zip(o.token_ids[start:end], o.logprobs[start:end]):
+    for tid, entries in zip(token_ids, logprobs):
         text = ctx.token_text(tid)
         tokens.append(text)
         chosen = entries.get(tid)
@@ -404,32 +388,31 @@ async def create_completion(ctx: ServerContext, body: CompletionRequest, raw: Re
         outs = await gen.final()
         choices = [{"index": i * n + o.index, "text": echoes[i] + o.text,
                     "logprobs": _with_prompt(ctx, out, prompts[i][0], _completion_logprobs(
-                        ctx, o, 0, len(o.token_ids), len(echoes[i]))),
+                        ctx, o.token_ids, o.logprobs, len(echoes[i]))),
                     "finish_reason": _finish_reason(o), "stop_reason": o.stop_reason}
                    for i, out in enumerate(outs) for o in out.outputs]
-        return JSONResponse({**head, "choices": choices, "usage": _usage(outs)})
+        return JSONResponse({**head, "choices": choices, "usage": gen.usage()})
 
-    sent = [_Sent() for _ in range(len(prompts) * n)]
+    started: set[int] = set()      # choices that have sent a chunk
 
     def deltas(i: int, out: RequestOutput) -> list[dict]:
         chunks = []
         for o in out.outputs:
-            part = _new_part(o, sent[i * n + o.index])
-            if part is None:
-                continue
-            text, start, end = part
-            lps = _completion_logprobs(ctx, o, start, end, 0)
-            if echoes[i] and start == 0:
-                text = echoes[i] + text
-                lps = _with_prompt(ctx, out, prompts[i][0],
-                                   _completion_logprobs(ctx, o, start, end, len(echoes[i])))
-            choice = {"index": i * n + o.index, "text": text, "logprobs": lps,
+            index = i * n + o.index
+            text, offset = o.text, 0
+            if echoes[i] and index not in started:
+                text, offset = echoes[i] + text, len(echoes[i])
+            lps = _completion_logprobs(ctx, o.token_ids, o.logprobs, offset)
+            if offset:
+                lps = _with_prompt(ctx, out, prompts[i][0], lps)
+            started.add(index)
+            choice = {"index": index, "text": text, "logprobs": lps,
                       "finish_reason": _finish_reason(o)}
-            chunks.append(_chunk(head, choice, gen.lasts, body.continuous_usage))
+            chunks.append(_chunk(head, choice,
+                                 gen.usage() if body.continuous_usage else None))
         return chunks
 
-    usage = (lambda outs: {**head, "choices": [], "usage": _usage(outs)}) \
-        if body.include_usage else None
+    usage = (lambda u: {**head, "choices": [], "usage": u}) if body.include_usage else None
     return StreamingResponse(gen.sse(deltas, usage), media_type="text/event-stream")
 
 

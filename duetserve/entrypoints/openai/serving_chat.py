@@ -23,17 +23,17 @@ from duetserve.entrypoints.openai import tools as tool_plans
 from duetserve.entrypoints.openai.protocol import ChatCompletionRequest
 from duetserve.entrypoints.openai.serving import (APIError, ServerContext, _check_fields,
                                                   _chunk, _finish_reason, _finite,
-                                                  _Generation, _new_part, _params, _Sent,
-                                                  _usage, compile_constraint)
+                                                  _Generation, _params, compile_constraint)
 from duetserve.errors import RequestError
 from duetserve.outputs import CompletionOutput, Logprob, RequestOutput
 from duetserve.structured.tool_syntax import (ParsedToolCall, ToolCallStreamParser,
                                               parse_tool_calls)
 
 
-def _chat_logprobs(ctx: ServerContext, o: CompletionOutput, start: int, end: int,
-                   num_top: int) -> dict | None:
-    if o.logprobs is None:
+def _chat_logprobs(ctx: ServerContext, token_ids: list[int],
+                   logprobs: list[dict[int, Logprob]] | None, num_top: int) -> dict | None:
+    """The logprobs object of `token_ids` (a delta's, or a whole output's)."""
+    if logprobs is None:
         return None
 
     def entry(tid: int, lp: Logprob) -> dict:
@@ -41,7 +41,7 @@ def _chat_logprobs(ctx: ServerContext, o: CompletionOutput, start: int, end: int
         return {"token": text, "logprob": _finite(lp.logprob), "bytes": list(text.encode())}
 
     content = []
-    for tid, entries in zip(o.token_ids[start:end], o.logprobs[start:end]):
+    for tid, entries in zip(token_ids, logprobs):
         chosen = entries.get(tid) or Logprob(float("-inf"), -1)
         top = sorted(((t, lp) for t, lp in entries.items() if lp.rank <= num_top),
                      key=lambda kv: kv[1].rank)[:num_top]
@@ -114,25 +114,21 @@ async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest
         for o in outs[0].outputs:
             message, num_calls = _message(o, plan)
             choices.append({"index": o.index, "message": message,
-                            "logprobs": _chat_logprobs(ctx, o, 0, len(o.token_ids), num_top),
+                            "logprobs": _chat_logprobs(ctx, o.token_ids, o.logprobs, num_top),
                             "finish_reason": _chat_finish_reason(o, num_calls),
                             "stop_reason": o.stop_reason})
-        return JSONResponse({**head, "choices": choices, "usage": _usage(outs)})
+        return JSONResponse({**head, "choices": choices, "usage": gen.usage()})
 
     head["object"] = "chat.completion.chunk"
-    sent = [_Sent() for _ in range(params.n)]
+    started = [False] * params.n      # a choice's first chunk carries the role
     parsers = [ToolCallStreamParser(_tool_names(plan)) if plan.parse else None
                for _ in range(params.n)]
 
     def deltas(_: int, out: RequestOutput) -> list[dict]:
         chunks = []
         for o in out.outputs:
-            s, parser = sent[o.index], parsers[o.index]
-            first = s.num_tokens == 0 and s.num_chars == 0 and not s.finished
-            part = _new_part(o, s)
-            if part is None:
-                continue
-            text, start, end = part
+            parser, text = parsers[o.index], o.text
+            first, started[o.index] = not started[o.index], True
             delta = {"role": "assistant"} if first else {}
             if parser is None:
                 if text or first:
@@ -149,11 +145,11 @@ async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest
                                            for k, c in enumerate(calls)]
             num_calls = parser.num_calls if parser is not None else 0
             choice = {"index": o.index, "delta": delta,
-                      "logprobs": _chat_logprobs(ctx, o, start, end, num_top),
+                      "logprobs": _chat_logprobs(ctx, o.token_ids, o.logprobs, num_top),
                       "finish_reason": _chat_finish_reason(o, num_calls)}
-            chunks.append(_chunk(head, choice, gen.lasts, body.continuous_usage))
+            chunks.append(_chunk(head, choice,
+                                 gen.usage() if body.continuous_usage else None))
         return chunks
 
-    usage = (lambda outs: {**head, "choices": [], "usage": _usage(outs)}) \
-        if body.include_usage else None
+    usage = (lambda u: {**head, "choices": [], "usage": u}) if body.include_usage else None
     return StreamingResponse(gen.sse(deltas, usage), media_type="text/event-stream")
