@@ -105,7 +105,10 @@ class ModelRunner:
             (block ids, num_computed_tokens), appends each sampled token to token_ids,
             advances num_computed_tokens by the slice, advances seeded generators and
             grammar states, accumulates prompt logprobs;
-          - self.kv_caches: the K/V of every scheduled position is written.
+          - self.kv_caches: the K/V of every scheduled position is written (drafts too).
+        Speculative decoding: slices carrying drafts (so.scheduled_spec_token_ids) are
+        verified by the speculator and keep 1..k+1 tokens (num_computed_tokens advances by
+        the kept ones); drafts for so.num_drafts_to_propose go to out.spec_token_ids.
         Returns a fresh ModelRunnerOutput (sampled ids per request, logprobs when asked);
         the caller may keep it."""
         self._update_states(so)
