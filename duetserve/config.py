@@ -6,6 +6,7 @@ arguments of `LLM(...)`).
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, fields
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
@@ -77,6 +78,67 @@ QUANTIZATIONS = ("auto", "none", "int8", "int4")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 
 
+SPEC_METHODS = ("ngram", "draft")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (`--speculative-config '{"method": "ngram", ...}'`, vLLM's keys).
+
+    method: "ngram" (prompt lookup: drafts copied from the request's own tokens) or "draft"
+    (a smaller checkpoint sharing the target's tokenizer, `model`). num_speculative_tokens:
+    the most drafts verified per request per step (k). adaptive: choose k per step and per
+    request from the step's roofline position and the request's measured acceptance (off
+    when verifying would be compute-bound); False: always k when drafts exist."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    model: str | None = None              # the draft checkpoint (method "draft")
+    prompt_lookup_min: int = 2            # shortest n-gram matched (method "ngram")
+    prompt_lookup_max: int = 4            # longest n-gram matched, tried first
+    adaptive: bool = True
+    draft_quantization: str = "auto"      # like --quantization, for the draft model
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ConfigError(f"speculative method must be one of {SPEC_METHODS}, "
+                              f"got {self.method!r}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ConfigError("num_speculative_tokens must be in [1, 16], got "
+                              f"{self.num_speculative_tokens}")
+        if self.method == "draft" and not self.model:
+            raise ConfigError('speculative method "draft" needs "model": the draft '
+                              "checkpoint's path")
+        if self.method == "ngram" and self.model:
+            raise ConfigError('"model" is only used with method "draft"')
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ConfigError("need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                              f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+        if self.draft_quantization not in QUANTIZATIONS:
+            raise ConfigError(f"draft_quantization must be one of {QUANTIZATIONS}, "
+                              f"got {self.draft_quantization!r}")
+
+    @classmethod
+    def parse(cls, value: "SpeculativeConfig | dict | str | None") -> "SpeculativeConfig | None":
+        """From a SpeculativeConfig, a dict or a JSON object string (the CLI flag); None
+        stays None. Unknown keys and bad JSON raise ConfigError naming them."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise ConfigError(f"--speculative-config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ConfigError("speculative config must be a JSON object")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ConfigError(f"unknown speculative config key(s) {unknown}; known: "
+                              f"{sorted(known)}")
+        return cls(**value)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Engine options. Each field is a CLI flag (`--max-num-seqs`) and a keyword of `LLM()`."""
@@ -106,8 +168,13 @@ class EngineConfig:
     # Debug: run the scheduler's and block pool's check_integrity() each time the engine
     # goes idle (also switched on by the environment variable DUET_CHECK_INTEGRITY=1).
     check_integrity_when_idle: bool = False
+    # Speculative decoding: a SpeculativeConfig, or its dict / JSON form (parsed once here).
+    speculative_config: SpeculativeConfig | dict | str | None = None
 
     def __post_init__(self) -> None:
+        # NOTE: normalised at construction (the dataclass is frozen afterwards).
+        object.__setattr__(self, "speculative_config",
+                           SpeculativeConfig.parse(self.speculative_config))
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.quantization not in QUANTIZATIONS:
@@ -162,3 +229,6 @@ class SchedulerConfig:
     step_budget: object | None = None
     # Refuse new requests while this many wait (0 = unbounded); preempted ones always fit.
     max_num_waiting: int = 0
+    # Speculative decoding (core/spec_policy.SpecPolicy): how many drafts each request
+    # verifies per step; None: no speculation.
+    spec_policy: object | None = None

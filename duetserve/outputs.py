@@ -62,6 +62,13 @@ class SchedulerOutput:
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
     decode_req_ids: set[str] = field(default_factory=set)
+    # Speculative decoding. Drafts to verify: request r's slice ends with these tokens, which
+    # sit after its known tokens (num_scheduled_tokens[r] counts them):
+    #     [ num_computed .. num_tokens-1 | d_0 .. d_{k-1} ]   k+1 positions with logits
+    scheduled_spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # How many drafts the runner proposes for r after this step (KV slots for them are
+    # allocated when the proposer writes KV, i.e. a draft model).
+    num_drafts_to_propose: dict[str, int] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -126,6 +133,7 @@ class StepStats:
     # FLOPs, bytes, MFU, MBU of this step: a metrics.step_accounting.StepAccount, set by
     # the engine's accountant (typed loosely: outputs.py sits below metrics/).
     account: object | None = None
+    spec: SpecDecodeStats | None = None  # cumulative speculative-decoding counters
 
     @property
     def num_tokens(self) -> int:
@@ -154,6 +162,35 @@ class ModelRunnerOutput:
     logprobs: dict[str, list[dict[int, Logprob]]] | None = None
     # Per request, per prompt position (first position has None): as above.
     prompt_logprobs: dict[str, list[dict[int, Logprob] | None]] | None = None
+    # Drafts proposed for the next step, per request (speculative decoding).
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+
+
+@dataclass
+class SpecDecodeStats:
+    """Cumulative speculative-decoding counters (the scheduler counts; metrics read).
+
+    num_drafts: verify slices (request-steps with >= 1 draft); num_draft_tokens: drafts
+    verified; num_accepted_tokens: drafts accepted; accepted_per_pos[j]: how often the
+    draft at position j was accepted."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def copy(self) -> "SpecDecodeStats":
+        return SpecDecodeStats(self.num_drafts, self.num_draft_tokens,
+                               self.num_accepted_tokens, list(self.accepted_per_pos))
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens per verify slice: accepted drafts plus the target's own token."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
 
 @dataclass

@@ -10,8 +10,10 @@ Token positions of a request (block_size 4 in the picture):
 Who mutates what (NOTE: the worker never touches a Request):
   - Scheduler.schedule():            status, num_computed_tokens (prefix hit at admission,
                                      0 on preemption), num_cached_tokens, num_preemptions
-  - Scheduler.update_from_output():  num_computed_tokens, output_token_ids/all_token_ids
-                                     (via append_output_token_ids), block_hashes,
+  - Scheduler.update_from_output():  num_computed_tokens (minus rejected drafts),
+                                     output_token_ids/all_token_ids (via
+                                     append_output_token_ids), block_hashes,
+                                     spec_token_ids and the acceptance counts,
                                      status/finish_reason/stop_reason on finish
   - Scheduler.abort_requests()/finish_requests(): status, finish_reason, stop_reason
   - the engine: the optional timing stamps (first_scheduled_time, ...) and eos_token_ids
@@ -80,6 +82,12 @@ class Request:
     # --- prefill/decode disaggregation (set by the engine before add_request) ------------
     kv_hold: bool = False                  # on finish by length: keep the blocks (producer)
     num_external_tokens: int = 0           # prompt KV to load from a prefill instance
+    # Speculative decoding: drafts proposed by the runner for the next step (never part of
+    # all_token_ids: they become tokens only once verified), and the request's measured
+    # acceptance (drafts accepted; verify steps that rejected one).
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_num_accepted: int = 0
+    spec_num_rejections: int = 0
 
     # --- optional wall-clock stamps the engine sets (time.time()) ------------------------
     first_scheduled_time: float | None = None

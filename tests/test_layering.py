@@ -71,6 +71,8 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
                           "duetserve.worker", "duetserve.engine"),
     "duetserve.structured": ("duetserve.models", "duetserve.loader", "duetserve.core",
                              "duetserve.metrics"),
+    # the runner gets its Speculator handed in by the engine; spec_decode builds on worker
+    "duetserve.worker": ("duetserve.spec_decode",),
     "duetserve.sim": ("duetserve.models", "duetserve.loader", "duetserve.worker",
                       "duetserve.engine", "duetserve.kv_transfer", "duetserve.spec_decode",
                       "duetserve.entrypoints", "duetserve.bench.serve",

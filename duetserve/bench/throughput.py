@@ -234,11 +234,26 @@ def summarize(reqs: list[BenchRequest], outputs: list[Any], elapsed: float,
         "decode_only_step_seconds": dc[1],
         "prefill_tokens_per_s": _div(totals.prefill_tokens, prefill_seconds),
         "decode_tokens_per_s": _div(dc[3], dc[1]),
+        **_spec_summary(getattr(last, "spec", None), getattr(base, "spec", None)),
         "phase_definition": (
             "prefill_tokens_per_s = all prefill tokens / seconds of steps with prefill "
             "(prefill-only + mixed); decode_tokens_per_s = decode tokens of decode-only "
             "steps / seconds of decode-only steps"),
     }
+
+
+def _spec_summary(last: Any, base: Any) -> dict[str, Any]:
+    """Speculative decoding over the timed run (cumulative SpecDecodeStats at both ends);
+    {} when the engine does not speculate."""
+    if last is None:
+        return {}
+    drafts = last.num_drafts - (base.num_drafts if base else 0)
+    drafted = last.num_draft_tokens - (base.num_draft_tokens if base else 0)
+    accepted = last.num_accepted_tokens - (base.num_accepted_tokens if base else 0)
+    return {"spec_num_drafts": drafts, "spec_num_draft_tokens": drafted,
+            "spec_num_accepted_tokens": accepted,
+            "spec_acceptance_rate": _div(accepted, drafted),
+            "spec_mean_accepted_length": 1 + _div(accepted, drafts) if drafts else 0.0}
 
 
 def format_table(r: dict[str, Any], title: str = "duet bench throughput") -> str:
@@ -269,6 +284,12 @@ def format_table(r: dict[str, Any], title: str = "duet bench throughput") -> str
                                       "tokens)"),
             ("preemptions", f"{r['num_preemptions']}"),
         ]
+    if "spec_num_drafts" in r:
+        rows += [("spec decode: acceptance rate", f"{r['spec_acceptance_rate']:.3f}  "
+                  f"({r['spec_num_accepted_tokens']}/{r['spec_num_draft_tokens']} drafts)"),
+                 ("spec decode: mean accepted length",
+                  f"{r['spec_mean_accepted_length']:.2f}  ({r['spec_num_drafts']} verify "
+                  "slices)")]
     u = r.get("utilization")
     if u:
         for phase in ("prefill", "mixed", "decode"):

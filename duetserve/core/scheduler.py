@@ -13,6 +13,13 @@ on the counter:
            requests in queue order (prefix-cache lookup, chunk to the budget left) until
            one does not fit (it blocks the ones behind it: FCFS within a priority).
 
+Speculative decoding (config.spec_policy) is arithmetic on the same counter: a decode's
+slice is its last token plus k drafts (request.spec_token_ids, proposed by the runner
+after the previous step), so k+1 positions are computed; after the step the counter
+advances by k+1 and falls back by the number of rejected drafts. Their KV slots are simply
+overwritten later. Drafts never enter all_token_ids, so block hashes (and the prefix
+cache) only ever see verified tokens.
+
 Waiting order and preemption victims follow one key, (priority, arrival): smaller
 priority first, then earlier add_request; preempted requests go to the front of their
 priority in the waiting queue.
@@ -28,9 +35,10 @@ from duetserve.core import hashing
 from duetserve.core.kv_cache_manager import KVCacheManager, cdiv
 from duetserve.core.remote_kv import RemoteKV
 from duetserve.core.request_queue import RequestQueue
+from duetserve.core.spec_policy import SpecPolicy, acceptance_estimate, is_spec_eligible
 from duetserve.errors import RequestError
 from duetserve.outputs import (CachedRequestData, ModelRunnerOutput, NewRequestData,
-                               SchedulerOutput)
+                               SchedulerOutput, SpecDecodeStats)
 from duetserve.request import Request, RequestStatus
 
 
@@ -48,6 +56,7 @@ class SchedulerStats:
     kv_usage: float = 0.0            # fraction of blocks held by requests
     num_used_blocks: int = 0
     num_total_blocks: int = 0
+    spec: SpecDecodeStats | None = None  # cumulative; None without speculation
 
 
 class Scheduler:
@@ -69,6 +78,8 @@ class Scheduler:
         self._last_num_prefill_tokens = 0
         self._last_num_decode_tokens = 0
         self.remote = RemoteKV()                 # disaggregation: held / loading requests
+        self.spec_policy: SpecPolicy | None = config.spec_policy  # type: ignore[assignment]
+        self.spec_stats = SpecDecodeStats() if self.spec_policy is not None else None
 
     # --- request lifecycle -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -251,6 +262,8 @@ class Scheduler:
         advanced later, by update_from_output. Returns the SchedulerOutput for the runner."""
         step = _Step(self._token_budget())
         self._run_loaded()
+        if self.spec_policy is not None:
+            self._plan_spec(step)
         self._schedule_running(step)
         if not step.preempted:
             self._schedule_waiting(step)
@@ -271,6 +284,71 @@ class Scheduler:
             num_new = min(num_new, self.config.long_prefill_token_threshold)
         return min(num_new, budget)
 
+    # --- speculative decoding -------------------------------------------------------------
+    def _plan_spec(self, step: _Step) -> None:
+        """Drafts per running decode for this step (step.spec_plan) and whether the step
+        leaves room to propose more (step.spec_open). Mutates only `step`."""
+        policy = self.spec_policy
+        assert policy is not None
+        base_rows, left, candidates = 0, step.budget, []
+        for r in self.running:
+            behind = r.num_tokens - r.num_computed_tokens
+            base_rows += min(behind, max(left, 0))
+            left -= behind
+            if behind == 1 and r.spec_token_ids:
+                candidates.append((r.req_id, len(r.spec_token_ids),
+                                   acceptance_estimate(r.spec_num_accepted,
+                                                       r.spec_num_rejections)))
+        step.spec_plan = policy.plan(candidates, base_rows, max(1, len(self.running)))
+        step.spec_open = policy.has_room(base_rows)
+
+    def _drafts_for(self, request: Request, num_new: int, step: _Step) -> list[int]:
+        """The drafts this step verifies for `request` (a decode: num_new == 1), clamped
+        to the budget, the context limit and max_tokens. Mutates nothing."""
+        k = step.spec_plan.get(request.req_id, 0)
+        if not k or num_new != 1 or request.num_tokens - request.num_computed_tokens != 1:
+            return []
+        # positions computed: num_computed .. num_computed + k, all < max_len
+        k = min(k, step.budget - 1, self.max_len - 1 - request.num_computed_tokens)
+        if request.max_tokens is not None:
+            k = min(k, request.max_tokens - request.num_output_tokens - 1)
+        return request.spec_token_ids[:max(k, 0)]
+
+    def _num_to_propose(self, request: Request, num_computed: int, num_new: int,
+                        num_drafts: int, step: _Step) -> int:
+        """Drafts the runner proposes after this step: only for eligible requests whose
+        slice [num_computed, num_computed + num_new) reaches the end of their known
+        tokens. Mutates nothing."""
+        policy = self.spec_policy
+        if (policy is None or not step.spec_open
+                or num_computed + num_new != request.num_tokens
+                or not is_spec_eligible(request.sampling_params)):
+            return 0
+        n = policy.num_to_propose(acceptance_estimate(request.spec_num_accepted,
+                                                      request.spec_num_rejections))
+        # a draft model writes KV up to position num_tokens_after + n - 2 < max_len
+        room = self.max_len - (num_computed + num_new + num_drafts)
+        return max(0, min(n, room))
+
+    def _lookahead(self, num_propose: int) -> int:
+        """KV slots allocated beyond this step's tokens for the proposer's own drafts."""
+        policy = self.spec_policy
+        return num_propose if policy is not None and policy.needs_lookahead else 0
+
+    def _count_spec(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        """Mutates the request's acceptance counts and self.spec_stats."""
+        stats = self.spec_stats
+        assert stats is not None
+        request.spec_num_accepted += num_accepted
+        request.spec_num_rejections += num_accepted < num_drafts
+        stats.num_drafts += 1
+        stats.num_draft_tokens += num_drafts
+        stats.num_accepted_tokens += num_accepted
+        if len(stats.accepted_per_pos) < num_drafts:
+            stats.accepted_per_pos.extend([0] * (num_drafts - len(stats.accepted_per_pos)))
+        for j in range(num_accepted):
+            stats.accepted_per_pos[j] += 1
+
     def _schedule_running(self, step: _Step) -> None:
         for request in list(self.running):
             if step.budget <= 0:
@@ -280,15 +358,21 @@ class Scheduler:
             num_new = self._chunk(request, step.budget)
             if num_new <= 0:
                 continue
+            drafts = self._drafts_for(request, num_new, step)
+            propose = self._num_to_propose(request, request.num_computed_tokens, num_new,
+                                           len(drafts), step)
+            num_slots = num_new + len(drafts) + self._lookahead(propose)
             while True:
-                new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
+                new_block_ids = self.kv_cache_manager.allocate_slots(request, num_slots)
                 if new_block_ids is not None:
                     if request.req_id in self.remote.fresh:    # loaded: runner learns it
                         self.remote.fresh.discard(request.req_id)
-                        step.add(request, num_new,
-                                 self.kv_cache_manager.get_block_ids(request.req_id), True)
+                        step.add(request, num_new + len(drafts),
+                                 self.kv_cache_manager.get_block_ids(request.req_id), True,
+                                 drafts=drafts, propose=propose)
                     else:
-                        step.add(request, num_new, new_block_ids, is_new=False)
+                        step.add(request, num_new + len(drafts), new_block_ids, is_new=False,
+                                 drafts=drafts, propose=propose)
                     break
                 victim = max(self.running, key=self._victim_key)
                 self._preempt(victim, step)
@@ -307,6 +391,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         step.preempted.add(request.req_id)
@@ -326,7 +411,9 @@ class Scheduler:
             num_new = min(request.num_tokens - num_hit, step.budget)
             if self.config.long_prefill_token_threshold > 0:
                 num_new = min(num_new, self.config.long_prefill_token_threshold)
-            new_block_ids = kv.allocate_slots(request, num_new, hit_blocks)
+            propose = self._num_to_propose(request, num_hit, num_new, 0, step)
+            new_block_ids = kv.allocate_slots(request, num_new + self._lookahead(propose),
+                                              hit_blocks)
             if new_block_ids is None:
                 break  # FCFS: nobody behind it jumps the queue
             self.waiting.pop()
@@ -335,14 +422,16 @@ class Scheduler:
             request.num_computed_tokens = num_hit
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            step.add(request, num_new, kv.get_block_ids(request.req_id), is_new=True)
+            step.add(request, num_new, kv.get_block_ids(request.req_id), is_new=True,
+                     propose=propose)
 
     def _build_output(self, step: _Step) -> SchedulerOutput:
         out = SchedulerOutput(finished_req_ids=self._finished_req_ids,
                               preempted_req_ids=step.preempted)
         self._finished_req_ids = set()
         num_prefill = num_decode = 0
-        for req_id, (request, num_new, block_ids, is_new) in step.scheduled.items():
+        for req_id, (request, num_new, block_ids, is_new, drafts, propose) in \
+                step.scheduled.items():
             if is_new:
                 out.scheduled_new_reqs.append(NewRequestData(
                     req_id=req_id, token_ids=list(request.all_token_ids),
@@ -354,9 +443,17 @@ class Scheduler:
                     req_id=req_id, new_block_ids=block_ids,
                     num_computed_tokens=request.num_computed_tokens))
             out.num_scheduled_tokens[req_id] = num_new
+            if drafts:
+                out.scheduled_spec_token_ids[req_id] = list(drafts)
+            if propose:
+                out.num_drafts_to_propose[req_id] = propose
             # NOTE: the one place the phase of a slice is decided; everything downstream
             # (StepStats, metrics, traces, benchmarks) reads it from the SchedulerOutput.
-            if (num_new == 1 and request.num_computed_tokens >= request.num_prompt_tokens
+            # A verify slice (the decode's token plus its drafts) is a decode of k+1 rows.
+            if drafts:
+                num_decode += num_new
+                out.decode_req_ids.add(req_id)
+            elif (num_new == 1 and request.num_computed_tokens >= request.num_prompt_tokens
                     and request.num_computed_tokens + 1 == request.num_tokens):
                 num_decode += 1
                 out.decode_req_ids.add(req_id)
@@ -383,6 +480,15 @@ class Scheduler:
                 continue  # aborted/finished/preempted since schedule(): drop the results
             request.num_computed_tokens += num_new
             new_token_ids = sampled.get(req_id) or []
+            drafts = scheduler_output.scheduled_spec_token_ids.get(req_id)
+            if drafts:
+                # The runner returns the accepted drafts plus one token of the target's;
+                # the rejected drafts' positions are not computed after all (their KV
+                # slots get overwritten when those positions are computed again).
+                num_accepted = max(0, len(new_token_ids) - 1)
+                request.num_computed_tokens -= len(drafts) - num_accepted
+                self._count_spec(request, len(drafts), num_accepted)
+            request.spec_token_ids = runner_output.spec_token_ids.get(req_id, [])
             for token_id in new_token_ids:
                 request.append_output_token_ids(token_id)
                 if self._check_stop(request, token_id):
@@ -425,7 +531,8 @@ class Scheduler:
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
             num_preemptions=self.num_preemptions, kv_usage=kv.usage,
-            num_used_blocks=kv.num_used_blocks, num_total_blocks=kv.num_blocks)
+            num_used_blocks=kv.num_used_blocks, num_total_blocks=kv.num_blocks,
+            spec=None if self.spec_stats is None else self.spec_stats.copy())
 
     def check_integrity(self) -> None:
         """Block pool and table invariants plus queue bookkeeping (AssertionError)."""
@@ -449,16 +556,21 @@ class Scheduler:
 class _Step:
     """The work being assembled by one schedule() call."""
 
-    __slots__ = ("budget", "scheduled", "preempted")
+    __slots__ = ("budget", "scheduled", "preempted", "spec_plan", "spec_open")
 
     def __init__(self, budget: int) -> None:
         self.budget = budget
-        # req_id -> (request, num_new_tokens, block ids to send, is_new)
-        self.scheduled: dict[str, tuple[Request, int, list[int], bool]] = {}
+        # req_id -> (request, num_new_tokens incl. drafts, block ids to send, is_new,
+        #            drafts to verify, drafts to propose after the step)
+        self.scheduled: dict[str, tuple[Request, int, list[int], bool, list[int], int]] = {}
         self.preempted: set[str] = set()
+        self.spec_plan: dict[str, int] = {}     # drafts per request (speculative decoding)
+        self.spec_open = False                  # the step may propose drafts
 
-    def add(self, request: Request, num_new: int, block_ids: list[int], is_new: bool) -> None:
-        self.scheduled[request.req_id] = (request, num_new, block_ids, is_new)
+    def add(self, request: Request, num_new: int, block_ids: list[int], is_new: bool,
+            drafts: list[int] = (), propose: int = 0) -> None:  # type: ignore[assignment]
+        self.scheduled[request.req_id] = (request, num_new, block_ids, is_new, list(drafts),
+                                          propose)
         self.budget -= num_new
 
     def remove(self, request: Request) -> None:

@@ -42,6 +42,7 @@ from duetserve.outputs import (CompletionOutput, ModelRunnerOutput, OutputAccumu
                                RequestMetrics, RequestOutput, SchedulerOutput, StepStats)
 from duetserve.request import Request
 from duetserve.sampling_params import SamplingParams
+from duetserve.spec_decode.factory import build_speculator, spec_policy_for
 from duetserve.structured import GrammarCompiler
 from duetserve.worker.kv_cache import kv_bytes_per_token, num_blocks_for_memory
 from duetserve.worker.model_runner import ModelRunner
@@ -87,7 +88,7 @@ def _step_stats(st: SchedulerStats, **step: object) -> StepStats:
                      kv_usage=st.kv_usage, num_used_blocks=st.num_used_blocks,
                      num_preemptions=st.num_preemptions,
                      prefix_cache_queries=st.prefix_cache_queries,
-                     prefix_cache_hits=st.prefix_cache_hits, **step)
+                     prefix_cache_hits=st.prefix_cache_hits, spec=st.spec, **step)
 
 
 class EngineCore:
@@ -126,9 +127,14 @@ class EngineCore:
             shared = make_shared_kv(kv_transfer, mcfg.num_hidden_layers,
                                     mcfg.num_key_value_heads, num_blocks, config.block_size,
                                     mcfg.head_dim, dtype)
+        spec = config.speculative_config
+        self.speculator = None if spec is None else build_speculator(
+            spec, self.loaded, mcfg, num_blocks, config.block_size, dtype, config.dtype,
+            config.device, config.max_model_len)
         self.runner = ModelRunner(self.loaded.model, mcfg, num_blocks, config.block_size,
                                   dtype, config.device, self.grammars,
-                                  kv_buffer=shared[1].tensor if shared else None)
+                                  kv_buffer=shared[1].tensor if shared else None,
+                                  speculator=self.speculator)
         self.step_cost: StepCost | None = None
         self.max_step_ms: float | None = None
         self.step_budget: StepBudget | None = None
@@ -139,7 +145,9 @@ class EngineCore:
             max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
             block_size=config.block_size, num_blocks=num_blocks,
             enable_prefix_caching=config.enable_prefix_caching,
-            max_num_waiting=config.max_waiting_requests))
+            max_num_waiting=config.max_waiting_requests,
+            spec_policy=None if spec is None else spec_policy_for(
+                spec, self.loaded, self.speculator, self.runner)))
         self.executor = IsolatedExecutor(self.runner.execute_model, self.scheduler)
         self.kv_roles = None if shared is None else KVRoles(
             kv_transfer, shared[0], shared[1], self.scheduler, self.max_model_len)

@@ -39,6 +39,7 @@ def _error_text(e: BaseException) -> str:
 def _merge(into: ModelRunnerOutput, part: ModelRunnerOutput) -> None:
     into.req_ids.extend(part.req_ids)
     into.sampled_token_ids.update(part.sampled_token_ids)
+    into.spec_token_ids.update(part.spec_token_ids)
     if part.logprobs:
         into.logprobs = {**(into.logprobs or {}), **part.logprobs}
     if part.prompt_logprobs:
@@ -75,6 +76,10 @@ class IsolatedExecutor:
                 req_id, list(r.all_token_ids), r.num_prompt_tokens, r.sampling_params,
                 kv.get_block_ids(req_id), r.num_computed_tokens))
             out.num_scheduled_tokens[req_id] = so.num_scheduled_tokens[req_id]
+            if req_id in so.scheduled_spec_token_ids:
+                out.scheduled_spec_token_ids[req_id] = so.scheduled_spec_token_ids[req_id]
+            if req_id in so.num_drafts_to_propose:
+                out.num_drafts_to_propose[req_id] = so.num_drafts_to_propose[req_id]
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
         return out
 

@@ -54,6 +54,12 @@ def add_engine_arguments(p: argparse.ArgumentParser, positional_model: bool = Fa
     g.add_argument("--seed", type=int, default=d.seed)
     g.add_argument("--trace-file", default=None,
                    help="write a Chrome/Perfetto trace (steps, requests, MFU/MBU) here")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, e.g. \'{"method": "ngram", '
+                        '"num_speculative_tokens": 3}\' or \'{"method": "draft", "model": '
+                        'PATH}\'; keys: method, num_speculative_tokens, model, '
+                        'prompt_lookup_min, prompt_lookup_max, adaptive (default true), '
+                        'draft_quantization (docs/speculative_decoding.md)')
     g.add_argument("-v", "--verbose", action="store_true", help="log engine details")
 
 
@@ -70,7 +76,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             max_num_seqs=args.max_num_seqs, max_n=args.max_n,
             max_waiting_requests=args.max_waiting_requests,
             enable_prefix_caching=args.enable_prefix_caching, num_threads=args.num_threads,
-            seed=args.seed, trace_file=args.trace_file)
+            seed=args.seed, trace_file=args.trace_file,
+            speculative_config=getattr(args, "speculative_config", None))
     except ConfigError as e:
         raise UserError(str(e)) from None
 

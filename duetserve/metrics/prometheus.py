@@ -110,6 +110,19 @@ class ServerMetrics:
                                        "kernel their row count selects (lowbit: GEMV-style "
                                        "low-bit; dense: GEMM).", ["model_name", "kernel"],
                                        registry=self.registry)
+        # Speculative decoding (vLLM's names): verify slices, drafts verified, drafts
+        # accepted, and accepted drafts by their position in the slice.
+        self.spec_drafts = counter("spec_decode_num_drafts", "Speculative verify slices "
+                                   "(request-steps with at least one draft).")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens",
+                                         "Draft tokens verified.")
+        self.spec_accepted = counter("spec_decode_num_accepted_tokens",
+                                     "Draft tokens accepted.")
+        self.spec_accepted_per_pos = Counter(
+            "duet:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by "
+            "their position in the verify slice (0 = first draft).",
+            ["model_name", "position"], registry=self.registry)
+        self._last_spec = (0, 0, 0, ())
         self._lowbit_max_rows = -1       # no quantized linears: every step is dense
         # NOTE: cumulative engine counters arrive as totals; Prometheus counters take deltas.
         self._last_totals = (0, 0, 0)
@@ -156,6 +169,24 @@ class ServerMetrics:
             if new > old:
                 c.inc(new - old)
         self._last_totals = totals
+        spec = getattr(st, "spec", None)
+        if spec is not None:
+            self._set_spec(spec)
+
+    def _set_spec(self, spec: Any) -> None:
+        """Cumulative SpecDecodeStats -> counter increments."""
+        per_pos = tuple(spec.accepted_per_pos)
+        new = (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens)
+        for c, n, o in zip((self.spec_drafts, self.spec_draft_tokens, self.spec_accepted),
+                           new, self._last_spec[:3]):
+            if n > o:
+                c.inc(n - o)
+        old_pos = self._last_spec[3]
+        for j, n in enumerate(per_pos):
+            o = old_pos[j] if j < len(old_pos) else 0
+            if n > o or j >= len(old_pos):
+                self.spec_accepted_per_pos.labels(self._model, str(j)).inc(max(n - o, 0))
+        self._last_spec = (*new, per_pos)
 
     def _maybe_log(self, st: StepStats) -> None:
         now = time.monotonic()

@@ -104,6 +104,12 @@ class TraceWriter:
             "num_waiting": stats.num_waiting,
             "kv_usage": stats.kv_usage,
             "num_requests": len(stats.items)}
+        if stats.spec is not None:      # cumulative speculative-decoding counters
+            spec = stats.spec
+            args.update(spec_drafts=spec.num_drafts, spec_draft_tokens=spec.num_draft_tokens,
+                        spec_accepted_tokens=spec.num_accepted_tokens,
+                        spec_acceptance_rate=spec.acceptance_rate,
+                        spec_mean_accepted_length=spec.mean_accepted_length)
         name = stats.phase
         if self.accountant is not None:
             acc = self.accountant.account_for(stats)

@@ -22,6 +22,24 @@ class SeqWork:
     start_pos: int             # position of the first new token (= num_computed_tokens)
     block_ids: list[int]
     needs_logits: bool         # the slice reaches the end of the known tokens
+    # Speculative decoding: the slice is a decode's token plus num_spec drafts. Each of its
+    # k+1 positions is laid out as a decode row of its own (context = its position + 1:
+    # the drafts' K/V are written before any read), all with logits. So a verify row runs
+    # the very kernels a plain decode of that position runs.
+    num_spec: int = 0
+
+
+def _expand_verify(work: list[SeqWork]) -> list[SeqWork]:
+    """Split each verify slice into one single-token decode per position."""
+    out = []
+    for w in work:
+        if not w.num_spec:
+            out.append(w)
+            continue
+        assert len(w.token_ids) == w.num_spec + 1, (w.req_id, len(w.token_ids), w.num_spec)
+        out.extend(SeqWork(w.req_id, [t], w.start_pos + j, w.block_ids, True)
+                   for j, t in enumerate(w.token_ids))
+    return out
 
 
 @dataclass(slots=True)
@@ -30,8 +48,9 @@ class StepBatch:
     positions: torch.Tensor        # [T]
     meta: AttentionMetadata
     logits_indices: torch.Tensor   # [N] rows of hidden states to compute logits for
-    logits_req_ids: list[str]      # request of each logits row
-    order: list[str]               # request ids in flat-batch order
+    logits_req_ids: list[str]      # request of each logits row (k+1 rows for a verify
+                                   # slice, in position order)
+    order: list[str]               # request ids in flat-batch order (first row of each)
 
 
 def _slots(block_ids: list[int], positions: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -44,6 +63,7 @@ def build_step_batch(work: list[SeqWork], block_size: int, device: torch.device 
     """Decodes (one new token) first, then prefill chunks; see models/attention.py.
     `paged_decode`: the backend reads the cache in place, so decodes get one block table
     and context lengths instead of padded groups and masks."""
+    work = _expand_verify(work)
     # Decodes sorted by context length: each group pads only to its own longest context.
     decodes = sorted((w for w in work if len(w.token_ids) == 1), key=lambda w: w.start_pos)
     prefills = [w for w in work if len(w.token_ids) > 1]
@@ -107,4 +127,4 @@ def build_step_batch(work: list[SeqWork], block_size: int, device: torch.device 
             logits_req.append(w.req_id)
     return StepBatch(torch.tensor(ids, dtype=torch.long, device=device), positions.to(device),
                      meta, torch.tensor(logits_idx, dtype=torch.long), logits_req,
-                     [w.req_id for w in ordered])
+                     list(dict.fromkeys(w.req_id for w in ordered)))

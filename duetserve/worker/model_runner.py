@@ -38,10 +38,12 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, num_blocks: int,
                  block_size: int, dtype: torch.dtype, device: str = "cpu",
                  grammars: GrammarCompiler | None = None,
-                 kv_buffer: torch.Tensor | None = None) -> None:
+                 kv_buffer: torch.Tensor | None = None, speculator=None) -> None:
         """`grammars` compiles the constraints of guided requests (None: the runner
         refuses them). `kv_buffer`: uint8 memory to hold the KV cache (shareable memory
-        of a disaggregated instance); None allocates it."""
+        of a disaggregated instance); None allocates it. `speculator`: a
+        spec_decode.Speculator (verifies the drafts the scheduler sends, proposes the next
+        ones); None: no speculative decoding."""
         self.model = model
         self.config = model_config
         self.block_size = block_size
@@ -56,12 +58,16 @@ class ModelRunner:
                                    masker)
         backend = getattr(model.layers[0].self_attn, "backend", None)
         self.paged_decode = getattr(backend, "paged_decode", None) is not None
+        self.speculator = speculator
 
     # -- state -------------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
         """Mutates self.requests: drop finished/preempted, learn new ones, apply diffs."""
         for req_id in so.finished_req_ids | so.preempted_req_ids:
             self.requests.pop(req_id, None)
+        if self.speculator is not None:
+            self.speculator.forget(so.finished_req_ids | so.preempted_req_ids
+                                   | {new.req_id for new in so.scheduled_new_reqs})
         for new in so.scheduled_new_reqs:
             gen = None
             if new.sampling_params.seed is not None:
@@ -103,41 +109,63 @@ class ModelRunner:
             (block ids, num_computed_tokens), appends each sampled token to token_ids,
             advances num_computed_tokens by the slice, advances seeded generators and
             grammar states, accumulates prompt logprobs;
-          - self.kv_caches: the K/V of every scheduled position is written.
+          - self.kv_caches: the K/V of every scheduled position is written (drafts too).
+        Speculative decoding: slices carrying drafts (so.scheduled_spec_token_ids) are
+        verified by the speculator and keep 1..k+1 tokens (num_computed_tokens advances by
+        the kept ones); drafts for so.num_drafts_to_propose go to out.spec_token_ids.
         Returns a fresh ModelRunnerOutput (sampled ids per request, logprobs when asked);
         the caller may keep it."""
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput()
+        spec = so.scheduled_spec_token_ids
         work = []
         for req_id, n in so.num_scheduled_tokens.items():
             st = self.requests[req_id]
+            drafts = spec.get(req_id, [])
             start = st.num_computed_tokens
-            end = start + n
+            end = start + n - len(drafts)       # known tokens; drafts follow them
             assert end <= len(st.token_ids), (req_id, start, n, len(st.token_ids))
-            work.append(SeqWork(req_id, st.token_ids[start:end], start, st.block_ids,
-                                end == len(st.token_ids)))
+            work.append(SeqWork(req_id, st.token_ids[start:end] + drafts, start,
+                                st.block_ids, end == len(st.token_ids), len(drafts)))
         batch = build_step_batch(work, self.block_size, self.device, self.paged_decode)
-        states = [self.requests[r] for r in batch.logits_req_ids]
+        rows: dict[str, list[int]] = {}          # logits rows of each request
+        for i, req_id in enumerate(batch.logits_req_ids):
+            rows.setdefault(req_id, []).append(i)
+        plain = [r for r in rows if r not in spec]
+        states = [self.requests[r] for r in plain]
         self.sampler.prefetch_masks(states)      # grammar masks overlap the forward pass
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
         prompt_lps = self._prompt_logprobs(so, batch.order, hidden)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
+        kept: dict[str, list[int]] = {}
+        if spec:
+            kept = self.speculator.verify(logits, {r: rows[r] for r in rows if r in spec},
+                                          self.requests, spec)
+            logits = logits[[rows[r][0] for r in plain]]
         sampled, logprobs = self.sampler.sample(logits, states)
+        kept.update((st.req_id, [tok]) for st, tok in zip(states, sampled))
         out = ModelRunnerOutput(req_ids=batch.order,
                                 sampled_token_ids={r: [] for r in batch.order})
-        for st, tok in zip(states, sampled):
-            out.sampled_token_ids[st.req_id] = [tok]
-            st.token_ids.append(tok)
+        for req_id, toks in kept.items():
+            st = self.requests[req_id]
+            out.sampled_token_ids[req_id] = toks
+            st.token_ids.extend(toks)
             if st.grammar is not None:
-                st.grammar.accept(tok)
+                st.grammar.accept_all(toks)
         for req_id, n in so.num_scheduled_tokens.items():
-            self.requests[req_id].num_computed_tokens += n
+            # rejected drafts are not computed after all (the scheduler does the same)
+            rejected = len(spec[req_id]) + 1 - len(kept[req_id]) if req_id in spec else 0
+            self.requests[req_id].num_computed_tokens += n - rejected
         if logprobs is not None:
             out.logprobs = {st.req_id: [lp] for st, lp in zip(states, logprobs)
                             if lp is not None}
         if prompt_lps:
             out.prompt_logprobs = prompt_lps
+        if so.num_drafts_to_propose and self.speculator is not None:
+            out.spec_token_ids = self.speculator.propose(
+                {r: self.requests[r] for r in so.num_drafts_to_propose if r in kept},
+                {r: n for r, n in so.num_drafts_to_propose.items() if r in kept})
         return out
 
     def _prompt_logprobs(self, so: SchedulerOutput, order: list[str],

@@ -14,9 +14,13 @@ from duetserve.worker.sampler import Sampler
 from duetserve.worker.sampling_metadata import SamplingMetadata
 
 
-def _needs_history(sp) -> bool:
+def needs_history(sp) -> bool:
+    """Whether sampling for these params reads the prompt and output tokens."""
     return (sp.repetition_penalty != 1.0 or sp.presence_penalty != 0.0
             or sp.frequency_penalty != 0.0 or sp.min_tokens > 0)
+
+
+_needs_history = needs_history
 
 
 class StepSampler:

@@ -72,3 +72,20 @@ def test_kernel_choice_visible() -> None:
     assert 'lowbit_max_rows="4"' in text and 'weights="120 int4"' in text
     assert _sample(text, 'duet:steps_by_kernel_total{kernel="lowbit",model_name="m"}') == 2
     assert _sample(text, 'duet:steps_by_kernel_total{kernel="dense",model_name="m"}') == 1
+
+
+def test_spec_decode_counters_follow_cumulative_totals() -> None:
+    from duetserve.outputs import SpecDecodeStats
+    m = ServerMetrics("m", 2048, 512)
+    m.observe_step(StepStats(0.0, 0.01, 0, 4, 1, 0, 0.1, 1, 0, 0, 0,
+                             spec=SpecDecodeStats(2, 6, 3, [2, 1, 0])))
+    m.observe_step(StepStats(0.0, 0.01, 0, 4, 1, 0, 0.1, 1, 0, 0, 0,
+                             spec=SpecDecodeStats(3, 9, 5, [3, 2, 0])))
+    text = m.render().decode()
+    drafts = _sample(text, "duet:spec_decode_num_drafts_total")
+    drafted = _sample(text, "duet:spec_decode_num_draft_tokens_total")
+    accepted = _sample(text, "duet:spec_decode_num_accepted_tokens_total")
+    assert (drafts, drafted, accepted) == (3, 9, 5) and accepted <= drafted
+    per_pos = _sample(text, "duet:spec_decode_num_accepted_tokens_per_pos_total")
+    assert per_pos == accepted
+    assert 'position="1"} 2.0' in text and 'position="2"} 0.0' in text

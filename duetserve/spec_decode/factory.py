@@ -1,0 +1,111 @@
+"""Build the Speculator for an engine: the proposer named by the SpeculativeConfig, and
+for a draft model, its checkpoint loaded and checked against the target's vocabulary."""
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+
+import torch
+
+from duetserve.config import ModelConfig, SpeculativeConfig
+from duetserve.core.spec_policy import RooflineStep, SpecPolicy
+from duetserve.errors import CheckpointError
+from duetserve.loader import LoadedModel, load_model
+from duetserve.metrics.cost_model import step_cost
+from duetserve.metrics.hardware import HardwareProfile, local_profile
+from duetserve.spec_decode.draft_model import DraftModelProposer
+from duetserve.spec_decode.speculator import Speculator
+from duetserve.worker.batch import SeqWork, build_step_batch
+
+log = logging.getLogger("duetserve")
+
+
+def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
+    """Raise CheckpointError unless the draft's tokenizer maps every token string to the
+    same id as the target's (drafts are token ids: any difference would be silent
+    garbage)."""
+    tv = target.tokenizer.tok.get_vocab(with_added_tokens=True)
+    dv = draft.tokenizer.tok.get_vocab(with_added_tokens=True)
+    if tv == dv:
+        return
+    diff = sorted(set(tv.items()) ^ set(dv.items()), key=lambda kv: kv[1])
+    example = ", ".join(f"{k!r}->{v}" for k, v in diff[:3])
+    raise CheckpointError(
+        f"the draft model {draft.path} does not share the target's tokenizer "
+        f"({target.path}): vocabularies of {len(dv)} and {len(tv)} tokens differ in "
+        f"{len(diff)} entries (e.g. {example}); speculative decoding needs the same "
+        "vocabulary")
+
+
+def build_speculator(config: SpeculativeConfig, target: LoadedModel,
+                     model_config: ModelConfig, num_blocks: int, block_size: int,
+                     kv_dtype: torch.dtype, dtype: str, device: str = "cpu",
+                     max_positions: int | None = None) -> Speculator:
+    """The Speculator the ModelRunner calls. Loads the draft checkpoint (method "draft")
+    with `dtype` and config.draft_quantization; its KV cache has num_blocks blocks."""
+    draft = None
+    if config.method == "draft":
+        loaded = load_model(config.model, dtype, device, max_positions=max_positions,
+                            quantization=config.draft_quantization)
+        check_same_vocabulary(target, loaded)
+        log.info("draft model %s: %s", loaded.path, loaded.describe())
+        draft = DraftModelProposer(loaded.model, loaded.config, num_blocks, block_size,
+                                   kv_dtype, model_config.vocab_size,
+                                   tuple(model_config.eos_token_ids), device)
+    return Speculator(config, model_config.vocab_size, tuple(model_config.eos_token_ids),
+                      device, draft)
+
+
+PROBE_ROWS = 4      # the low-bit kernels work on 4 activation rows per weight pass
+
+
+def theoretical_roofline(target: LoadedModel, hardware: HardwareProfile | None = None
+                         ) -> RooflineStep:
+    """The cost model's roofline: the weights read once at the memory bandwidth, each
+    row's FLOPs (linears, LM head) at the fp32 peak."""
+    hw = hardware or local_profile()
+    one_row = step_cost(target.config, [(1, 0)], weight_bytes=target.weight_bytes)
+    return RooflineStep(mem_seconds=one_row.weight_bytes / hw.mem_bandwidth,
+                        row_seconds=one_row.flops / hw.peak("fp32"))
+
+
+@torch.inference_mode()
+def measured_roofline(model: torch.nn.Module, kv_caches: list, block_size: int,
+                      vocab_size: int, paged_decode: bool = True,
+                      repeats: int = 3) -> RooflineStep:
+    """The roofline as this machine runs the model's own decode kernels: the floor is a
+    1-row decode step (bound by the weight bytes), the slope the time of a PROBE_ROWS-row
+    verify-shaped step per row. Runs 1 + repeats steps of each size into KV blocks 0..1
+    (call it before any request exists)."""
+    def run(rows: int) -> float:
+        work = [SeqWork("probe", [(7919 * j) % vocab_size], block_size + j, [0, 1], True)
+                for j in range(rows)]
+        batch = build_step_batch(work, block_size, "cpu", paged_decode)
+        times = []
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            hidden = model(batch.input_ids, batch.positions, kv_caches, batch.meta)
+            model.compute_logits(hidden[batch.logits_indices])
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times[1:])
+    one, many = run(1), run(PROBE_ROWS)
+    return RooflineStep(mem_seconds=one, row_seconds=max(many, one) / PROBE_ROWS)
+
+
+def spec_policy_for(config: SpeculativeConfig, target: LoadedModel, speculator: Speculator,
+                    runner) -> SpecPolicy:
+    """The scheduler's SpecPolicy for this engine. Adaptive: on the roofline measured
+    with the runner's model and KV cache (before any request exists)."""
+    roofline = None
+    if config.adaptive:
+        roofline = measured_roofline(runner.model, runner.kv_caches, runner.block_size,
+                                     target.config.vocab_size, runner.paged_decode)
+        theory = theoretical_roofline(target)
+        log.info("speculative decoding: adaptive, up to %d drafts; measured ridge at %.1f "
+                 "rows (1-row step %.1f ms, %.1f ms per row at %d rows); the cost model's "
+                 "roofline puts it at %.1f rows", config.num_speculative_tokens,
+                 roofline.ridge_rows, roofline.mem_seconds * 1e3, roofline.row_seconds * 1e3,
+                 PROBE_ROWS, theory.ridge_rows)
+    return SpecPolicy(config.num_speculative_tokens, speculator.needs_lookahead,
+                      config.adaptive, roofline)

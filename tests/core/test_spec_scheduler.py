@@ -1,0 +1,210 @@
+"""Speculative decoding on the scheduler side, with a fake runner that checks every KV
+slot it reads: drafts are scheduled ahead of num_computed_tokens, rejected ones are
+subtracted, their slots are overwritten before anyone reads them, and blocks holding
+unverified draft KV are never offered to the prefix cache."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from duetserve.core.scheduler import Scheduler
+from duetserve.core.spec_policy import RooflineStep, SpecPolicy
+from duetserve.outputs import ModelRunnerOutput, SchedulerOutput
+from duetserve.request import Request
+from duetserve.sampling_params import SamplingParams
+
+from conftest import FakeRunner, make_config
+from test_random_workload import EOS, check_finished, random_request
+
+
+class SpecFakeRunner(FakeRunner):
+    """FakeRunner plus drafts: draft positions get the fingerprint of the draft prefix (so
+    a rejected draft's slot holds KV no true prefix matches); the 'target' accepts each
+    draft with accept_prob; proposals are random, and a draft-model-like proposer writes
+    its drafts' KV (into its own cache) within the request's allocated blocks."""
+
+    def __init__(self, block_size: int, seed: int, vocab_size: int, accept_prob: float,
+                 lookahead: bool) -> None:
+        super().__init__(block_size, seed, vocab_size)
+        self.accept_prob = accept_prob
+        self.lookahead = lookahead
+
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        spec = out.scheduled_spec_token_ids
+        for req_id in out.finished_req_ids | out.preempted_req_ids:
+            self.reqs.pop(req_id, None)
+        for new in out.scheduled_new_reqs:
+            from conftest import _RunnerReq
+            self.reqs[new.req_id] = _RunnerReq(list(new.token_ids), list(new.block_ids),
+                                               new.num_computed_tokens)
+        for cached in out.scheduled_cached_reqs:
+            req = self.reqs[cached.req_id]
+            assert req.num_computed_tokens == cached.num_computed_tokens, cached.req_id
+            req.block_ids.extend(cached.new_block_ids)
+        draft_fps: dict[str, list[int]] = {}
+        for req_id, num in out.num_scheduled_tokens.items():       # write phase
+            req, drafts = self.reqs[req_id], spec.get(req_id, [])
+            end = req.num_computed_tokens + num - len(drafts)
+            assert end <= len(req.token_ids)
+            if drafts:
+                assert end == len(req.token_ids) and num == len(drafts) + 1
+            assert len(req.block_ids) * self.block_size >= end + len(drafts)
+            for pos in range(req.num_computed_tokens, end):
+                self.slots[self._slot(req, pos)] = req.fingerprint(pos)
+            prev, fps = req.fingerprint(end - 1), []
+            for j, d in enumerate(drafts):
+                prev = hash((prev, d))
+                fps.append(prev)
+                self.slots[self._slot(req, end + j)] = prev
+            draft_fps[req_id] = fps
+        sampled: dict[str, list[int]] = {}
+        proposals: dict[str, list[int]] = {}
+        for req_id, num in out.num_scheduled_tokens.items():       # read phase
+            req, drafts = self.reqs[req_id], spec.get(req_id, [])
+            end = req.num_computed_tokens + num - len(drafts)
+            for pos in range(end):
+                assert self.slots.get(self._slot(req, pos)) == req.fingerprint(pos), (
+                    f"{req_id}: wrong KV at position {pos}")
+            for j, fp in enumerate(draft_fps[req_id]):
+                assert self.slots.get(self._slot(req, end + j)) == fp
+            req.num_computed_tokens = end
+            if end < len(req.token_ids):
+                sampled[req_id] = []
+                continue
+            kept = []
+            for d in drafts:
+                if self.rng.random() < self.accept_prob:
+                    kept.append(d)
+                    continue
+                kept.append((d + 1 + self.rng.randrange(self.vocab_size - 1)) % self.vocab_size)
+                break
+            else:
+                kept.append(self.rng.randrange(self.vocab_size))
+            req.num_computed_tokens += min(len(kept) - 1, len(drafts))
+            req.token_ids.extend(kept)
+            sampled[req_id] = kept
+        for req_id, n in out.num_drafts_to_propose.items():
+            req = self.reqs[req_id]
+            if not sampled.get(req_id):
+                continue
+            if self.lookahead:   # the draft model writes KV up to position N + n - 2
+                assert len(req.block_ids) * self.block_size >= len(req.token_ids) + n - 1
+            proposals[req_id] = [self.rng.randrange(self.vocab_size) for _ in range(n)]
+        return ModelRunnerOutput(req_ids=list(out.num_scheduled_tokens),
+                                 sampled_token_ids=sampled, spec_token_ids=proposals)
+
+
+def _scheduler(seed: int, lookahead: bool, adaptive: bool = False, accept_prob: float = 0.6,
+               **overrides) -> tuple[Scheduler, SpecFakeRunner]:
+    roofline = RooflineStep(mem_seconds=0.01, row_seconds=0.001) if adaptive else None
+    policy = SpecPolicy(4, needs_lookahead=lookahead, adaptive=adaptive, roofline=roofline)
+    config = make_config(spec_policy=policy, **overrides)
+    return (Scheduler(config),
+            SpecFakeRunner(config.block_size, seed, 30, accept_prob, lookahead))
+
+
+def _step(sched: Scheduler, runner: SpecFakeRunner) -> SchedulerOutput:
+    out = sched.schedule()
+    assert out.total_num_scheduled_tokens <= sched.config.max_num_batched_tokens
+    sched.update_from_output(out, runner.execute(out))
+    sched.check_integrity()
+    return out
+
+
+@pytest.mark.parametrize("seed,lookahead,adaptive,overrides", [
+    (0, False, False, {}),
+    (1, True, False, {"long_prefill_token_threshold": 7}),
+    (2, True, True, {}),
+])
+def test_random_workload_with_speculation(seed, lookahead, adaptive, overrides) -> None:
+    rng = random.Random(seed)
+    sched, runner = _scheduler(seed, lookahead, adaptive, num_blocks=40,
+                               max_num_batched_tokens=24, max_num_seqs=5, max_model_len=96,
+                               **overrides)
+    prefixes = [[], [rng.randrange(1, 30) for _ in range(12)],
+                [rng.randrange(1, 30) for _ in range(21)]]
+    all_reqs: list[Request] = []
+    for _ in range(1200):
+        op = rng.random()
+        if op < 0.25 or not sched.has_unfinished_requests():
+            r = random_request(rng, len(all_reqs), prefixes)
+            all_reqs.append(r)
+            sched.add_request(r)
+        elif op < 0.92:
+            _step(sched, runner)
+        elif op < 0.96:
+            sched.abort_requests([rng.choice(all_reqs).req_id])
+        else:
+            sched.finish_requests([rng.choice(all_reqs).req_id], "stop", "engine")
+    while sched.has_unfinished_requests():
+        _step(sched, runner)
+    pool = sched.kv_cache_manager.pool
+    assert all(b.ref_cnt == 0 for b in pool.blocks)
+    assert pool.num_free_blocks == pool.num_blocks
+    sched.check_integrity()
+    for r in all_reqs:
+        assert r.is_finished
+        check_finished(r, sched.max_len)
+    stats = sched.make_stats()
+    spec = stats.spec
+    assert spec.num_drafts > 50 and 0 < spec.num_accepted_tokens < spec.num_draft_tokens
+    assert sum(spec.accepted_per_pos) == spec.num_accepted_tokens
+    assert all(a >= b for a, b in zip(spec.accepted_per_pos, spec.accepted_per_pos[1:]))
+    assert stats.num_preemptions > 0
+    assert stats.prefix_cache_hits > 0
+
+
+def test_counter_falls_back_by_the_rejected_drafts() -> None:
+    sched, _ = _scheduler(0, lookahead=False, block_size=4)
+    req = Request("a", [1, 2, 3, 4, 5, 6], SamplingParams(max_tokens=50), eos_token_ids=(EOS,))
+    sched.add_request(req)
+    out = sched.schedule()
+    assert out.num_drafts_to_propose == {"a": 4}
+    sched.update_from_output(out, ModelRunnerOutput(["a"], {"a": [7]},
+                                                    spec_token_ids={"a": [8, 9, 10, 11]}))
+    assert req.spec_token_ids == [8, 9, 10, 11] and req.num_computed_tokens == 6
+    out = sched.schedule()
+    # the last token plus 4 drafts: positions 6..10
+    assert out.num_scheduled_tokens == {"a": 5}
+    assert out.scheduled_spec_token_ids == {"a": [8, 9, 10, 11]}
+    assert sched.make_stats().num_decode_tokens == 5
+    # two drafts accepted, then the target's own token
+    sched.update_from_output(out, ModelRunnerOutput(["a"], {"a": [8, 9, 20]}))
+    assert req.all_token_ids == [1, 2, 3, 4, 5, 6, 7, 8, 9, 20]
+    assert req.num_computed_tokens == 9          # 6 + 5 - 2 rejected
+    # only blocks full of verified tokens are hashed: [1..4], [5, 6, 7, 8]
+    assert len(req.block_hashes) == 2
+    spec = sched.make_stats().spec
+    assert (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens) == (1, 4, 2)
+    assert spec.accepted_per_pos == [1, 1, 0, 0]
+    assert (req.spec_num_accepted, req.spec_num_rejections) == (2, 1)
+
+
+def test_drafts_respect_max_tokens_and_preemption_drops_them() -> None:
+    sched, _ = _scheduler(0, lookahead=True, block_size=4)
+    req = Request("a", [1, 2, 3], SamplingParams(max_tokens=3), eos_token_ids=(EOS,))
+    sched.add_request(req)
+    out = sched.schedule()
+    sched.update_from_output(out, ModelRunnerOutput(["a"], {"a": [7]},
+                                                    spec_token_ids={"a": [8, 9, 10, 11]}))
+    out = sched.schedule()
+    # 1 output so far, max 3: at most 1 draft (+ the target's token) is worth verifying
+    assert out.scheduled_spec_token_ids == {"a": [8]}
+    sched._preempt(req, type("S", (), {"remove": lambda *a: None, "preempted": set()})())
+    assert req.spec_token_ids == [] and req.num_computed_tokens == 0
+
+
+def test_adaptive_plan_turns_off_when_compute_bound() -> None:
+    roofline = RooflineStep(mem_seconds=0.010, row_seconds=0.001)   # ridge at 10 rows
+    policy = SpecPolicy(4, needs_lookahead=False, adaptive=True, roofline=roofline)
+    good, bad = ("good", 4, 0.9), ("bad", 4, 0.2)
+    plan = policy.plan([good, bad], base_rows=2, base_tokens=2)
+    assert plan["good"] == 4 and plan.get("bad", 0) == 1    # 0.2^2 < min_gain
+    assert sum(plan.values()) + 2 <= 10                      # stays left of the ridge
+    # a step already at the ridge: no drafts, and none proposed for the next step
+    assert policy.plan([good], base_rows=10, base_tokens=10) == {}
+    assert not policy.has_room(10) and policy.has_room(2)
+    assert policy.num_to_propose(0.9) == 4 and policy.num_to_propose(0.3) == 1
+    fixed = SpecPolicy(3, needs_lookahead=False, adaptive=False)
+    assert fixed.plan([good, bad], base_rows=100, base_tokens=100) == {"good": 3, "bad": 3}

@@ -1,0 +1,245 @@
+"""Speculative decoding end to end: greedy outputs identical to speculation off (n-gram
+and draft model; one batch, one at a time, chunked, prefix-cached, preempted), the
+sampled distribution unchanged (chi-square), bookkeeping, vocabulary check, config.
+
+Kernel paths: on the tiny float32 models every step runs float32 kernels; on the default
+(Q4_1) model both runs of a comparison pin `lowbit_max_rows` high, so every linear runs
+the row-independent low-bit kernel whatever the step's row count (a verify step has k+1
+rows per request; with the calibrated limit it could switch to the dense GEMM, whose
+different rounding could flip a near-tie: a kernel-path difference, not speculation's).
+Verify rows are laid out as decode rows, so attention runs the same paged kernel too.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+
+import pytest
+import torch
+
+from duetserve.config import ConfigError, EngineConfig, SpeculativeConfig
+from duetserve.engine.engine_core import EngineCore
+from duetserve.engine.llm import LLM
+from duetserve.errors import CheckpointError
+from duetserve.loader import load_model
+from duetserve.models.quant import QuantLinear
+from duetserve.sampling_params import SamplingParams
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from engine.test_equivalence import _prompts  # noqa: E402
+from spec_decode.test_rejection import chi2_critical  # noqa: E402
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+         "adaptive": False}
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_checkpoints):
+    return load_model(tiny_checkpoints["llama-gqa-untied"])
+
+
+@pytest.fixture(scope="module")
+def draft_path(tiny_checkpoints, tmp_path_factory) -> str:
+    """The tiny target with noise on its weights: same tokenizer, a different but related
+    distribution (some drafts accepted, some rejected)."""
+    from transformers import AutoModelForCausalLM
+    src = tiny_checkpoints["llama-gqa-untied"]
+    dst = str(tmp_path_factory.mktemp("draft"))
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.add_(torch.randn(p.shape, generator=g) * 0.08)
+    model.save_pretrained(dst)
+    shutil.copy(os.path.join(src, "tokenizer.json"), dst)
+    return dst
+
+
+def _llm(loaded, spec=None, **opts) -> LLM:
+    cfg = EngineConfig(model=loaded.path, num_threads=2, speculative_config=spec, **opts)
+    return LLM.from_engine(EngineCore(cfg, loaded=loaded))
+
+
+def _run(llm: LLM, prompts, one_at_a_time: bool = False) -> list[list[int]]:
+    if one_at_a_time:
+        return [llm.generate([p], GREEDY)[0].outputs[0].token_ids for p in prompts]
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+
+
+def _check_clean(llm: LLM) -> None:
+    """Every block free, pool and tables consistent, counters add up."""
+    sched = llm.engine.scheduler
+    sched.check_integrity()
+    assert sched.kv_cache_manager.num_used_blocks == 0
+    spec = sched.make_stats().spec
+    assert spec.num_drafts > 0 and 0 <= spec.num_accepted_tokens <= spec.num_draft_tokens
+    assert sum(spec.accepted_per_pos) == spec.num_accepted_tokens
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_tiny_greedy_identical_in_every_mode(tiny, draft_path, method) -> None:
+    spec = NGRAM if method == "ngram" else {"method": "draft", "model": draft_path,
+                                            "num_speculative_tokens": 3, "adaptive": False}
+    prompts = _prompts(tiny.config.vocab_size)
+    base = _run(_llm(tiny, max_num_batched_tokens=4096), prompts)
+    one_batch = _llm(tiny, spec, max_num_batched_tokens=4096)
+    assert _run(one_batch, prompts) == base
+    _check_clean(one_batch)
+    spec_stats = one_batch.engine.scheduler.make_stats().spec
+    if method == "draft":   # both outcomes of verification happen (n-gram drafts from a
+        # random model's tokens are almost never right: accepted ones are tested on the
+        # default model below)
+        assert 0 < spec_stats.num_accepted_tokens < spec_stats.num_draft_tokens
+    assert _run(_llm(tiny, spec), prompts[:6], one_at_a_time=True) == base[:6]
+    chunked = _llm(tiny, spec, max_num_batched_tokens=32)
+    steps = []
+    chunked.engine.add_step_observer(steps.append)
+    assert _run(chunked, prompts) == base
+    assert any(s.num_prefill_tokens and s.num_decode_tokens for s in steps)   # mixed
+    _check_clean(chunked)
+    cached = _llm(tiny, spec)
+    _run(cached, prompts[8:9])
+    assert _run(cached, prompts) == base
+    assert cached.engine.scheduler.make_stats().prefix_cache_hits > 0
+    _check_clean(cached)
+    small = _llm(tiny, spec, num_gpu_blocks_override=40, block_size=8)
+    assert _run(small, prompts) == base
+    assert small.engine.scheduler.num_preemptions > 0
+    _check_clean(small)
+
+
+def test_tiny_adaptive_identical(tiny) -> None:
+    prompts = _prompts(tiny.config.vocab_size)[:8]
+    base = _run(_llm(tiny, max_num_batched_tokens=4096), prompts)
+    llm = _llm(tiny, {**NGRAM, "adaptive": True}, max_num_batched_tokens=4096)
+    assert _run(llm, prompts) == base
+    llm.engine.scheduler.check_integrity()
+    assert llm.engine.scheduler.kv_cache_manager.num_used_blocks == 0
+
+
+@pytest.fixture
+def pinned_lowbit(default_model):
+    """Every low-bit linear of the default model takes the low-bit kernel at any row
+    count for the test's duration (restored after: the model is shared)."""
+    policies = {id(m.policy): m.policy for m in default_model.model.modules()
+                if isinstance(m, QuantLinear)}
+    saved = {k: p.lowbit_max_rows for k, p in policies.items()}
+    for p in policies.values():
+        p.lowbit_max_rows = 1 << 20
+    yield default_model
+    for k, p in policies.items():
+        p.lowbit_max_rows = saved[k]
+
+
+def test_default_model_greedy_identical(pinned_lowbit, default_model_path) -> None:
+    loaded = pinned_lowbit
+    tok = loaded.tokenizer
+    texts = ["def add(a, b):\n    return a + b\n\ndef sub(a, b):\n", "The capital of France is",
+             "1, 2, 3, 4, 5,", "Write a haiku about the sea.", "Hello, my name is",
+             "for i in range(10):\n", "Repeat after me: the quick brown fox. The quick",
+             "Q: What is 2+2?\nA:"] * 2
+    prompts = [tok.encode(t) for t in texts]
+    prompts = [p + p[-3:] if i >= 8 else p for i, p in enumerate(prompts)]   # 16 distinct
+    base = _run(_llm(loaded, max_num_batched_tokens=4096), prompts)
+    ngram = _llm(loaded, {**NGRAM, "prompt_lookup_min": 2}, max_num_batched_tokens=4096)
+    assert _run(ngram, prompts) == base
+    _check_clean(ngram)
+    assert ngram.engine.scheduler.make_stats().spec.num_accepted_tokens > 0
+    draft = _llm(loaded, {"method": "draft", "model": default_model_path,
+                          "num_speculative_tokens": 3, "adaptive": False},
+                 max_num_batched_tokens=4096)
+    assert _run(draft, prompts) == base
+    _check_clean(draft)
+    spec = draft.engine.scheduler.make_stats().spec
+    assert spec.num_accepted_tokens > 0.9 * spec.num_draft_tokens   # its own draft
+
+
+def _joint_counts(llm: LLM, prompt: list[int], seeds: range) -> dict[tuple, int]:
+    params = [SamplingParams(temperature=1.3, top_k=4, top_p=0.9, max_tokens=4,
+                             ignore_eos=True, seed=s) for s in seeds]
+    counts: dict[tuple, int] = {}
+    for out in llm.generate([prompt] * len(params), params):
+        t = out.outputs[0].token_ids
+        counts[(t[0], t[1])] = counts.get((t[0], t[1]), 0) + 1
+        counts[("2-3", t[1], t[2])] = counts.get(("2-3", t[1], t[2]), 0) + 1
+    return counts
+
+
+def test_sampled_distribution_unchanged_chi_square(tiny, draft_path) -> None:
+    """Two-sample chi-square (homogeneity) on the joint distribution of generated tokens
+    (1, 2) and, separately, (2, 3), with and without a draft model whose distribution
+    differs from the target's; 1500 seeded samples each, p = 0.001 per table. A one-token
+    prompt keeps every step a batch of single-token rows (fast)."""
+    prompt = [117]
+    n = 1500
+    opts = dict(max_num_batched_tokens=4096, max_num_seqs=256, max_waiting_requests=0)
+    off = _joint_counts(_llm(tiny, **opts), prompt, range(n))
+    spec_llm = _llm(tiny, {"method": "draft", "model": draft_path,
+                           "num_speculative_tokens": 2, "adaptive": False}, **opts)
+    on = _joint_counts(spec_llm, prompt, range(10 ** 6, 10 ** 6 + n))
+    spec = spec_llm.engine.scheduler.make_stats().spec
+    assert 0 < spec.num_accepted_tokens < spec.num_draft_tokens     # q != p really bites
+    for table in ("12", "23"):
+        keys = [k for k in set(off) | set(on) if (k[0] == "2-3") == (table == "23")]
+        # pool cells rare in both samples (expected count < 5 per sample)
+        big = [k for k in keys if off.get(k, 0) + on.get(k, 0) >= 10]
+        rows = [[off.get(k, 0) for k in big], [on.get(k, 0) for k in big]]
+        rows[0].append(n - sum(rows[0]))
+        rows[1].append(n - sum(rows[1]))
+        stat = 0.0
+        for j in range(len(rows[0])):
+            col = rows[0][j] + rows[1][j]
+            if col == 0:
+                continue
+            for i in range(2):
+                e = col / 2          # equal sample sizes
+                stat += (rows[i][j] - e) ** 2 / e
+        df = len(rows[0]) - 1
+        assert df >= 3 and stat < chi2_critical(df), (table, stat, df)
+
+
+def test_seeded_sampling_with_speculation_is_reproducible(tiny, draft_path) -> None:
+    spec = {"method": "draft", "model": draft_path, "num_speculative_tokens": 2}
+    params = [SamplingParams(temperature=1.0, top_p=0.95, max_tokens=12, seed=s)
+              for s in range(4)]
+    prompts = _prompts(tiny.config.vocab_size)[:4]
+    runs = [[o.outputs[0].token_ids for o in _llm(tiny, spec).generate(prompts, params)]
+            for _ in range(2)]
+    assert runs[0] == runs[1]
+
+
+def test_draft_with_another_vocabulary_is_refused(tiny, draft_path, tmp_path) -> None:
+    bad = str(tmp_path / "bad")
+    shutil.copytree(draft_path, bad)
+    path = os.path.join(bad, "tokenizer.json")
+    with open(path) as f:
+        data = json.load(f)
+    vocab = data["model"]["vocab"]
+    name = next(k for k, v in vocab.items() if v == 270)
+    vocab["<renamed>"] = vocab.pop(name)
+    with open(path, "w") as f:
+        json.dump(data, f)
+    with pytest.raises(CheckpointError, match="does not share the target's tokenizer"):
+        _llm(tiny, {"method": "draft", "model": bad})
+
+
+def test_speculative_config_parsing() -> None:
+    cfg = EngineConfig(speculative_config='{"method": "ngram", "num_speculative_tokens": 2}')
+    assert cfg.speculative_config == SpeculativeConfig("ngram", 2)
+    with pytest.raises(ConfigError, match="unknown speculative config key"):
+        EngineConfig(speculative_config={"method": "ngram", "k": 2})
+    with pytest.raises(ConfigError, match="needs \"model\""):
+        SpeculativeConfig("draft")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        SpeculativeConfig.parse("{method: ngram}")
+    from duetserve.entrypoints.engine_args import (add_engine_arguments,
+                                                   engine_config_from_args)
+    import argparse
+    p = argparse.ArgumentParser()
+    add_engine_arguments(p)
+    args = p.parse_args(["--speculative-config", '{"method": "ngram", "adaptive": false}'])
+    assert engine_config_from_args(args).speculative_config.adaptive is False
