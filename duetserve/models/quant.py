@@ -47,6 +47,12 @@ class KernelPolicy:
     reason: str = ""
 
 
+def _block_rows(blocks: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` [n] of a weight packed in blocks of 4 rows: blocks [N/4, chunks, 4, bytes]
+    -> [n, chunks, bytes] (the row's bytes of every chunk, in order)."""
+    return blocks[ids // 4, :, ids % 4]
+
+
 class Int4Weight:
     """`packed` [ceil(N/4), ceil(K/128), 320] uint8: per block of 4 rows and 4 groups, the
     rows' nibbles (64 bytes each; byte j of a group: element j low nibble, j + 16 high),
@@ -76,9 +82,9 @@ class Int4Weight:
         """Rows `ids` [n] unpacked: (qs [n, K/32, 16] uint8, d, m [n, K/32] float16)."""
         nb, nch, _ = self.packed.shape
         ng = self.shape[1] // GROUP
-        blk, r = ids // 4, ids % 4
-        qs = self.packed[..., :256].view(nb, nch, 4, 64)[blk, :, r]           # [n, nch, 64]
-        dm = self.packed[..., 256:].view(torch.float16).view(nb, nch, 2, 4, 4)[blk, :, :, r]
+        qs = _block_rows(self.packed[..., :256].view(nb, nch, 4, 64), ids)   # [n, nch, 64]
+        dm = self.packed[..., 256:].view(torch.float16).view(nb, nch, 2, 4, 4)
+        dm = dm[ids // 4, :, :, ids % 4]                                     # [n, nch, 2, 4]
         return (qs.reshape(len(ids), nch * 4, 16)[:, :ng],
                 dm[:, :, 0].reshape(len(ids), -1)[:, :ng], dm[:, :, 1].reshape(len(ids), -1)[:, :ng])
 
@@ -140,7 +146,7 @@ class Int8Weight:
     def int8_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` [n] unpacked: int8 [n, K]."""
         nb, npairs, _ = self.packed.shape
-        q = self.packed.view(nb, npairs, 4, 64)[ids // 4, :, ids % 4]      # [n, npairs, 64]
+        q = _block_rows(self.packed.view(nb, npairs, 4, 64), ids)          # [n, npairs, 64]
         return q.reshape(len(ids), -1)[:, : self.shape[1]]
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:

@@ -47,7 +47,8 @@ class FakeRunner:
     def _slot(self, req: _RunnerReq, pos: int) -> tuple[int, int]:
         return req.block_ids[pos // self.block_size], pos % self.block_size
 
-    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+    def apply_state(self, out: SchedulerOutput) -> None:
+        """The runner's request states from the step's diffs (drop, learn new, extend)."""
         for req_id in out.finished_req_ids | out.preempted_req_ids:
             self.reqs.pop(req_id, None)
         for new in out.scheduled_new_reqs:
@@ -58,6 +59,9 @@ class FakeRunner:
             req = self.reqs[cached.req_id]
             assert req.num_computed_tokens == cached.num_computed_tokens, cached.req_id
             req.block_ids.extend(cached.new_block_ids)
+
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        self.apply_state(out)
         assert set(out.num_scheduled_tokens) == (
             {r.req_id for r in out.scheduled_new_reqs}
             | {r.req_id for r in out.scheduled_cached_reqs})

@@ -32,16 +32,7 @@ class SpecFakeRunner(FakeRunner):
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         spec = out.scheduled_spec_token_ids
-        for req_id in out.finished_req_ids | out.preempted_req_ids:
-            self.reqs.pop(req_id, None)
-        for new in out.scheduled_new_reqs:
-            from conftest import _RunnerReq
-            self.reqs[new.req_id] = _RunnerReq(list(new.token_ids), list(new.block_ids),
-                                               new.num_computed_tokens)
-        for cached in out.scheduled_cached_reqs:
-            req = self.reqs[cached.req_id]
-            assert req.num_computed_tokens == cached.num_computed_tokens, cached.req_id
-            req.block_ids.extend(cached.new_block_ids)
+        self.apply_state(out)
         draft_fps: dict[str, list[int]] = {}
         for req_id, num in out.num_scheduled_tokens.items():       # write phase
             req, drafts = self.reqs[req_id], spec.get(req_id, [])
