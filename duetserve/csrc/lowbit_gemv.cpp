@@ -46,10 +46,6 @@ constexpr int64_t G = 32;       // group size along K
 constexpr int64_t CH = 4;       // q4: groups per 512-bit chunk
 constexpr int64_t Q4_BLOCK = 4 * 64 + 2 * 32;   // q4: bytes per block of 4 rows x 4 groups
 constexpr int64_t Q8_BLOCK = 4 * 64;            // q8: bytes per block of 4 rows x 64 columns
-#ifndef DUET_PF
-#define DUET_PF 8
-#endif
-constexpr int64_t PF = DUET_PF; // f32: software prefetch distance, in 64-byte chunks of a row
 // q4/q8 blocks prefetch two chunks ahead in their one stream.
 
 inline float half_to_float(uint16_t h) {
@@ -122,22 +118,6 @@ inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
   const __m256 cd = _mm256_hadd_ps(h(c), h(d));
   const __m256 abcd = _mm256_hadd_ps(ab, cd);
   return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
-}
-
-template <int R, int MM>
-__attribute__((always_inline)) inline void store_rows(float* y, int64_t N, int64_t n,
-                                                      int64_t m0, const __m512 (&acc)[R][MM]) {
-  const __m512 z = _mm512_setzero_ps();
-  for (int i = 0; i < MM; ++i) {
-    const __m128 r = reduce4(acc[0][i], R > 1 ? acc[R > 1 ? 1 : 0][i] : z,
-                             R > 2 ? acc[R > 2 ? 2 : 0][i] : z, R > 3 ? acc[R > 3 ? 3 : 0][i] : z);
-    if constexpr (R == 4) {
-      _mm_storeu_ps(y + (m0 + i) * N + n, r);
-    } else {
-      y[(m0 + i) * N + n] = _mm_cvtss_f32(r);
-      static_assert(R == 1 || R == 4, "row blocks of 1 or 4");
-    }
-  }
 }
 
 // Calls f(std::integral_constant<int, mm>) for mm in 1..4.
@@ -236,39 +216,33 @@ void q8_block(const int8_t* pk, const float* ws, const QuantizedX& X, float* y, 
   }
 }
 
-// Dense float32 weights at few rows: R weight rows x MM activation rows of FMAs over K,
-// 16 floats at a time, the weight rows prefetched ahead (oneDNN's f32 GEMM reaches only
-// ~9 GB/s at one row here; this is DRAM-bound).
-template <int R, int MM>
-void f32_block(const float* w, const float* x, float* y, int64_t K, int64_t N, int64_t n,
-               int64_t m0) {
-  constexpr int64_t mm = MM;
-  __m512 acc[R][MM];
-  for (int r = 0; r < R; ++r) for (int i = 0; i < MM; ++i) acc[r][i] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += 16) {
-    const __mmask16 km = k + 16 <= K ? (__mmask16)0xFFFF : (__mmask16)((1u << (K - k)) - 1);
-    __m512 xv[MM];
-    for (int64_t i = 0; i < mm; ++i) xv[i] = _mm512_maskz_loadu_ps(km, x + (m0 + i) * K + k);
-    for (int r = 0; r < R; ++r) {
-      const float* wr = w + (n + r) * K + k;
-      if constexpr (PF > 0)
-        _mm_prefetch(reinterpret_cast<const char*>(wr + PF * 16), _MM_HINT_T0);
-      const __m512 wv = _mm512_maskz_loadu_ps(km, wr);
-      for (int64_t i = 0; i < mm; ++i) acc[r][i] = _mm512_fmadd_ps(wv, xv[i], acc[r][i]);
-    }
+// Weight rows one after another, each dotted with the activation rows (4 accumulators over
+// 64 columns a step; a row of up to a few KiB stays in L1 for the next activation row), so
+// a thread reads its weight rows as one sequential stream (the hardware prefetcher's best
+// case: 1.2-1.5x a 4-rows-at-once block at one row on Zen 4), and every activation row
+// sums in the same order whatever the row count (batched = unbatched, bit for bit).
+inline float f32_dot(const float* w, const float* x, int64_t K) {
+  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  int64_t k = 0;
+  for (; k + 64 <= K; k += 64) {
+    a0 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k), _mm512_loadu_ps(x + k), a0);
+    a1 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k + 16), _mm512_loadu_ps(x + k + 16), a1);
+    a2 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k + 32), _mm512_loadu_ps(x + k + 32), a2);
+    a3 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k + 48), _mm512_loadu_ps(x + k + 48), a3);
   }
-  store_rows<R, MM>(y, N, n, m0, acc);
+  for (; k < K; k += 16) {
+    const __mmask16 km = k + 16 <= K ? (__mmask16)0xFFFF : (__mmask16)((1u << (K - k)) - 1);
+    a0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(km, w + k), _mm512_maskz_loadu_ps(km, x + k), a0);
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
 }
 #endif
 
 void f32_rows(const float* w, const float* x, float* y, int64_t K, int64_t N, int64_t n0,
               int64_t n1, int64_t m0, int64_t mm) {
 #if defined(DUET_VNNI)
-  dispatch(mm, [&](auto MM) {
-    int64_t n = n0;
-    for (; n + 4 <= n1; n += 4) f32_block<4, MM.value>(w, x, y, K, N, n, m0);
-    for (; n < n1; ++n) f32_block<1, MM.value>(w, x, y, K, N, n, m0);
-  });
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t i = m0; i < m0 + mm; ++i) y[i * N + n] = f32_dot(w + n * K, x + i * K, K);
 #else
   for (int64_t n = n0; n < n1; ++n)
     for (int64_t i = 0; i < mm; ++i) {

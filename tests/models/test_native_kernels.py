@@ -276,3 +276,17 @@ def test_stale_build_lock_is_cleared(tmp_path):
     native._clear_stale_lock(str(tmp_path))
     assert not lock.exists()
     native._clear_stale_lock(str(tmp_path))     # nothing to remove: no error
+
+
+def test_f32_gemv_rows_are_independent_of_the_row_count():
+    """Each activation row sums in the same order whatever the step's row count, so a
+    sequence's float32 decode result does not depend on what it was batched with."""
+    native = ops()
+    if native is None:
+        pytest.skip("native kernels not built")
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(4, 200, generator=g), torch.randn(70, 200, generator=g)
+    whole = native.f32_gemv(x, w)
+    for i in range(4):
+        assert torch.equal(native.f32_gemv(x[i:i + 1], w), whole[i:i + 1])
+    assert torch.equal(native.f32_gemv(x[1:3], w), whole[1:3])
