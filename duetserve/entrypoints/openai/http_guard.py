@@ -18,6 +18,7 @@ stamps, and a graceful drain on SIGTERM/SIGINT.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import signal
@@ -173,6 +174,12 @@ class DrainingServer(uvicorn.Server):
     async def startup(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().startup(sockets)
+
+    def submit(self, coro) -> "concurrent.futures.Future":
+        """Run `coro` on the server's event loop from another thread (after start-up)."""
+        if self._loop is None:
+            raise RuntimeError("the server has not started")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     def handle_exit(self, sig: int, frame) -> None:
         if self._draining or self._loop is None:

@@ -81,14 +81,14 @@ class Flow:
         return "/v1/chat/completions" if kind == "chat" else "/v1/completions"
 
     async def _post_json(self, inst: Instance, path: str, body: dict) -> dict:
-        inst.in_flight += 1
+        inst.begin()
         try:
             r = await self.client.post(inst.url + path, json=body, timeout=None)
         except httpx.HTTPError as e:
             inst.mark_down(f"{type(e).__name__}: {e}")
             raise ConnectionError(str(e)) from None
         finally:
-            inst.in_flight -= 1
+            inst.end()
         data = _json(r)
         if r.status_code >= 500:      # alive (it answered); the request failed there
             raise ConnectionError(f"{inst.url} answered {r.status_code}: "
@@ -176,7 +176,7 @@ class Flow:
                     from None
             tried.add(inst.url)
             started = False
-            inst.in_flight += 1
+            inst.begin()
             try:
                 async with self.client.stream("POST", inst.url + self._path(s.kind),
                                               json=body, timeout=None) as r:
@@ -217,7 +217,7 @@ class Flow:
                         "InternalServerError", 502)) from None
                 # never reached it: the held KV is untouched, another may read it
             finally:
-                inst.in_flight -= 1
+                inst.end()
         raise UpstreamError(503, error_body("no decode instance could be reached",
                                             "ServiceUnavailableError", 503))
 
