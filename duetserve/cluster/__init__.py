@@ -7,7 +7,7 @@ nodes; the router in front learns them from the controller.
                     keeps the router's pool in step: registration, a restarted instance's
                     new URL, deregistration after a drain-first removal
     admin.py        the /cluster routes (list, add, drain-and-remove) on the router app
-    (entrypoints/cluster.py: `duet cluster`, the driver: flags, Ray connection)
+    cli.py          `duet cluster`, the Ray driver: flags, Ray connection, the router
 
 Ray carries control messages only (create, info, drain, kill); requests reach each
 instance over HTTP and the KV bytes go through the instances' transfer backend (Mooncake

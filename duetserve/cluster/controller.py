@@ -5,9 +5,10 @@ method runs on that loop).
     add(kind)       create a ServerInstance actor (its resources, num_cpus, max_restarts);
                     await its info(); register it in the pool (registration)
     watch (a task per member)
-                    info() every interval on the same pending call: a new pid/URL means
-                    Ray restarted it -> the pool entry moves to the new URL (out until its
-                    /health answers); repeated actor errors mean it is gone for good ->
+                    info() every interval, one call at a time: "unavailable" while Ray
+                    restarts it (out of the pool's picks); a new pid/URL after -> the pool
+                    entry moves to the new URL (out until its /health answers there);
+                    DEAD_AFTER_ERRORS "died" answers in a row -> gone for good,
                     deregistered
     remove(name)    drain first: the router stops sending it requests and waits for its
                     own in-flight ones, the instance drains (its in-flight requests, held
@@ -131,7 +132,10 @@ class Controller:
                 continue                  # restarting (the call waits for it) or busy
             try:
                 info = fut.result()
-            except Exception as e:  # noqa: BLE001 - the actor died (restart or for good)
+            except self.ray.exceptions.ActorUnavailableError as e:   # Ray restarts it
+                m.instance.mark_down(f"actor: {_why(e)}")
+                await asyncio.sleep(self.spec.watch_interval_s)
+            except Exception as e:  # noqa: BLE001 - died (the call it ran, or for good)
                 errors += 1
                 m.instance.mark_down(f"actor: {_why(e)}")
                 if errors >= DEAD_AFTER_ERRORS:
