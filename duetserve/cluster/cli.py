@@ -127,6 +127,7 @@ def main(args: argparse.Namespace) -> int:
 
     from duetserve.cluster.admin import add_admin_routes
     from duetserve.cluster.controller import ClusterError, Controller
+    from duetserve.entrypoints.openai.http_guard import QuietExitServer
     from duetserve.entrypoints.router.app import build_app, setup_logging
     from duetserve.entrypoints.router.policy import Policy
     from duetserve.entrypoints.router.pool import InstancePool
@@ -169,8 +170,9 @@ def main(args: argparse.Namespace) -> int:
                     Policy(args.replica_policy), lifespan_hook)
     add_admin_routes(app, controller_ref, args.admin_key or os.environ.get("DUET_ADMIN_KEY"))
     log.warning("router at http://%s:%d/v1 (admin: /cluster)", args.host, args.port)
-    try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    try:     # SIGTERM/SIGINT: the lifespan stops the actors, then Ray is left; exit 0
+        QuietExitServer(uvicorn.Config(app, host=args.host, port=args.port,
+                                       log_level="warning")).run()
     finally:
         import ray
         ray.shutdown()
