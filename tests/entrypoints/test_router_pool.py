@@ -3,6 +3,9 @@ checks, draining instances get no new requests, a moved instance is out until ch
 per-instance counts."""
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from duetserve.entrypoints.router.policy import NoInstanceError, Policy
@@ -50,3 +53,19 @@ def test_begin_end_count_requests():
     a.begin()
     a.end()
     assert (a.in_flight, a.served) == (1, 2)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["router", "--replica", "http://a:1", "--prefill", "http://b:1"], "not both kinds"),
+    (["router", "--prefill", "http://b:1"], "go together"),
+    (["cluster", "--replicas", "0"], "--replicas must be >= 1"),
+    (["cluster", "--replicas", "1", "--prefill", "1"], "give --replicas N, or"),
+    (["cluster", "--replicas", "1", "--serve-args", "--port 9"], "set by the cluster"),
+    (["cluster", "--prefill", "1", "--decode", "1", "--decode-resources", "[1]"],
+     "must be a JSON object"),
+])
+def test_bad_flags_are_one_line_errors(argv, message):
+    """Checked before anything starts (no server, no Ray)."""
+    r = subprocess.run([sys.executable, "-m", "duetserve", *argv], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and message in r.stderr, r.stderr
