@@ -89,7 +89,7 @@ class Flow:
             raise ConnectionError(str(e)) from None
         finally:
             inst.end()
-        data = _json(r)
+        data = answer_json(r)
         if r.status_code >= 500:      # alive (it answered); the request failed there
             raise ConnectionError(f"{inst.url} answered {r.status_code}: "
                                   f"{data.get('error', {}).get('message', data)}")
@@ -181,7 +181,7 @@ class Flow:
                 async with self.client.stream("POST", inst.url + self._path(s.kind),
                                               json=body, timeout=None) as r:
                     if r.status_code != 200:
-                        data = _json(await r.aread())
+                        data = answer_json(await r.aread())
                         if r.status_code >= 500 and r.status_code != 503:
                             inst.mark_down(f"answered {r.status_code}")
                         raise UpstreamError(r.status_code, data)
@@ -272,7 +272,8 @@ def _merge_cached(usage: dict, prefill_usage: dict | None) -> dict:
     return usage
 
 
-def _json(r: httpx.Response | bytes) -> dict:
+def answer_json(r: httpx.Response | bytes) -> dict:
+    """An instance's answer as a dict (an OpenAI error body when it is not JSON)."""
     raw = r if isinstance(r, bytes) else r.content
     try:
         data = json.loads(raw)

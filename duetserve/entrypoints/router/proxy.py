@@ -14,7 +14,8 @@ from collections.abc import AsyncIterator
 
 import httpx
 
-from duetserve.entrypoints.router.flow import MAX_ATTEMPTS, UpstreamError, _json, error_body
+from duetserve.entrypoints.router.flow import (MAX_ATTEMPTS, UpstreamError, answer_json,
+                                               error_body)
 from duetserve.entrypoints.router.policy import NoInstanceError, Policy
 from duetserve.entrypoints.router.pool import Instance, InstancePool
 
@@ -51,7 +52,7 @@ class Proxy:
                 continue
             finally:
                 inst.end()
-            data = _json(r)
+            data = answer_json(r)
             if r.status_code == 503:
                 last = f"{inst.name} answered 503: {data.get('error', {}).get('message')}"
                 continue
@@ -80,7 +81,7 @@ class Proxy:
             if r.status_code == 200:
                 return inst, r
             try:
-                data = _json(await r.aread())
+                data = answer_json(await r.aread())
             except httpx.HTTPError as e:
                 data = error_body(f"{type(e).__name__}: {e}", "InternalServerError", 502)
             finally:
