@@ -18,7 +18,7 @@ $(STAMP): $(BIN)/python pyproject.toml
 	# libibverbs1: installed when apt can (idempotent); without it the Mooncake tests
 	# skip and say why.
 	$(MAKE) --no-print-directory libibverbs
-	$(BIN)/pip install -e '.[serve,plot,test,disagg]'
+	$(BIN)/pip install -e '.[serve,plot,test,disagg,ray]'
 	# build the native kernels for this CPU now (cached in ~/.cache/duetserve; ~40 s once)
 	$(BIN)/python -c "from duetserve.models.native import ops; ops()"
 	touch $(STAMP)

@@ -12,7 +12,8 @@ Layers, lowest first; a module may import its own layer and lower ones:
        kv_transfer, structured (grammars with llguidance; never torch, like core)
     2  worker, spec_decode
     3  engine
-    4  entrypoints, __main__, bench, sim
+    4  entrypoints, __main__, bench, sim, cluster (`duet cluster`: Ray actors running
+       `duet serve`, the router in front)
     bench/{serve,datasets,bench_metrics,plot,token_workload,cpu_meter}.py import nothing
        from duetserve but each other: `duet bench serve` talks HTTP to any OpenAI server and
        must stay light.
@@ -61,6 +62,7 @@ LAYERS: dict[str, int] = {
     "duetserve.entrypoints": 4,
     "duetserve.__main__": 4,
     "duetserve.bench": 4,
+    "duetserve.cluster": 4,
 }
 
 # Same-layer (or otherwise rank-legal) edges that are still not allowed.

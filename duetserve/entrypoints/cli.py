@@ -14,6 +14,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("duetserve.entrypoints.openai.serve", "OpenAI-compatible HTTP server"),
     "router": ("duetserve.entrypoints.router.app",
                "OpenAI API in front of prefill and decode instances (disaggregation)"),
+    "cluster": ("duetserve.cluster.cli",
+                "instances as Ray actors across nodes, with the router in front (scale-out)"),
     "roofline": ("duetserve.metrics.roofline", "roofline analysis of a model on hardware"),
     "plot": ("duetserve.metrics.plot_trace", "plot a step trace written by --trace-file"),
     "bench throughput": ("duetserve.bench.throughput", "offline throughput benchmark"),

@@ -14,10 +14,13 @@ stamps, and a graceful drain on SIGTERM/SIGINT.
                                      shutdown_timeout, then end the rest with an error
                                      event and [DONE]) before exiting 0; a second signal
                                      exits at once
+    QuietExitServer                  its base: exits 0 after a signal-driven shutdown
+                                     (`duet cluster`'s router uses it as is)
 """
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import signal
@@ -160,7 +163,25 @@ def header_timeout_protocol(header_timeout: float) -> type[H11Protocol]:
     return HeaderTimeoutProtocol
 
 
-class DrainingServer(uvicorn.Server):
+class QuietExitServer(uvicorn.Server):
+    """uvicorn.Server that does not re-raise SIGTERM/SIGINT after its shutdown: the
+    process exits 0 (not -15, nor the exit code a handler installed before, such as
+    Ray's, makes of the signal) once the `finally` blocks around run() have run."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in HANDLED_SIGNALS}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
+
+
+class DrainingServer(QuietExitServer):
     """uvicorn.Server with a graceful drain (see the module docstring)."""
 
     def __init__(self, config: uvicorn.Config, drain: Callable[[], Awaitable[None]]) -> None:
@@ -173,6 +194,12 @@ class DrainingServer(uvicorn.Server):
     async def startup(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().startup(sockets)
+
+    def submit(self, coro) -> "concurrent.futures.Future":
+        """Run `coro` on the server's event loop from another thread (after start-up)."""
+        if self._loop is None:
+            raise RuntimeError("the server has not started")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     def handle_exit(self, sig: int, frame) -> None:
         if self._draining or self._loop is None:
@@ -193,19 +220,6 @@ class DrainingServer(uvicorn.Server):
             log.exception("drain failed")
         self.should_exit = True
 
-    @contextlib.contextmanager
-    def capture_signals(self):
-        """Like uvicorn's, minus re-raising the signal after shutdown: a drained server
-        exits 0, not -15."""
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        original = {sig: signal.signal(sig, self.handle_exit) for sig in HANDLED_SIGNALS}
-        try:
-            yield
-        finally:
-            for sig, handler in original.items():
-                signal.signal(sig, handler)
 
 
 async def drain(ctx: ServerContext, timeout: float, flush_timeout: float = 5.0) -> None:

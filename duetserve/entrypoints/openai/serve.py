@@ -82,7 +82,11 @@ def kv_transfer_config(args: argparse.Namespace):
         raise UserError(str(e)) from None
 
 
-def main(args: argparse.Namespace) -> int:
+def build_server(args: argparse.Namespace):
+    """The engine, the app and the uvicorn server for `duet serve`'s flags (not started):
+    a DrainingServer whose `config.app.state.ctx` is the ServerContext. `duet serve` runs
+    it in the main thread; a Ray instance (duetserve/cluster/instance.py) in a thread.
+    Raises UserError for bad flags or a checkpoint/transfer backend that cannot start."""
     import uvicorn
 
     from duetserve.engine.async_engine import AsyncEngine
@@ -124,5 +128,9 @@ def main(args: argparse.Namespace) -> int:
                             http=header_timeout_protocol(args.header_timeout),
                             timeout_keep_alive=args.timeout_keep_alive,
                             timeout_graceful_shutdown=5)
-    DrainingServer(config, lambda: drain(ctx, args.shutdown_timeout)).run()
+    return DrainingServer(config, lambda: drain(ctx, args.shutdown_timeout))
+
+
+def main(args: argparse.Namespace) -> int:
+    build_server(args).run()
     return 0

@@ -1,12 +1,17 @@
 """`duet router --prefill URL[,URL...] --decode URL[,URL...]`: the OpenAI API in front of
-prefill and decode instances (`duet serve --role prefill|decode`).
+prefill and decode instances (`duet serve --role prefill|decode`); or
+`duet router --replica URL[,URL...]` in front of colocated replicas (`--role both`).
 
-    POST /v1/completions, /v1/chat/completions   split into samples (merge.py), each
-                                                 prefill -> decode (flow.py)
-    GET  /v1/models                              the first healthy prefill instance's
+    POST /v1/completions, /v1/chat/completions   disaggregated: split into samples
+                                                 (merge.py), each prefill -> decode
+                                                 (flow.py); colocated: to one replica
+                                                 whole (proxy.py)
+    GET  /v1/models                              the first healthy instance's
     GET  /health                                 200 while each kind has a healthy one
     GET  /instances                              the pool: health, load, last error
-    GET  /metrics                                requests, failovers, TTFT split
+    GET  /metrics                                requests, per-instance counts, TTFT split
+
+`duet cluster` (duetserve/cluster/) builds the same app over a pool it fills at run time.
 """
 from __future__ import annotations
 
@@ -19,31 +24,71 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram,
                                generate_latest)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from duetserve.entrypoints.cli import UserError
 from duetserve.entrypoints.router.flow import Flow, Timings, UpstreamError, error_body
 from duetserve.entrypoints.router.merge import complete, split, stream
 from duetserve.entrypoints.router.policy import POLICIES, Policy
 from duetserve.entrypoints.router.pool import InstancePool, parse_urls
+from duetserve.entrypoints.router.proxy import Proxy
 
 log = logging.getLogger("duetserve.router")
 BUCKETS = [0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prefill", required=True, help="prefill instance URLs, comma-separated")
-    p.add_argument("--decode", required=True, help="decode instance URLs, comma-separated")
+    p.add_argument("--prefill", default=None, help="prefill instance URLs, comma-separated")
+    p.add_argument("--decode", default=None, help="decode instance URLs, comma-separated")
+    p.add_argument("--replica", default=None,
+                   help="colocated replica URLs (`duet serve`), comma-separated; instead of "
+                        "--prefill/--decode")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
+    add_policy_arguments(p)
+
+
+def add_policy_arguments(p: argparse.ArgumentParser) -> None:
+    """The picking and health-check flags (shared with `duet cluster`)."""
     p.add_argument("--prefill-policy", default="prefix", choices=POLICIES,
                    help="how a prefill instance is picked (default %(default)s)")
     p.add_argument("--decode-policy", default="least_loaded", choices=POLICIES[:2],
                    help="how a decode instance is picked (default %(default)s)")
+    p.add_argument("--replica-policy", default="least_loaded", choices=POLICIES[:2],
+                   help="how a colocated replica is picked (default %(default)s)")
     p.add_argument("--health-interval", type=float, default=2.0,
                    help="seconds between health checks of each instance (default %(default)s)")
 
 
-def build_app(pool: InstancePool, prefill_policy: Policy, decode_policy: Policy) -> FastAPI:
+class PoolCollector:
+    """Per-instance series read from the pool at scrape time (instances come and go)."""
+
+    def __init__(self, pool: InstancePool) -> None:
+        self.pool = pool
+
+    def collect(self):
+        served = CounterMetricFamily("duet_router:instance_requests", "Requests the router "
+                                     "sent to each instance (attempts, failovers included).",
+                                     labels=["instance", "kind"])
+        in_flight = GaugeMetricFamily("duet_router:instance_in_flight", "Router requests "
+                                      "being served by each instance now.",
+                                      labels=["instance", "kind"])
+        healthy = GaugeMetricFamily("duet_router:instance_healthy", "1 while the instance "
+                                    "may get requests (healthy, not draining).",
+                                    labels=["instance", "kind"])
+        for i in self.pool.all:
+            served.add_metric([i.name, i.kind], i.served)
+            in_flight.add_metric([i.name, i.kind], i.in_flight)
+            healthy.add_metric([i.name, i.kind], 1.0 if i.available else 0.0)
+        return [served, in_flight, healthy]
+
+
+def build_app(pool: InstancePool, prefill_policy: Policy, decode_policy: Policy,
+              replica_policy: Policy | None = None, lifespan_hook=None) -> FastAPI:
+    """The router app over `pool`. `lifespan_hook(client)`: an async context manager
+    entered at start-up before the first health check (`duet cluster` starts and
+    registers its instances there) and left at shutdown."""
+    replica_policy = replica_policy or Policy("least_loaded")
     registry = CollectorRegistry()
     requests = Counter("duet_router:requests", "Requests by outcome.", ["outcome"],
                        registry=registry)
@@ -51,6 +96,8 @@ def build_app(pool: InstancePool, prefill_policy: Policy, decode_policy: Policy)
                       "it: prefill (to the prefill answer: queue + prefill + first token) "
                       "and first_decode (to the first decode chunk: transfer + first "
                       "decode step).", ["phase"], buckets=BUCKETS, registry=registry)
+
+    registry.register(PoolCollector(pool))
 
     def on_timings(t: Timings) -> None:
         if t.prefill_s is not None:
@@ -66,13 +113,15 @@ def build_app(pool: InstancePool, prefill_policy: Policy, decode_policy: Policy)
         async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(None, connect=5.0)
                                      ) as client:
             state["flow"] = Flow(client, pool, prefill_policy, decode_policy, on_timings)
+            state["proxy"] = Proxy(client, pool, replica_policy)
             state["client"] = client
-            await pool.check_all(client)
-            pool.start(client)
-            try:
-                yield
-            finally:
-                await pool.stop()
+            async with (lifespan_hook(client) if lifespan_hook else _nothing()):
+                await pool.check_all(client)
+                pool.start(client)
+                try:
+                    yield
+                finally:
+                    await pool.stop()
 
     app = FastAPI(title="duetserve router", lifespan=lifespan)
 
@@ -85,6 +134,8 @@ def build_app(pool: InstancePool, prefill_policy: Policy, decode_policy: Policy)
             requests.labels("bad_request").inc()
             return JSONResponse(error_body(f"malformed JSON body: {e}", "BadRequestError",
                                            400), 400)
+        if pool.colocated:
+            return await forward(body, kind)
         try:
             samples, n = split(body, kind)
             if samples and samples[0].stream:
@@ -99,6 +150,22 @@ def build_app(pool: InstancePool, prefill_policy: Policy, decode_policy: Policy)
             requests.labels("error").inc()
             return JSONResponse(e.body, status_code=e.status)
 
+    async def forward(body: dict, kind: str):
+        proxy: Proxy = state["proxy"]
+        path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+        try:
+            if body.get("stream"):
+                inst, r = await proxy.open_stream(path, body)
+                requests.labels("stream").inc()
+                return StreamingResponse(proxy.relay(path, body, inst, r),
+                                         media_type="text/event-stream")
+            status, out = await proxy.complete(path, body)
+        except UpstreamError as e:
+            requests.labels("error").inc()
+            return JSONResponse(e.body, status_code=e.status)
+        requests.labels("ok" if status == 200 else "error").inc()
+        return JSONResponse(out, status_code=status)
+
     @app.post("/v1/completions")
     async def completions(raw: Request):
         return await generate(raw, "completions")
@@ -109,27 +176,29 @@ def build_app(pool: InstancePool, prefill_policy: Policy, decode_policy: Policy)
 
     @app.get("/v1/models")
     async def models():
-        for inst in pool.prefill:
+        for inst in pool.of(pool.serving_kinds[0]):
             if inst.healthy:
                 try:
                     r = await state["client"].get(inst.url + "/v1/models", timeout=5.0)
                     return JSONResponse(r.json(), r.status_code)
                 except httpx.HTTPError as e:
                     inst.mark_down(f"{type(e).__name__}: {e}")
-        return JSONResponse(error_body("no healthy prefill instance",
+        return JSONResponse(error_body(f"no healthy {pool.serving_kinds[0]} instance",
                                        "ServiceUnavailableError", 503), 503)
 
     @app.get("/health")
     async def health():
-        if any(i.healthy for i in pool.prefill) and any(i.healthy for i in pool.decode):
+        if pool.ready():
             return Response(status_code=200)
-        return JSONResponse(error_body("no healthy prefill or decode instance",
+        return JSONResponse(error_body(f"no healthy {' or '.join(pool.serving_kinds)} "
+                                       "instance",
                                        "ServiceUnavailableError", 503), 503)
 
     @app.get("/instances")
     async def instances():
-        return {"instances": [{"url": i.url, "kind": i.kind, "healthy": i.healthy,
-                               "in_flight": i.in_flight, "load": i.load,
+        return {"instances": [{"name": i.name, "url": i.url, "kind": i.kind,
+                               "healthy": i.healthy, "draining": i.draining,
+                               "in_flight": i.in_flight, "served": i.served, "load": i.load,
                                "last_error": i.last_error} for i in pool.all]}
 
     @app.get("/metrics")
@@ -141,19 +210,40 @@ def build_app(pool: InstancePool, prefill_policy: Policy, decode_policy: Policy)
 
 def main(args: argparse.Namespace) -> int:
     import uvicorn
+    colocated = args.replica is not None
+    if colocated == (args.prefill is not None or args.decode is not None):
+        raise UserError("give --replica, or --prefill and --decode (not both kinds)")
+    if not colocated and (args.prefill is None or args.decode is None):
+        raise UserError("--prefill and --decode go together")
     try:
-        pool = InstancePool(parse_urls(args.prefill, "prefill"),
-                            parse_urls(args.decode, "decode"), args.health_interval)
+        instances = parse_urls(args.replica, "replica") if colocated else \
+            parse_urls(args.prefill, "prefill") + parse_urls(args.decode, "decode")
+        pool = InstancePool(instances, colocated, args.health_interval)
     except ValueError as e:
         raise UserError(str(e)) from None
     if not args.health_interval > 0:
         raise UserError(f"--health-interval must be > 0, got {args.health_interval}")
+    setup_logging()
+    app = build_app(pool, Policy(args.prefill_policy), Policy(args.decode_policy),
+                    Policy(args.replica_policy))
+    if colocated:
+        log.info("router at http://%s:%d/v1: replicas %s (%s)", args.host, args.port,
+                 args.replica, args.replica_policy)
+    else:
+        log.info("router at http://%s:%d/v1: prefill %s (%s), decode %s (%s)", args.host,
+                 args.port, args.prefill, args.prefill_policy, args.decode,
+                 args.decode_policy)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
+def setup_logging() -> None:
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO,
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)    # not every health check
-    app = build_app(pool, Policy(args.prefill_policy), Policy(args.decode_policy))
-    log.info("router at http://%s:%d/v1: prefill %s (%s), decode %s (%s)", args.host,
-             args.port, args.prefill, args.prefill_policy, args.decode, args.decode_policy)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
-    return 0
+
+
+@asynccontextmanager
+async def _nothing():
+    yield

@@ -81,15 +81,15 @@ class Flow:
         return "/v1/chat/completions" if kind == "chat" else "/v1/completions"
 
     async def _post_json(self, inst: Instance, path: str, body: dict) -> dict:
-        inst.in_flight += 1
+        inst.begin()
         try:
             r = await self.client.post(inst.url + path, json=body, timeout=None)
         except httpx.HTTPError as e:
             inst.mark_down(f"{type(e).__name__}: {e}")
             raise ConnectionError(str(e)) from None
         finally:
-            inst.in_flight -= 1
-        data = _json(r)
+            inst.end()
+        data = answer_json(r)
         if r.status_code >= 500:      # alive (it answered); the request failed there
             raise ConnectionError(f"{inst.url} answered {r.status_code}: "
                                   f"{data.get('error', {}).get('message', data)}")
@@ -176,12 +176,12 @@ class Flow:
                     from None
             tried.add(inst.url)
             started = False
-            inst.in_flight += 1
+            inst.begin()
             try:
                 async with self.client.stream("POST", inst.url + self._path(s.kind),
                                               json=body, timeout=None) as r:
                     if r.status_code != 200:
-                        data = _json(await r.aread())
+                        data = answer_json(await r.aread())
                         if r.status_code >= 500 and r.status_code != 503:
                             inst.mark_down(f"answered {r.status_code}")
                         raise UpstreamError(r.status_code, data)
@@ -217,7 +217,7 @@ class Flow:
                         "InternalServerError", 502)) from None
                 # never reached it: the held KV is untouched, another may read it
             finally:
-                inst.in_flight -= 1
+                inst.end()
         raise UpstreamError(503, error_body("no decode instance could be reached",
                                             "ServiceUnavailableError", 503))
 
@@ -272,7 +272,8 @@ def _merge_cached(usage: dict, prefill_usage: dict | None) -> dict:
     return usage
 
 
-def _json(r: httpx.Response | bytes) -> dict:
+def answer_json(r: httpx.Response | bytes) -> dict:
+    """An instance's answer as a dict (an OpenAI error body when it is not JSON)."""
     raw = r if isinstance(r, bytes) else r.content
     try:
         data = json.loads(raw)

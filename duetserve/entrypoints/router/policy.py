@@ -27,7 +27,7 @@ class NoInstanceError(RuntimeError):
 
 
 def _healthy(instances: list[Instance], exclude: set[str]) -> list[Instance]:
-    ok = [i for i in instances if i.healthy and i.url not in exclude]
+    ok = [i for i in instances if i.available and i.url not in exclude]
     if not ok:
         kind = instances[0].kind if instances else "?"
         raise NoInstanceError(f"no healthy {kind} instance (of {len(instances)}"

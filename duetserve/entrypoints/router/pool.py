@@ -4,6 +4,10 @@ An instance is healthy while /health answers 200; a request that cannot reach it
 5xx with no answer) takes it out at once, and the health loop puts it back when /health
 answers again. /load (queue and KV usage) is read on each check for the least-loaded
 policy; the router adds its own count of requests in flight to each instance.
+
+Membership may change at run time (`duet cluster`, duetserve/cluster/): add() registers
+an instance, a draining one gets no new requests, remove() deregisters it; an instance
+keeps its name when it moves to a new URL (restarted elsewhere by Ray).
 """
 from __future__ import annotations
 
@@ -17,15 +21,39 @@ import httpx
 log = logging.getLogger("duetserve.router")
 
 
+KINDS = ("prefill", "decode", "replica")     # replica: colocated (`--role both`)
+
+
 @dataclass
 class Instance:
     url: str
-    kind: str                        # "prefill" | "decode"
+    kind: str                        # one of KINDS
     healthy: bool = True
     in_flight: int = 0               # router requests being served there now
     load: dict = field(default_factory=dict)    # the last /load answer
     last_error: str | None = None
     since: float = field(default_factory=time.monotonic)
+    name: str = ""                   # stable identity (default: the URL)
+    draining: bool = False           # being removed: no new requests
+    served: int = 0                  # router requests sent there, ever
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"instance kind must be one of {KINDS}, got {self.kind!r}")
+        self.name = self.name or self.url
+
+    @property
+    def available(self) -> bool:
+        """May get a new request: healthy and not draining."""
+        return self.healthy and not self.draining
+
+    def begin(self) -> None:
+        """A router request is sent here (pair with end())."""
+        self.in_flight += 1
+        self.served += 1
+
+    def end(self) -> None:
+        self.in_flight -= 1
 
     @property
     def score(self) -> float:
@@ -35,13 +63,21 @@ class Instance:
 
     def mark_down(self, why: str) -> None:
         if self.healthy:
-            log.warning("%s instance %s taken out: %s", self.kind, self.url, why)
+            log.warning("%s instance %s (%s) taken out: %s", self.kind, self.name, self.url,
+                        why)
         self.healthy, self.last_error, self.since = False, why, time.monotonic()
 
     def mark_up(self) -> None:
         if not self.healthy:
-            log.warning("%s instance %s back in", self.kind, self.url)
+            log.warning("%s instance %s (%s) back in", self.kind, self.name, self.url)
         self.healthy, self.last_error, self.since = True, None, time.monotonic()
+
+    def move(self, url: str, why: str) -> None:
+        """Now served at `url` (restarted): out until its /health answers there."""
+        log.warning("%s instance %s moved %s -> %s (%s)", self.kind, self.name, self.url,
+                    url, why)
+        self.url, self.load = url, {}
+        self.healthy, self.last_error, self.since = False, why, time.monotonic()
 
 
 def parse_urls(text: str, kind: str) -> list[Instance]:
@@ -58,29 +94,83 @@ def parse_urls(text: str, kind: str) -> list[Instance]:
 
 
 class InstancePool:
-    def __init__(self, prefill: list[Instance], decode: list[Instance],
+    """`colocated`: the instances are replicas (each serves whole requests); otherwise
+    prefill and decode instances. Mutated by add/remove and the health loop."""
+
+    def __init__(self, instances: list[Instance], colocated: bool,
                  interval_s: float = 2.0, timeout_s: float = 2.0) -> None:
-        self.prefill, self.decode = prefill, decode
+        self.colocated = colocated
         self.interval_s, self.timeout_s = interval_s, timeout_s
+        self._instances: list[Instance] = []
         self._task: asyncio.Task | None = None
+        for inst in instances:
+            self.add(inst)
 
     @property
     def all(self) -> list[Instance]:
-        return self.prefill + self.decode
+        return list(self._instances)
+
+    def of(self, kind: str) -> list[Instance]:
+        return [i for i in self._instances if i.kind == kind]
+
+    @property
+    def prefill(self) -> list[Instance]:
+        return self.of("prefill")
+
+    @property
+    def decode(self) -> list[Instance]:
+        return self.of("decode")
+
+    @property
+    def replica(self) -> list[Instance]:
+        return self.of("replica")
+
+    @property
+    def serving_kinds(self) -> tuple[str, ...]:
+        return ("replica",) if self.colocated else ("prefill", "decode")
+
+    def add(self, inst: Instance) -> None:
+        """Register an instance (ValueError: wrong kind for this pool, or a name or URL
+        already registered)."""
+        if inst.kind not in self.serving_kinds:
+            raise ValueError(f"a {'colocated' if self.colocated else 'disaggregated'} "
+                             f"pool takes {'/'.join(self.serving_kinds)} instances, "
+                             f"not {inst.kind}")
+        for other in self._instances:
+            if other.name == inst.name or other.url == inst.url:
+                raise ValueError(f"instance {inst.name} ({inst.url}) is already registered")
+        self._instances.append(inst)
+
+    def remove(self, inst: Instance) -> None:
+        """Deregister (requests already sent there finish on their own)."""
+        self._instances = [i for i in self._instances if i is not inst]
+
+    def get(self, name: str) -> Instance | None:
+        return next((i for i in self._instances if i.name == name), None)
+
+    def ready(self) -> bool:
+        """Every kind this pool needs has an available instance."""
+        return all(any(i.available for i in self.of(k)) for k in self.serving_kinds)
 
     async def check(self, client: httpx.AsyncClient, inst: Instance) -> None:
-        """One health check; mutates inst (healthy, load)."""
+        """One health check; mutates inst (healthy, load). An instance whose URL changed
+        while the check ran (moved) is left to the next check."""
+        url = inst.url
         try:
-            r = await client.get(f"{inst.url}/health", timeout=self.timeout_s)
+            r = await client.get(f"{url}/health", timeout=self.timeout_s)
             if r.status_code != 200:
-                inst.mark_down(f"/health answered {r.status_code}")
+                if inst.url == url:
+                    inst.mark_down(f"/health answered {r.status_code}")
                 return
-            load = await client.get(f"{inst.url}/load", timeout=self.timeout_s)
+            load = await client.get(f"{url}/load", timeout=self.timeout_s)
+            if inst.url != url:
+                return
             if load.status_code == 200:
                 inst.load = load.json()
             inst.mark_up()
         except (httpx.HTTPError, ValueError) as e:
-            inst.mark_down(f"{type(e).__name__}: {e}")
+            if inst.url == url:
+                inst.mark_down(f"{type(e).__name__}: {e}")
 
     async def check_all(self, client: httpx.AsyncClient) -> None:
         await asyncio.gather(*(self.check(client, i) for i in self.all))

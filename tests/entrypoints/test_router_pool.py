@@ -1,0 +1,71 @@
+"""The router's pool as `duet cluster` changes it at run time (no servers): registration
+checks, draining instances get no new requests, a moved instance is out until checked,
+per-instance counts."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from duetserve.entrypoints.router.policy import NoInstanceError, Policy
+from duetserve.entrypoints.router.pool import Instance, InstancePool
+
+
+def test_registration_rules():
+    pool = InstancePool([Instance("http://a:1", "replica", name="replica-0")], colocated=True)
+    with pytest.raises(ValueError, match="takes replica instances, not decode"):
+        pool.add(Instance("http://b:1", "decode"))
+    with pytest.raises(ValueError, match="already registered"):
+        pool.add(Instance("http://c:1", "replica", name="replica-0"))
+    with pytest.raises(ValueError, match="already registered"):
+        pool.add(Instance("http://a:1", "replica", name="replica-9"))
+    with pytest.raises(ValueError, match="kind must be one of"):
+        Instance("http://d:1", "both")
+    pd = InstancePool([Instance("http://p:1", "prefill")], colocated=False)
+    assert not pd.ready()                           # no decode instance yet
+    pd.add(Instance("http://d:1", "decode"))
+    assert pd.ready() and [i.name for i in pd.all] == ["http://p:1", "http://d:1"]
+
+
+def test_draining_and_moved_instances_get_no_requests():
+    a, b = Instance("http://a:1", "replica", name="r0"), Instance("http://b:1", "replica",
+                                                                  name="r1")
+    pool = InstancePool([a, b], colocated=True)
+    policy = Policy("round_robin")
+    assert {policy.pick(pool.replica).name for _ in range(4)} == {"r0", "r1"}
+    b.draining = True
+    assert {policy.pick(pool.replica).name for _ in range(4)} == {"r0"}
+    a.move("http://a:2", "restarted")
+    assert a.url == "http://a:2" and not a.healthy and a.load == {}
+    with pytest.raises(NoInstanceError):
+        policy.pick(pool.replica)
+    assert not pool.ready()
+    a.mark_up()
+    assert pool.ready()
+    pool.remove(b)
+    assert pool.get("r1") is None and pool.get("r0") is a
+
+
+def test_begin_end_count_requests():
+    a = Instance("http://a:1", "replica")
+    a.begin()
+    a.begin()
+    a.end()
+    assert (a.in_flight, a.served) == (1, 2)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["router", "--replica", "http://a:1", "--prefill", "http://b:1"], "not both kinds"),
+    (["router", "--prefill", "http://b:1"], "go together"),
+    (["cluster", "--replicas", "0"], "--replicas must be >= 1"),
+    (["cluster", "--replicas", "1", "--prefill", "1"], "give --replicas N, or"),
+    (["cluster", "--replicas", "1", "--serve-args", "--port 9"], "set by the cluster"),
+    (["cluster", "--prefill", "1", "--decode", "1", "--decode-resources", "[1]"],
+     "must be a JSON object"),
+])
+def test_bad_flags_are_one_line_errors(argv, message):
+    """Checked before anything starts (no server, no Ray)."""
+    r = subprocess.run([sys.executable, "-m", "duetserve", *argv], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and message in r.stderr, r.stderr
