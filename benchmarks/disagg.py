@@ -105,42 +105,49 @@ def decode(dec: Proc, prompt, kv: dict, max_tokens: int = 2, **extra) -> dict:
     return r.json()
 
 
-def raw_tcp_seconds(nbytes: int, repeats: int) -> list[float]:
-    """Loopback TCP: one connection, `nbytes` sent and received into preallocated
-    buffers (the best case for a byte stream), `repeats` times."""
-    srv = socket.socket()
-    srv.bind(("127.0.0.1", 0))
-    srv.listen(1)
-    payload = memoryview(bytearray(os.urandom(1 << 20)) * (nbytes // (1 << 20) + 1))[:nbytes]
-    sink = bytearray(nbytes)
+class RawTCP:
+    """Loopback TCP: one connection, `nbytes` sent by a thread and received into a
+    preallocated buffer (the best case for a byte stream). `once()` times one transfer,
+    so that raw TCP can be measured right after each KV read, under the same load."""
 
-    def sender() -> None:
-        conn, _ = srv.accept()
-        with conn:
-            for _ in range(repeats):
-                conn.recv(1)
-                conn.sendall(payload)
-    t = threading.Thread(target=sender, daemon=True)
-    t.start()
-    out = []
-    with socket.create_connection(srv.getsockname()) as c:
-        view = memoryview(sink)
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            c.sendall(b"x")
-            got = 0
-            while got < nbytes:
-                got += c.recv_into(view[got:], nbytes - got)
-            out.append(time.perf_counter() - t0)
-    t.join()
-    srv.close()
-    return out
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self.srv = socket.socket()
+        self.srv.bind(("127.0.0.1", 0))
+        self.srv.listen(1)
+        payload = memoryview(bytearray(os.urandom(1 << 20)) * (nbytes // (1 << 20) + 1))[:nbytes]
+        self.sink = memoryview(bytearray(nbytes))
+
+        def sender() -> None:
+            conn, _ = self.srv.accept()
+            with conn:
+                while conn.recv(1):
+                    conn.sendall(payload)
+        self.thread = threading.Thread(target=sender, daemon=True)
+        self.thread.start()
+        self.conn = socket.create_connection(self.srv.getsockname())
+
+    def once(self) -> float:
+        t0 = time.perf_counter()
+        self.conn.sendall(b"x")
+        got = 0
+        while got < self.nbytes:
+            got += self.conn.recv_into(self.sink[got:], self.nbytes - got)
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.conn.close()
+        self.thread.join(10)
+        self.srv.close()
 
 
 def part_transfer(model: str | None, prompt_tokens: int, repeats: int) -> dict:
-    """One prefill per compression mode, read `repeats` times by each backend (the
-    blocks stay held: no release_url, a long timeout)."""
+    """One prefill per compression mode, read once (warm-up) then `repeats` times by
+    each backend (the blocks stay held: no release_url, a long timeout). Each read is followed by one raw
+    TCP transfer of the uncompressed KV's bytes: machine load hits both alike."""
     result: dict = {"prompt_tokens": prompt_tokens, "backends": {}}
+    raw_secs: list[float] = []
+    raw = None
     # no prefix caching: each repeat reads every block again
     decs = {"shm": serve(model, 1, "--role", "decode", "--no-prefix-caching"),
             "mooncake": serve(model, 1, "--role", "decode", "--no-prefix-caching",
@@ -153,6 +160,7 @@ def part_transfer(model: str | None, prompt_tokens: int, repeats: int) -> dict:
                 prompt = list(range(1000, 1000 + prompt_tokens))     # token ids
                 kv = prefill(pre, prompt)["kv_transfer_params"]
                 for name, dec in decs.items():
+                    decode(dec, prompt, kv)      # warm-up: Mooncake's connection set-up
                     secs, nbytes = [], 0
                     for _ in range(repeats):
                         b0, s0 = (metric(dec, "duet:kv_transfer_bytes_total"),
@@ -160,17 +168,21 @@ def part_transfer(model: str | None, prompt_tokens: int, repeats: int) -> dict:
                         decode(dec, prompt, kv)
                         nbytes = metric(dec, "duet:kv_transfer_bytes_total") - b0
                         secs.append(metric(dec, "duet:kv_transfer_time_seconds_total") - s0)
+                        if raw is None:      # the first read tells the uncompressed size
+                            raw = RawTCP(int(nbytes))
+                        raw_secs.append(raw.once())
                     result["backends"][f"{name}/{compression}"] = {
                         "bytes": int(nbytes), "seconds": secs,
                         "median_s": statistics.median(secs),
                         "gb_per_s": nbytes / statistics.median(secs) / 1e9}
             finally:
                 pre.close()
-        nbytes = result["backends"]["shm/none"]["bytes"]
-        tcp = raw_tcp_seconds(nbytes, repeats)
-        result["raw_tcp"] = {"bytes": nbytes, "seconds": tcp, "median_s": statistics.median(tcp),
-                             "gb_per_s": nbytes / statistics.median(tcp) / 1e9}
+        result["raw_tcp"] = {"bytes": raw.nbytes, "seconds": raw_secs,
+                             "median_s": statistics.median(raw_secs),
+                             "gb_per_s": raw.nbytes / statistics.median(raw_secs) / 1e9}
     finally:
+        if raw is not None:
+            raw.close()
         for d in decs.values():
             d.close()
     return result
@@ -265,7 +277,7 @@ def main() -> int:
     p.add_argument("--small-model", default=None, help="model for accuracy and serving "
                    "(default: the default model)")
     p.add_argument("--prompt-tokens", type=int, default=2048)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--accuracy-prompts", type=int, default=8)
     p.add_argument("--serve-prompts", type=int, default=24)
     p.add_argument("--serve-rate", type=float, default=1.0)

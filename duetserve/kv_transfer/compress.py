@@ -37,7 +37,8 @@ class Int8Staging:
 
     def __init__(self, layout: KVLayout, cache: torch.Tensor) -> None:
         self.data_layout, self.scales_layout = staging_layouts(layout)
-        self.memory = SharedKVMemory(self.data_layout.nbytes + self.scales_layout.nbytes)
+        self.memory = SharedKVMemory(self.data_layout.nbytes + self.scales_layout.nbytes,
+                                     populate=True)
         planes, nb, bs = layout.num_planes, layout.num_blocks, layout.block_size
         self.data = self.memory.tensor[:self.data_layout.nbytes].view(torch.int8) \
             .view(planes, nb, bs, layout.head_dim)
