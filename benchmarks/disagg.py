@@ -105,42 +105,49 @@ def decode(dec: Proc, prompt, kv: dict, max_tokens: int = 2, **extra) -> dict:
     return r.json()
 
 
-def raw_tcp_seconds(nbytes: int, repeats: int) -> list[float]:
-    """Loopback TCP: one connection, `nbytes` sent and received into preallocated
-    buffers (the best case for a byte stream), `repeats` times."""
-    srv = socket.socket()
-    srv.bind(("127.0.0.1", 0))
-    srv.listen(1)
-    payload = memoryview(bytearray(os.urandom(1 << 20)) * (nbytes // (1 << 20) + 1))[:nbytes]
-    sink = bytearray(nbytes)
+class RawTCP:
+    """Loopback TCP: one connection, `nbytes` sent by a thread and received into a
+    preallocated buffer (the best case for a byte stream). `once()` times one transfer,
+    so that raw TCP can be measured right after each KV read, under the same load."""
 
-    def sender() -> None:
-        conn, _ = srv.accept()
-        with conn:
-            for _ in range(repeats):
-                conn.recv(1)
-                conn.sendall(payload)
-    t = threading.Thread(target=sender, daemon=True)
-    t.start()
-    out = []
-    with socket.create_connection(srv.getsockname()) as c:
-        view = memoryview(sink)
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            c.sendall(b"x")
-            got = 0
-            while got < nbytes:
-                got += c.recv_into(view[got:], nbytes - got)
-            out.append(time.perf_counter() - t0)
-    t.join()
-    srv.close()
-    return out
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self.srv = socket.socket()
+        self.srv.bind(("127.0.0.1", 0))
+        self.srv.listen(1)
+        payload = memoryview(bytearray(os.urandom(1 << 20)) * (nbytes // (1 << 20) + 1))[:nbytes]
+        self.sink = memoryview(bytearray(nbytes))
+
+        def sender() -> None:
+            conn, _ = self.srv.accept()
+            with conn:
+                while conn.recv(1):
+                    conn.sendall(payload)
+        self.thread = threading.Thread(target=sender, daemon=True)
+        self.thread.start()
+        self.conn = socket.create_connection(self.srv.getsockname())
+
+    def once(self) -> float:
+        t0 = time.perf_counter()
+        self.conn.sendall(b"x")
+        got = 0
+        while got < self.nbytes:
+            got += self.conn.recv_into(self.sink[got:], self.nbytes - got)
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.conn.close()
+        self.thread.join(10)
+        self.srv.close()
 
 
 def part_transfer(model: str | None, prompt_tokens: int, repeats: int) -> dict:
-    """One prefill per compression mode, read `repeats` times by each backend (the
-    blocks stay held: no release_url, a long timeout)."""
+    """One prefill per compression mode, read once (warm-up) then `repeats` times by
+    each backend (the blocks stay held: no release_url, a long timeout). Each read is followed by one raw
+    TCP transfer of the uncompressed KV's bytes: machine load hits both alike."""
     result: dict = {"prompt_tokens": prompt_tokens, "backends": {}}
+    raw_secs: list[float] = []
+    raw = None
     # no prefix caching: each repeat reads every block again
     decs = {"shm": serve(model, 1, "--role", "decode", "--no-prefix-caching"),
             "mooncake": serve(model, 1, "--role", "decode", "--no-prefix-caching",
@@ -153,6 +160,7 @@ def part_transfer(model: str | None, prompt_tokens: int, repeats: int) -> dict:
                 prompt = list(range(1000, 1000 + prompt_tokens))     # token ids
                 kv = prefill(pre, prompt)["kv_transfer_params"]
                 for name, dec in decs.items():
+                    decode(dec, prompt, kv)      # warm-up: Mooncake's connection set-up
                     secs, nbytes = [], 0
                     for _ in range(repeats):
                         b0, s0 = (metric(dec, "duet:kv_transfer_bytes_total"),
@@ -160,69 +168,124 @@ def part_transfer(model: str | None, prompt_tokens: int, repeats: int) -> dict:
                         decode(dec, prompt, kv)
                         nbytes = metric(dec, "duet:kv_transfer_bytes_total") - b0
                         secs.append(metric(dec, "duet:kv_transfer_time_seconds_total") - s0)
+                        if raw is None:      # the first read tells the uncompressed size
+                            raw = RawTCP(int(nbytes))
+                        raw_secs.append(raw.once())
                     result["backends"][f"{name}/{compression}"] = {
                         "bytes": int(nbytes), "seconds": secs,
                         "median_s": statistics.median(secs),
                         "gb_per_s": nbytes / statistics.median(secs) / 1e9}
             finally:
                 pre.close()
-        nbytes = result["backends"]["shm/none"]["bytes"]
-        tcp = raw_tcp_seconds(nbytes, repeats)
-        result["raw_tcp"] = {"bytes": nbytes, "seconds": tcp, "median_s": statistics.median(tcp),
-                             "gb_per_s": nbytes / statistics.median(tcp) / 1e9}
+        result["raw_tcp"] = {"bytes": raw.nbytes, "seconds": raw_secs,
+                             "median_s": statistics.median(raw_secs),
+                             "gb_per_s": raw.nbytes / statistics.median(raw_secs) / 1e9}
     finally:
+        if raw is not None:
+            raw.close()
         for d in decs.values():
             d.close()
     return result
 
 
+# Natural text (the word lists above make many near ties: a greedy output flips on tiny
+# perturbations there, so both kinds of prompt are reported).
+TEXTS = [
+    "The old lighthouse stood at the edge of the cliff for more than a century. Every "
+    "night the keeper climbed the spiral stairs, trimmed the wick and watched the ships "
+    "pass in the dark. One winter evening, a storm rolled in from the north and",
+    "To make a simple loaf of bread, mix flour, water, salt and a little yeast in a large "
+    "bowl. Knead the dough for ten minutes until it is smooth, then cover it and let it "
+    "rise in a warm place. After about an hour,",
+    "Photosynthesis is the process by which green plants use sunlight to turn water and "
+    "carbon dioxide into sugar and oxygen. It takes place mostly in the leaves, inside "
+    "small structures called chloroplasts. The first stage of the process",
+    "The train left the station at half past seven, crowded with people going to work. "
+    "Anna found a seat by the window and opened the letter she had received the day "
+    "before. She read the first line twice, because she could not believe that",
+    "When you learn a new programming language, it helps to start with small programs. "
+    "Write a function that adds two numbers, then one that reverses a string, then one "
+    "that reads a file line by line. Each small step teaches you",
+    "The city council met on Tuesday to discuss the new park on the east side of town. "
+    "Several residents spoke in favour of the plan, pointing out that children had no "
+    "safe place to play. Others worried about the cost, and",
+    "Mountains are formed over millions of years as the plates of the earth's crust push "
+    "against each other. Where two plates meet, the rock is folded and lifted, and over "
+    "time wind and water carve it into peaks and valleys. The highest mountains",
+    "My grandmother kept a small garden behind her house, with tomatoes, beans and a row "
+    "of sunflowers along the fence. Every summer I spent a few weeks with her, and each "
+    "morning we went out together to",
+]
+
+
 def _kl_top(p: dict[str, float], q: dict[str, float]) -> float:
-    """KL(p || q) over p's top tokens; a token missing from q's list gets q's smallest
-    listed logprob (an upper bound on its probability), p renormalised on its list."""
+    """KL(p || q) over p's top tokens, both renormalised on that set (0 iff they agree
+    there); a token missing from q's list gets q's smallest listed logprob (an upper
+    bound on its probability)."""
     floor = min(q.values())
-    z = math.log(sum(math.exp(v) for v in p.values()))
-    return sum(math.exp(lp - z) * ((lp - z) - q.get(t, floor)) for t, lp in p.items())
+    qs = {t: q.get(t, floor) for t in p}
+    zp = math.log(sum(math.exp(v) for v in p.values()))
+    zq = math.log(sum(math.exp(v) for v in qs.values()))
+    return sum(math.exp(lp - zp) * ((lp - zp) - (qs[t] - zq)) for t, lp in p.items())
 
 
-def part_accuracy(model: str | None, num_prompts: int, prompt_words: int,
-                  max_tokens: int) -> dict:
-    dec = serve(model, 1, "--role", "decode", "--no-prefix-caching")
-    runs: dict[str, list] = {}
-    try:
-        for compression in ("none", "int8"):
-            pre = serve(model, 1, "--role", "prefill", "--kv-transfer-compression", compression)
-            try:
-                outs = []
-                for i in range(num_prompts):
-                    prompt = words_prompt(prompt_words, i)
-                    kv = prefill(pre, prompt, max_tokens, logprobs=20)["kv_transfer_params"]
-                    kv["release_url"] = pre.base + "/kv/release"
-                    lp = decode(dec, prompt, kv, max_tokens, logprobs=20)["choices"][0]["logprobs"]
-                    outs.append(lp)
-                runs[compression] = outs
-            finally:
-                pre.close()
-    finally:
-        dec.close()
+def compare_runs(ref: list[dict], other: list[dict]) -> dict:
+    """Greedy agreement and KL of `other` against `ref` (logprobs of each output):
+    tokens before the first divergence, identical outputs, per-position KL before the
+    divergence (the first token comes from the prefill: no int8 involved, skipped),
+    and the reference's top-1 - top-2 logprob margin where each output diverges."""
     same_tokens = total = identical = 0
-    kls = []
-    for a, b in zip(runs["none"], runs["int8"]):
+    kls: list[float] = []
+    margins: list[float] = []
+    for a, b in zip(ref, other):
         ta, tb = a["tokens"], b["tokens"]
         total += len(ta)
         diverged = False
         for k, (x, y) in enumerate(zip(ta, tb)):
             if x != y:
                 diverged = True
+                top = sorted(a["top_logprobs"][k].values(), reverse=True)
+                margins.append(top[0] - top[1])
                 break
             same_tokens += 1
-            if k > 0:       # the first token comes from the prefill (no int8 involved)
+            if k > 0:
                 kls.append(_kl_top(a["top_logprobs"][k], b["top_logprobs"][k]))
         identical += not diverged and len(ta) == len(tb)
-    return {"num_prompts": num_prompts, "prompt_words": prompt_words, "max_tokens": max_tokens,
-            "tokens_before_first_divergence": same_tokens, "tokens": total,
+    return {"tokens_before_first_divergence": same_tokens, "tokens": total,
             "agreement": same_tokens / max(total, 1), "identical_outputs": identical,
-            "kl_mean": statistics.fmean(kls) if kls else None,
-            "kl_max": max(kls) if kls else None, "kl_positions": len(kls)}
+            "outputs": len(ref), "kl_mean": statistics.fmean(kls) if kls else None,
+            "kl_max": max(kls) if kls else None, "kl_positions": len(kls),
+            "divergence_margins": margins}
+
+
+def part_accuracy(model: str | None, num_prompts: int, prompt_words: int,
+                  max_tokens: int) -> dict:
+    """Each prompt prefilled by an uncompressed and by an int8 prefill instance and
+    decoded by the same decode instance; "none_again" (a second uncompressed run)
+    checks that the comparison itself is exact."""
+    prompts = {"words": [words_prompt(prompt_words, i) for i in range(num_prompts)],
+               "text": TEXTS[:num_prompts]}
+    dec = serve(model, 1, "--role", "decode", "--no-prefix-caching")
+    runs: dict[str, dict[str, list]] = {}
+    try:
+        for mode in ("none", "none_again", "int8"):
+            compression = "int8" if mode == "int8" else "none"
+            pre = serve(model, 1, "--role", "prefill", "--kv-transfer-compression", compression)
+            try:
+                for kind, texts in prompts.items():
+                    outs = runs.setdefault(mode, {}).setdefault(kind, [])
+                    for prompt in texts:
+                        kv = prefill(pre, prompt, max_tokens, logprobs=20)["kv_transfer_params"]
+                        kv["release_url"] = pre.base + "/kv/release"
+                        outs.append(decode(dec, prompt, kv, max_tokens,
+                                           logprobs=20)["choices"][0]["logprobs"])
+            finally:
+                pre.close()
+    finally:
+        dec.close()
+    return {"max_tokens": max_tokens, "prompt_words": prompt_words,
+            **{f"{mode}/{kind}": compare_runs(runs["none"][kind], runs[mode][kind])
+               for mode in ("none_again", "int8") for kind in prompts}}
 
 
 def bench_serve(base: str, label: str, args: argparse.Namespace, out_dir: str) -> dict:
@@ -265,7 +328,7 @@ def main() -> int:
     p.add_argument("--small-model", default=None, help="model for accuracy and serving "
                    "(default: the default model)")
     p.add_argument("--prompt-tokens", type=int, default=2048)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--accuracy-prompts", type=int, default=8)
     p.add_argument("--serve-prompts", type=int, default=24)
     p.add_argument("--serve-rate", type=float, default=1.0)
@@ -286,11 +349,17 @@ def main() -> int:
                   f"{r['gb_per_s']:>8.2f}{r['gb_per_s'] / raw['gb_per_s']:>11.2f}")
     if "accuracy" in parts:
         a = result["accuracy"] = part_accuracy(args.small_model, args.accuracy_prompts, 48, 32)
-        print(f"\nint8 KV transfer vs uncompressed ({args.small_model or 'default model'}): "
-              f"{a['tokens_before_first_divergence']}/{a['tokens']} tokens before the first "
-              f"divergence ({100 * a['agreement']:.1f}%), {a['identical_outputs']}/"
-              f"{a['num_prompts']} outputs identical; top-20 KL mean {a['kl_mean']:.2e}, "
-              f"max {a['kl_max']:.2e} over {a['kl_positions']} positions")
+        print(f"\nint8 KV transfer vs uncompressed ({args.small_model or 'default model'}), "
+              f"{a['max_tokens']} greedy tokens per prompt")
+        for name, r in a.items():
+            if not isinstance(r, dict):
+                continue
+            kl = "-" if r["kl_mean"] is None else f"{r['kl_mean']:.2e} / {r['kl_max']:.2e}"
+            print(f"{name:<18} {r['tokens_before_first_divergence']}/{r['tokens']} tokens "
+                  f"before the first divergence, {r['identical_outputs']}/{r['outputs']} "
+                  f"identical; top-20 KL mean / max {kl} over {r['kl_positions']} "
+                  f"positions; margins at divergence "
+                  f"{[round(m, 3) for m in r['divergence_margins']]}")
     if "serving" in parts:
         s = result["serving"] = part_serving(args.small_model, args)
         print(f"\nServing, {args.serve_prompts} requests at {args.serve_rate}/s, input "

@@ -35,7 +35,8 @@ def make_shared_kv(config: KVTransferConfig, num_layers: int, num_kv_heads: int,
                    ) -> tuple[KVLayout, SharedKVMemory]:
     layout = KVLayout(num_layers, num_kv_heads, num_blocks, block_size, head_dim,
                       str(dtype).replace("torch.", ""))
-    return layout, SharedKVMemory(layout.nbytes)
+    # a decode instance's cache is written by transfers: populated at start (memory.py)
+    return layout, SharedKVMemory(layout.nbytes, populate=config.role == "decode")
 
 
 class KVRoles:

@@ -2,7 +2,9 @@
 
     ShmReader        same host: map the peer's memory file, copy with numpy (memcpy)
     MooncakeAgent    Mooncake Transfer Engine, protocol tcp, P2P handshake (no etcd):
-                     one batch_transfer_sync_read of every segment
+                     every segment submitted as its own asynchronous read, then waited
+                     for with short sleeps (see MooncakeAgent.read for why not the
+                     synchronous batch read)
 
 `read(source, peer, local, segs)` copies `(src_offset, dst_offset, nbytes)` segments
 (layout.segments) from the peer's memory region to this instance's `local` memory and
@@ -14,6 +16,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import time
 
 import numpy as np
 
@@ -78,8 +81,9 @@ class MooncakeAgent:
     instance publishes `session` ("host:rpc_port"); a decode instance reads from it."""
 
     name = "mooncake"
+    POLL_S = 0.0002       # sleep between status checks of an unfinished read
 
-    def __init__(self, memory: SharedKVMemory, host: str) -> None:
+    def __init__(self, memory: SharedKVMemory, host: str, timeout_s: float = 30.0) -> None:
         why = mooncake_available()
         if why is not None:
             raise TransferError(why)
@@ -89,6 +93,7 @@ class MooncakeAgent:
         if rc != 0:
             raise TransferError(f"Mooncake initialize({host!r}, P2PHANDSHAKE, tcp) failed: {rc}")
         self.session = f"{host}:{self.engine.get_rpc_port()}"
+        self.timeout_s = timeout_s
         self.register(memory)
 
     def register(self, memory: SharedKVMemory) -> None:
@@ -99,15 +104,41 @@ class MooncakeAgent:
 
     def read(self, source: KVSource, peer: PeerRegion, local: SharedKVMemory,
              segs: list[tuple[int, int, int]]) -> int:
+        """Every segment as its own asynchronous read, all in flight at once, then waited
+        for in order with POLL_S sleeps. NOTE: Mooncake's synchronous batch read (and
+        get_batch_transfer_status) spins on the status without sleeping: on a 2-core
+        host that spinning thread took a core from the two that move the bytes, and
+        the read ran at 0.35-0.6x raw TCP; sleeping here brings it to about raw TCP
+        (docs/benchmarks.md). transfer_check_status looks at a batch's first request
+        only, hence one request per batch. Returns only when no read can still write
+        `local` (or after timeout_s, see docs/disaggregation.md)."""
         if not source.mooncake_session:
             raise TransferError("the prefill instance did not publish a Mooncake session "
                                 "(start it with Mooncake available)")
         if not segs:
             return 0
-        rc = self.engine.batch_transfer_sync_read(
-            source.mooncake_session, [local.base_addr + d for _, d, _ in segs],
-            [peer.addr + s for s, _, _ in segs], [n for _, _, n in segs])
-        if rc != 0:
-            raise TransferError(f"Mooncake read from {source.mooncake_session} failed "
-                                f"(return code {rc})")
+        eng, session = self.engine, source.mooncake_session
+        batches, error = [], None
+        for s, d, n in segs:
+            b = eng.batch_transfer_async_read(session, [local.base_addr + d],
+                                              [peer.addr + s], [n])
+            if not b:
+                error = f"Mooncake could not start a read from {session}"
+                break
+            batches.append(b)
+        deadline = time.monotonic() + self.timeout_s
+        for b in batches:
+            while True:
+                status = eng.transfer_check_status(b)    # 1 done, 0 running, < 0 failed
+                if status == 1:
+                    break
+                if status < 0:
+                    error = error or f"Mooncake read from {session} failed (status {status})"
+                    break
+                if time.monotonic() > deadline:
+                    raise TransferError(f"Mooncake read from {session} did not end within "
+                                        f"{self.timeout_s:.1f} s")
+                time.sleep(self.POLL_S)
+        if error is not None:
+            raise TransferError(error)
         return sum(n for _, _, n in segs)

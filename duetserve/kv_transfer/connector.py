@@ -74,7 +74,8 @@ class KVConnector:
         # from readers: (transfer_id, ok, nbytes, error, seconds of the copy)
         self._loads_done: deque[tuple[str, bool, int, str | None, float]] = deque()
         self._load_backend: dict[str, str] = {}             # consumer: transfer_id -> name
-        self.mooncake = MooncakeAgent(memory, config.host) if config.uses_mooncake else None
+        self.mooncake = MooncakeAgent(memory, config.host, config.timeout_s) \
+            if config.uses_mooncake else None
         self.reader = None
         if config.role == "decode":
             self.reader = self.mooncake if config.backend == "mooncake" else ShmReader()

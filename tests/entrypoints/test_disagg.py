@@ -194,3 +194,30 @@ def test_decode_killed_mid_stream(cluster):
     r = httpx.post(router.base + "/v1/completions", timeout=60,
                    json={"prompt": "Still serving?", "max_tokens": 4, "temperature": 0})
     assert r.status_code == 200 and r.json()["choices"][0]["text"]
+
+
+def test_prefill_killed_router_fails_over(cluster):
+    """kill -9 one of two prefill instances: the router takes it out and serves every
+    prompt through the other (answers still equal the colocated server's, streamed or
+    not); with no prefill instance left it answers 503 at once, and /health is 503."""
+    body = {"prompt": PROMPTS[:6], "max_tokens": 6, "temperature": 0}
+    ref = _norm(_collect(cluster["colo"].base, body))
+    args = (*COMMON, "--role", "prefill", "--kv-transfer-timeout", str(TIMEOUT_S))
+    with ServerProcess(*args) as first, ServerProcess(*args) as second, \
+            RouterProcess([first, second], [cluster["shm"]]) as router:
+        assert _norm(_collect(router.base, body)) == ref
+        for victim, survivor in ((first, second), (second, None)):
+            os.kill(victim.proc.pid, signal.SIGKILL)
+            victim.proc.wait(10)
+            if survivor is not None:
+                for stream in (False, True):
+                    assert _norm(_collect(router.base, {**body, "stream": stream})) == ref
+                pool = httpx.get(router.base + "/instances", timeout=5).json()["instances"]
+                state = {i["url"]: i["healthy"] for i in pool}
+                assert state[victim.base] is False and state[survivor.base] is True
+        t0 = time.monotonic()
+        r = httpx.post(router.base + "/v1/completions", json=body, timeout=30)
+        assert r.status_code == 503 and "prefill" in r.json()["error"]["message"]
+        assert time.monotonic() - t0 < 10
+        _poll(lambda: httpx.get(router.base + "/health", timeout=5).status_code == 503,
+              10, "router /health 503 with no prefill instance")

@@ -6,6 +6,7 @@ import time
 
 import torch
 
+from duetserve.kv_transfer.compress import staging_layouts
 from duetserve.kv_transfer.config import KVTransferConfig
 from duetserve.kv_transfer.connector import KVConnector
 from duetserve.kv_transfer.layout import KVLayout
@@ -60,9 +61,10 @@ def test_int8_load_is_close_and_moves_fewer_bytes() -> None:
     assert res.ok
     err = (dst[:, :, :, [0, 1]] - src[:, :, :, [3, 4]]).abs().max()
     assert err <= src.abs().max() / 127
-    planes, per_block = LAYOUT.num_planes, LAYOUT.block_size * LAYOUT.head_dim
-    # int8 values + one float32 scale per token and head, for 2 blocks
-    assert dec.totals["shm"].bytes == 2 * planes * (per_block + 4 * LAYOUT.block_size)
+    assert dst[:, :, :, 2:].abs().sum() == 0
+    data, scales = staging_layouts(LAYOUT)
+    # int8 values + float16 scales (per channel for K, per token for V), for 2 blocks
+    assert dec.totals["shm"].bytes == 2 * (data.bytes_per_block + scales.bytes_per_block)
     assert dec.totals["shm"].bytes < 2 * LAYOUT.bytes_per_block / 2
 
 
