@@ -171,6 +171,9 @@ async def send_request(client: httpx.AsyncClient, url: str, body: dict[str, Any]
                     rec.error = f"stream error: {json.dumps(obj['error'])[:300]}"
                     return ""
                 usage = obj.get("usage") or usage
+                timing = obj.get("server_timing")      # duetserve's extension (others: absent)
+                if isinstance(timing, dict) and isinstance(timing.get("ttft_s"), (int, float)):
+                    rec.server_ttft = float(timing["ttft_s"])
                 choices = obj.get("choices") or []
                 if not choices:
                     continue  # the final usage-only chunk carries no tokens
