@@ -273,12 +273,17 @@ class Scheduler:
 
     def _token_budget(self) -> int:
         """This step's budget: fixed, or re-derived from the number of running decodes
-        (requests one token behind) when the config carries a StepBudget."""
+        (requests one token behind) and of requests with prompt tokens to compute (the
+        other running ones and the waiting ones that could be admitted) when the config
+        carries a StepBudget."""
         policy = self.config.step_budget
         if policy is None:
             return self.config.max_num_batched_tokens
         decodes = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
-        return policy.for_step(decodes)
+        admissible = min(len(self.waiting), max(self.config.max_num_seqs - len(self.running),
+                                                0))
+        prefills = len(self.running) - decodes + admissible
+        return policy.for_step(decodes, prefills)
 
     def _chunk(self, num_new: int, start: int, budget: int, step_budget: int
                ) -> tuple[int, int]:

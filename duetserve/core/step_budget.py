@@ -22,8 +22,9 @@ attention over it. (R = 0: one line for every step with prefill work.)
 
 - D = 0: IDLE_BUDGET (nobody's gap to protect: prompts prefill in big, efficient chunks);
 - else the step must fit `target = STEP_FACTOR x decode_ms(D)` (or the fixed
-  `--max-step-ms`): the largest T with step_ms(T) <= target, but at least D + MIN_CHUNK so
-  a prompt always makes progress. A stream's gap while a prompt is prefilled is then at
+  `--max-step-ms`): the largest T with step_ms(T) <= target, but at least D + MIN_CHUNK
+  x P for the P requests with prompt tokens to compute, so every prompt makes progress at
+  least as fast as a stream (a burst of new requests is not starved by a small target). A stream's gap while a prompt is prefilled is then at
   most STEP_FACTOR x its decode-only gap (unless even D + MIN_CHUNK rows cost more), the
   price being TTFT: more, shorter chunks.
 - A prefill chunk after s cached tokens is charged `c * (1 + s * per_pair / per_token)`
@@ -149,13 +150,17 @@ class StepBudget:
         return self.max_step_ms if self.max_step_ms is not None else \
             default_max_step_ms(self.cost, num_decodes)
 
-    def for_step(self, num_decodes: int) -> int:
-        """Token budget of a step whose running requests include `num_decodes` decodes."""
+    def for_step(self, num_decodes: int, num_prefills: int = 0) -> int:
+        """Token budget of a step whose running requests include `num_decodes` decodes,
+        with `num_prefills` requests (running or admissible) that have prompt tokens to
+        compute: at least one token for each of them (min_chunk x max(1, num_prefills)),
+        as for each decode, so a burst of new prompts is admitted at the pace of the
+        streams, not starved by a small target."""
         if num_decodes == 0:
             return self.idle
-        return token_budget(self.cost, self.target_ms(num_decodes),
-                            lo=num_decodes + self.min_chunk, hi=max(self.idle, num_decodes
-                                                                    + self.min_chunk))
+        lo = num_decodes + self.min_chunk * max(1, num_prefills)
+        return token_budget(self.cost, self.target_ms(num_decodes), lo=lo,
+                            hi=max(self.idle, lo))
 
     def describe(self) -> str:
         """The budget as reported at start-up."""

@@ -35,7 +35,7 @@ CONTEXT = 512              # a chunk after this many cached tokens: the context 
 DECODES = 16               # decode-only steps of 1 and min(DECODES, R) streams: decode line
 DECODE_CONTEXT = 128       # each probe stream's context
 NOISE_RATIO = 1.5          # repeats of one probe further apart than this: a noisy machine
-STALE_RATIO = 1.5          # a cached SMALL step this much slower than now: re-measured
+STALE_RATIO = 1.5          # a cached decode step this much slower than now: re-measured
 MAX_CACHE_ENTRIES = 64
 _PROBE_ID = "__duet_step_probe__"
 
@@ -110,32 +110,53 @@ class NoisyMeasurement(Exception):
         self.cost = cost
 
 
-def measure(runner, vocab_size: int, block_size: int, max_tokens: int,
-            lowbit_rows: int = 0) -> StepCost:
-    """Fit StepCost (core/step_budget.py) from probe steps through the real runner:
-    fresh prefills of R/2 and R tokens (the low-bit piece, when the model's linears run
-    low-bit kernels up to R = `lowbit_rows` >= 2 rows), of R + 16 (or SMALL) and LARGE
-    tokens (the general line), a chunk of R (or SMALL) tokens after CONTEXT cached tokens
-    (the context term), decode-only steps of 1 and min(DECODES, R) streams (the decode
-    line). Each probe is warmed up once (first calls pay one-time kernel set-up), then
-    timed twice, interleaved; the faster counts. Raises NoisyMeasurement (with the fit)
-    when the two disagree by more than NOISE_RATIO. `max_tokens` bounds every probe's
-    context."""
-    r = lowbit_rows if lowbit_rows >= 2 else 0
+def _decode_streams(lowbit_rows: int) -> int:
+    """Streams of the larger decode-only probe (also the quick check's step)."""
+    return min(DECODES, lowbit_rows) if lowbit_rows >= 4 else DECODES
+
+
+def _probes(max_tokens: int, lowbit_rows: int) -> tuple[dict, dict]:
+    """The probe steps (name -> [(context, new tokens)]) and the sizes they were chosen
+    with. Steps with prefill work carry decodes beside their chunk, as the steps the
+    budget sizes do (a decode row costs more in the modules than a prompt row)."""
+    r = lowbit_rows if lowbit_rows >= 4 else 0    # a low-bit piece needs R/2 >= 2 rows
     small = r + SMALL if r else SMALL
     large = max(small * 2, min(LARGE, max_tokens))
     chunk = r or SMALL
     ctx = min(CONTEXT, max_tokens - chunk)
     dctx = min(DECODE_CONTEXT, max_tokens)
-    d2 = min(DECODES, r) if r else DECODES
-    probes = {"small": [(small, small)], "large": [(large, large)],
+    d2 = _decode_streams(lowbit_rows)
+    beside = min(8, small // 2)                # decodes beside a dense line's chunk
+
+    def mixed(rows: int, decodes: int) -> list[tuple[int, int]]:
+        return [(dctx, 1)] * decodes + [(rows - decodes, rows - decodes)]
+    probes = {"small": mixed(small, beside), "large": mixed(large, beside),
               "decode1": [(dctx, 1)], "decode2": [(dctx, 1)] * d2}
     if r:
-        probes["low1"], probes["low2"] = [(r // 2, r // 2)], [(r, r)]
+        probes["low1"], probes["low2"] = mixed(r // 2, r // 2 - 2), mixed(r, r - 2)
     if ctx >= 2 * chunk:
         probes["chunk"] = [(chunk, chunk)]
         probes["context"] = [(ctx + chunk, chunk)]
-        _time_step(runner, [(ctx + chunk, ctx + chunk)], vocab_size, block_size)  # its KV
+    return probes, {"r": r, "small": small, "large": large, "chunk": chunk, "ctx": ctx,
+                    "d2": d2}
+
+
+def measure(runner, vocab_size: int, block_size: int, max_tokens: int,
+            lowbit_rows: int = 0) -> StepCost:
+    """Fit StepCost (core/step_budget.py) from probe steps through the real runner:
+    steps of R/2 and R rows (the low-bit piece, when the model's linears run low-bit
+    kernels up to R = `lowbit_rows` >= 4 rows) and of R + 16 (or SMALL) and LARGE rows
+    (the general line), each mostly decodes beside a short chunk (or 8 decodes beside a
+    long one); a chunk of R (or SMALL) tokens after CONTEXT cached tokens against the
+    same chunk fresh (the context term); decode-only steps of 1 and min(DECODES, R)
+    streams (the decode line). Each probe is warmed up once (first calls pay one-time
+    kernel set-up and first-touch page faults), then timed twice, interleaved; the faster
+    counts. Raises NoisyMeasurement (with the fit) when the two disagree by more than
+    NOISE_RATIO. `max_tokens` bounds every probe's context."""
+    probes, n = _probes(max_tokens, lowbit_rows)
+    if "context" in probes:
+        full = n["ctx"] + n["chunk"]
+        _time_step(runner, [(full, full)], vocab_size, block_size)   # the context's KV
     times: dict[str, list[float]] = {k: [] for k in probes}
     for rep in range(3):                       # rep 0 warms up
         for name, seqs in probes.items():
@@ -143,11 +164,12 @@ def measure(runner, vocab_size: int, block_size: int, max_tokens: int,
             if rep:
                 times[name].append(ms)
     best = {k: min(v) for k, v in times.items()}
-    fixed, per_token = StepCost.line(small, best["small"], large, best["large"])
+    r = n["r"]
+    fixed, per_token = StepCost.line(n["small"], best["small"], n["large"], best["large"])
     per_pair = 0.0
     if "context" in best:
-        per_pair = max(best["context"] - best["chunk"], 0.0) / (chunk * ctx)
-    dec_fixed, dec_per = StepCost.line(1, best["decode1"], d2, best["decode2"])
+        per_pair = max(best["context"] - best["chunk"], 0.0) / (n["chunk"] * n["ctx"])
+    dec_fixed, dec_per = StepCost.line(1, best["decode1"], n["d2"], best["decode2"])
     low_fixed = low_per = 0.0
     if r:
         low_fixed, low_per = StepCost.line(r // 2, best["low1"], r, best["low2"])
@@ -159,12 +181,13 @@ def measure(runner, vocab_size: int, block_size: int, max_tokens: int,
     return cost
 
 
-def quick_small_step(runner, vocab_size: int, block_size: int) -> float:
-    """The fastest of two SMALL-token fresh prefills (after one warm-up), in ms: the
-    sanity check of a cached fit."""
-    _time_step(runner, [(SMALL, SMALL)], vocab_size, block_size)
-    return min(_time_step(runner, [(SMALL, SMALL)], vocab_size, block_size)
-               for _ in range(2))
+def quick_step(runner, vocab_size: int, block_size: int, max_tokens: int,
+               lowbit_rows: int) -> float:
+    """The fastest of two decode-only steps of the decode line's larger probe (after one
+    warm-up), in ms: the sanity check of a cached fit."""
+    seqs = _probes(max_tokens, lowbit_rows)[0]["decode2"]
+    _time_step(runner, seqs, vocab_size, block_size)
+    return min(_time_step(runner, seqs, vocab_size, block_size) for _ in range(2))
 
 
 def _cached_cost(entry: object) -> StepCost | None:
@@ -198,20 +221,21 @@ def _measure_checked(runner, vocab_size: int, block_size: int, max_tokens: int,
 def measured_step_cost(runner, model_path: str, dtype: str, num_threads: int,
                        vocab_size: int, block_size: int, max_tokens: int,
                        lowbit_rows: int = 0) -> tuple[StepCost, bool]:
-    """(StepCost, from_cache). A cached fit is used only when a quick SMALL-token step
-    now is not much faster than it predicts (a fit measured on a busy machine is
+    """(StepCost, from_cache). A cached fit is used only when a quick decode step now is
+    not much faster than it predicts (a fit measured on a busy machine is
     inflated, and would skew every later run's budget): else, or without one, it is
     measured and stored, unless the measurement was noisy or implausible."""
     key = cache_key(model_path, dtype, num_threads, lowbit_rows)
     path = cache_dir() / "step_cost.json"
     cached = _cached_cost(_load_cache(path).get(key))
     if cached is not None:
-        now = quick_small_step(runner, vocab_size, block_size)
-        if now * STALE_RATIO >= cached.step_ms(SMALL):
+        d = _decode_streams(lowbit_rows)
+        now = quick_step(runner, vocab_size, block_size, max_tokens, lowbit_rows)
+        if now * STALE_RATIO >= cached.decode_ms(d):
             return cached, True
-        log.info("cached step cost predicts %.1f ms for a %d-token step but it takes %.1f ms "
-                 "now (measured on a busy machine?): measuring again",
-                 cached.step_ms(SMALL), SMALL, now)
+        log.info("cached step cost predicts %.1f ms for a decode step of %d streams but it "
+                 "takes %.1f ms now (measured on a busy machine?): measuring again",
+                 cached.decode_ms(d), d, now)
     cost, reason = _measure_checked(runner, vocab_size, block_size, max_tokens, lowbit_rows)
     if reason:
         log.warning("step cost measurement not cached: %s", reason)

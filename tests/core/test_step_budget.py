@@ -138,3 +138,14 @@ def test_derived_budget_and_fallback() -> None:
     budget, policy = derive_step_budget(StepCost(1800.0, 1e-6), None, 256)   # flat: noise
     assert policy is None and budget == 512
     assert default_max_step_ms(MEASURED, 8) == pytest.approx(42.0)
+
+
+def test_a_burst_of_prompts_gets_a_token_each_per_step() -> None:
+    """However small the target, each request with prompt tokens to compute gets budget
+    for at least min_chunk tokens a step, as each decode gets its token: a burst of new
+    requests is admitted at the streams' pace, not one token a step for all of them."""
+    policy = StepBudget(CLIFF)
+    assert policy.for_step(8, 1) == policy.for_step(8) == 16
+    assert policy.for_step(8, 40) == 8 + 40
+    assert policy.for_step(1, 5000) == 1 + 5000 > IDLE_BUDGET    # hi follows lo
+    assert policy.for_step(0, 40) == IDLE_BUDGET

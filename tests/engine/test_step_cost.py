@@ -12,14 +12,14 @@ GOOD = StepCost(20.0, 0.5, 1e-4, 10.0, 1.0)
 
 
 class FakeProbes:
-    """Stands in for measure() and quick_small_step(): counts calls, returns set values."""
+    """Stands in for measure() and quick_step(): counts calls, returns set values."""
 
     def __init__(self, monkeypatch, cost: StepCost = GOOD, now_ms: float = 28.0,
                  noisy: int = 0) -> None:
         self.cost, self.now_ms, self.noisy = cost, now_ms, noisy
         self.measures = self.quick = 0
         monkeypatch.setattr(step_cost, "measure", self.measure)
-        monkeypatch.setattr(step_cost, "quick_small_step", self.quick_step)
+        monkeypatch.setattr(step_cost, "quick_step", self.quick_step)
 
     def measure(self, runner, vocab_size, block_size, max_tokens, lowbit_rows) -> StepCost:
         self.measures += 1
@@ -28,7 +28,7 @@ class FakeProbes:
             raise step_cost.NoisyMeasurement("repeats disagree", self.cost)
         return self.cost
 
-    def quick_step(self, runner, vocab_size, block_size) -> float:
+    def quick_step(self, runner, vocab_size, block_size, max_tokens, lowbit_rows) -> float:
         self.quick += 1
         return self.now_ms
 
@@ -58,15 +58,15 @@ def test_measurement_is_cached(model, monkeypatch) -> None:
 
 
 def test_an_inflated_cached_fit_is_measured_again(model, monkeypatch) -> None:
-    """A fit cached from a busy machine predicts 1,000 ms for a 16-token step that takes
-    28 ms now: it is re-measured and replaced. One that predicts a little faster than
-    now (the machine is busy now) is kept."""
+    """A fit cached from a busy machine predicts 916 ms for a decode step of 16 streams
+    that takes 28 ms now: it is re-measured and replaced. One that predicts a little
+    faster than now (the machine is busy now) is kept."""
     FakeProbes(monkeypatch, cost=StepCost(990.0, 0.625, 0.0, 900.0, 1.0))
     cost_for(model)
     probes = FakeProbes(monkeypatch, now_ms=28.0)
     assert cost_for(model) == (GOOD, False) and probes.measures == 1
     assert cost_for(model) == (GOOD, True)                            # replaced
-    busy_now = FakeProbes(monkeypatch, now_ms=200.0)                  # 28 ms predicted
+    busy_now = FakeProbes(monkeypatch, now_ms=200.0)                  # 26 ms predicted
     assert cost_for(model) == (GOOD, True) and busy_now.measures == 0
 
 
