@@ -4,6 +4,8 @@ Sends a dataset (see datasets.py) at a request rate (Poisson or gamma arrivals),
 optional concurrency cap, to /v1/completions or /v1/chat/completions with `stream: true`
 and `stream_options.include_usage`, times every streamed chunk (see bench_metrics.py for
 the TTFT / TPOT / ITL conventions), prints a summary table and optionally writes JSON.
+A server that reports its own timing per request (duetserve's `server_timing.ttft_s` in
+the final usage chunk) gets its TTFT p50 printed next to the client's, with the ratio.
 
 HTTP only: this module imports nothing of the engine, so it can benchmark any server.
 
