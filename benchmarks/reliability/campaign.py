@@ -12,6 +12,8 @@ Scenarios (all counts bounded; nothing leaves 127.0.0.1):
              largest inter-chunk gap over its median (the step budget at work)
   ttft       server-side TTFT (Prometheus sum/count) vs the client's, at concurrency
              1 and 64
+  bench_ttft `duet bench serve` at --max-concurrency 1 (32 requests) and 64 (128):
+             client TTFT p50 vs the server's, read per request from `server_timing`
   sigterm    SIGTERM with 20 in-flight 200-token streams (--shutdown-timeout 5): full
              outputs, error+[DONE] endings, 503s during the drain, exit code
 Each scenario reports requests sent/completed/errored and KV blocks in use after.
@@ -206,13 +208,17 @@ async def long_prompt(srv: Server) -> dict:
             "prompt": long_text, "max_tokens": 1})
         long_ttft = time.perf_counter() - t
         res = await asyncio.gather(*streams)
-    ratios = []
+    ratios, worst = [], []
     for x in res:
         g = gaps(x["times"])
         if len(g) > 4:
             ratios.append(max(g) / statistics.median(g))
+            i = g.index(max(g))              # when the worst gap ended, from the long send
+            worst.append(round(x["times"][i + 1] - t, 3))
     return {"long_prompt_tokens": r.json()["usage"]["prompt_tokens"],
             "long_prompt_latency_s": long_ttft, "max_gap_over_median": max(ratios),
+            "gap_ratio_per_stream": [round(x, 2) for x in ratios],
+            "worst_gap_end_after_long_send_s": worst,
             "median_gap_s": statistics.median(statistics.median(gaps(x["times"]))
                                               for x in res),
             "budget": srv.budget_line(), "kv_blocks_after": kv_after(srv)}
@@ -238,6 +244,28 @@ async def ttft(srv: Server, concurrency: int, num: int) -> dict:
             statistics.median(client), "client_ttft_mean_s": statistics.mean(client),
             "server_ttft_mean_s": server_mean,
             "server_vs_client_mean": server_mean / statistics.mean(client)}
+
+
+def bench_ttft(srv: Server, concurrency: int, num: int) -> dict:
+    """`duet bench serve` (short random prompts, 16 tokens) at `concurrency`: its client
+    TTFT p50 next to the server's (read from each response's `server_timing`)."""
+    out = f"/tmp/duet-reliability-bench-{srv.port}-{concurrency}.json"
+    subprocess.run([sys.executable, "-m", "duetserve", "bench", "serve", "--base-url",
+                    srv.base, "--num-prompts", str(num), "--input-len", "8",
+                    "--output-len", "16", "--ignore-eos", "--request-rate", "inf",
+                    "--max-concurrency", str(concurrency), "--percentiles", "50,90,99",
+                    "--no-progress", "--output-json", out], check=True,
+                   stdout=subprocess.DEVNULL)
+    with open(out) as f:
+        run = json.load(f)["runs"][0]
+    s, recs = run["summary"], run["requests"]
+    gap = sorted(r["ttft"] - r["server_ttft"] for r in recs if r["success"])
+    return {"concurrency": concurrency, "requests": num, "completed": s["completed"],
+            "client_ttft_p50_ms": s["ttft_ms"]["median"],
+            "server_ttft_p50_ms": s["server_ttft_ms"]["median"],
+            "server_vs_client_p50": s["server_vs_client_ttft_p50"],
+            "client_minus_server_ms_p50": 1e3 * statistics.median(gap),
+            "client_minus_server_ms_max": 1e3 * gap[-1]}
 
 
 async def sigterm(threads: int) -> dict:
@@ -286,6 +314,9 @@ def main() -> int:
             results["long_prompt"] = asyncio.run(long_prompt(srv))
         if want("ttft"):
             results["ttft"] = [asyncio.run(ttft(srv, 1, 8)), asyncio.run(ttft(srv, 64, 64))]
+        if want("bench_ttft"):
+            bench_ttft(srv, 64, 64)                                 # warm-up
+            results["bench_ttft"] = [bench_ttft(srv, 1, 32), bench_ttft(srv, 64, 128)]
     if want("sigterm"):
         results["sigterm"] = asyncio.run(sigterm(args.num_threads))
     print(json.dumps(results, indent=1))

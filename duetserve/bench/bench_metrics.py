@@ -53,6 +53,7 @@ class RequestRecord:
     prompt_tokens: int = 0
     output_tokens: int = 0
     ttft: float | None = None
+    server_ttft: float | None = None  # the server's own TTFT (its `server_timing`), if sent
     tpot: float | None = None
     e2e: float | None = None
     itl: list[float] = field(default_factory=list)
@@ -163,6 +164,13 @@ def summarize(
         summary["good_requests"] = good
         summary["goodput"] = good / dur
     summary["ttft_ms"] = stats_ms([r.ttft for r in ok if r.ttft is not None], percentiles)
+    server = [r.server_ttft for r in ok if r.server_ttft is not None]
+    if server:   # the server reported its TTFT: both p50s, over the same requests
+        both = [r for r in ok if r.server_ttft is not None and r.ttft is not None]
+        summary["server_ttft_ms"] = stats_ms(server, percentiles)
+        client_p50 = float(np.median([r.ttft for r in both])) if both else 0.0
+        summary["server_vs_client_ttft_p50"] = (
+            float(np.median([r.server_ttft for r in both])) / client_p50 if client_p50 else None)
     summary["tpot_ms"] = stats_ms([r.tpot for r in ok if r.tpot is not None], percentiles)
     summary["itl_ms"] = stats_ms([x for r in ok for x in r.itl], percentiles)
     summary["e2el_ms"] = stats_ms([r.e2e for r in ok if r.e2e is not None], percentiles)
@@ -202,9 +210,14 @@ def format_summary(summary: dict[str, Any], title: str = "duet bench serve") -> 
     col = 10
     lines.append("-" * width)
     lines.append(f"{'latency (ms)':<14}" + "".join(f"{k:>{col}}" for k in keys))
-    for name, key in (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("ITL", "itl_ms"), ("E2E", "e2el_ms")):
-        stats = summary[key]
-        lines.append(f"{name:<14}" + "".join(f"{_fmt(stats[k]):>{col}}" for k in keys))
+    for name, key in (("TTFT", "ttft_ms"), ("TTFT (server)", "server_ttft_ms"),
+                      ("TPOT", "tpot_ms"), ("ITL", "itl_ms"), ("E2E", "e2el_ms")):
+        stats = summary.get(key)
+        if stats is not None:
+            lines.append(f"{name:<14}" + "".join(f"{_fmt(stats[k]):>{col}}" for k in keys))
+    if summary.get("server_vs_client_ttft_p50") is not None:
+        lines.append(f"{'TTFT p50 server / client':<46}"
+                     f"{_fmt(summary['server_vs_client_ttft_p50'], 3):>18}")
     lines.append("=" * width)
     return "\n".join(lines)
 

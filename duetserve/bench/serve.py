@@ -4,6 +4,8 @@ Sends a dataset (see datasets.py) at a request rate (Poisson or gamma arrivals),
 optional concurrency cap, to /v1/completions or /v1/chat/completions with `stream: true`
 and `stream_options.include_usage`, times every streamed chunk (see bench_metrics.py for
 the TTFT / TPOT / ITL conventions), prints a summary table and optionally writes JSON.
+A server that reports its own timing per request (duetserve's `server_timing.ttft_s` in
+the final usage chunk) gets its TTFT p50 printed next to the client's, with the ratio.
 
 HTTP only: this module imports nothing of the engine, so it can benchmark any server.
 
@@ -171,6 +173,9 @@ async def send_request(client: httpx.AsyncClient, url: str, body: dict[str, Any]
                     rec.error = f"stream error: {json.dumps(obj['error'])[:300]}"
                     return ""
                 usage = obj.get("usage") or usage
+                timing = obj.get("server_timing")      # duetserve's extension (others: absent)
+                if isinstance(timing, dict) and isinstance(timing.get("ttft_s"), (int, float)):
+                    rec.server_ttft = float(timing["ttft_s"])
                 choices = obj.get("choices") or []
                 if not choices:
                     continue  # the final usage-only chunk carries no tokens

@@ -8,6 +8,8 @@ on the counter:
 
     step:  running requests first (oldest admitted first), each gets
                min(num_tokens - num_computed_tokens, budget left [, long_prefill cap])
+           (with a StepBudget, a prefill chunk after s cached tokens is charged more
+           than its length, so deep in a long context it gets fewer tokens)
            when its slots do not fit: preempt the lowest-priority / newest running request
            (possibly itself) and retry; then, if nothing was preempted, admit waiting
            requests in queue order (prefix-cache lookup, chunk to the budget left) until
@@ -271,18 +273,33 @@ class Scheduler:
 
     def _token_budget(self) -> int:
         """This step's budget: fixed, or re-derived from the number of running decodes
-        (requests one token behind) when the config carries a StepBudget."""
+        (requests one token behind) and of requests with prompt tokens to compute (the
+        other running ones and the waiting ones that could be admitted) when the config
+        carries a StepBudget."""
         policy = self.config.step_budget
         if policy is None:
             return self.config.max_num_batched_tokens
         decodes = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
-        return policy.for_step(decodes)
+        admissible = min(len(self.waiting), max(self.config.max_num_seqs - len(self.running),
+                                                0))
+        prefills = len(self.running) - decodes + admissible
+        return policy.for_step(decodes, prefills)
 
-    def _chunk(self, request: Request, budget: int) -> int:
-        num_new = request.num_tokens - request.num_computed_tokens
+    def _chunk(self, num_new: int, start: int, budget: int, step_budget: int
+               ) -> tuple[int, int]:
+        """(tokens, budget charged) of a request's slice of up to `num_new` tokens after
+        `start` computed ones when `budget` of the step's `step_budget` is left. A prefill chunk under a StepBudget
+        is sized and charged for its attention over the cached context (see
+        core/step_budget.py); a decode, or any slice under a fixed budget, costs its
+        length."""
         if self.config.long_prefill_token_threshold > 0:
             num_new = min(num_new, self.config.long_prefill_token_threshold)
-        return min(num_new, budget)
+        num_new = min(num_new, budget)
+        policy = self.config.step_budget
+        if policy is None or num_new <= 1 or start == 0:
+            return num_new, num_new
+        num_new = policy.max_chunk(budget, start, num_new, step_budget)
+        return num_new, policy.chunk_cost(num_new, start, step_budget)
 
     # --- speculative decoding -------------------------------------------------------------
     def _plan_spec(self, step: _Step) -> None:
@@ -355,7 +372,9 @@ class Scheduler:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = self._chunk(request, step.budget)
+            num_new, charge = self._chunk(request.num_tokens - request.num_computed_tokens,
+                                          request.num_computed_tokens, step.budget,
+                                          step.full)
             if num_new <= 0:
                 continue
             drafts = self._drafts_for(request, num_new, step)
@@ -369,10 +388,10 @@ class Scheduler:
                         self.remote.fresh.discard(request.req_id)
                         step.add(request, num_new + len(drafts),
                                  self.kv_cache_manager.get_block_ids(request.req_id), True,
-                                 drafts=drafts, propose=propose)
+                                 drafts=drafts, propose=propose, charge=charge + len(drafts))
                     else:
                         step.add(request, num_new + len(drafts), new_block_ids, is_new=False,
-                                 drafts=drafts, propose=propose)
+                                 drafts=drafts, propose=propose, charge=charge + len(drafts))
                     break
                 victim = max(self.running, key=self._victim_key)
                 self._preempt(victim, step)
@@ -408,9 +427,8 @@ class Scheduler:
             if len(self.running) >= self.config.max_num_seqs:
                 break
             hit_blocks, num_hit = kv.get_computed_blocks(request)
-            num_new = min(request.num_tokens - num_hit, step.budget)
-            if self.config.long_prefill_token_threshold > 0:
-                num_new = min(num_new, self.config.long_prefill_token_threshold)
+            num_new, charge = self._chunk(request.num_tokens - num_hit, num_hit, step.budget,
+                                          step.full)
             propose = self._num_to_propose(request, num_hit, num_new, 0, step)
             new_block_ids = kv.allocate_slots(request, num_new + self._lookahead(propose),
                                               hit_blocks)
@@ -423,7 +441,7 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             step.add(request, num_new, kv.get_block_ids(request.req_id), is_new=True,
-                     propose=propose)
+                     propose=propose, charge=charge)
 
     def _build_output(self, step: _Step) -> SchedulerOutput:
         out = SchedulerOutput(finished_req_ids=self._finished_req_ids,
@@ -556,10 +574,13 @@ class Scheduler:
 class _Step:
     """The work being assembled by one schedule() call."""
 
-    __slots__ = ("budget", "scheduled", "preempted", "spec_plan", "spec_open")
+    __slots__ = ("budget", "full", "scheduled", "charged", "preempted", "spec_plan",
+                 "spec_open")
 
     def __init__(self, budget: int) -> None:
-        self.budget = budget
+        self.budget = budget                    # left
+        self.full = budget                      # the step's whole budget
+        self.charged: dict[str, int] = {}      # req_id -> budget taken (>= its tokens)
         # req_id -> (request, num_new_tokens incl. drafts, block ids to send, is_new,
         #            drafts to verify, drafts to propose after the step)
         self.scheduled: dict[str, tuple[Request, int, list[int], bool, list[int], int]] = {}
@@ -568,12 +589,16 @@ class _Step:
         self.spec_open = False                  # the step may propose drafts
 
     def add(self, request: Request, num_new: int, block_ids: list[int], is_new: bool,
-            drafts: list[int] = (), propose: int = 0) -> None:  # type: ignore[assignment]
+            drafts: list[int] = (), propose: int = 0,  # type: ignore[assignment]
+            charge: int | None = None) -> None:
+        """Schedule `num_new` tokens of `request`, taking `charge` (default num_new)
+        from the budget."""
         self.scheduled[request.req_id] = (request, num_new, block_ids, is_new, list(drafts),
                                           propose)
-        self.budget -= num_new
+        self.charged[request.req_id] = num_new if charge is None else charge
+        self.budget -= self.charged[request.req_id]
 
     def remove(self, request: Request) -> None:
         entry = self.scheduled.pop(request.req_id, None)
         if entry is not None:
-            self.budget += entry[1]
+            self.budget += self.charged.pop(request.req_id)

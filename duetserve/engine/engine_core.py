@@ -26,9 +26,8 @@ import torch
 
 from duetserve.config import EngineConfig, SchedulerConfig
 from duetserve.core.scheduler import Scheduler, SchedulerStats
-from duetserve.core.step_budget import (DECODE_REF_TOKENS, StepBudget, StepCost,
-                                        default_max_step_ms, derive_step_budget,
-                                        token_budget)
+from duetserve.core.step_budget import (StepBudget, StepCost, default_max_step_ms,
+                                        derive_step_budget)
 from duetserve.engine.detokenizer import IncrementalDetokenizer
 from duetserve.engine.isolation import IsolatedExecutor
 from duetserve.engine.step_cost import measured_step_cost
@@ -190,7 +189,8 @@ class EngineCore:
             self.runner, self.loaded.path,
             f"{config.dtype}/{config.quantization}/{config.kv_cache_dtype}", num_threads,
             self.model_config.vocab_size, config.block_size,
-            min(self.max_model_len - 1, self.num_blocks * config.block_size))
+            min(self.max_model_len - 1, self.num_blocks * config.block_size),
+            0 if self.loaded.kernel_policy is None else self.loaded.kernel_policy.lowbit_max_rows)
         self.step_cost = cost
         release_free_memory()        # the measurement's activations, back to the OS
         self.max_step_ms = config.max_step_ms or default_max_step_ms(cost)
@@ -198,12 +198,8 @@ class EngineCore:
                                                       config.max_num_seqs)
         if self.step_budget is None:
             return budget                            # FALLBACK_TOKEN_BUDGET, fixed
-        lo = self.step_budget.lo
-        log.info("step budget: %d tokens with <= %d decodes running (%.0f ms step), more "
-                 "with more decodes, %d with none (measured%s: %.1f ms + %.3f ms/token)",
-                 token_budget(cost, self.max_step_ms, lo=lo), DECODE_REF_TOKENS,
-                 self.max_step_ms, self.step_budget.idle, ", cached" if cached else "",
-                 cost.fixed_ms, cost.per_token_ms)
+        log.info("step budget%s: %s", " (cached step cost)" if cached else "",
+                 self.step_budget.describe())
         return budget
 
     # -- requests ----------------------------------------------------------------------

@@ -35,8 +35,7 @@ def served_scheduler_settings(engine) -> dict:
     cfg = engine.scheduler.config
     settings = {k: getattr(cfg, k) for k in SCHEDULER_KEYS}
     if cfg.step_budget is not None:
-        settings["step_cost"] = {"fixed_ms": engine.step_cost.fixed_ms,
-                                 "per_token_ms": engine.step_cost.per_token_ms}
+        settings["step_cost"] = engine.step_cost.to_json()
         settings["max_step_ms"] = engine.config.max_step_ms
     return settings
 

@@ -5,7 +5,7 @@ saved as JSON so a calibration is rerun cheaply and a GPU profile can be edited 
      "description", "created",
      "scheduler": {max_num_batched_tokens, max_num_seqs, num_blocks, block_size,
                    max_model_len, enable_prefix_caching,
-                   step_cost: {fixed_ms, per_token_ms} | absent, max_step_ms},
+                   step_cost: StepCost.to_json() | absent, max_step_ms},
      "cost": CalibratedCost.to_json() | {"hardware", "model", "mfu", "mbu",
              "step_overhead_ms", "request_overhead_ms", "peak_flops", "mem_bandwidth",
              "weight_dtype", "kv_dtype"},
@@ -81,7 +81,7 @@ class SimProfile:
                                   "max_num_batched_tokens")
             return SchedulerConfig(**values)
         try:
-            step_cost = StepCost(float(cost["fixed_ms"]), float(cost["per_token_ms"]))
+            step_cost = StepCost.from_json(cost)
         except (KeyError, TypeError, ValueError):
             raise ConfigError(f"bad step_cost {cost!r} (expected fixed_ms, per_token_ms)") \
                 from None

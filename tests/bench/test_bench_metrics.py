@@ -97,3 +97,17 @@ def test_goodput_e2e_slo_and_no_slo() -> None:
     assert meets_slo(r, {})  # no SLO: every success is good
     s = summarize([r], duration_s=1.0)
     assert s["goodput"] is None and s["good_requests"] is None
+
+
+def test_server_ttft_next_to_the_clients() -> None:
+    """Requests that carried the server's TTFT: its stats and the ratio of the p50s over
+    those requests; none carried: no server entry."""
+    recs = [RequestRecord(req_id=str(i), success=True, ttft=t, server_ttft=s, e2e=1.0,
+                          output_tokens=2)
+            for i, (t, s) in enumerate([(0.10, 0.09), (0.20, 0.19), (0.40, 0.38)])]
+    summary = summarize(recs, 1.0)
+    assert summary["server_ttft_ms"]["median"] == pytest.approx(190.0)
+    assert summary["server_vs_client_ttft_p50"] == pytest.approx(0.19 / 0.20)
+    assert "TTFT (server)" in format_summary(summary)
+    plain = summarize([RequestRecord(req_id="a", success=True, ttft=0.1, e2e=1.0)], 1.0)
+    assert "server_ttft_ms" not in plain and "TTFT (server)" not in format_summary(plain)

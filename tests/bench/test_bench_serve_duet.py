@@ -1,10 +1,13 @@
 """`duet bench serve` against a real duetserve server (tiny random model): the counts the
-benchmark reports equal what the server's /metrics counted."""
+benchmark reports equal what the server's /metrics counted, and so do the server TTFTs
+it read from each response's `server_timing`."""
 from __future__ import annotations
 
 import json
 import os
 import sys
+
+import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "entrypoints"))
 
@@ -29,5 +32,13 @@ def test_bench_serve_counts_match_server_metrics(tiny_checkpoints, tmp_path):
     assert delta["duet:request_success_total"] == 12
     assert delta["duet:prompt_tokens_total"] == summary["total_input_tokens"]
     assert delta["duet:generation_tokens_total"] == summary["total_output_tokens"]
-    requested = [r["expected_output_len"] for r in json.loads(out.read_text())["runs"][0]["requests"]]
+    records = json.loads(out.read_text())["runs"][0]["requests"]
+    requested = [r["expected_output_len"] for r in records]
     assert summary["total_output_tokens"] == sum(requested)
+    # each request's server TTFT is the value the server's TTFT histogram observed
+    server_ttft = [r["server_ttft"] for r in records]
+    assert all(t is not None and t > 0 for t in server_ttft)
+    assert sum(server_ttft) == pytest.approx(
+        delta["duet:time_to_first_token_seconds_sum"], rel=1e-6, abs=1e-6)
+    assert summary["server_ttft_ms"]["median"] is not None
+    assert summary["server_vs_client_ttft_p50"] > 0

@@ -244,8 +244,8 @@ def test_step_budget_widens_without_decodes(make_scheduler, step) -> None:
     """With a StepBudget, a prompt arriving to an idle engine prefills in one big step;
     once a stream is decoding, a later long prompt is cut to the decode-step budget."""
     from duetserve.core.step_budget import StepBudget, StepCost
-    # 1.5 x (10 + 1 x 16) = 39 ms -> 29 tokens -> 16 with decodes; 96 without
-    policy = StepBudget(StepCost(fixed_ms=10.0, per_token_ms=1.0), lo=16, idle=96)
+    # one decode: 1.5 x (10 + 1 x 1) = 16.5 ms -> 6 tokens -> the floor 1 + 15; 96 idle
+    policy = StepBudget(StepCost(fixed_ms=10.0, per_token_ms=1.0), min_chunk=15, idle=96)
     sched, runner = make_scheduler(max_num_batched_tokens=96, step_budget=policy)
     sched.add_request(mk("a", 80, max_tokens=30))
     out, _ = step(sched, runner)
@@ -253,4 +253,33 @@ def test_step_budget_widens_without_decodes(make_scheduler, step) -> None:
     sched.add_request(mk("long", 50, max_tokens=2))
     out, _ = step(sched, runner)
     assert out.num_scheduled_tokens == {"a": 1, "long": 15}  # one decode: 16 tokens
+    drain(sched, runner, step)
+
+
+def test_step_budget_shrinks_chunks_deep_in_a_long_context(make_scheduler, step) -> None:
+    """With a StepBudget whose cost has a context term, a long prompt arriving beside 8
+    decodes is cut into chunks that shrink as its cached context grows: each chunk's
+    charge (its tokens plus its attention over the context, in budget tokens) fits the
+    budget left beside the decodes, down to the floor of min_chunk tokens."""
+    from duetserve.core.step_budget import StepBudget, StepCost
+    cost = StepCost(fixed_ms=20.0, per_token_ms=1.0, per_pair_ms=1e-3, decode_fixed_ms=10.0,
+                    decode_per_seq_ms=5.0)
+    policy = StepBudget(cost, min_chunk=4, idle=512)
+    # 8 decodes: 1.5 x (10 + 40) = 75 ms -> (75 - 20) / 1 = 55 tokens: 47 for a chunk
+    assert policy.for_step(8) == 55
+    sched, runner = make_scheduler(max_num_batched_tokens=512, step_budget=policy,
+                                   num_blocks=1024, max_model_len=1024, max_num_seqs=16)
+    for i in range(8):
+        sched.add_request(mk(f"s{i}", 5, max_tokens=400))
+    step(sched, runner)                      # idle: all 8 prompts in one step
+    sched.add_request(mk("long", 600, max_tokens=1))
+    chunks = []
+    while "long" in sched.requests and sched.requests["long"].num_computed_tokens < 600:
+        start = sched.requests["long"].num_computed_tokens
+        out, _ = step(sched, runner)
+        n = out.num_scheduled_tokens["long"]
+        assert sum(v for k, v in out.num_scheduled_tokens.items() if k != "long") == 8
+        assert n == min(600 - start, max(4, int(47 / (1 + start * 1e-3))))
+        chunks.append(n)
+    assert chunks[0] == 47 and chunks[-2] < chunks[0] and sum(chunks) == 600
     drain(sched, runner, step)

@@ -85,6 +85,24 @@ def test_stream_equals_non_stream(client, model) -> None:
     assert chat_chunks[-1].usage.prompt_tokens == chat_full.usage.prompt_tokens
 
 
+def test_server_timing_extension(client, model) -> None:
+    """The final usage chunk and non-streaming responses carry `server_timing`: seconds
+    from the request's arrival at the server to its first scheduling, first token, first
+    streamed chunk and end (an extension; OpenAI clients ignore the field)."""
+    chunks = list(client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=4, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    timing = chunks[-1].model_extra["server_timing"]
+    assert all(c.model_extra.get("server_timing") is None for c in chunks[:-1])
+    assert 0 <= timing["queue_s"] <= timing["ttft_s"] <= timing["first_chunk_s"] \
+        <= timing["e2e_s"]
+    assert timing["arrival_time"] > 0
+    full = client.chat.completions.create(model=model, messages=CHAT, max_tokens=3)
+    timing = full.model_extra["server_timing"]
+    assert 0 <= timing["queue_s"] <= timing["ttft_s"] <= timing["e2e_s"]
+    assert timing["first_chunk_s"] is None                  # nothing was streamed
+
+
 def test_continuous_usage_stats(client, model) -> None:
     chunks = list(client.completions.create(
         model=model, prompt=PROMPT, max_tokens=4, temperature=0, stream=True,

@@ -44,7 +44,7 @@ def test_profile_rebuilds_the_engines_scheduler_config(tiny_engine, tmp_path) ->
     cost = StepCost(fixed_ms=20.0, per_token_ms=0.25)
     engine = tiny_engine(cost, max_num_seqs=32)
     cfg = engine.scheduler.config
-    assert cfg.step_budget == StepBudget(cost, None, lo=32)
+    assert cfg.step_budget == StepBudget(cost, None)
     profile = saved(engine, tmp_path)
     # everything the scheduler reads; the waiting cap is enforced by EngineCore.add_request,
     # outside the scheduler, and is not simulated

@@ -181,10 +181,11 @@ def test_rate_inf_sends_everything_at_once() -> None:
 
 def test_a_step_budget_gives_idle_steps_the_idle_budget_and_chunks_beside_decodes() -> None:
     # The engine's per-step budget (core/step_budget.StepBudget) through the real
-    # scheduler: 1.5 x (8 ms + 0.5 ms x 16) = 24 ms -> (24 - 8) / 0.5 = 32 tokens while
-    # anything decodes, the idle budget (2048) when nothing does.
+    # scheduler: a 24 ms target -> (24 - 8) / 0.5 = 32 tokens while anything decodes,
+    # the idle budget (2048) when nothing does.
     from duetserve.core.step_budget import StepBudget, StepCost
-    policy = StepBudget(StepCost(fixed_ms=8.0, per_token_ms=0.5), lo=4)
+    policy = StepBudget(StepCost(fixed_ms=8.0, per_token_ms=0.5), max_step_ms=24.0,
+                        min_chunk=4)
     assert (policy.for_step(0), policy.for_step(1)) == (2048, 32)
     cfg = config(max_num_batched_tokens=policy.idle, step_budget=policy)
     # A (100 tokens) arrives idle: one step, not the 4 a fixed 32 would take. B (100)

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 
@@ -112,17 +113,20 @@ def build_server(args: argparse.Namespace):
     app = build_app(AsyncEngine(core), name, api_key, path,
                     max_request_bytes=args.max_request_bytes, read_timeout=args.header_timeout)
     log = logging.getLogger("duetserve.serve")
-    if core.step_cost is not None:
-        log.info("step budget: per step from the running decodes, up to %d tokens (target "
-                 "%.0f ms with <= 16 decodes; measured step cost %.1f ms + %.3f ms/token)",
-                 core.max_num_batched_tokens, core.max_step_ms,
-                 core.step_cost.fixed_ms, core.step_cost.per_token_ms)
+    if core.step_budget is not None:
+        log.info("step budget: %s", core.step_budget.describe())
     else:
         log.info("step budget: %d tokens per step (--max-num-batched-tokens)",
                  core.max_num_batched_tokens)
     log.info("serving %s at http://%s:%d/v1 (max_model_len %d%s)", name, args.host,
              args.port, core.max_model_len, ", API key required" if api_key else "")
     ctx = app.state.ctx
+    # Everything built so far (weights' Python objects, the tokenizer's vocabulary, the
+    # app) lives as long as the server: out of the collector's sight, so a full
+    # collection scans only what requests create. Without this each one took 40-300 ms
+    # on the default model, a stall of every stream (docs/reliability.md).
+    gc.collect()
+    gc.freeze()
     config = uvicorn.Config(app, host=args.host, port=args.port,
                             log_level=args.uvicorn_log_level,
                             http=header_timeout_protocol(args.header_timeout),

@@ -28,7 +28,8 @@ from duetserve.entrypoints.openai.protocol import (ChatCompletionRequest, Comple
 from duetserve.errors import EngineOverloadedError, RequestError
 from duetserve.kv_transfer.params import PARAM as KV_PARAM
 from duetserve.kv_transfer.params import parse_request_params
-from duetserve.outputs import CompletionOutput, Logprob, OutputAccumulator, RequestOutput
+from duetserve.outputs import (CompletionOutput, Logprob, OutputAccumulator, RequestMetrics,
+                               RequestOutput)
 from duetserve.sampling_params import GuidedDecoding, SamplingParams
 
 
@@ -143,6 +144,7 @@ class _Sub:
     num_output_tokens: int = 0      # over its samples, from the deltas seen so far
     num_cached_tokens: int = 0
     started: bool = False           # a delta has arrived
+    metrics: RequestMetrics | None = None   # the engine's stamps (from the latest delta)
 
 
 class _Generation:
@@ -157,6 +159,7 @@ class _Generation:
         self.req_id = f"{prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.arrival_time = getattr(raw.state, "arrival_time", None) or time.time()
+        self.first_chunk_time: float | None = None   # first SSE chunk handed to the server
         self.subs: list[_Sub] = []
         self._watcher: asyncio.Task | None = None
         self._closed = False
@@ -269,12 +272,33 @@ class _Generation:
         sub.started = True
         sub.num_output_tokens += sum(len(o.token_ids) for o in delta.outputs)
         sub.num_cached_tokens = delta.num_cached_tokens
+        if delta.metrics is not None:
+            sub.metrics = delta.metrics
 
     def usage(self) -> dict:
         """The OpenAI usage object of the outputs so far (all prompts)."""
         return _usage(sum(len(s.token_ids) for s in self.subs),
                       sum(s.num_output_tokens for s in self.subs),
                       sum(s.num_cached_tokens for s in self.subs))
+
+    def timing(self) -> dict:
+        """The server's timing of this request, in seconds from its arrival (stamped by
+        RequestGuard when the HTTP request reached the app): `queue_s` to its first
+        scheduling, `ttft_s` to its first token (the engine's stamp, what the
+        duet:time_to_first_token_seconds histogram records), `first_chunk_s` to the first
+        streamed chunk handed to the HTTP server (streaming only), `e2e_s` to now. Sent as
+        the `server_timing` field of the final usage chunk and of non-streaming
+        responses (an extension OpenAI clients ignore); None where not reached."""
+        ms = [s.metrics for s in self.subs if s.metrics is not None]
+
+        def since(stamps: list[float | None]) -> float | None:
+            known = [t for t in stamps if t is not None]
+            return None if not known else min(known) - self.arrival_time
+        return {"arrival_time": self.arrival_time,
+                "queue_s": since([m.first_scheduled_time for m in ms]),
+                "ttft_s": since([m.first_token_time for m in ms]),
+                "first_chunk_s": since([self.first_chunk_time]),
+                "e2e_s": time.time() - self.arrival_time}
 
     async def final(self) -> list[RequestOutput]:
         """Wait for every prompt's finished output (non-streaming): the deltas
@@ -297,9 +321,11 @@ class _Generation:
         try:
             async for i, out in self.outputs():
                 for chunk in render_deltas(i, out):
+                    if self.first_chunk_time is None:
+                        self.first_chunk_time = time.time()
                     yield _sse(chunk)
             if render_usage is not None and any(s.started for s in self.subs):
-                yield _sse(render_usage(self.usage()))
+                yield _sse({**render_usage(self.usage()), "server_timing": self.timing()})
         except RequestAbortedError as e:
             yield _sse(error_body(str(e), "ServiceUnavailableError", None, 503))
         except (EngineStepError, RequestFailedError) as e:
@@ -422,7 +448,7 @@ async def create_completion(ctx: ServerContext, body: CompletionRequest, raw: Re
                     "finish_reason": _finish_reason(o), "stop_reason": o.stop_reason}
                    for i, out in enumerate(outs) for o in out.outputs]
         return JSONResponse({**head, "choices": choices, "usage": gen.usage(),
-                             **gen.kv_response()})
+                             "server_timing": gen.timing(), **gen.kv_response()})
 
     started: set[int] = set()      # choices that have sent a chunk
 

@@ -118,7 +118,7 @@ async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest
                             "finish_reason": _chat_finish_reason(o, num_calls),
                             "stop_reason": o.stop_reason})
         return JSONResponse({**head, "choices": choices, "usage": gen.usage(),
-                             **gen.kv_response()})
+                             "server_timing": gen.timing(), **gen.kv_response()})
 
     head["object"] = "chat.completion.chunk"
     started = [False] * params.n      # a choice's first chunk carries the role
