@@ -98,6 +98,19 @@ def _plot_sweeps(axes: list[Any], docs: list[tuple[str, dict[str, Any]]]) -> Non
         ax.legend(fontsize="small")
 
 
+def save_figure(fig, path: str | Path, dpi: int = 110) -> Path:
+    """Lay out `fig`, write it to `path` (creating its folder), close it; returns the
+    path. Mutates the file system and closes `fig`."""
+    import matplotlib.pyplot as plt
+
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(out, dpi=dpi)
+    plt.close(fig)
+    return out
+
+
 def plot(docs: list[tuple[str, dict[str, Any]]], output: str, title: str | None = None) -> Path:
     """Draw the figure for the loaded results and save it to `output`; returns the path."""
     import matplotlib
@@ -113,12 +126,7 @@ def plot(docs: list[tuple[str, dict[str, Any]]], output: str, title: str | None 
         _plot_sweeps(list(axes[1]), docs)
     if title:
         fig.suptitle(title)
-    fig.tight_layout()
-    path = Path(output)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, output)
 
 
 def main(args: argparse.Namespace) -> int:

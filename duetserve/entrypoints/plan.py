@@ -17,6 +17,7 @@ from typing import Any
 
 from duetserve.bench import serve as bench_serve
 from duetserve.bench.bench_metrics import write_json
+from duetserve.bench.plot import save_figure
 from duetserve.config import ConfigError
 from duetserve.entrypoints.cli import UserError
 from duetserve.entrypoints.simulate import add_profile_arguments, resolve_profile
@@ -125,12 +126,7 @@ def plot(results: list, curves: dict[str, list], path: str, title: str) -> Path:
     ax1.grid(alpha=0.3)
     ax1.legend()
     fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return save_figure(fig, path)
 
 
 def main(args: argparse.Namespace) -> int:
