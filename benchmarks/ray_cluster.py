@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -25,16 +24,9 @@ import tempfile
 import time
 
 import httpx
+from disagg import WORDS, free_port   # benchmarks/ (the script's own folder)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WORDS = ("river stone light paper window garden music number silver market engine "
-         "forest signal table yellow orbit").split()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def metric(text: str, name: str, **labels: str) -> float:
