@@ -67,8 +67,10 @@ class LoadedModel:
             return f"weights dense {str(self.dtype).replace('torch.', '')}"
         forms = ", ".join(f"{v} {k}" for k, v in self.quant_summary.items()
                           if k.startswith("int"))
+        emb = self.quant_summary.get("embedding")
         return (f"weights {forms} tensors ({self.weight_bytes / 2**20:.0f} MiB packed, "
-                f"{self.resident_bytes / 2**20:.0f} MiB resident); "
+                f"{self.resident_bytes / 2**20:.0f} MiB resident"
+                f"{f'; embedding {emb}' if emb else ''}); "
                 f"many-row GEMMs in {str(self.kernel_policy.dense_dtype).replace('torch.', '')}"
                 f" ({self.kernel_policy.reason})")
 
