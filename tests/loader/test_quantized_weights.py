@@ -188,3 +188,39 @@ def test_untied_gguf_embedding_is_read_from_the_file(tiny_checkpoints, tmp_path)
     assert got.shape == (2, 3, cfg.hidden_size)
     assert torch.equal(got, torch.from_numpy(ref)[ids])
     assert not any(p.device.type == "meta" for p in model.parameters())
+
+
+def test_drop_mapped_pages_unmaps_what_was_read(tmp_path):
+    """After repacking, the file's pages read so far leave the process's resident set
+    (the map's Rss in /proc/self/smaps), and the data still reads back the same."""
+    import os
+
+    from duetserve.loader.gguf_file import drop_mapped_pages
+
+    path = str(tmp_path / "big.gguf")
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_tensor("x", np.arange(256 * 1024, dtype=np.float32).reshape(256, 1024))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    reader = open_gguf(path)
+    real = os.path.realpath(path)
+
+    def mapped_kib() -> int:
+        total, cur = 0, ""
+        with open("/proc/self/smaps") as f:
+            for line in f:
+                parts = line.split()
+                if "-" in parts[0] and not parts[0].endswith(":"):
+                    cur = parts[5] if len(parts) > 5 else ""
+                elif parts[0] == "Rss:" and cur == real:
+                    total += int(parts[1])
+        return total
+
+    total = float(np.asarray(reader.tensors[0].data).sum())
+    assert mapped_kib() >= 1024          # 1 MiB of tensor data read: mapped
+    drop_mapped_pages(reader)
+    assert mapped_kib() == 0
+    assert float(np.asarray(reader.tensors[0].data).sum()) == total
+    assert mapped_kib() >= 1024          # read again: mapped again
