@@ -162,6 +162,7 @@ class EngineCore:
         self.check_integrity_when_idle = (config.check_integrity_when_idle or
                                           os.environ.get("DUET_CHECK_INTEGRITY") == "1")
         self.last_step = StepStats()
+        self._ran_since_idle = False     # steps ran since the engine was last idle
         self.step_observers: list[StepObserver] = []
         # Live phase accounting (cost model): attached to every StepStats as `.account`.
         self.accountant = StepAccountant(mcfg, self.loaded.weight_bytes,
@@ -412,6 +413,7 @@ class EngineCore:
                             finished_req_ids=[o.request_id for o in outputs if o.finished])
         self.last_step = stats
         if stats.items:
+            self._ran_since_idle = True
             stats.account = self.accountant.observe(stats)
             for fn in self.step_observers:
                 fn(stats)
@@ -419,8 +421,13 @@ class EngineCore:
             self._on_idle()
 
     def _on_idle(self) -> None:
-        """The engine has no requests: with the debug flag, check the scheduler's queues,
-        block tables and block pool (AssertionError on a broken invariant)."""
+        """The engine has no requests: the first time after steps ran, hand the memory the
+        steps freed (prefill transients, in glibc's arenas) back to the OS; with the debug
+        flag, check the scheduler's queues, block tables and block pool (AssertionError on
+        a broken invariant). Mutates self._ran_since_idle."""
+        if self._ran_since_idle:
+            self._ran_since_idle = False
+            release_free_memory()
         if self.check_integrity_when_idle:
             self.scheduler.check_integrity()
             remote = self.scheduler.remote      # held or orphaned blocks may remain

@@ -67,8 +67,10 @@ class LoadedModel:
             return f"weights dense {str(self.dtype).replace('torch.', '')}"
         forms = ", ".join(f"{v} {k}" for k, v in self.quant_summary.items()
                           if k.startswith("int"))
+        emb = self.quant_summary.get("embedding")
         return (f"weights {forms} tensors ({self.weight_bytes / 2**20:.0f} MiB packed, "
-                f"{self.resident_bytes / 2**20:.0f} MiB resident); "
+                f"{self.resident_bytes / 2**20:.0f} MiB resident"
+                f"{f'; embedding {emb}' if emb else ''}); "
                 f"many-row GEMMs in {str(self.kernel_policy.dense_dtype).replace('torch.', '')}"
                 f" ({self.kernel_policy.reason})")
 
@@ -119,6 +121,8 @@ def load_model(path: str | None, dtype: str = "float32", device: str = "cpu",
     with torch.device("meta"):
         model = model_class(cfg)(cfg)
     extras = load_weights(model, tensors, cfg, torch_dtype, device, plan)
+    if not hf_folder.is_hf_folder(path):
+        gguf_file.drop_mapped_pages(reader)     # repacked: the file's pages are not needed
     if "rope_freqs" in extras:   # Llama-3.1 GGUF: per-frequency divisors
         model.rotary.freq_factors = torch.as_tensor(extras["rope_freqs"]).float()
     model.rotary.build(max_positions or cfg.max_position_embeddings, device, torch_dtype)

@@ -4,6 +4,7 @@
 whole) and decodes a range of rows at a time, so a whole model never exists in float32:
 
 - `dequantize(a, b)`: float32 rows, exact (through `gguf.quants`).
+- `rows(ids)`: float32 rows at any ids, exact (the embedding lookup that reads the file).
 - `int4_groups(a, b)`: for Q4_0 / Q4_1 / Q4_K, the *exact* group-of-32 form
   `w = d * q + m` with `q` in 0..15 (d and m in float32), which models/quant.py packs.
   Other formats return None (they are not 4-bit).
@@ -49,19 +50,32 @@ class GGUFTensor:
 
     def dequantize(self, a: int = 0, b: int | None = None) -> np.ndarray:
         """float32 rows [a, b) (the whole tensor for a 1-D one), exact."""
-        from gguf import quants
-
         if len(self.shape) == 1:
             arr = np.asarray(self._data, dtype=np.float32).reshape(self.shape)
             return (arr if self.row_perm is None else arr[self.row_perm]).copy()
         b = self.shape[0] if b is None else b
-        raw = self._raw(a, b)
+        return self._decode(self._raw(a, b))
+
+    def rows(self, ids: np.ndarray) -> np.ndarray:
+        """float32 rows `ids` (int [n], any order, repeats allowed) -> [n, cols], exact:
+        only those rows' bytes are read (memory-mapped pages, touched on demand)."""
+        uniq, inv = np.unique(np.asarray(ids, dtype=np.int64), return_inverse=True)
+        if uniq.size and (uniq[0] < 0 or uniq[-1] >= self.shape[0]):
+            raise IndexError(f"row ids must be in [0, {self.shape[0]}) for {self.name}")
+        src = uniq if self.row_perm is None else self.row_perm[uniq]
+        data = self._data if self._data.ndim > 1 else self._data.reshape(self.shape[0], -1)
+        return self._decode(np.asarray(data[src]))[inv]
+
+    def _decode(self, raw: np.ndarray) -> np.ndarray:
+        """Raw rows (file bytes, or the values of a float tensor) -> float32 [n, cols]."""
+        from gguf import quants
+
         if self.type == "F32":
             return np.array(raw, dtype=np.float32)
         if self.type in ("F16", "BF16") and raw.dtype != np.uint8:
             return raw.astype(np.float32)
         return quants.dequantize(raw, self._qtype).astype(np.float32, copy=False) \
-            .reshape(b - a, self.shape[1])
+            .reshape(raw.shape[0], self.shape[1])
 
     def int4_groups(self, a: int = 0, b: int | None = None):
         """(q uint8 [n, K] in 0..15, d f32 [n, K/32], m f32 [n, K/32]) for rows [a, b)

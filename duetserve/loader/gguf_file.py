@@ -8,6 +8,7 @@ so those rows are permuted back here (`unpermute_qk`).
 """
 from __future__ import annotations
 
+import mmap
 import os
 import re
 from collections.abc import Iterator
@@ -151,6 +152,16 @@ def unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
     # (heads, d/2, 2, ...) -> (heads, 2, d/2, ...)
     return (w.reshape(num_heads, head_dim // 2, 2, *w.shape[1:])
             .swapaxes(1, 2).reshape(w.shape))
+
+
+def drop_mapped_pages(reader) -> None:
+    """Unmap from this process the file pages read so far (the weights were repacked from
+    them). The map itself may live on (a file-backed embedding reads rows from it), and
+    while it does every page touched counts in the process's resident memory; dropped, a
+    later read maps just the pages it needs again (from the page cache, no disk I/O)."""
+    mm = getattr(reader.data, "_mmap", None)
+    if mm is not None and hasattr(mmap, "MADV_DONTNEED"):
+        mm.madvise(mmap.MADV_DONTNEED)
 
 
 def _check_type(tensor) -> None:

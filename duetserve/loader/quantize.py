@@ -7,6 +7,10 @@
   checkpoints at load (4-bit sources stay exact under int4).
 - none: nothing is packed (the float path of `--dtype`).
 
+A GGUF embedding that is not tied to the head is not packed: it is only looked up, so its
+rows are decoded on demand from the file's memory map (`FileEmbedding`, exact), and the
+table costs resident memory only for the pages of the tokens seen.
+
 A stacked target (qkv, gate_up) is int4 only if all its parts are 4-bit; otherwise the
 whole target is int8. Parts are decoded in row chunks, so no whole tensor is ever held in
 float32 (except for the dense copies a `KernelPolicy` asks for, see models/kernels.py).
@@ -21,8 +25,9 @@ from torch import nn
 
 from duetserve.config import QUANTIZATIONS, ModelConfig  # noqa: F401 (re-exported)
 from duetserve.loader.gguf_blocks import GGUFTensor
-from duetserve.models.quant import (Int4Weight, Int8Weight, KernelPolicy, QuantEmbedding,
-                                    QuantLinear, int4_groups_from_float, quantize_int8)
+from duetserve.models.quant import (FileEmbedding, Int4Weight, Int8Weight, KernelPolicy,
+                                    QuantEmbedding, QuantLinear, int4_groups_from_float,
+                                    quantize_int8)
 
 _LINEAR_SUFFIXES = ("qkv_proj.weight", "o_proj.weight", "gate_up_proj.weight",
                     "down_proj.weight", "lm_head.weight", "embed_tokens.weight")
@@ -89,8 +94,16 @@ class QuantPlan:
         params = dict(model.named_parameters())
         linears: list[QuantLinear] = []
         for target, parts in pending.items():
-            qw = self.build(parts, tuple(params[target].shape))
             path = target[: -len(".weight")]
+            if path == "embed_tokens" and not cfg.tie_word_embeddings and len(parts) == 1 \
+                    and isinstance(parts[0][1], GGUFTensor):
+                # Only looked up, never multiplied: rows decoded from the file's memory map
+                # on demand (exact), nothing packed or kept resident.
+                src = parts[0][1]
+                model.embed_tokens = FileEmbedding(src.rows, *src.shape)
+                self.summary["embedding"] = "rows from the file"
+                continue
+            qw = self.build(parts, tuple(params[target].shape))
             if path == "embed_tokens":
                 model.embed_tokens = QuantEmbedding(qw)
                 if cfg.tie_word_embeddings:

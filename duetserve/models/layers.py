@@ -81,23 +81,43 @@ class RotaryEmbedding(nn.Module):
         # Llama-3.1 GGUF stores its rope scaling as per-frequency divisors.
         self.freq_factors: torch.Tensor | None = None
 
+    # Positions tabulated at first; the tables double (up to max_positions) when a step
+    # reaches past them, so short contexts do not hold a 32k-position table.
+    INITIAL_POSITIONS = 4096
+
     def build(self, max_positions: int, device: torch.device | str,
               dtype: torch.dtype) -> None:
+        """Mutates self: the limit, and cos/sin for the first min(limit, 4096) positions."""
+        self.max_positions = max_positions
+        self._device, self._dtype = device, dtype
+        self._tabulate(min(max_positions, self.INITIAL_POSITIONS))
+
+    def _tabulate(self, n: int) -> None:
         inv = rope_inv_freq(self.head_dim, self.theta, self.scaling)
         if self.freq_factors is not None:
             inv = inv / self.freq_factors
-        t = torch.arange(max_positions, dtype=torch.float32)
+        t = torch.arange(n, dtype=torch.float32)
         freqs = torch.outer(t, inv)                       # [P, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)           # [P, D]
-        self.cos = emb.cos().to(device=device, dtype=dtype)
+        self.cos = emb.cos().to(device=self._device, dtype=self._dtype)
         # rotate_half(x) * sin == roll(x, hd/2) * [-sin_lo, sin_hi]: the sign goes in the table.
         half = self.head_dim // 2
         sin = emb.sin()
-        self.sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).to(device=device,
-                                                                          dtype=dtype)
+        self.sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).to(device=self._device,
+                                                                          dtype=self._dtype)
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, signed sin [T, 1, hd] for the step's positions (gathered once per step)."""
+        """cos, signed sin [T, 1, hd] for the step's positions (gathered once per step).
+        Mutates self (the tables grow) when a position is past the tabulated ones."""
+        if positions.numel() and int(positions.max()) >= self.cos.shape[0]:
+            need = int(positions.max()) + 1
+            if need > self.max_positions:
+                raise IndexError(f"position {need - 1} is past the rotary tables' "
+                                 f"{self.max_positions} positions")
+            n = self.cos.shape[0]
+            while n < need:
+                n *= 2
+            self._tabulate(min(n, self.max_positions))
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
     @staticmethod

@@ -252,3 +252,22 @@ class QuantEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.qweight.rows(ids)
+
+
+class FileEmbedding(nn.Module):
+    """Embedding lookup that decodes the rows it is asked for from a source that is not
+    kept resident (the checkpoint's memory map): a step touches only its tokens' rows,
+    so the table costs the pages of the tokens seen, not the whole vocabulary.
+    `rows(ids ndarray int64 [n]) -> float32 ndarray [n, dim]`."""
+
+    def __init__(self, rows, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__()
+        self._rows = rows
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out = torch.from_numpy(self._rows(ids.reshape(-1).cpu().numpy()))
+        return out.view(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, rows read from the file"

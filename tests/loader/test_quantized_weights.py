@@ -138,3 +138,89 @@ def test_kernel_paths_agree():
             ref = x @ qw.dequantize().t() + lin.bias
             for y in (many, few):
                 assert (y - ref).abs().max() <= 0.02 * ref.abs().max()
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q4_K", "Q6_K"])
+def test_rows_read_from_the_file_are_exact(quant_file, name):
+    """The embedding lookup that reads the file: any ids (unordered, repeated) decode to
+    gguf's dequantization of those rows, bit for bit; a row past the table is an error."""
+    t = quant_file[name]
+    ref = _reference(t)
+    ids = np.array([5, 0, 63, 5, 17])
+    np.testing.assert_array_equal(GGUFTensor(name, t).rows(ids), ref[ids])
+    perm = np.arange(ROWS)[::-1].copy()          # a Q/K-style row permutation applies too
+    np.testing.assert_array_equal(GGUFTensor(name, t, perm).rows(ids), ref[perm[ids]])
+    with pytest.raises(IndexError, match=r"\[0, 64\)"):
+        GGUFTensor(name, t).rows(np.array([ROWS]))
+
+
+def test_untied_gguf_embedding_is_read_from_the_file(tiny_checkpoints, tmp_path):
+    """An untied GGUF embedding is not packed (it is only looked up): the model's
+    embedding decodes rows from the file's memory map, equal to gguf's dequantization."""
+    from duetserve.loader.hf_folder import hf_model_config, iter_safetensors
+    from duetserve.loader.quantize import QuantPlan
+    from duetserve.loader.weights import load_weights
+    from duetserve.models.quant import FileEmbedding
+    from duetserve.models.registry import model_class
+
+    folder = tiny_checkpoints["llama-gqa-untied"]
+    cfg = hf_model_config(folder)
+    tensors = dict(iter_safetensors(folder))
+    emb = tensors["model.embed_tokens.weight"].numpy()
+    path = str(tmp_path / "emb.gguf")
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_tensor("token_embd.weight", quants.quantize(emb, Q.Q8_0), raw_dtype=Q.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    t = open_gguf(path).tensors[0]
+    tensors["model.embed_tokens.weight"] = GGUFTensor(t.name, t)
+    with torch.device("meta"):
+        model = model_class(cfg)(cfg)
+    plan = QuantPlan("auto")
+    load_weights(model, tensors.items(), cfg, torch.float32, quant=plan)
+    assert isinstance(model.embed_tokens, FileEmbedding)
+    assert plan.summary["embedding"] == "rows from the file"
+    ids = torch.tensor([[3, 299, 3], [0, 1, 2]])
+    ref = quants.dequantize(np.asarray(t.data), Q.Q8_0).reshape(emb.shape)
+    got = model.embed_tokens(ids)
+    assert got.shape == (2, 3, cfg.hidden_size)
+    assert torch.equal(got, torch.from_numpy(ref)[ids])
+    assert not any(p.device.type == "meta" for p in model.parameters())
+
+
+def test_drop_mapped_pages_unmaps_what_was_read(tmp_path):
+    """After repacking, the file's pages read so far leave the process's resident set
+    (the map's Rss in /proc/self/smaps), and the data still reads back the same."""
+    import os
+
+    from duetserve.loader.gguf_file import drop_mapped_pages
+
+    path = str(tmp_path / "big.gguf")
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_tensor("x", np.arange(256 * 1024, dtype=np.float32).reshape(256, 1024))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    reader = open_gguf(path)
+    real = os.path.realpath(path)
+
+    def mapped_kib() -> int:
+        total, cur = 0, ""
+        with open("/proc/self/smaps") as f:
+            for line in f:
+                parts = line.split()
+                if "-" in parts[0] and not parts[0].endswith(":"):
+                    cur = parts[5] if len(parts) > 5 else ""
+                elif parts[0] == "Rss:" and cur == real:
+                    total += int(parts[1])
+        return total
+
+    total = float(np.asarray(reader.tensors[0].data).sum())
+    assert mapped_kib() >= 1024          # 1 MiB of tensor data read: mapped
+    drop_mapped_pages(reader)
+    assert mapped_kib() == 0
+    assert float(np.asarray(reader.tensors[0].data).sum()) == total
+    assert mapped_kib() >= 1024          # read again: mapped again
