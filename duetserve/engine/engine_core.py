@@ -26,8 +26,8 @@ import torch
 
 from duetserve.config import EngineConfig, SchedulerConfig
 from duetserve.core.scheduler import Scheduler, SchedulerStats
-from duetserve.core.step_budget import (StepBudget, StepCost, default_max_step_ms,
-                                        derive_step_budget)
+from duetserve.core.step_budget import (FALLBACK_TOKEN_BUDGET, StepBudget, StepCost,
+                                        default_max_step_ms, derive_step_budget)
 from duetserve.engine.detokenizer import IncrementalDetokenizer
 from duetserve.engine.isolation import IsolatedExecutor
 from duetserve.engine.step_cost import measured_step_cost
@@ -192,6 +192,10 @@ class EngineCore:
             self.model_config.vocab_size, config.block_size,
             min(self.max_model_len - 1, self.num_blocks * config.block_size),
             0 if self.loaded.kernel_policy is None else self.loaded.kernel_policy.lowbit_max_rows)
+        if cost is None:
+            log.info("KV cache or max_model_len too small for the step-cost probes: fixed "
+                     "step budget of %d tokens", FALLBACK_TOKEN_BUDGET)
+            return FALLBACK_TOKEN_BUDGET
         self.step_cost = cost
         release_free_memory()        # the measurement's activations, back to the OS
         self.max_step_ms = config.max_step_ms or default_max_step_ms(cost)

@@ -141,6 +141,12 @@ def _probes(max_tokens: int, lowbit_rows: int) -> tuple[dict, dict]:
                     "d2": d2}
 
 
+def probe_tokens(max_tokens: int, lowbit_rows: int) -> int:
+    """The longest sequence any probe step holds (context included)."""
+    probes = _probes(max_tokens, lowbit_rows)[0]
+    return max(ctx for seqs in probes.values() for ctx, _ in seqs)
+
+
 def measure(runner, vocab_size: int, block_size: int, max_tokens: int,
             lowbit_rows: int = 0) -> StepCost:
     """Fit StepCost (core/step_budget.py) from probe steps through the real runner:
@@ -220,11 +226,14 @@ def _measure_checked(runner, vocab_size: int, block_size: int, max_tokens: int,
 
 def measured_step_cost(runner, model_path: str, dtype: str, num_threads: int,
                        vocab_size: int, block_size: int, max_tokens: int,
-                       lowbit_rows: int = 0) -> tuple[StepCost, bool]:
-    """(StepCost, from_cache). A cached fit is used only when a quick decode step now is
+                       lowbit_rows: int = 0) -> tuple[StepCost | None, bool]:
+    """(StepCost, from_cache); (None, False) when a sequence of `max_tokens` (the KV
+    cache's or the model's limit) cannot hold the probes. A cached fit is used only when a quick decode step now is
     not much faster than it predicts (a fit measured on a busy machine is
     inflated, and would skew every later run's budget): else, or without one, it is
     measured and stored, unless the measurement was noisy or implausible."""
+    if probe_tokens(max_tokens, lowbit_rows) > max_tokens:
+        return None, False
     key = cache_key(model_path, dtype, num_threads, lowbit_rows)
     path = cache_dir() / "step_cost.json"
     cached = _cached_cost(_load_cache(path).get(key))

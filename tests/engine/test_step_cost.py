@@ -95,3 +95,18 @@ def test_old_or_malformed_entries_are_measured_again(model, monkeypatch, tmp_pat
     (tmp_path / "step_cost.json").write_text('[1, 2]')
     assert cost_for(model) == (GOOD, False) and probes.measures == 2
     assert cost_for(model) == (GOOD, True)
+
+
+@pytest.mark.parametrize("lowbit_rows", [0, 8, 16, 32])
+def test_an_ordinary_limit_is_measured(lowbit_rows) -> None:
+    assert step_cost.probe_tokens(2047, lowbit_rows) <= 2047
+
+
+def test_a_cache_too_small_for_the_probes_is_not_measured(model, monkeypatch) -> None:
+    """A 16-token KV cache (tests' toy engines) cannot hold a probe: no measurement, no
+    cache entry; the engine then schedules with the fixed fallback budget."""
+    probes = FakeProbes(monkeypatch)
+    assert step_cost.probe_tokens(16, 0) > 16
+    assert step_cost.measured_step_cost(object(), model, "float32", 2, 300, 4, 16) == (
+        None, False)
+    assert probes.measures == probes.quick == 0
