@@ -3,6 +3,7 @@ and identical to transformers; on a tiny random model and on the default model."
 from __future__ import annotations
 
 import os
+from unittest import mock
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from duetserve.engine.engine_core import EngineCore
 from duetserve.engine.llm import LLM
 from duetserve.errors import RequestError
 from duetserve.loader import load_model
+from duetserve.models import attention
 from duetserve.sampling_params import SamplingParams
 
 MAX_TOKENS = 20
@@ -51,6 +53,9 @@ def _check_all_modes(loaded, prompts, hf_model) -> None:
     assert any(s.num_prefill_tokens and s.num_decode_tokens for s in steps)   # mixed steps
     assert max(s.num_tokens for s in steps) <= 32
     assert any(s.num_tokens == 32 and s.num_prefill_tokens for s in steps)   # budget full
+    # (c') the same with every chunk after a cached prefix on the two-part flash path
+    with mock.patch.object(attention, "GROUPED_MAX_SCORES", 0):
+        assert _run_all(_engine(loaded, max_num_batched_tokens=32), prompts) == base
     # (d) prefix caching off (on is the default, used above) — and on with hits
     assert _run_all(_engine(loaded, enable_prefix_caching=False), prompts) == base
     cached = _engine(loaded)

@@ -1,5 +1,5 @@
-"""A prefill chunk after a cached prefix: the grouped-query path equals torch's masked
-SDPA (the reference it replaced for small chunks)."""
+"""A prefill chunk after a cached prefix: the grouped-query path (small chunks) and the
+two-part flash path (long chunks) equal torch's masked SDPA, the reference they replaced."""
 from __future__ import annotations
 
 import pytest
@@ -11,7 +11,8 @@ from duetserve.models.attention import TorchAttention
 
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4), (8, 1)])
 @pytest.mark.parametrize("n,ctx", [(1, 40), (16, 16 + 300), (33, 33 + 7)])
-def test_grouped_prefix_attention_equals_masked_sdpa(heads, kv_heads, n, ctx) -> None:
+@pytest.mark.parametrize("path", ["_grouped", "_after_prefix"])
+def test_prefix_attention_equals_masked_sdpa(heads, kv_heads, n, ctx, path) -> None:
     g = torch.Generator().manual_seed(heads * 100 + n)
     hd = 16
     q = torch.randn(n, heads, hd, generator=g).transpose(0, 1)     # [H, n, hd] strided
@@ -22,6 +23,6 @@ def test_grouped_prefix_attention_equals_masked_sdpa(heads, kv_heads, n, ctx) ->
     attn = TorchAttention(heads, kv_heads, hd)
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
                                          enable_gqa=heads != kv_heads)
-    out = attn._grouped(q, k, v, mask)
+    out = attn._grouped(q, k, v, mask) if path == "_grouped" else attn._after_prefix(q, k, v)
     assert out.shape == (heads, n, hd)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
