@@ -299,10 +299,12 @@ def main() -> int:
     p.add_argument("--out", default="benchmarks/reliability/results.json")
     p.add_argument("--num-threads", type=int, default=2)
     p.add_argument("--only", nargs="*", default=None)
+    p.add_argument("--server-args", default="",
+                   help="extra `duet serve` flags, one string (e.g. \"--trace-file t.json\")")
     args = p.parse_args()
     results: dict = {"machine": {"cpus": os.cpu_count()}}
     want = lambda name: args.only is None or name in args.only  # noqa: E731
-    with Server(threads=args.num_threads) as srv:
+    with Server(*args.server_args.split(), threads=args.num_threads) as srv:
         results["budget"] = srv.budget_line()
         if want("seeds"):
             results["seeds"] = asyncio.run(seeds(srv))
