@@ -3,16 +3,20 @@
 
 void bind_decode_stack(pybind11::module& m);
 
+// Every kernel runs without the GIL (arguments are converted before it is released and the
+// result after it is taken back; no kernel touches a Python object): a decode step is one
+// 10-20 ms call, during which the server's event loop must go on streaming and answering.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   bind_decode_stack(m);
-  m.def("paged_decode_attention", &paged_decode_attention,
+  const auto nogil = pybind11::call_guard<pybind11::gil_scoped_release>();
+  m.def("paged_decode_attention", &paged_decode_attention, nogil,
         "decode attention over a paged KV cache, read in place");
-  m.def("q4_gemv", &q4_gemv, "x[M,K] f32 (int8 per 32) @ packed q4 W^T -> [M,N] f32 (few rows)");
-  m.def("q8_gemv", &q8_gemv, "x[M,K] f32 (int8 per 32) @ packed int8 W^T * row scale -> [M,N] f32");
-  m.def("q4_dequant_bf16", &q4_dequant_bf16, "rows [a, b) of a packed q4 weight (K columns) as bf16");
-  m.def("f32_gemv", &f32_gemv, "x[M,K] f32 @ W[N,K] f32 ^T -> [M,N] f32 (few rows)");
-  m.def("rms_norm", &rms_norm, "x * rsqrt(mean(x^2) + eps) * w, float32, one pass");
-  m.def("silu_mul", &silu_mul, "silu(gate) * up of [T, 2I] -> [T, I] float32");
-  m.def("rope_kv_write", &rope_kv_write,
+  m.def("q4_gemv", &q4_gemv, nogil, "x[M,K] f32 (int8 per 32) @ packed q4 W^T -> [M,N] f32 (few rows)");
+  m.def("q8_gemv", &q8_gemv, nogil, "x[M,K] f32 (int8 per 32) @ packed int8 W^T * row scale -> [M,N] f32");
+  m.def("q4_dequant_bf16", &q4_dequant_bf16, nogil, "rows [a, b) of a packed q4 weight (K columns) as bf16");
+  m.def("f32_gemv", &f32_gemv, nogil, "x[M,K] f32 @ W[N,K] f32 ^T -> [M,N] f32 (few rows)");
+  m.def("rms_norm", &rms_norm, nogil, "x * rsqrt(mean(x^2) + eps) * w, float32, one pass");
+  m.def("silu_mul", &silu_mul, nogil, "silu(gate) * up of [T, 2I] -> [T, I] float32");
+  m.def("rope_kv_write", &rope_kv_write, nogil,
         "rotary on q/k of a qkv row block, k/v written into the paged cache; returns q");
 }

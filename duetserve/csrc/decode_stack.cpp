@@ -125,5 +125,6 @@ void bind_decode_stack(pybind11::module& m) {
   pybind11::class_<DecodeStack>(m, "DecodeStack")
       .def(pybind11::init<const std::vector<std::vector<torch::Tensor>>&, int64_t, int64_t,
                           double, double>())
-      .def("forward", &DecodeStack::forward);
+      .def("forward", &DecodeStack::forward,
+           pybind11::call_guard<pybind11::gil_scoped_release>());   // see bindings.cpp
 }
