@@ -96,19 +96,28 @@ class Scheduler:
         """
         if request.req_id in self.requests:
             raise RequestError(f"request id {request.req_id!r} is already in use")
-        if request.num_tokens < 1:
-            raise RequestError("the prompt must contain at least one token")
-        if request.num_tokens >= self.max_len:
-            raise RequestError(
-                f"prompt of {request.num_tokens} tokens leaves no room to generate: the limit "
-                f"is {self.max_len - 1} (max_model_len {self.config.max_model_len}, KV cache "
-                f"{self.config.num_blocks} blocks x {self.block_size} tokens)")
+        self.check_prompt_len(request.num_tokens)
         if self.enable_caching:
             hashing.update_block_hashes(request, self.block_size)
         request.status = RequestStatus.WAITING
         self.requests[request.req_id] = request
         self._arrival_seq[request.req_id] = next(self._arrival)
         self.waiting.push(request)
+
+    def check_prompt_len(self, num_tokens: int) -> None:
+        """Raises RequestError(param "prompt") naming the limit when a prompt of
+        `num_tokens` can never be scheduled: empty, or no room left to generate one token
+        within max_model_len and the whole KV cache. The one length check of a request
+        (EngineCore.validate_request calls it). Reads only immutable state (any thread)."""
+        if num_tokens < 1:
+            raise RequestError("the prompt is empty (it must contain at least one token)",
+                               "prompt")
+        if num_tokens >= self.max_len:
+            raise RequestError(
+                f"the prompt has {num_tokens} tokens; the limit is {self.max_len - 1} "
+                f"(max_model_len {self.config.max_model_len}, KV cache "
+                f"{self.config.num_blocks} blocks x {self.block_size} tokens), leaving room "
+                "for at least one generated token", "prompt")
 
     def has_room(self, num_requests: int) -> bool:
         """Whether `num_requests` more requests fit in the waiting queue (max_num_waiting;
