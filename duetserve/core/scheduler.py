@@ -116,8 +116,9 @@ class Scheduler:
             raise RequestError(
                 f"the prompt has {num_tokens} tokens; the limit is {self.max_len - 1} "
                 f"(max_model_len {self.config.max_model_len}, KV cache "
-                f"{self.config.num_blocks} blocks x {self.block_size} tokens), leaving room "
-                "for at least one generated token", "prompt")
+                f"{self.config.num_blocks * self.block_size} tokens: {self.config.num_blocks} "
+                f"blocks x {self.block_size}), leaving room for at least one generated "
+                "token", "prompt")
 
     def has_room(self, num_requests: int) -> bool:
         """Whether `num_requests` more requests fit in the waiting queue (max_num_waiting;
