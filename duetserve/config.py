@@ -16,6 +16,13 @@ class ConfigError(ValueError):
     """A configuration value is out of its allowed range; the message names it."""
 
 
+def check_one_of(name: str, value: object, choices: tuple) -> None:
+    """Raises ConfigError naming `name`, the choices and `value` unless value is one of
+    `choices`."""
+    if value not in choices:
+        raise ConfigError(f"{name} must be one of {choices}, got {value!r}")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Architecture of a Llama-family decoder (Llama, Llama-3, Qwen2, Mistral)."""
@@ -100,9 +107,7 @@ class SpeculativeConfig:
     draft_quantization: str = "auto"      # like --quantization, for the draft model
 
     def __post_init__(self) -> None:
-        if self.method not in SPEC_METHODS:
-            raise ConfigError(f"speculative method must be one of {SPEC_METHODS}, "
-                              f"got {self.method!r}")
+        check_one_of("speculative method", self.method, SPEC_METHODS)
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ConfigError("num_speculative_tokens must be in [1, 16], got "
                               f"{self.num_speculative_tokens}")
@@ -114,9 +119,7 @@ class SpeculativeConfig:
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ConfigError("need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                               f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
-        if self.draft_quantization not in QUANTIZATIONS:
-            raise ConfigError(f"draft_quantization must be one of {QUANTIZATIONS}, "
-                              f"got {self.draft_quantization!r}")
+        check_one_of("draft_quantization", self.draft_quantization, QUANTIZATIONS)
 
     @classmethod
     def parse(cls, value: "SpeculativeConfig | dict | str | None") -> "SpeculativeConfig | None":
@@ -175,14 +178,9 @@ class EngineConfig:
         # NOTE: normalised at construction (the dataclass is frozen afterwards).
         object.__setattr__(self, "speculative_config",
                            SpeculativeConfig.parse(self.speculative_config))
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.quantization not in QUANTIZATIONS:
-            raise ConfigError(f"quantization must be one of {QUANTIZATIONS}, "
-                              f"got {self.quantization!r}")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ConfigError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, "
-                              f"got {self.kv_cache_dtype!r}")
+        check_one_of("dtype", self.dtype, DTYPES)
+        check_one_of("quantization", self.quantization, QUANTIZATIONS)
+        check_one_of("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a power of two > 0, got {self.block_size}")
         if self.kv_cache_memory <= 0:

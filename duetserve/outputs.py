@@ -57,7 +57,7 @@ class SchedulerOutput:
     # Requests finished, aborted or preempted since the last step: the runner drops its state.
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)
-    # The phase of this step, decided here once (Scheduler._build_output): a slice is a
+    # The phase of this step, decided once (core/step_plan.StepPlan.to_output): a slice is a
     # decode when it is 1 token, past the prompt, and that token is the last known one.
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
@@ -274,7 +274,8 @@ class OutputAccumulator:
 
     `add(delta)` returns the request's cumulative RequestOutput: a new RequestOutput each
     call (its `finished` is that step's), sharing one CompletionOutput per sample that
-    later adds extend in place (token and logprob lists extended, never copied). Text is joined from its pieces when a sample finishes, or on every add with
+    later adds extend in place (token and logprob lists extended, never copied). Text is
+    joined from its pieces when a sample finishes, or on every add with
     `eager_text=True` (callers that read the text of unfinished outputs). Not
     thread-safe. Mutates only its own state and the outputs it returned."""
 

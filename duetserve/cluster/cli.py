@@ -33,6 +33,7 @@ log = logging.getLogger("duetserve.cluster")
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from duetserve.entrypoints.router.app import add_policy_arguments
+    from duetserve.entrypoints.shared_args import add_bind_arguments, add_kv_backend_argument
     p.add_argument("--ray", default="auto", metavar="ADDRESS",
                    help="Ray cluster to join: auto (default: the one `ray start` runs on "
                         "this host, or RAY_ADDRESS), HOST:PORT of its head, or local (a "
@@ -53,17 +54,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="`duet serve` flags for every instance, one string (model, "
                         "threads, engine flags), e.g. \"--num-threads 2 --max-num-seqs "
                         "8\"; host, port, role and transfer backend are set per instance")
-    p.add_argument("--kv-transfer-backend", default="mooncake", choices=["mooncake", "shm"],
-                   help="how decode instances read KV: mooncake (TCP, any node; default) "
-                        "or shm (only when every instance shares one host)")
+    add_kv_backend_argument(p, "mooncake", "how decode instances read KV: mooncake (TCP, "
+                            "any node) or shm (only when every instance shares one host)")
     p.add_argument("--max-restarts", type=int, default=10,
                    help="times Ray restarts a dead instance (-1: forever; default "
                         "%(default)s)")
     p.add_argument("--drain-timeout", type=float, default=60.0,
                    help="seconds a removed instance may take to finish its requests "
                         "(default %(default)s); what is left then ends with an error")
-    p.add_argument("--host", default="127.0.0.1", help="router bind address")
-    p.add_argument("--port", type=int, default=8080, help="router port")
+    add_bind_arguments(p, 8080, "router")
     p.add_argument("--admin-key", default=None,
                    help="require `Authorization: Bearer KEY` on /cluster routes (default: "
                         "env DUET_ADMIN_KEY)")

@@ -14,14 +14,18 @@ blocks for a transfer (producer) and which wait for their prompt's KV (consumer)
 NOTE: loads start whatever max_num_seqs says (only blocks bound them), so a prefill
 instance's held blocks are read, and freed, as early as possible.
 NOTE: a loading request's blocks are not in the prefix cache until the load is done, so
-no other request can hit KV that has not arrived. Pure bookkeeping; the Scheduler calls
-it and owns every mutation of the requests and the block pool.
+no other request can hit KV that has not arrived. The transitions above are RemoteKV's
+methods: each moves requests between its own states and allocates or frees their blocks
+through the KVCacheManager it is handed; the Scheduler calls them and keeps its own
+queues and request table (each method says which of those it mutates).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from duetserve.request import Request
+from duetserve.core.kv_cache_manager import KVCacheManager
+from duetserve.core.request_queue import RequestQueue
+from duetserve.request import Request, RequestStatus
 
 
 @dataclass
@@ -45,3 +49,65 @@ class RemoteKV:
     @staticmethod
     def needs_load(request: Request) -> bool:
         return request.num_external_tokens > 0 and request.num_computed_tokens == 0
+
+    def free_held(self, req_id: str, kv: KVCacheManager) -> bool:
+        """Free a held producer's blocks (transferred, or timed out). Returns whether it
+        was held. Mutates: the block pool, self.held."""
+        request = self.held.pop(req_id, None)
+        if request is not None:
+            kv.free(request)
+        return request is not None
+
+    def finish_load(self, req_id: str, ok: bool, kv: KVCacheManager) -> Request | None:
+        """A consumer's load ended. ok: its counter jumps to num_external_tokens, its
+        full blocks enter the prefix cache and it waits in `loaded` for a running slot.
+        Failed: it finishes with "error", its blocks are freed and it is returned (the
+        Scheduler forgets it, the engine reports it). A request aborted while loading
+        only has its blocks freed now. Mutates: the request, the block pool, self."""
+        orphan = self.orphaned.pop(req_id, None)
+        if orphan is not None:
+            kv.free(orphan, 0)
+            return None
+        request = self.loading.pop(req_id, None)
+        if request is None:
+            return None
+        if not ok:
+            request.set_finished("error")
+            kv.free(request, request.num_computed_tokens)
+            return request
+        request.num_computed_tokens = request.num_external_tokens
+        request.num_external_tokens = 0
+        kv.register_computed(request)
+        self.loaded[req_id] = request      # runs when a running slot is free
+        return None
+
+    def run_loaded(self, running: list[Request], max_num_seqs: int) -> None:
+        """Loaded consumers take free running slots (FIFO); the runner learns them as
+        new requests in this step (`fresh`). Mutates: self.loaded, self.fresh, `running`,
+        request.status."""
+        while self.loaded and len(running) < max_num_seqs:
+            req_id = next(iter(self.loaded))
+            request = self.loaded.pop(req_id)
+            request.status = RequestStatus.RUNNING
+            running.append(request)
+            self.fresh.add(req_id)
+
+    def admit_load(self, request: Request, kv: KVCacheManager, waiting: RequestQueue
+                   ) -> bool:
+        """Allocate blocks for the consumer at the head of `waiting` (its external tokens;
+        local prefix hits kept, new blocks not cached), pop it and park it in `loading`.
+        False (nothing changed) when the blocks do not fit. Mutates: the block pool,
+        `waiting`, the request's counters, self.loading, self.new_loads."""
+        bs = kv.block_size
+        hit_blocks, num_hit = kv.get_computed_blocks(request)
+        num_hit = min(num_hit, request.num_external_tokens // bs * bs)
+        hit_blocks = hit_blocks[:num_hit // bs]
+        if kv.allocate_slots(request, request.num_external_tokens - num_hit, hit_blocks,
+                             register=False) is None:
+            return False
+        waiting.pop()
+        request.num_cached_tokens = num_hit
+        request.num_computed_tokens = num_hit
+        self.loading[request.req_id] = request
+        self.new_loads.append((request.req_id, kv.get_block_ids(request.req_id), num_hit))
+        return True

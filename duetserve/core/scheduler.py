@@ -25,6 +25,10 @@ cache) only ever see verified tokens.
 Waiting order and preemption victims follow one key, (priority, arrival): smaller
 priority first, then earlier add_request; preempted requests go to the front of their
 priority in the waiting queue.
+
+In their own modules: the step being assembled and its SchedulerOutput, where the phase
+of each slice is decided (step_plan.py); speculation's per-step arithmetic
+(spec_schedule.py); the disaggregation states and transitions (remote_kv.py).
 """
 from __future__ import annotations
 
@@ -37,10 +41,12 @@ from duetserve.core import hashing
 from duetserve.core.kv_cache_manager import KVCacheManager, cdiv
 from duetserve.core.remote_kv import RemoteKV
 from duetserve.core.request_queue import RequestQueue
-from duetserve.core.spec_policy import SpecPolicy, acceptance_estimate, is_spec_eligible
+from duetserve.core.spec_policy import SpecPolicy
+from duetserve.core.spec_schedule import (count_spec, drafts_for, lookahead, num_to_propose,
+                                          plan_spec)
+from duetserve.core.step_plan import StepPlan
 from duetserve.errors import RequestError
-from duetserve.outputs import (CachedRequestData, ModelRunnerOutput, NewRequestData,
-                               SchedulerOutput, SpecDecodeStats)
+from duetserve.outputs import ModelRunnerOutput, SchedulerOutput, SpecDecodeStats
 from duetserve.request import Request, RequestStatus
 
 
@@ -90,19 +96,29 @@ class Scheduler:
         """
         if request.req_id in self.requests:
             raise RequestError(f"request id {request.req_id!r} is already in use")
-        if request.num_tokens < 1:
-            raise RequestError("the prompt must contain at least one token")
-        if request.num_tokens >= self.max_len:
-            raise RequestError(
-                f"prompt of {request.num_tokens} tokens leaves no room to generate: the limit "
-                f"is {self.max_len - 1} (max_model_len {self.config.max_model_len}, KV cache "
-                f"{self.config.num_blocks} blocks x {self.block_size} tokens)")
+        self.check_prompt_len(request.num_tokens)
         if self.enable_caching:
             hashing.update_block_hashes(request, self.block_size)
         request.status = RequestStatus.WAITING
         self.requests[request.req_id] = request
         self._arrival_seq[request.req_id] = next(self._arrival)
         self.waiting.push(request)
+
+    def check_prompt_len(self, num_tokens: int) -> None:
+        """Raises RequestError(param "prompt") naming the limit when a prompt of
+        `num_tokens` can never be scheduled: empty, or no room left to generate one token
+        within max_model_len and the whole KV cache. The one length check of a request
+        (EngineCore.validate_request calls it). Reads only immutable state (any thread)."""
+        if num_tokens < 1:
+            raise RequestError("the prompt is empty (it must contain at least one token)",
+                               "prompt")
+        if num_tokens >= self.max_len:
+            raise RequestError(
+                f"the prompt has {num_tokens} tokens; the limit is {self.max_len - 1} "
+                f"(max_model_len {self.config.max_model_len}, KV cache "
+                f"{self.config.num_blocks * self.block_size} tokens: {self.config.num_blocks} "
+                f"blocks x {self.block_size}), leaving room for at least one generated "
+                "token", "prompt")
 
     def has_room(self, num_requests: int) -> bool:
         """Whether `num_requests` more requests fit in the waiting queue (max_num_waiting;
@@ -187,66 +203,21 @@ class Scheduler:
         """Whether a step could run something now (requests loading KV cannot)."""
         return bool(self.waiting or self.running or self.remote.loaded)
 
-    # --- disaggregation (core/remote_kv.py) ----------------------------------------------
+    # --- disaggregation (the transitions are in core/remote_kv.py) --------------------
     def free_held(self, req_id: str) -> bool:
         """Free a held producer's blocks (transferred, or timed out). Returns whether it
         was held. Mutates: the block pool, self.remote.held."""
-        request = self.remote.held.pop(req_id, None)
-        if request is not None:
-            self.kv_cache_manager.free(request)
-        return request is not None
+        return self.remote.free_held(req_id, self.kv_cache_manager)
 
     def finish_load(self, req_id: str, ok: bool) -> Request | None:
-        """A consumer's load ended. ok: its counter jumps to num_external_tokens, its
-        full blocks enter the prefix cache and it runs from the next step. Failed: it
-        finishes with "error" and is returned (the engine reports it). A request aborted
-        while loading only has its blocks freed now. Mutates: the request, the block pool,
-        the queues, self.remote."""
-        orphan = self.remote.orphaned.pop(req_id, None)
-        if orphan is not None:
-            self.kv_cache_manager.free(orphan, 0)
-            return None
-        request = self.remote.loading.pop(req_id, None)
-        if request is None:
-            return None
-        if not ok:
-            request.set_finished("error")
-            self.kv_cache_manager.free(request, request.num_computed_tokens)
-            self._forget(request)
-            return request
-        request.num_computed_tokens = request.num_external_tokens
-        request.num_external_tokens = 0
-        self.kv_cache_manager.register_computed(request)
-        self.remote.loaded[req_id] = request      # runs when a running slot is free
-        return None
-
-    def _run_loaded(self) -> None:
-        """Loaded consumers take free running slots (FIFO); the runner learns them as
-        new requests in this step. Mutates: remote.loaded, running, request.status."""
-        while self.remote.loaded and len(self.running) < self.config.max_num_seqs:
-            req_id = next(iter(self.remote.loaded))
-            request = self.remote.loaded.pop(req_id)
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            self.remote.fresh.add(req_id)
-
-    def _admit_load(self, request: Request) -> bool:
-        """Allocate blocks for a consumer's external tokens (local prefix hits kept, new
-        blocks not cached) and park it in remote.loading. False when they do not fit."""
-        kv = self.kv_cache_manager
-        hit_blocks, num_hit = kv.get_computed_blocks(request)
-        num_hit = min(num_hit, request.num_external_tokens // self.block_size * self.block_size)
-        hit_blocks = hit_blocks[:num_hit // self.block_size]
-        if kv.allocate_slots(request, request.num_external_tokens - num_hit, hit_blocks,
-                             register=False) is None:
-            return False
-        self.waiting.pop()
-        request.num_cached_tokens = num_hit
-        request.num_computed_tokens = num_hit
-        self.remote.loading[request.req_id] = request
-        self.remote.new_loads.append((request.req_id, kv.get_block_ids(request.req_id),
-                                      num_hit))
-        return True
+        """A consumer's load ended (RemoteKV.finish_load): loaded, it runs from the next
+        step with a free running slot; failed, it is finished with "error", forgotten and
+        returned (the engine reports it). Mutates: the request, the block pool,
+        self.remote, and on failure self.requests."""
+        failed = self.remote.finish_load(req_id, ok, self.kv_cache_manager)
+        if failed is not None:
+            self._forget(failed)
+        return failed
 
     @property
     def num_running(self) -> int:
@@ -262,10 +233,10 @@ class Scheduler:
         requests it touches status, num_computed_tokens (admission: prefix hit; preemption:
         0), num_cached_tokens, num_preemptions. num_computed_tokens of scheduled requests is
         advanced later, by update_from_output. Returns the SchedulerOutput for the runner."""
-        step = _Step(self._token_budget())
-        self._run_loaded()
+        step = StepPlan(self._token_budget())
+        self.remote.run_loaded(self.running, self.config.max_num_seqs)
         if self.spec_policy is not None:
-            self._plan_spec(step)
+            plan_spec(self.spec_policy, self.running, step)
         self._schedule_running(step)
         if not step.preempted:
             self._schedule_waiting(step)
@@ -301,72 +272,7 @@ class Scheduler:
         num_new = policy.max_chunk(budget, start, num_new, step_budget)
         return num_new, policy.chunk_cost(num_new, start, step_budget)
 
-    # --- speculative decoding -------------------------------------------------------------
-    def _plan_spec(self, step: _Step) -> None:
-        """Drafts per running decode for this step (step.spec_plan) and whether the step
-        leaves room to propose more (step.spec_open). Mutates only `step`."""
-        policy = self.spec_policy
-        assert policy is not None
-        base_rows, left, candidates = 0, step.budget, []
-        for r in self.running:
-            behind = r.num_tokens - r.num_computed_tokens
-            base_rows += min(behind, max(left, 0))
-            left -= behind
-            if behind == 1 and r.spec_token_ids:
-                candidates.append((r.req_id, len(r.spec_token_ids),
-                                   acceptance_estimate(r.spec_num_accepted,
-                                                       r.spec_num_rejections)))
-        step.spec_plan = policy.plan(candidates, base_rows, max(1, len(self.running)))
-        step.spec_open = policy.has_room(base_rows)
-
-    def _drafts_for(self, request: Request, num_new: int, step: _Step) -> list[int]:
-        """The drafts this step verifies for `request` (a decode: num_new == 1), clamped
-        to the budget, the context limit and max_tokens. Mutates nothing."""
-        k = step.spec_plan.get(request.req_id, 0)
-        if not k or num_new != 1 or request.num_tokens - request.num_computed_tokens != 1:
-            return []
-        # positions computed: num_computed .. num_computed + k, all < max_len
-        k = min(k, step.budget - 1, self.max_len - 1 - request.num_computed_tokens)
-        if request.max_tokens is not None:
-            k = min(k, request.max_tokens - request.num_output_tokens - 1)
-        return request.spec_token_ids[:max(k, 0)]
-
-    def _num_to_propose(self, request: Request, num_computed: int, num_new: int,
-                        num_drafts: int, step: _Step) -> int:
-        """Drafts the runner proposes after this step: only for eligible requests whose
-        slice [num_computed, num_computed + num_new) reaches the end of their known
-        tokens. Mutates nothing."""
-        policy = self.spec_policy
-        if (policy is None or not step.spec_open
-                or num_computed + num_new != request.num_tokens
-                or not is_spec_eligible(request.sampling_params)):
-            return 0
-        n = policy.num_to_propose(acceptance_estimate(request.spec_num_accepted,
-                                                      request.spec_num_rejections))
-        # a draft model writes KV up to position num_tokens_after + n - 2 < max_len
-        room = self.max_len - (num_computed + num_new + num_drafts)
-        return max(0, min(n, room))
-
-    def _lookahead(self, num_propose: int) -> int:
-        """KV slots allocated beyond this step's tokens for the proposer's own drafts."""
-        policy = self.spec_policy
-        return num_propose if policy is not None and policy.needs_lookahead else 0
-
-    def _count_spec(self, request: Request, num_drafts: int, num_accepted: int) -> None:
-        """Mutates the request's acceptance counts and self.spec_stats."""
-        stats = self.spec_stats
-        assert stats is not None
-        request.spec_num_accepted += num_accepted
-        request.spec_num_rejections += num_accepted < num_drafts
-        stats.num_drafts += 1
-        stats.num_draft_tokens += num_drafts
-        stats.num_accepted_tokens += num_accepted
-        if len(stats.accepted_per_pos) < num_drafts:
-            stats.accepted_per_pos.extend([0] * (num_drafts - len(stats.accepted_per_pos)))
-        for j in range(num_accepted):
-            stats.accepted_per_pos[j] += 1
-
-    def _schedule_running(self, step: _Step) -> None:
+    def _schedule_running(self, step: StepPlan) -> None:
         for request in list(self.running):
             if step.budget <= 0:
                 break
@@ -377,10 +283,10 @@ class Scheduler:
                                           step.full)
             if num_new <= 0:
                 continue
-            drafts = self._drafts_for(request, num_new, step)
-            propose = self._num_to_propose(request, request.num_computed_tokens, num_new,
-                                           len(drafts), step)
-            num_slots = num_new + len(drafts) + self._lookahead(propose)
+            drafts = drafts_for(request, num_new, step, self.max_len)
+            propose = num_to_propose(self.spec_policy, request, request.num_computed_tokens,
+                                     num_new, len(drafts), step, self.max_len)
+            num_slots = num_new + len(drafts) + lookahead(self.spec_policy, propose)
             while True:
                 new_block_ids = self.kv_cache_manager.allocate_slots(request, num_slots)
                 if new_block_ids is not None:
@@ -401,7 +307,7 @@ class Scheduler:
     def _victim_key(self, request: Request) -> tuple[int, int]:
         return (request.priority, self._arrival_seq[request.req_id])
 
-    def _preempt(self, request: Request, step: _Step) -> None:
+    def _preempt(self, request: Request, step: StepPlan) -> None:
         """Free the request's KV and send it to the front of the waiting queue. Undoes its
         scheduling if it was already scheduled in this step."""
         self.running.remove(request)
@@ -416,12 +322,12 @@ class Scheduler:
         step.preempted.add(request.req_id)
         self.waiting.push_front(request)
 
-    def _schedule_waiting(self, step: _Step) -> None:
+    def _schedule_waiting(self, step: StepPlan) -> None:
         kv = self.kv_cache_manager
         while self.waiting and step.budget > 0:
             request = self.waiting.peek()
             if RemoteKV.needs_load(request):   # loads do not wait for a running slot
-                if not self._admit_load(request):
+                if not self.remote.admit_load(request, kv, self.waiting):
                     break
                 continue
             if len(self.running) >= self.config.max_num_seqs:
@@ -429,8 +335,10 @@ class Scheduler:
             hit_blocks, num_hit = kv.get_computed_blocks(request)
             num_new, charge = self._chunk(request.num_tokens - num_hit, num_hit, step.budget,
                                           step.full)
-            propose = self._num_to_propose(request, num_hit, num_new, 0, step)
-            new_block_ids = kv.allocate_slots(request, num_new + self._lookahead(propose),
+            propose = num_to_propose(self.spec_policy, request, num_hit, num_new, 0, step,
+                                     self.max_len)
+            new_block_ids = kv.allocate_slots(request,
+                                              num_new + lookahead(self.spec_policy, propose),
                                               hit_blocks)
             if new_block_ids is None:
                 break  # FCFS: nobody behind it jumps the queue
@@ -443,44 +351,13 @@ class Scheduler:
             step.add(request, num_new, kv.get_block_ids(request.req_id), is_new=True,
                      propose=propose, charge=charge)
 
-    def _build_output(self, step: _Step) -> SchedulerOutput:
-        out = SchedulerOutput(finished_req_ids=self._finished_req_ids,
-                              preempted_req_ids=step.preempted)
+    def _build_output(self, step: StepPlan) -> SchedulerOutput:
+        """The step's SchedulerOutput (core/step_plan.py). Mutates: the finished ids
+        (handed over), the last step's token counts (for make_stats)."""
+        out = step.to_output(self._finished_req_ids)
         self._finished_req_ids = set()
-        num_prefill = num_decode = 0
-        for req_id, (request, num_new, block_ids, is_new, drafts, propose) in \
-                step.scheduled.items():
-            if is_new:
-                out.scheduled_new_reqs.append(NewRequestData(
-                    req_id=req_id, token_ids=list(request.all_token_ids),
-                    num_prompt_tokens=request.num_prompt_tokens,
-                    sampling_params=request.sampling_params, block_ids=block_ids,
-                    num_computed_tokens=request.num_computed_tokens))
-            else:
-                out.scheduled_cached_reqs.append(CachedRequestData(
-                    req_id=req_id, new_block_ids=block_ids,
-                    num_computed_tokens=request.num_computed_tokens))
-            out.num_scheduled_tokens[req_id] = num_new
-            if drafts:
-                out.scheduled_spec_token_ids[req_id] = list(drafts)
-            if propose:
-                out.num_drafts_to_propose[req_id] = propose
-            # NOTE: the one place the phase of a slice is decided; everything downstream
-            # (StepStats, metrics, traces, benchmarks) reads it from the SchedulerOutput.
-            # A verify slice (the decode's token plus its drafts) is a decode of k+1 rows.
-            if drafts:
-                num_decode += num_new
-                out.decode_req_ids.add(req_id)
-            elif (num_new == 1 and request.num_computed_tokens >= request.num_prompt_tokens
-                    and request.num_computed_tokens + 1 == request.num_tokens):
-                num_decode += 1
-                out.decode_req_ids.add(req_id)
-            else:
-                num_prefill += num_new
-        out.total_num_scheduled_tokens = num_prefill + num_decode
-        out.num_prefill_tokens, out.num_decode_tokens = num_prefill, num_decode
-        self._last_num_prefill_tokens = num_prefill
-        self._last_num_decode_tokens = num_decode
+        self._last_num_prefill_tokens = out.num_prefill_tokens
+        self._last_num_decode_tokens = out.num_decode_tokens
         return out
 
     # --- after the step ------------------------------------------------------------------
@@ -505,7 +382,8 @@ class Scheduler:
                 # slots get overwritten when those positions are computed again).
                 num_accepted = max(0, len(new_token_ids) - 1)
                 request.num_computed_tokens -= len(drafts) - num_accepted
-                self._count_spec(request, len(drafts), num_accepted)
+                assert self.spec_stats is not None
+                count_spec(self.spec_stats, request, len(drafts), num_accepted)
             request.spec_token_ids = runner_output.spec_token_ids.get(req_id, [])
             for token_id in new_token_ids:
                 request.append_output_token_ids(token_id)
@@ -570,35 +448,3 @@ class Scheduler:
             f"running ({len(self.running)}) + waiting ({len(self.waiting)}) + loading "
             f"({num_loading}) != unfinished ({len(self.requests)})")
 
-
-class _Step:
-    """The work being assembled by one schedule() call."""
-
-    __slots__ = ("budget", "full", "scheduled", "charged", "preempted", "spec_plan",
-                 "spec_open")
-
-    def __init__(self, budget: int) -> None:
-        self.budget = budget                    # left
-        self.full = budget                      # the step's whole budget
-        self.charged: dict[str, int] = {}      # req_id -> budget taken (>= its tokens)
-        # req_id -> (request, num_new_tokens incl. drafts, block ids to send, is_new,
-        #            drafts to verify, drafts to propose after the step)
-        self.scheduled: dict[str, tuple[Request, int, list[int], bool, list[int], int]] = {}
-        self.preempted: set[str] = set()
-        self.spec_plan: dict[str, int] = {}     # drafts per request (speculative decoding)
-        self.spec_open = False                  # the step may propose drafts
-
-    def add(self, request: Request, num_new: int, block_ids: list[int], is_new: bool,
-            drafts: list[int] = (), propose: int = 0,  # type: ignore[assignment]
-            charge: int | None = None) -> None:
-        """Schedule `num_new` tokens of `request`, taking `charge` (default num_new)
-        from the budget."""
-        self.scheduled[request.req_id] = (request, num_new, block_ids, is_new, list(drafts),
-                                          propose)
-        self.charged[request.req_id] = num_new if charge is None else charge
-        self.budget -= self.charged[request.req_id]
-
-    def remove(self, request: Request) -> None:
-        entry = self.scheduled.pop(request.req_id, None)
-        if entry is not None:
-            self.budget += self.charged.pop(request.req_id)

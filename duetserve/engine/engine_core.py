@@ -215,17 +215,8 @@ class EngineCore:
         is built), the grammar of a guided request (compiled and cached). Raises
         RequestError whose `param` names the field. Reads only immutable state and the
         thread-safe grammar cache, so any thread may call it."""
-        if not prompt_token_ids:
-            raise RequestError("the prompt is empty (it must contain at least one token)",
-                               "prompt")
-        limit = min(self.max_model_len, self.num_blocks * self.config.block_size)
         num = len(prompt_token_ids)
-        if num >= limit:
-            raise RequestError(
-                f"the prompt has {num} tokens; the limit is {limit - 1} "
-                f"(max_model_len {self.max_model_len}, KV cache "
-                f"{self.num_blocks * self.config.block_size} tokens), leaving room for at "
-                "least one generated token", "prompt")
+        self.scheduler.check_prompt_len(num)
         vocab = self.model_config.vocab_size
         bad = next((t for t in prompt_token_ids
                     if type(t) is not int or not 0 <= t < vocab), None)

@@ -27,7 +27,6 @@ import torch
 from duetserve.kv_transfer.layout import KVLayout, block_runs
 from duetserve.kv_transfer.memory import SharedKVMemory
 
-COMPRESSIONS = ("none", "int8")
 MIN_SCALE = 2.0 ** -14          # the smallest normal float16
 
 

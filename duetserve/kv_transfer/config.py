@@ -3,10 +3,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from duetserve.config import ConfigError
+from duetserve.config import ConfigError, check_one_of
 
 ROLES = ("both", "prefill", "decode")
 BACKENDS = ("shm", "mooncake")
+COMPRESSIONS = ("none", "int8")
 
 
 @dataclass(frozen=True)
@@ -28,14 +29,9 @@ class KVTransferConfig:
     compression: str = "none"     # prefill: "int8" sends int8 blocks + scales (compress.py)
 
     def __post_init__(self) -> None:
-        if self.role not in ROLES:
-            raise ConfigError(f"role must be one of {ROLES}, got {self.role!r}")
-        if self.backend not in BACKENDS:
-            raise ConfigError(f"kv transfer backend must be one of {BACKENDS}, "
-                              f"got {self.backend!r}")
-        if self.compression not in ("none", "int8"):
-            raise ConfigError(f"kv transfer compression must be none or int8, got "
-                              f"{self.compression!r}")
+        check_one_of("role", self.role, ROLES)
+        check_one_of("kv transfer backend", self.backend, BACKENDS)
+        check_one_of("kv transfer compression", self.compression, COMPRESSIONS)
         if not self.timeout_s > 0:
             raise ConfigError(f"kv_transfer_timeout must be > 0 s, got {self.timeout_s}")
 

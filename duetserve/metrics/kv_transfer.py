@@ -16,9 +16,11 @@ metrics imports nothing above layer 0.
 from __future__ import annotations
 
 import threading
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from duetserve.kv_transfer.state import Transfer
+from duetserve.outputs import RequestOutput
 
 SECONDS_BUCKETS = [0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0,
                    10.0, 30.0, 60.0]
@@ -42,7 +44,7 @@ class KVTransferMetrics:
                                "decode instance).", ["model_name", "phase"],
                                buckets=SECONDS_BUCKETS, registry=registry)
 
-    def observe_transfer(self, t: Any, backend: str) -> None:
+    def observe_transfer(self, t: Transfer, backend: str) -> None:
         """Engine thread: one transfer ended (Transfer from kv_transfer/state.py)."""
         with self._lock:
             status = t.status.value
@@ -55,9 +57,9 @@ class KVTransferMetrics:
             self.seconds.labels(self._model, backend).inc(seconds)
             self.hist.labels(self._model, backend).observe(seconds)
 
-    def observe_finished(self, out: Any, reason: str) -> None:
-        """Engine thread: a request ended (RequestOutput or None)."""
-        m = getattr(out, "metrics", None)
+    def observe_finished(self, out: RequestOutput | None, reason: str) -> None:
+        """Engine thread: a request ended (None: it ended without an output)."""
+        m = None if out is None else out.metrics
         if m is None or m.first_scheduled_time is None:
             return
         with self._lock:

@@ -19,7 +19,7 @@ from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, 
                                Histogram, generate_latest)
 
 from duetserve.metrics.step_accounting import StepAccount
-from duetserve.outputs import RequestOutput, StepStats
+from duetserve.outputs import RequestOutput, SpecDecodeStats, StepStats
 
 log = logging.getLogger("duetserve.metrics")
 
@@ -169,11 +169,10 @@ class ServerMetrics:
             if new > old:
                 c.inc(new - old)
         self._last_totals = totals
-        spec = getattr(st, "spec", None)
-        if spec is not None:
-            self._set_spec(spec)
+        if st.spec is not None:
+            self._set_spec(st.spec)
 
-    def _set_spec(self, spec: Any) -> None:
+    def _set_spec(self, spec: SpecDecodeStats) -> None:
         """Cumulative SpecDecodeStats -> counter increments."""
         per_pos = tuple(spec.accepted_per_pos)
         new = (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens)

@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from duetserve.kv_transfer.state import Transfer
 from duetserve.metrics.step_accounting import StepAccountant
 from duetserve.outputs import StepStats
 
@@ -171,8 +172,8 @@ class TraceWriter:
                 self._events.append({"name": "finished", "ph": "i", "s": "t",
                                      "tid": track.tid, "start": end, "end": end, "args": {}})
 
-    def transfer(self, t: Any, backend: str) -> None:
-        """A KV transfer ended (Transfer from kv_transfer/state.py, duck-typed): a span
+    def transfer(self, t: Transfer, backend: str) -> None:
+        """A KV transfer ended: a span
         "kv transfer (backend)" on its request's track, from start (or, for blocks a
         prefill instance held, creation) to end, with bytes and status."""
         if self._closed:

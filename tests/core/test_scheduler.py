@@ -181,8 +181,9 @@ def test_stop_checks(make_scheduler) -> None:
     feed(r, [1] * 20)
     assert r.finish_reason == "length" and r.num_tokens == 256
     assert sched.kv_cache_manager.num_used_blocks == 0
-    with pytest.raises(RequestError, match="limit is 255"):
+    with pytest.raises(RequestError, match="limit is 255") as e:
         sched.add_request(mk("too_long", 256))
+    assert e.value.param == "prompt"
 
 
 def test_abort_and_finish_requests(make_scheduler, step) -> None:

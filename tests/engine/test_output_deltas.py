@@ -71,6 +71,7 @@ def test_long_outputs_cost_the_same_per_step(tiny_checkpoints, tmp_path) -> None
 
     acc = OutputAccumulator()
     texts: dict[str, list[str]] = {str(i): [] for i in range(NUM_REQUESTS)}
+    streamed_lps: dict[str, list] = {str(i): [] for i in range(NUM_REQUESTS)}
     peaks: dict[int, int] = {}
     finals = {}
     step = 0
@@ -88,6 +89,7 @@ def test_long_outputs_cost_the_same_per_step(tiny_checkpoints, tmp_path) -> None
             (o,) = d.outputs
             assert len(o.token_ids) == 1 and len(o.logprobs) == 1   # this step's only
             texts[d.request_id].append(o.text)
+            streamed_lps[d.request_id].extend(o.logprobs)
             out = acc.add(d)
             if out.finished:
                 finals[d.request_id] = out
@@ -105,3 +107,4 @@ def test_long_outputs_cost_the_same_per_step(tiny_checkpoints, tmp_path) -> None
         assert "".join(texts[req_id]) == o.text == tok.decode(o.token_ids)
         assert o.finish_reason == "length"
         assert [next(iter(lp)) for lp in o.logprobs] == o.token_ids
+        assert streamed_lps[req_id] == o.logprobs      # same ids, logprobs and ranks

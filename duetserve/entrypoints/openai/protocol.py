@@ -19,15 +19,20 @@ from duetserve.entrypoints.openai import guided as guided_fields
 from duetserve.sampling_params import GuidedDecoding, SamplingParams
 
 
+class _Strict(BaseModel):
+    """A request object that rejects fields it does not know (an error naming the field), so a
+    misspelt parameter is an error, not silently ignored."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
-class _SamplingFields(BaseModel):
+class _SamplingFields(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions."""
-
-    model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
     n: int = 1
@@ -130,8 +135,7 @@ class CompletionRequest(_SamplingFields):
         return self._sampling_params(self.max_tokens, self.logprobs, self.guided())
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class TextPart(_Strict):
     type: Literal["text"] = "text"
     text: str
 
@@ -141,46 +145,39 @@ class TextPart(BaseModel):
 Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
 
 
-class FunctionDefinition(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class FunctionDefinition(_Strict):
     name: str = Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")
     description: str | None = None
     parameters: dict[str, Any] | None = None     # a JSON schema; None: any object
     strict: bool | None = None                   # constrained output is always strict
 
 
-class ToolDefinition(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class ToolDefinition(_Strict):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class _FunctionName(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class _FunctionName(_Strict):
     name: str
 
 
-class NamedToolChoice(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class NamedToolChoice(_Strict):
     type: Literal["function"]
     function: _FunctionName
 
 
-class ToolCallFunction(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class ToolCallFunction(_Strict):
     name: str
     arguments: str                               # JSON text, as OpenAI sends it
 
 
-class ToolCall(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class ToolCall(_Strict):
     id: str
     type: Literal["function"] = "function"
     function: ToolCallFunction
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class ChatMessage(_Strict):
     role: Role
     content: str | list[TextPart] | None = None
     name: str | None = None

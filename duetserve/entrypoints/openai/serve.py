@@ -14,13 +14,14 @@ import os
 
 from duetserve.entrypoints.cli import UserError
 from duetserve.entrypoints.engine_args import add_engine_arguments, build_engine
+from duetserve.entrypoints.shared_args import add_bind_arguments, add_kv_backend_argument
+from duetserve.kv_transfer.config import COMPRESSIONS, ROLES
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_arguments(p, positional_model=True)
     s = p.add_argument_group("server")
-    s.add_argument("--host", default="127.0.0.1", help="bind address (default %(default)s)")
-    s.add_argument("--port", type=int, default=8000, help="port (default %(default)s)")
+    add_bind_arguments(s, 8000, "server")
     s.add_argument("--served-model-name", default=None,
                    help="model name in the API (default: the checkpoint's file/folder stem)")
     s.add_argument("--api-key", default=None,
@@ -38,13 +39,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="close an idle keep-alive connection after this many seconds "
                         "(default %(default)s)")
     d = p.add_argument_group("prefill/decode disaggregation (docs/disaggregation.md)")
-    d.add_argument("--role", default="both", choices=["both", "prefill", "decode"],
+    d.add_argument("--role", default="both", choices=list(ROLES),
                    help="both (default): colocated; prefill: compute prompts' KV and first "
                         "tokens for decode instances; decode: continue from a prefill "
                         "instance's KV. Put `duet router` in front of them")
-    d.add_argument("--kv-transfer-backend", default="shm", choices=["shm", "mooncake"],
-                   help="how a decode instance reads KV: shm (same host) or mooncake "
-                        "(Mooncake Transfer Engine over TCP, any host) (default %(default)s)")
+    add_kv_backend_argument(d, "shm", "how a decode instance reads KV: shm (same host) or "
+                            "mooncake (Mooncake Transfer Engine over TCP, any host)")
     d.add_argument("--kv-transfer-timeout", type=float, default=30.0,
                    help="seconds a prefill instance holds a request's KV for a decode "
                         "instance before freeing it; also a decode instance's limit on one "
@@ -52,7 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     d.add_argument("--kv-transfer-host", default=None,
                    help="address Mooncake publishes for this instance (default: --host, "
                         "or 127.0.0.1 when binding 0.0.0.0)")
-    d.add_argument("--kv-transfer-compression", default="none", choices=["none", "int8"],
+    d.add_argument("--kv-transfer-compression", default="none", choices=list(COMPRESSIONS),
                    help="prefill: send KV as int8 with a scale per token and head (about "
                         "1/4 of float32 bytes; lossy, see docs/benchmarks.md)")
     d.add_argument("--no-mooncake", dest="mooncake", action="store_false",

@@ -16,6 +16,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass
 
 from fastapi import Request
@@ -23,6 +24,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from duetserve.engine.async_engine import (AsyncEngine, EngineStepError, RequestAbortedError,
                                            RequestFailedError, RequestStream)
+from duetserve.entrypoints.fan_in import fan_in
 from duetserve.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                    error_body)
 from duetserve.errors import EngineOverloadedError, RequestError
@@ -236,36 +238,11 @@ class _Generation:
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(prompt index, delta output) as they come, all prompts merged. Mutates the
         subs' token counts (for usage)."""
-        if len(self.subs) == 1:
-            async for out in self.subs[0].stream:
-                self._count(self.subs[0], out)
-                yield 0, out
-            return
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def pump(i: int, stream: RequestStream) -> None:
-            try:
-                async for out in stream:
-                    queue.put_nowait((i, out))
-                queue.put_nowait((i, None))
-            except BaseException as e:  # noqa: BLE001 - handed to the consumer
-                queue.put_nowait((i, e))
-
-        tasks = [asyncio.create_task(pump(i, s.stream)) for i, s in enumerate(self.subs)]
-        try:
-            remaining = len(tasks)
-            while remaining:
-                i, item = await queue.get()
-                if item is None:
-                    remaining -= 1
-                elif isinstance(item, BaseException):
-                    raise item
-                else:
-                    self._count(self.subs[i], item)
-                    yield i, item
-        finally:
-            for t in tasks:
-                t.cancel()
+        streams = [(i, s.stream) for i, s in enumerate(self.subs)]
+        async with aclosing(fan_in(streams)) as merged:
+            async for i, out in merged:
+                self._count(self.subs[i], out)
+                yield i, out
 
     @staticmethod
     def _count(sub: _Sub, delta: RequestOutput) -> None:

@@ -32,6 +32,7 @@ from duetserve.entrypoints.router.merge import complete, split, stream
 from duetserve.entrypoints.router.policy import POLICIES, Policy
 from duetserve.entrypoints.router.pool import InstancePool, parse_urls
 from duetserve.entrypoints.router.proxy import Proxy
+from duetserve.entrypoints.shared_args import add_bind_arguments
 
 log = logging.getLogger("duetserve.router")
 BUCKETS = [0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0]
@@ -43,8 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replica", default=None,
                    help="colocated replica URLs (`duet serve`), comma-separated; instead of "
                         "--prefill/--decode")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8080)
+    add_bind_arguments(p, 8080, "router")
     add_policy_arguments(p)
 
 

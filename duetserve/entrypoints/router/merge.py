@@ -9,7 +9,9 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 
+from duetserve.entrypoints.fan_in import fan_in
 from duetserve.entrypoints.router.flow import (Event, Flow, Sample, UpstreamError,
                                                error_body)
 
@@ -112,43 +114,24 @@ async def stream(flow: Flow, samples: list[Sample], n: int, include_usage: bool
     """SSE: each sample's fragments as they come; an error ends the stream with an error
     event; [DONE] last. The samples' tasks are cancelled when the client goes away."""
     kind = samples[0].kind
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(s: Sample) -> None:
-        try:
-            async for ev in flow.run(s):
-                queue.put_nowait((s, ev))
-            queue.put_nowait((s, None))
-        except UpstreamError as e:
-            queue.put_nowait((s, e))
-        except Exception as e:  # noqa: BLE001 - becomes the stream's error event
-            queue.put_nowait((s, UpstreamError(502, error_body(
-                f"router: {type(e).__name__}: {e}", "InternalServerError", 502))))
-
-    tasks = [asyncio.create_task(pump(s)) for s in samples]
     head: dict | None = None
     usages: dict[int, dict] = {}
     try:
-        remaining = len(tasks)
-        while remaining:
-            s, item = await queue.get()
-            if item is None:
-                remaining -= 1
-                continue
-            if isinstance(item, UpstreamError):
-                yield f"data: {json.dumps(item.body)}\n\n"
-                break
-            if head is None:
-                head = _head(kind, item.model, True)
-            if item.usage is not None:
-                usages[s.index] = item.usage
-            choice = _chunk_choice(kind, item, s.index)
-            if choice is not None:
-                yield f"data: {json.dumps({**head, 'choices': [choice]})}\n\n"
-        else:
-            if include_usage and head is not None:
-                yield f"data: {json.dumps({**head, 'choices': [], 'usage': _usage(usages, n)})}\n\n"
-    finally:
-        for t in tasks:
-            t.cancel()
+        async with aclosing(fan_in([(s, flow.run(s)) for s in samples])) as merged:
+            async for s, item in merged:
+                if head is None:
+                    head = _head(kind, item.model, True)
+                if item.usage is not None:
+                    usages[s.index] = item.usage
+                choice = _chunk_choice(kind, item, s.index)
+                if choice is not None:
+                    yield f"data: {json.dumps({**head, 'choices': [choice]})}\n\n"
+    except UpstreamError as e:
+        yield f"data: {json.dumps(e.body)}\n\n"
+    except Exception as e:  # noqa: BLE001 - becomes the stream's error event
+        body = error_body(f"router: {type(e).__name__}: {e}", "InternalServerError", 502)
+        yield f"data: {json.dumps(body)}\n\n"
+    else:
+        if include_usage and head is not None:
+            yield f"data: {json.dumps({**head, 'choices': [], 'usage': _usage(usages, n)})}\n\n"
     yield "data: [DONE]\n\n"
