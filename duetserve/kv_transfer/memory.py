@@ -5,7 +5,13 @@ it, even after kill -9, so nothing leaks. Pages are mapped on first touch (spars
 worker/kv_cache.py's calloc'd buffer, unless `populate`: a decode instance populates its
 cache at start, since a page touched for the first time by a transfer (a shared-memory
 page fault costs ~2.5 us per 4 KiB here) made a read into fresh blocks 2-3x slower than
-one into blocks used before (docs/benchmarks.md)."""
+one into blocks used before (docs/benchmarks.md).
+
+Huge pages are refused (MADV_NOHUGEPAGE) for the reason worker/kv_cache.py gives: one
+new block writes a few KiB into every (layer, k|v, head) plane, and with huge pages each
+write would fault and zero a whole 2 MiB page. memfd memory is shmem, whose huge pages
+follow /sys/kernel/mm/transparent_hugepage/shmem_enabled ("never" on the benchmark host,
+so there this changes nothing; "always" or "within_size" elsewhere would use them)."""
 from __future__ import annotations
 
 import ctypes
@@ -28,6 +34,8 @@ class SharedKVMemory:
         self.fd = os.memfd_create("duet-kv")
         os.ftruncate(self.fd, nbytes)
         self._mmap = mmap.mmap(self.fd, nbytes)
+        if hasattr(mmap, "MADV_NOHUGEPAGE"):
+            self._mmap.madvise(mmap.MADV_NOHUGEPAGE)
         self.tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)
         self.base_addr = self.tensor.data_ptr()
         self.pid = os.getpid()

@@ -50,3 +50,36 @@ def test_read_from_absent_peer_fails(agents) -> None:
     with pytest.raises(TransferError):
         b.read(_source("127.0.0.1:9", src), _source("127.0.0.1:9", src).cache, dst,
                [(0, 0, 4096)])
+
+
+def test_rate_estimate_is_a_decaying_maximum(agents) -> None:
+    """A slower read lowers the estimate by 10% at most; a faster one replaces it."""
+    _, _, b, _ = agents
+    saved = b.rate
+    try:
+        b.rate = 1e9
+        b._observe(1e6)
+        assert b.rate == pytest.approx(0.9e9)
+        b._observe(2e9)
+        assert b.rate == 2e9
+    finally:
+        b.rate = saved
+
+
+def test_read_sleeping_first_still_copies_everything(agents, monkeypatch) -> None:
+    """A read large enough to sleep before its first check (RATE_MIN_BYTES lowered to
+    this test's size) returns only once every segment is in place, and updates the
+    rate; a smaller read leaves the rate alone."""
+    a, src, b, dst = agents
+    src.tensor.copy_(torch.randint(0, 256, (src.nbytes,), dtype=torch.uint8))
+    segs = [(0, 65_536, 65_536), (131_072, 0, 65_536)]
+    monkeypatch.setattr(b, "RATE_MIN_BYTES", 131_072)
+    monkeypatch.setattr(b, "rate", 1e12)        # expects ~0 s: the first sleep is short
+    assert b.read(_source(a.session, src), _source(a.session, src).cache, dst, segs) \
+        == 131_072
+    for s, d, x in segs:
+        assert torch.equal(dst.tensor[d:d + x], src.tensor[s:s + x])
+    assert b.rate == pytest.approx(0.9e12)      # updated: 0.9x the (higher) old estimate
+    rate = b.rate
+    b.read(_source(a.session, src), _source(a.session, src).cache, dst, [(0, 0, 4096)])
+    assert b.rate == rate
