@@ -18,6 +18,9 @@ measured as they happen in serving; "wide" has a fixed budget of CALIBRATION_BUD
                                                              mixed steps, decode batches 1..B
   mixed     B decoding streams, a fresh prompt of n tokens joining every 4 steps
                                                           -> decodes + one prefill chunk
+  decode    B prompts of L tokens decoding M tokens together -> decode-only steps of
+            exactly B streams (the small batches low-load serving runs most of its steps
+            with, which a ramp passes through in one or two steps)
 
 About a minute and a half on the 135M model with 2 threads (--quick: seconds).
 """
@@ -36,13 +39,15 @@ from duetserve.bench.cpu_meter import ForeignCpu, wait_until_quiet
 # (engine, kind, parameters)
 GRID: tuple[tuple[str, str, tuple[int, ...]], ...] = (
     ("served", "ramp", (24, 512, 2)), ("served", "mixed", (8, 64, 768)),
-    *(("wide", "prefill", (n,)) for n in (8, 32, 128, 512)),
+    *(("served", "decode", (b, 160, 24)) for b in (1, 2, 3, 4, 6, 8, 12)),
+    *(("wide", "prefill", (n,)) for n in (8, 32, 128, 512, 768)),
     ("wide", "context", (16, 1024)), ("wide", "context", (256, 512)),
+    ("wide", "context", (512, 16)),
     ("wide", "ramp", (64, 32, 2)), ("wide", "ramp", (16, 256, 2)),
     ("wide", "mixed", (16, 128, 256)),
 )
 QUICK_GRID: tuple[tuple[str, str, tuple[int, ...]], ...] = (
-    ("served", "ramp", (4, 48, 1)),
+    ("served", "ramp", (4, 48, 1)), ("served", "decode", (2, 16, 8)),
     *(("wide", "prefill", (n,)) for n in (8, 32, 128)),
     ("wide", "context", (16, 64)), ("wide", "ramp", (8, 16, 1)), ("wide", "mixed", (4, 16, 16)),
 )
@@ -124,6 +129,10 @@ def _scenario(d: _Driver, kind: str, p: tuple[int, ...]) -> None:
         batch, length, stride = p
         for i in range(batch):
             d.add(d.tokens(length), stride * (i + 1))
+    elif kind == "decode":
+        batch, length, steps = p
+        for _ in range(batch):
+            d.add(d.tokens(length), steps)
     elif kind == "mixed":
         batch, length, joiner = p
         for _ in range(batch):
