@@ -83,7 +83,8 @@ def real_run(loaded, engine_config, convs, offsets, max_foreign: float):
         res = replay(engine, convs, offsets)
         frac = res.foreign_cpu_s / res.duration_s
         log(f"  real run: {len(res.records)} requests in {res.duration_s:.1f} s; foreign CPU "
-            f"{frac:.2f} core (before: {quiet:.2f}){'; redo' if frac > max_foreign and attempt == 1 else ''}")
+            f"{frac:.2f} core (before: {quiet:.2f}), steal {res.steal_s / res.duration_s:.3f}"
+            f"{'; redo' if frac > max_foreign and attempt == 1 else ''}")
         if frac <= max_foreign:
             break
     return engine, res, frac
@@ -210,7 +211,9 @@ def main() -> int:
                 entry = {"mix": mix, "level": level, "rate": rate, "conversations": n,
                          "requests": len(res.records), "real_duration_s": res.duration_s,
                          "sim_duration_s": sres.duration_s, "sim_wall_s": sres.wall_s,
-                         "foreign_cpu_core_fraction": frac, "ratios": ratios(real, sim),
+                         "foreign_cpu_core_fraction": frac,
+                         "steal_core_fraction": res.steal_s / res.duration_s,
+                         "ratios": ratios(real, sim),
                          "step_errors": step_errors(profile, res.steps)}
                 results["runs"].append(entry)
                 log(json.dumps(entry["ratios"]))

@@ -34,6 +34,7 @@ class ReplayResult:
     # per step: (start s from run start, seconds, [(num_new, num_computed_before, sampled)])
     steps: list[tuple[float, float, list[tuple[int, int, bool]]]] = field(default_factory=list)
     foreign_cpu_s: float | None = None    # CPU seconds other processes used during the run
+    steal_s: float | None = None          # CPU seconds the hypervisor took meanwhile
 
 
 def replay(engine: Any, convs: list[TokenConversation], offsets: list[float],
@@ -116,4 +117,4 @@ def replay(engine: Any, convs: list[TokenConversation], offsets: list[float],
                     heapq.heappush(heap, (t, st.conv, st.turn + 1, st.prompt + reply))
     duration = time.perf_counter() - t0
     records.sort(key=lambda r: (r.conversation_id, r.turn))
-    return ReplayResult(records, duration, steps, meter.foreign_s())
+    return ReplayResult(records, duration, steps, meter.foreign_s(), meter.steal_s())
