@@ -83,7 +83,8 @@ def real_run(loaded, engine_config, convs, offsets, max_foreign: float):
         res = replay(engine, convs, offsets)
         frac = res.foreign_cpu_s / res.duration_s
         log(f"  real run: {len(res.records)} requests in {res.duration_s:.1f} s; foreign CPU "
-            f"{frac:.2f} core (before: {quiet:.2f}), steal {res.steal_s / res.duration_s:.3f}"
+            f"{frac:.2f} core (before: {quiet:.2f}), steal {res.steal_s / res.duration_s:.3f}; "
+            f"engine {res.rusage}"
             f"{'; redo' if frac > max_foreign and attempt == 1 else ''}")
         if frac <= max_foreign:
             break
@@ -206,6 +207,7 @@ def main() -> int:
                     (out / f"{tag}-{name}.json").write_text(json.dumps(d))
                 # the engine's own steps (start s, seconds, slices), to check a cost model
                 (out / f"{tag}-steps.json").write_text(json.dumps(res.steps))
+                (out / f"{tag}-faults.json").write_text(json.dumps(res.step_faults))
                 plot([(real["label"], real), (sim["label"], sim)], str(out / f"{tag}-cdf.png"),
                      f"{mix} at {rate:.3g} conversations/s ({level:g} x simulated capacity)")
                 entry = {"mix": mix, "level": level, "rate": rate, "conversations": n,
@@ -213,6 +215,7 @@ def main() -> int:
                          "sim_duration_s": sres.duration_s, "sim_wall_s": sres.wall_s,
                          "foreign_cpu_core_fraction": frac,
                          "steal_core_fraction": res.steal_s / res.duration_s,
+                         "engine_rusage": res.rusage,
                          "ratios": ratios(real, sim),
                          "step_errors": step_errors(profile, res.steps)}
                 results["runs"].append(entry)

@@ -27,6 +27,7 @@ About a minute and a half on the 135M model with 2 threads (--quick: seconds).
 from __future__ import annotations
 
 import gc
+import resource
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -67,6 +68,8 @@ class Calibration:
     seconds: float = 0.0
     foreign_cpu_s: float = 0.0     # CPU other processes used meanwhile (bench/cpu_meter.py)
     num_redone: int = 0            # scenarios thrown away for foreign CPU and measured again
+    # this process over the grid: user and system CPU seconds, minor page faults
+    rusage: dict[str, float] = field(default_factory=dict)
 
 
 class _Driver:
@@ -164,6 +167,7 @@ def measure_grid(engines: dict[str, Any], grid=GRID, repeats: int = REPEATS,
     d.cal.samples.clear()
     d.cal.arrival_s.clear()
     whole = ForeignCpu()
+    ru0 = resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.perf_counter()
     for r in range(repeats):
         for name, kind, p in grid:
@@ -186,4 +190,7 @@ def measure_grid(engines: dict[str, Any], grid=GRID, repeats: int = REPEATS,
                 wait_until_quiet(max_foreign / 2, 5.0, 300.0)
     d.cal.seconds = time.perf_counter() - t0
     d.cal.foreign_cpu_s = whole.foreign_s()
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    d.cal.rusage = {"user_s": ru.ru_utime - ru0.ru_utime, "sys_s": ru.ru_stime - ru0.ru_stime,
+                    "minor_faults": ru.ru_minflt - ru0.ru_minflt}
     return d.cal

@@ -79,6 +79,7 @@ def calibrate(model: str | None, num_threads: int, quick: bool = False,
             "grid": "quick" if quick else "full", "calibration_budget": CALIBRATION_BUDGET,
             "measured_s": cal.seconds, "total_s": time.perf_counter() - t0,
             "foreign_cpu_s": cal.foreign_cpu_s, "scenarios_redone": cal.num_redone,
+            "rusage": cal.rusage,
             "kv_bytes_per_token": kv_bytes_per_token(engine.model_config, engine.kv_dtype),
             "fit": report, "pid": os.getpid()}
     profile = calibrated_profile(path.stem, cost, scheduler, meta,
