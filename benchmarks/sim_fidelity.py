@@ -91,8 +91,9 @@ def real_run(loaded, engine_config, convs, offsets, max_foreign: float):
     return engine, res, frac
 
 
-def step_errors(profile, steps) -> dict:
-    pred = np.array([profile.cost.step_seconds(shape_of(sl)) for _, _, sl in steps])
+def step_errors(profile, steps, cold) -> dict:
+    pred = np.array([profile.cost.step_seconds(shape_of(sl, c))
+                     for (_, _, sl), c in zip(steps, cold)])
     real = np.array([dt for _, dt, _ in steps])
     rel = np.abs(pred / real - 1.0)
     return {"num_steps": len(steps), "median_abs_rel_error": float(np.median(rel)),
@@ -207,7 +208,8 @@ def main() -> int:
                     (out / f"{tag}-{name}.json").write_text(json.dumps(d))
                 # the engine's own steps (start s, seconds, slices), to check a cost model
                 (out / f"{tag}-steps.json").write_text(json.dumps(res.steps))
-                (out / f"{tag}-faults.json").write_text(json.dumps(res.step_faults))
+                (out / f"{tag}-stepinfo.json").write_text(json.dumps(
+                    {"minor_faults": res.step_faults, "cold": res.step_cold}))
                 plot([(real["label"], real), (sim["label"], sim)], str(out / f"{tag}-cdf.png"),
                      f"{mix} at {rate:.3g} conversations/s ({level:g} x simulated capacity)")
                 entry = {"mix": mix, "level": level, "rate": rate, "conversations": n,
@@ -217,7 +219,7 @@ def main() -> int:
                          "steal_core_fraction": res.steal_s / res.duration_s,
                          "engine_rusage": res.rusage,
                          "ratios": ratios(real, sim),
-                         "step_errors": step_errors(profile, res.steps)}
+                         "step_errors": step_errors(profile, res.steps, res.step_cold)}
                 results["runs"].append(entry)
                 log(json.dumps(entry["ratios"]))
                 log(f"  steps: {entry['step_errors']}")

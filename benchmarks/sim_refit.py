@@ -45,10 +45,16 @@ def step_class(slices, breakpoint: int) -> str:
     return f"mixed {many}"
 
 
-def step_report(steps, cost) -> dict:
+def step_cold(d: Path, tag: str, steps) -> list[bool]:
+    """The run's cold flags (runs before they were recorded: none cold)."""
+    info = d / f"{tag}-stepinfo.json"
+    return json.loads(info.read_text())["cold"] if info.exists() else [False] * len(steps)
+
+
+def step_report(steps, cold, cost) -> dict:
     by: dict[str, list[tuple[float, float]]] = {}
-    for _, dt, slices in steps:
-        pred = cost.step_seconds(shape_of(slices))
+    for (_, dt, slices), c in zip(steps, cold):
+        pred = cost.step_seconds(shape_of(slices, c))
         by.setdefault(step_class(slices, cost.breakpoint), []).append((dt, pred))
     out = {}
     for k, v in sorted(by.items()):
@@ -72,11 +78,16 @@ def main() -> int:
     ppath = Path(args.profile) if args.profile else d / "profile.json"
     if args.refit:      # the saved cost may have older features: keep its scheduler only
         doc = json.loads(ppath.read_text())
-        samples = [] if args.no_grid else \
-            json.loads(ppath.with_suffix(".samples.json").read_text())["samples"]
+        samples, cold = [], []
+        if not args.no_grid:
+            raw = json.loads(ppath.with_suffix(".samples.json").read_text())
+            samples += raw["samples"]
+            cold += raw.get("cold", [False] * len(raw["samples"]))
         for tag in filter(None, args.fit_runs.split(",")):
-            samples += [(sl, dt) for _, dt, sl in json.loads((d / f"{tag}-steps.json").read_text())]
-        cost, report = fit_cost(samples, doc["cost"].get("arrival_s", 0.0))
+            steps = json.loads((d / f"{tag}-steps.json").read_text())
+            samples += [(sl, dt) for _, dt, sl in steps]
+            cold += step_cold(d, tag, steps)
+        cost, report = fit_cost(samples, doc["cost"].get("arrival_s", 0.0), cold)
         print(f"refit over {len(samples)} steps: {cost.describe()}")
         print(f"  {json.dumps(report)}")
         profile = calibrated_profile(doc["name"], cost, doc["scheduler"],
@@ -93,7 +104,7 @@ def main() -> int:
         tag = f"{run['mix']}-{run['level']:g}"
         steps = json.loads((d / f"{tag}-steps.json").read_text())
         print(f"\n{tag} @ {run['rate']:.3f}/s, {run['requests']} requests")
-        for k, v in step_report(steps, profile.cost).items():
+        for k, v in step_report(steps, step_cold(d, tag, steps), profile.cost).items():
             print(f"  {k:20s} {v['steps']:5d} steps  meas {v['meas_ms']:7.1f} ms  "
                   f"pred {v['pred_ms']:7.1f} ms  ratio {v['ratio']:.3f}")
         real = json.loads((d / f"{tag}-real.json").read_text())

@@ -64,6 +64,7 @@ class Calibration:
     num_computed_before, sampled)."""
 
     samples: list[tuple[list[tuple[int, int, bool]], float]] = field(default_factory=list)
+    cold: list[bool] = field(default_factory=list)    # per sample: see sim/cost.py cold_rows
     arrival_s: list[float] = field(default_factory=list)
     seconds: float = 0.0
     foreign_cpu_s: float = 0.0     # CPU other processes used meanwhile (bench/cpu_meter.py)
@@ -83,6 +84,7 @@ class _Driver:
         self.rng = np.random.default_rng(seed)
         self.lo, self.hi = id_range
         self.prompt_len: dict[str, int] = {}
+        self.idle: dict[int, bool] = {}       # id(engine) -> no requests after its last step
         self.cal = Calibration()
         self._ids = 0
 
@@ -100,11 +102,15 @@ class _Driver:
         return req_id
 
     def step(self, record: bool = True) -> None:
+        cold = self.idle.get(id(self.engine), True)
         t0 = time.perf_counter()
         self.engine.step_deltas()
         dt = time.perf_counter() - t0
         items = self.engine.last_step.items
+        if items:
+            self.idle[id(self.engine)] = not self.engine.has_unfinished_requests()
         if record and items:
+            self.cal.cold.append(cold)
             slices = [(s.num_new_tokens, s.num_computed_before,
                        s.num_computed_before + s.num_new_tokens >= self.prompt_len[s.req_id])
                       for s in items]
@@ -165,6 +171,7 @@ def measure_grid(engines: dict[str, Any], grid=GRID, repeats: int = REPEATS,
         d.engine = engines[name]
         _scenario(d, "ramp", (4, 48, 1))
     d.cal.samples.clear()
+    d.cal.cold.clear()
     d.cal.arrival_s.clear()
     whole = ForeignCpu()
     ru0 = resource.getrusage(resource.RUSAGE_SELF)
@@ -186,6 +193,7 @@ def measure_grid(engines: dict[str, Any], grid=GRID, repeats: int = REPEATS,
                         or attempt == MAX_ATTEMPTS):
                     break
                 del d.cal.samples[mark:]
+                del d.cal.cold[mark:]
                 d.cal.num_redone += 1
                 wait_until_quiet(max_foreign / 2, 5.0, 300.0)
     d.cal.seconds = time.perf_counter() - t0

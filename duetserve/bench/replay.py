@@ -36,8 +36,11 @@ class ReplayResult:
     steps: list[tuple[float, float, list[tuple[int, int, bool]]]] = field(default_factory=list)
     foreign_cpu_s: float | None = None    # CPU seconds other processes used during the run
     steal_s: float | None = None          # CPU seconds the hypervisor took meanwhile
-    # per step (same order as steps): minor page faults this process took during it
+    # per step (same order as steps): minor page faults this process took during it, and
+    # whether it was cold (the engine had no requests after the step before: see
+    # sim/cost.py, cold_rows)
     step_faults: list[int] = field(default_factory=list)
+    step_cold: list[bool] = field(default_factory=list)
     # this process over the run: user and system CPU seconds, minor page faults
     rusage: dict[str, float] = field(default_factory=dict)
 
@@ -55,6 +58,8 @@ def replay(engine: Any, convs: list[TokenConversation], offsets: list[float],
     steps: list[tuple[float, float, list[tuple[int, int, bool]]]] = []
     meter = ForeignCpu()
     step_faults: list[int] = []
+    step_cold: list[bool] = []
+    cold = True                                # a new engine released its start-up memory
     ru0 = resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.perf_counter()
 
@@ -96,6 +101,8 @@ def replay(engine: Any, convs: list[TokenConversation], offsets: list[float],
         items = engine.last_step.items
         if items:
             step_faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
+            step_cold.append(cold)
+            cold = not engine.has_unfinished_requests()
             steps.append((start - t0, end - start, [
                 (s.num_new_tokens, s.num_computed_before,
                  s.num_computed_before + s.num_new_tokens >= len(live[s.req_id].prompt)
@@ -130,4 +137,4 @@ def replay(engine: Any, convs: list[TokenConversation], offsets: list[float],
              "minor_faults": ru.ru_minflt - ru0.ru_minflt}
     records.sort(key=lambda r: (r.conversation_id, r.turn))
     return ReplayResult(records, duration, steps, meter.foreign_s(), meter.steal_s(),
-                        step_faults, usage)
+                        step_faults, step_cold, usage)

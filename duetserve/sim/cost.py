@@ -27,7 +27,8 @@ from typing import Iterable, Protocol
 
 # Feature names of the calibrated model, in coefficient order (see CalibratedCost).
 FEATURES = ("step", "requests", "rows_few", "many_rows", "rows_many", "logits",
-            "decode_context", "prefill_context", "fresh_pairs", "chunk_scores", "mixed_few")
+            "decode_context", "prefill_context", "fresh_pairs", "chunk_scores", "mixed_few",
+            "cold_rows")
 
 
 @dataclass(slots=True)
@@ -44,6 +45,7 @@ class StepShape:
     num_prefills: int = 0        # prefill slices (n > 1)
     fresh_pairs: int = 0         # sum of n(n+1)/2 over prefill slices with c == 0
     chunk_scores: int = 0        # sum of n*(c+n) over prefill slices with c > 0
+    cold: bool = False           # the first step after the engine went idle (see below)
 
     def add(self, num_new: int, num_computed: int, sampled: bool) -> None:
         """Count one request's slice. Mutates self."""
@@ -63,9 +65,10 @@ class StepShape:
                 self.fresh_pairs += num_new * (num_new + 1) // 2
 
 
-def shape_of(items: Iterable[tuple[int, int, bool]]) -> StepShape:
-    """StepShape of (num_new, num_computed_before, sampled) per scheduled request."""
-    shape = StepShape()
+def shape_of(items: Iterable[tuple[int, int, bool]], cold: bool = False) -> StepShape:
+    """StepShape of (num_new, num_computed_before, sampled) per scheduled request; `cold`:
+    the engine had no requests after its previous step (or had just started)."""
+    shape = StepShape(cold=cold)
     for n, c, sampled in items:
         if n > 0:
             shape.add(n, c, sampled)
@@ -94,6 +97,9 @@ class CalibratedCost:
         chunk_scores    sum n*(c+n), c > 0    masked score matrix of chunks after context
         mixed_few       1 if T <= breakpoint  few rows with prefill work: the modules, not
                         and a prefill slice   the native decode stack of decode-only steps
+        cold_rows       T if the step is cold the engine hands freed heap memory back to the
+                                              OS when it goes idle (EngineCore._on_idle), so
+                                              the next step faults its transients in again
 
     `breakpoint` is the row count where the engine switches kernels (fitted).
     `arrival_s` is the engine's cost of adding one request (validation, detokenizer set-up),
@@ -108,7 +114,7 @@ class CalibratedCost:
         return (1.0, s.num_reqs, 0 if many else s.num_tokens, 1.0 if many else 0.0,
                 s.num_tokens if many else 0, s.num_logits, s.decode_context,
                 s.prefill_context, s.fresh_pairs, s.chunk_scores,
-                0.0 if many or not s.num_prefills else 1.0)
+                0.0 if many or not s.num_prefills else 1.0, s.num_tokens if s.cold else 0)
 
     def step_seconds(self, shape: StepShape) -> float:
         return sum(c * f for c, f in zip(self.coef, self.features(shape)))

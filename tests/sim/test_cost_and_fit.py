@@ -84,11 +84,11 @@ def test_fit_recovers_a_known_cost_and_breakpoint() -> None:
     for name, value in (("step", 0.009), ("requests", 0.0004), ("rows_few", 0.0015),
                         ("many_rows", 0.006), ("rows_many", 0.0011), ("logits", 0.0002),
                         ("decode_context", 2e-6), ("fresh_pairs", 3e-8),
-                        ("chunk_scores", 8e-8), ("mixed_few", 0.004)):
+                        ("chunk_scores", 8e-8), ("mixed_few", 0.004), ("cold_rows", 5e-5)):
         coef[FEATURES.index(name)] = value
     truth = CalibratedCost(tuple(coef), 4)
     rng = np.random.default_rng(1)
-    samples = []
+    samples, cold = [], []
     for _ in range(300):
         b = int(rng.choice([1, 2, 3, 4, 5, 6, 8, 16, 32, 47]))
         slices = [(1, int(rng.integers(10, 2000)), True) for _ in range(b)]
@@ -96,9 +96,13 @@ def test_fit_recovers_a_known_cost_and_breakpoint() -> None:
             n = int(rng.integers(2, 4 if b <= 2 and rng.random() < 0.5 else 512))
             c = 0 if rng.random() < 0.5 else int(rng.integers(1, 1024))
             slices.append((n, c, bool(rng.random() < 0.5)))   # mid-prompt chunks sample nothing
-        samples.append((slices, truth.step_seconds(shape_of(slices))))
+        cold.append(bool(rng.random() < 0.2))
+        samples.append((slices, truth.step_seconds(shape_of(slices, cold[-1]))))
     samples.append(([(1, 10, True)], 5.0))       # a stall: dropped as an outlier
-    cost, report = fit_cost(samples, arrival_s=0.0003)
+    cold.append(False)
+    with pytest.raises(ValueError, match="cold flags"):
+        fit_cost(samples, cold=cold[:-1])
+    cost, report = fit_cost(samples, arrival_s=0.0003, cold=cold)
     assert cost.breakpoint == 4
     assert cost.coef == pytest.approx(truth.coef, rel=1e-6, abs=1e-12)
     assert report["num_outliers"] == 1
