@@ -83,14 +83,17 @@ def real_run(loaded, engine_config, convs, offsets, max_foreign: float):
         res = replay(engine, convs, offsets)
         frac = res.foreign_cpu_s / res.duration_s
         log(f"  real run: {len(res.records)} requests in {res.duration_s:.1f} s; foreign CPU "
-            f"{frac:.2f} core (before: {quiet:.2f}){'; redo' if frac > max_foreign and attempt == 1 else ''}")
+            f"{frac:.2f} core (before: {quiet:.2f}), steal {res.steal_s / res.duration_s:.3f}; "
+            f"engine {res.rusage}"
+            f"{'; redo' if frac > max_foreign and attempt == 1 else ''}")
         if frac <= max_foreign:
             break
     return engine, res, frac
 
 
-def step_errors(profile, steps) -> dict:
-    pred = np.array([profile.cost.step_seconds(shape_of(sl)) for _, _, sl in steps])
+def step_errors(profile, steps, cold) -> dict:
+    pred = np.array([profile.cost.step_seconds(shape_of(sl, c))
+                     for (_, _, sl), c in zip(steps, cold)])
     real = np.array([dt for _, dt, _ in steps])
     rel = np.abs(pred / real - 1.0)
     return {"num_steps": len(steps), "median_abs_rel_error": float(np.median(rel)),
@@ -205,13 +208,18 @@ def main() -> int:
                     (out / f"{tag}-{name}.json").write_text(json.dumps(d))
                 # the engine's own steps (start s, seconds, slices), to check a cost model
                 (out / f"{tag}-steps.json").write_text(json.dumps(res.steps))
+                (out / f"{tag}-stepinfo.json").write_text(json.dumps(
+                    {"minor_faults": res.step_faults, "cold": res.step_cold}))
                 plot([(real["label"], real), (sim["label"], sim)], str(out / f"{tag}-cdf.png"),
                      f"{mix} at {rate:.3g} conversations/s ({level:g} x simulated capacity)")
                 entry = {"mix": mix, "level": level, "rate": rate, "conversations": n,
                          "requests": len(res.records), "real_duration_s": res.duration_s,
                          "sim_duration_s": sres.duration_s, "sim_wall_s": sres.wall_s,
-                         "foreign_cpu_core_fraction": frac, "ratios": ratios(real, sim),
-                         "step_errors": step_errors(profile, res.steps)}
+                         "foreign_cpu_core_fraction": frac,
+                         "steal_core_fraction": res.steal_s / res.duration_s,
+                         "engine_rusage": res.rusage,
+                         "ratios": ratios(real, sim),
+                         "step_errors": step_errors(profile, res.steps, res.step_cold)}
                 results["runs"].append(entry)
                 log(json.dumps(entry["ratios"]))
                 log(f"  steps: {entry['step_errors']}")

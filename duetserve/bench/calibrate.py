@@ -18,12 +18,16 @@ measured as they happen in serving; "wide" has a fixed budget of CALIBRATION_BUD
                                                              mixed steps, decode batches 1..B
   mixed     B decoding streams, a fresh prompt of n tokens joining every 4 steps
                                                           -> decodes + one prefill chunk
+  decode    B prompts of L tokens decoding M tokens together -> decode-only steps of
+            exactly B streams (the small batches low-load serving runs most of its steps
+            with, which a ramp passes through in one or two steps)
 
 About a minute and a half on the 135M model with 2 threads (--quick: seconds).
 """
 from __future__ import annotations
 
 import gc
+import resource
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,13 +40,15 @@ from duetserve.bench.cpu_meter import ForeignCpu, wait_until_quiet
 # (engine, kind, parameters)
 GRID: tuple[tuple[str, str, tuple[int, ...]], ...] = (
     ("served", "ramp", (24, 512, 2)), ("served", "mixed", (8, 64, 768)),
-    *(("wide", "prefill", (n,)) for n in (8, 32, 128, 512)),
+    *(("served", "decode", (b, 160, 24)) for b in (1, 2, 3, 4, 6, 8, 12)),
+    *(("wide", "prefill", (n,)) for n in (8, 32, 128, 512, 768)),
     ("wide", "context", (16, 1024)), ("wide", "context", (256, 512)),
+    ("wide", "context", (512, 16)),
     ("wide", "ramp", (64, 32, 2)), ("wide", "ramp", (16, 256, 2)),
     ("wide", "mixed", (16, 128, 256)),
 )
 QUICK_GRID: tuple[tuple[str, str, tuple[int, ...]], ...] = (
-    ("served", "ramp", (4, 48, 1)),
+    ("served", "ramp", (4, 48, 1)), ("served", "decode", (2, 16, 8)),
     *(("wide", "prefill", (n,)) for n in (8, 32, 128)),
     ("wide", "context", (16, 64)), ("wide", "ramp", (8, 16, 1)), ("wide", "mixed", (4, 16, 16)),
 )
@@ -58,10 +64,13 @@ class Calibration:
     num_computed_before, sampled)."""
 
     samples: list[tuple[list[tuple[int, int, bool]], float]] = field(default_factory=list)
+    cold: list[bool] = field(default_factory=list)    # per sample: see sim/cost.py cold_rows
     arrival_s: list[float] = field(default_factory=list)
     seconds: float = 0.0
     foreign_cpu_s: float = 0.0     # CPU other processes used meanwhile (bench/cpu_meter.py)
     num_redone: int = 0            # scenarios thrown away for foreign CPU and measured again
+    # this process over the grid: user and system CPU seconds, minor page faults
+    rusage: dict[str, float] = field(default_factory=dict)
 
 
 class _Driver:
@@ -75,6 +84,7 @@ class _Driver:
         self.rng = np.random.default_rng(seed)
         self.lo, self.hi = id_range
         self.prompt_len: dict[str, int] = {}
+        self.idle: dict[int, bool] = {}       # id(engine) -> no requests after its last step
         self.cal = Calibration()
         self._ids = 0
 
@@ -92,11 +102,15 @@ class _Driver:
         return req_id
 
     def step(self, record: bool = True) -> None:
+        cold = self.idle.get(id(self.engine), True)
         t0 = time.perf_counter()
         self.engine.step_deltas()
         dt = time.perf_counter() - t0
         items = self.engine.last_step.items
+        if items:
+            self.idle[id(self.engine)] = not self.engine.has_unfinished_requests()
         if record and items:
+            self.cal.cold.append(cold)
             slices = [(s.num_new_tokens, s.num_computed_before,
                        s.num_computed_before + s.num_new_tokens >= self.prompt_len[s.req_id])
                       for s in items]
@@ -124,6 +138,10 @@ def _scenario(d: _Driver, kind: str, p: tuple[int, ...]) -> None:
         batch, length, stride = p
         for i in range(batch):
             d.add(d.tokens(length), stride * (i + 1))
+    elif kind == "decode":
+        batch, length, steps = p
+        for _ in range(batch):
+            d.add(d.tokens(length), steps)
     elif kind == "mixed":
         batch, length, joiner = p
         for _ in range(batch):
@@ -153,8 +171,10 @@ def measure_grid(engines: dict[str, Any], grid=GRID, repeats: int = REPEATS,
         d.engine = engines[name]
         _scenario(d, "ramp", (4, 48, 1))
     d.cal.samples.clear()
+    d.cal.cold.clear()
     d.cal.arrival_s.clear()
     whole = ForeignCpu()
+    ru0 = resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.perf_counter()
     for r in range(repeats):
         for name, kind, p in grid:
@@ -173,8 +193,12 @@ def measure_grid(engines: dict[str, Any], grid=GRID, repeats: int = REPEATS,
                         or attempt == MAX_ATTEMPTS):
                     break
                 del d.cal.samples[mark:]
+                del d.cal.cold[mark:]
                 d.cal.num_redone += 1
                 wait_until_quiet(max_foreign / 2, 5.0, 300.0)
     d.cal.seconds = time.perf_counter() - t0
     d.cal.foreign_cpu_s = whole.foreign_s()
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    d.cal.rusage = {"user_s": ru.ru_utime - ru0.ru_utime, "sys_s": ru.ru_stime - ru0.ru_stime,
+                    "minor_faults": ru.ru_minflt - ru0.ru_minflt}
     return d.cal

@@ -10,22 +10,35 @@ import os
 import time
 
 
-def _machine_busy_s() -> float:
-    """Busy CPU seconds of the whole machine since boot (nan when /proc is missing)."""
+def _machine_ticks_s() -> tuple[float, float]:
+    """(busy, steal) CPU seconds of the whole machine since boot (nan when /proc is
+    missing). Steal: time the hypervisor gave this VM's CPUs to others, which no process
+    here shows but which slows every timed step just the same."""
     try:
         with open("/proc/stat") as f:
-            ticks = [float(x) for x in f.readline().split()[1:8]]
+            ticks = [float(x) for x in f.readline().split()[1:9]]
     except (OSError, ValueError):
-        return float("nan")
-    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")   # minus idle, iowait
+        return float("nan"), float("nan")
+    hz = os.sysconf("SC_CLK_TCK")
+    steal = ticks[7] / hz if len(ticks) > 7 else 0.0
+    return (sum(ticks[:7]) - ticks[3] - ticks[4]) / hz, steal    # minus idle, iowait
+
+
+def _machine_busy_s() -> float:
+    """Busy CPU seconds of the whole machine since boot (nan when /proc is missing)."""
+    return _machine_ticks_s()[0]
 
 
 class ForeignCpu:
     """Started at construction; `foreign_s()` = CPU seconds used by other processes since."""
 
     def __init__(self) -> None:
-        self.machine0, self.own0, self.wall0 = _machine_busy_s(), time.process_time(), \
-            time.perf_counter()
+        (self.machine0, self.steal0), self.own0, self.wall0 = _machine_ticks_s(), \
+            time.process_time(), time.perf_counter()
+
+    def steal_s(self) -> float:
+        """CPU seconds the hypervisor took from this machine since construction."""
+        return max(0.0, _machine_ticks_s()[1] - self.steal0)
 
     def foreign_s(self) -> float:
         machine = _machine_busy_s() - self.machine0

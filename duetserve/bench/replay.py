@@ -17,6 +17,7 @@ engine can check a cost model's prediction step by step.
 from __future__ import annotations
 
 import heapq
+import resource
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +35,14 @@ class ReplayResult:
     # per step: (start s from run start, seconds, [(num_new, num_computed_before, sampled)])
     steps: list[tuple[float, float, list[tuple[int, int, bool]]]] = field(default_factory=list)
     foreign_cpu_s: float | None = None    # CPU seconds other processes used during the run
+    steal_s: float | None = None          # CPU seconds the hypervisor took meanwhile
+    # per step (same order as steps): minor page faults this process took during it, and
+    # whether it was cold (the engine had no requests after the step before: see
+    # sim/cost.py, cold_rows)
+    step_faults: list[int] = field(default_factory=list)
+    step_cold: list[bool] = field(default_factory=list)
+    # this process over the run: user and system CPU seconds, minor page faults
+    rusage: dict[str, float] = field(default_factory=dict)
 
 
 def replay(engine: Any, convs: list[TokenConversation], offsets: list[float],
@@ -48,6 +57,10 @@ def replay(engine: Any, convs: list[TokenConversation], offsets: list[float],
     records: list[RequestRecord] = []
     steps: list[tuple[float, float, list[tuple[int, int, bool]]]] = []
     meter = ForeignCpu()
+    step_faults: list[int] = []
+    step_cold: list[bool] = []
+    cold = True                                # a new engine released its start-up memory
+    ru0 = resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.perf_counter()
 
     def send(cid: int, turn: int, history: list[int], now: float) -> None:
@@ -81,11 +94,15 @@ def replay(engine: Any, convs: list[TokenConversation], offsets: list[float],
             if heap:
                 time.sleep(max(0.0, heap[0][0] - (time.perf_counter() - t0)))
             continue
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         start = time.perf_counter()
         outputs = engine.step_deltas()
         end = time.perf_counter()
         items = engine.last_step.items
         if items:
+            step_faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
+            step_cold.append(cold)
+            cold = not engine.has_unfinished_requests()
             steps.append((start - t0, end - start, [
                 (s.num_new_tokens, s.num_computed_before,
                  s.num_computed_before + s.num_new_tokens >= len(live[s.req_id].prompt)
@@ -115,5 +132,9 @@ def replay(engine: Any, convs: list[TokenConversation], offsets: list[float],
                     reply = out.outputs[0].token_ids
                     heapq.heappush(heap, (t, st.conv, st.turn + 1, st.prompt + reply))
     duration = time.perf_counter() - t0
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    usage = {"user_s": ru.ru_utime - ru0.ru_utime, "sys_s": ru.ru_stime - ru0.ru_stime,
+             "minor_faults": ru.ru_minflt - ru0.ru_minflt}
     records.sort(key=lambda r: (r.conversation_id, r.turn))
-    return ReplayResult(records, duration, steps, meter.foreign_s())
+    return ReplayResult(records, duration, steps, meter.foreign_s(), meter.steal_s(),
+                        step_faults, step_cold, usage)

@@ -71,7 +71,7 @@ def calibrate(model: str | None, num_threads: int, quick: bool = False,
                        id_range=id_range_for_vocab(engine.model_config.vocab_size),
                        progress=say,
                        max_foreign=MAX_FOREIGN if max_foreign is None else max_foreign)
-    cost, report = fit_cost(cal.samples, statistics.median(cal.arrival_s))
+    cost, report = fit_cost(cal.samples, statistics.median(cal.arrival_s), cal.cold)
     path = Path(out) if out else default_calibrated_path(model, num_threads)
     meta = {"model": engine.loaded.path, "threads": num_threads, "cpu": cpu_name(),
             "machine": platform.node(), "torch": torch.__version__,
@@ -79,6 +79,7 @@ def calibrate(model: str | None, num_threads: int, quick: bool = False,
             "grid": "quick" if quick else "full", "calibration_budget": CALIBRATION_BUDGET,
             "measured_s": cal.seconds, "total_s": time.perf_counter() - t0,
             "foreign_cpu_s": cal.foreign_cpu_s, "scenarios_redone": cal.num_redone,
+            "rusage": cal.rusage,
             "kv_bytes_per_token": kv_bytes_per_token(engine.model_config, engine.kv_dtype),
             "fit": report, "pid": os.getpid()}
     profile = calibrated_profile(path.stem, cost, scheduler, meta,
@@ -87,7 +88,8 @@ def calibrate(model: str | None, num_threads: int, quick: bool = False,
     del served
     profile.save(path)
     samples = path.with_suffix(".samples.json")     # raw steps, to refit without measuring
-    samples.write_text(json.dumps({"samples": cal.samples, "arrival_s": cal.arrival_s}))
+    samples.write_text(json.dumps({"samples": cal.samples, "cold": cal.cold,
+                                   "arrival_s": cal.arrival_s}))
     return profile, path
 
 

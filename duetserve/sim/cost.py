@@ -8,6 +8,11 @@ num_computed_tokens_before). `StepShape` reduces it to the few sums both models 
     decode  : n == 1   -> reads c cached positions (memory: KV bytes)
     prefill : n  > 1   -> n*c + n(n+1)/2 (query, key) pairs (compute: attention FLOPs)
 
+On this CPU engine the two kinds of prefill slice run different attention kernels
+(models/attention.py): a fresh one (c == 0) torch's flash kernel over the causal half,
+n(n+1)/2 pairs; a chunk after cached context an explicit masked score matrix, n*(c+n)
+entries, several times slower per entry. The calibrated model prices them apart.
+
 Two models implement `step_seconds(shape)`:
   - `CalibratedCost`: measured on this machine (`duet simulate --calibrate`); linear in the
     roofline terms, with fitted coefficients (sim/fit.py).
@@ -22,7 +27,8 @@ from typing import Iterable, Protocol
 
 # Feature names of the calibrated model, in coefficient order (see CalibratedCost).
 FEATURES = ("step", "requests", "rows_few", "many_rows", "rows_many", "logits",
-            "decode_context", "prefill_context", "prefill_pairs")
+            "decode_context", "prefill_context", "fresh_pairs", "chunk_scores", "mixed_few",
+            "cold_rows")
 
 
 @dataclass(slots=True)
@@ -36,6 +42,10 @@ class StepShape:
     decode_context: int = 0      # sum of c over decodes (n == 1)
     prefill_context: int = 0     # sum of c over prefill slices (n > 1)
     prefill_pairs: int = 0       # sum of n*c + n(n+1)/2 over prefill slices
+    num_prefills: int = 0        # prefill slices (n > 1)
+    fresh_pairs: int = 0         # sum of n(n+1)/2 over prefill slices with c == 0
+    chunk_scores: int = 0        # sum of n*(c+n) over prefill slices with c > 0
+    cold: bool = False           # the first step after the engine went idle (see below)
 
     def add(self, num_new: int, num_computed: int, sampled: bool) -> None:
         """Count one request's slice. Mutates self."""
@@ -46,13 +56,19 @@ class StepShape:
             self.num_decodes += 1
             self.decode_context += num_computed
         else:
+            self.num_prefills += 1
             self.prefill_context += num_computed
             self.prefill_pairs += num_new * num_computed + num_new * (num_new + 1) // 2
+            if num_computed:
+                self.chunk_scores += num_new * (num_computed + num_new)
+            else:
+                self.fresh_pairs += num_new * (num_new + 1) // 2
 
 
-def shape_of(items: Iterable[tuple[int, int, bool]]) -> StepShape:
-    """StepShape of (num_new, num_computed_before, sampled) per scheduled request."""
-    shape = StepShape()
+def shape_of(items: Iterable[tuple[int, int, bool]], cold: bool = False) -> StepShape:
+    """StepShape of (num_new, num_computed_before, sampled) per scheduled request; `cold`:
+    the engine had no requests after its previous step (or had just started)."""
+    shape = StepShape(cold=cold)
     for n, c, sampled in items:
         if n > 0:
             shape.add(n, c, sampled)
@@ -77,7 +93,13 @@ class CalibratedCost:
         logits          sampled positions     LM head rows, sampling, detokenizing
         decode_context  sum c over decodes    KV bytes read by decode attention
         prefill_context sum c over prefills   cached context gathered for a prefill chunk
-        prefill_pairs   sum n*c + n(n+1)/2    attention FLOPs of prefill slices
+        fresh_pairs     sum n(n+1)/2, c == 0  flash attention of fresh prompts
+        chunk_scores    sum n*(c+n), c > 0    masked score matrix of chunks after context
+        mixed_few       1 if T <= breakpoint  few rows with prefill work: the modules, not
+                        and a prefill slice   the native decode stack of decode-only steps
+        cold_rows       T if the step is cold the engine hands freed heap memory back to the
+                                              OS when it goes idle (EngineCore._on_idle), so
+                                              the next step faults its transients in again
 
     `breakpoint` is the row count where the engine switches kernels (fitted).
     `arrival_s` is the engine's cost of adding one request (validation, detokenizer set-up),
@@ -91,7 +113,8 @@ class CalibratedCost:
         many = s.num_tokens > self.breakpoint
         return (1.0, s.num_reqs, 0 if many else s.num_tokens, 1.0 if many else 0.0,
                 s.num_tokens if many else 0, s.num_logits, s.decode_context,
-                s.prefill_context, s.prefill_pairs)
+                s.prefill_context, s.fresh_pairs, s.chunk_scores,
+                0.0 if many or not s.num_prefills else 1.0, s.num_tokens if s.cold else 0)
 
     def step_seconds(self, shape: StepShape) -> float:
         return sum(c * f for c, f in zip(self.coef, self.features(shape)))

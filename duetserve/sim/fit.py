@@ -67,10 +67,15 @@ def _fit_one(shapes: list[StepShape], seconds: np.ndarray, breakpoint: int,
     return coef, float(np.sqrt(np.mean(rel[keep] ** 2)))
 
 
-def fit_cost(samples: Sequence[Sample], arrival_s: float = 0.0) -> tuple[CalibratedCost, dict]:
+def fit_cost(samples: Sequence[Sample], arrival_s: float = 0.0,
+             cold: Sequence[bool] | None = None) -> tuple[CalibratedCost, dict]:
     """The best CalibratedCost for `samples`, and a report of the fit (RMS and median
-    relative error, outliers dropped, per-breakpoint RMS)."""
-    shapes = [shape_of(slices) for slices, _ in samples]
+    relative error, outliers dropped, per-breakpoint RMS). `cold[i]`: sample i was the
+    first step after the engine went idle (None: none was)."""
+    if cold is not None and len(cold) != len(samples):
+        raise ValueError(f"{len(cold)} cold flags for {len(samples)} samples")
+    flags = cold if cold is not None else [False] * len(samples)
+    shapes = [shape_of(slices, bool(c)) for (slices, _), c in zip(samples, flags)]
     seconds = np.array([s for _, s in samples], dtype=np.float64)
     if len(samples) < 2 * len(FEATURES):
         raise ValueError(f"need at least {2 * len(FEATURES)} steps to fit, got {len(samples)}")

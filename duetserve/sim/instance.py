@@ -52,6 +52,9 @@ class SimInstance:
         self.num_steps = 0
         self.busy_seconds = 0.0
         self.num_step_tokens = 0
+        # the engine releases freed heap memory when it runs out of requests (and after
+        # its start-up measurement): its next step faults its transients back in
+        self.cold = True
 
     @property
     def num_outstanding(self) -> int:
@@ -88,7 +91,8 @@ class SimInstance:
             self._so = None
             return None
         requests = self.scheduler.requests
-        shape = StepShape()
+        shape = StepShape(cold=self.cold)
+        self.cold = False
         sampled = []
         for req_id, n in so.num_scheduled_tokens.items():
             req = requests[req_id]
@@ -128,5 +132,6 @@ class SimInstance:
         for req in touched:
             if req.is_finished:
                 self.kv_loaded.pop(req.req_id, None)
+        self.cold = not self.scheduler.has_unfinished_requests()
         self._so, self._sampled = None, []
         return touched

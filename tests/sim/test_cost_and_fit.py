@@ -20,6 +20,22 @@ def test_shape_sums() -> None:
     assert s.decode_context == 150
     assert s.prefill_context == 64
     assert s.prefill_pairs == 32 * 64 + 32 * 33 // 2 + 8 * 9 // 2
+    # the calibrated model's split: flash pairs of the fresh prompt, the masked score
+    # matrix (chunk x whole context) of the chunk after 64 cached tokens
+    assert (s.num_prefills, s.fresh_pairs, s.chunk_scores) == (2, 8 * 9 // 2, 32 * 96)
+
+
+def test_calibrated_features_tell_the_engine_paths_apart() -> None:
+    """Few-row steps with prefill work run the modules (mixed_few); decode-only ones the
+    native decode stack; above the breakpoint both are dense GEMM steps."""
+    coef = [0.0] * len(FEATURES)
+    coef[FEATURES.index("mixed_few")] = 1.0
+    coef[FEATURES.index("chunk_scores")] = 1e-6
+    cost = CalibratedCost(tuple(coef), 16)
+    assert cost.step_seconds(shape_of([(1, 10, True)] * 4)) == 0.0
+    assert cost.step_seconds(shape_of([(1, 10, True)] * 4 + [(4, 0, False)])) == 1.0
+    assert cost.step_seconds(shape_of([(1, 10, True)] * 4 + [(20, 0, False)])) == 0.0
+    assert cost.step_seconds(shape_of([(20, 30, True)])) == pytest.approx(20 * 50 * 1e-6)
 
 
 def test_unit_costs_reproduce_the_cost_model() -> None:
@@ -67,20 +83,26 @@ def test_fit_recovers_a_known_cost_and_breakpoint() -> None:
     coef = [0.0] * len(FEATURES)
     for name, value in (("step", 0.009), ("requests", 0.0004), ("rows_few", 0.0015),
                         ("many_rows", 0.006), ("rows_many", 0.0011), ("logits", 0.0002),
-                        ("decode_context", 2e-6), ("prefill_pairs", 3e-8)):
+                        ("decode_context", 2e-6), ("fresh_pairs", 3e-8),
+                        ("chunk_scores", 8e-8), ("mixed_few", 0.004), ("cold_rows", 5e-5)):
         coef[FEATURES.index(name)] = value
     truth = CalibratedCost(tuple(coef), 4)
     rng = np.random.default_rng(1)
-    samples = []
+    samples, cold = [], []
     for _ in range(300):
         b = int(rng.choice([1, 2, 3, 4, 5, 6, 8, 16, 32, 47]))
         slices = [(1, int(rng.integers(10, 2000)), True) for _ in range(b)]
-        if rng.random() < 0.5:
-            slices.append((int(rng.integers(2, 512)), int(rng.integers(0, 1024)),
-                           bool(rng.random() < 0.5)))     # mid-prompt chunks sample nothing
-        samples.append((slices, truth.step_seconds(shape_of(slices))))
+        if rng.random() < 0.5:       # a fresh prompt or a chunk after context, some tiny
+            n = int(rng.integers(2, 4 if b <= 2 and rng.random() < 0.5 else 512))
+            c = 0 if rng.random() < 0.5 else int(rng.integers(1, 1024))
+            slices.append((n, c, bool(rng.random() < 0.5)))   # mid-prompt chunks sample nothing
+        cold.append(bool(rng.random() < 0.2))
+        samples.append((slices, truth.step_seconds(shape_of(slices, cold[-1]))))
     samples.append(([(1, 10, True)], 5.0))       # a stall: dropped as an outlier
-    cost, report = fit_cost(samples, arrival_s=0.0003)
+    cold.append(False)
+    with pytest.raises(ValueError, match="cold flags"):
+        fit_cost(samples, cold=cold[:-1])
+    cost, report = fit_cost(samples, arrival_s=0.0003, cold=cold)
     assert cost.breakpoint == 4
     assert cost.coef == pytest.approx(truth.coef, rel=1e-6, abs=1e-12)
     assert report["num_outliers"] == 1

@@ -47,7 +47,7 @@ def test_simulation_tracks_the_engine_on_a_tiny_model(tiny_checkpoints, tmp_path
                                              output_len="6:12", num_turns=2, seed=3), id_range)
     rate = 20.0
     real = replay(engine, convs, arrival_offsets(len(convs), rate, 1.0, 3).tolist())
-    cost, report = fit_cost([(sl, dt) for _, dt, sl in real.steps])
+    cost, report = fit_cost([(sl, dt) for _, dt, sl in real.steps], cold=real.step_cold)
     own = calibrated_profile("replay-fit", cost, profile.scheduler, {})
     sim = simulate(convs, own, ClusterSpec(1), rate, 1.0, 3, None, engine.scheduler.config,
                    id_range)

@@ -199,3 +199,37 @@ def test_a_step_budget_gives_idle_steps_the_idle_budget_and_chunks_beside_decode
     _, res = run([one_turn(100, 10), one_turn(100, 2, first_id=2000)], [0.0, 0.003],
                  cfg=config(max_num_batched_tokens=policy.idle))
     assert res.records[1].ttft == pytest.approx(2 * STEP - 0.003)
+
+
+def test_a_step_after_the_engine_went_idle_is_cold() -> None:
+    """The engine releases freed heap memory when it has no requests left (and after its
+    start-up measurement), so the simulated instance marks the next step cold, as
+    bench/replay.py and the calibration grid mark the engine's."""
+    from duetserve.request import Request
+    from duetserve.sampling_params import SamplingParams
+    from duetserve.sim.cost import StepShape
+
+    seen: list[bool] = []
+
+    class Recorder:
+        arrival_s = 0.0
+
+        def step_seconds(self, shape: StepShape) -> float:
+            seen.append(shape.cold)
+            return 0.01
+
+    inst = SimInstance(0, SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4,
+                                          num_blocks=64, block_size=16, max_model_len=256),
+                       Recorder())
+
+    def run_one(req_id: str) -> None:
+        inst.submit(Request(req_id, [5, 6, 7, 8], SamplingParams(max_tokens=3, ignore_eos=True),
+                            arrival_time=0.0))
+        assert inst.admit_pending() == []
+        while inst.begin_step() is not None:
+            inst.end_step()
+
+    run_one("a")
+    run_one("b")
+    # a: prefill (cold: fresh engine), two decodes; b after idle: cold again, then warm
+    assert seen == [True, False, False, True, False, False]

@@ -1,0 +1,122 @@
+"""Re-examine a fidelity run (benchmarks/sim_fidelity.py's output folder) without the engine.
+
+The measured side of a fidelity run does not depend on the cost model, so the simulated
+side can be recomputed offline with another fit, and the cost model's misses read step by
+step from the engine's own steps (`*-steps.json`). Two reports:
+
+  steps   per run and step class (decode-only / prefill-only / mixed, few or many rows):
+          steps, measured and predicted mean ms, predicted / measured total
+  ratios  sim / real TTFT and TPOT p50 / p90 / p99 per run, with the profile's cost model
+          or a refit (`--refit`: the calibration samples next to the profile, plus the
+          steps of the runs named by `--fit-runs`, which then no longer test the fit)
+
+    PYTHONPATH=. .venv/bin/python benchmarks/sim_refit.py out/sim/fidelity [--refit]
+
+Reads the folder only; writes nothing unless `--save-profile` is given.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from duetserve.bench.token_workload import DEFAULT_ID_RANGE
+from duetserve.sim.cluster import ClusterSpec
+from duetserve.sim.cost import shape_of
+from duetserve.sim.fit import fit_cost
+from duetserve.sim.profile import calibrated_profile, load_profile
+from duetserve.sim.run import run_json, simulate
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sim_fidelity import PERCENTILES, conversations, ratios  # noqa: E402
+
+
+def step_class(slices, breakpoint: int) -> str:
+    rows = sum(n for n, _, _ in slices)
+    decodes = sum(1 for n, _, _ in slices if n == 1)
+    many = "many" if rows > breakpoint else "few"
+    if decodes == len(slices):
+        return f"decode-only {many}"
+    if decodes == 0:
+        return f"prefill-only {many}"
+    return f"mixed {many}"
+
+
+def step_cold(d: Path, tag: str, steps) -> list[bool]:
+    """The run's cold flags (runs before they were recorded: none cold)."""
+    info = d / f"{tag}-stepinfo.json"
+    return json.loads(info.read_text())["cold"] if info.exists() else [False] * len(steps)
+
+
+def step_report(steps, cold, cost) -> dict:
+    by: dict[str, list[tuple[float, float]]] = {}
+    for (_, dt, slices), c in zip(steps, cold):
+        pred = cost.step_seconds(shape_of(slices, c))
+        by.setdefault(step_class(slices, cost.breakpoint), []).append((dt, pred))
+    out = {}
+    for k, v in sorted(by.items()):
+        a = np.array(v)
+        out[k] = {"steps": len(v), "meas_ms": 1e3 * a[:, 0].mean(),
+                  "pred_ms": 1e3 * a[:, 1].mean(), "ratio": a[:, 1].sum() / a[:, 0].sum()}
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("dir")
+    ap.add_argument("--profile", default=None, help="default DIR/profile.json")
+    ap.add_argument("--refit", action="store_true")
+    ap.add_argument("--fit-runs", default="", help="runs (mix-level) whose steps join the fit")
+    ap.add_argument("--no-grid", action="store_true", help="refit without the grid samples")
+    ap.add_argument("--save-profile", default=None)
+    args = ap.parse_args()
+    d = Path(args.dir)
+    fid = json.loads((d / "fidelity.json").read_text())
+    ppath = Path(args.profile) if args.profile else d / "profile.json"
+    if args.refit:      # the saved cost may have older features: keep its scheduler only
+        doc = json.loads(ppath.read_text())
+        samples, cold = [], []
+        if not args.no_grid:
+            raw = json.loads(ppath.with_suffix(".samples.json").read_text())
+            samples += raw["samples"]
+            cold += raw.get("cold", [False] * len(raw["samples"]))
+        for tag in filter(None, args.fit_runs.split(",")):
+            steps = json.loads((d / f"{tag}-steps.json").read_text())
+            samples += [(sl, dt) for _, dt, sl in steps]
+            cold += step_cold(d, tag, steps)
+        cost, report = fit_cost(samples, doc["cost"].get("arrival_s", 0.0), cold)
+        print(f"refit over {len(samples)} steps: {cost.describe()}")
+        print(f"  {json.dumps(report)}")
+        profile = calibrated_profile(doc["name"], cost, doc["scheduler"],
+                                     {**doc.get("meta", {}), "fit": report},
+                                     doc.get("description", ""))
+        if args.save_profile:
+            profile.save(args.save_profile)
+    else:
+        profile = load_profile(ppath)
+        print(profile.cost.describe())
+    config = profile.scheduler_config()
+    slo = {"ttft": 600.0, "tpot": 60.0}
+    for run in fid["runs"]:
+        tag = f"{run['mix']}-{run['level']:g}"
+        steps = json.loads((d / f"{tag}-steps.json").read_text())
+        print(f"\n{tag} @ {run['rate']:.3f}/s, {run['requests']} requests")
+        for k, v in step_report(steps, step_cold(d, tag, steps), profile.cost).items():
+            print(f"  {k:20s} {v['steps']:5d} steps  meas {v['meas_ms']:7.1f} ms  "
+                  f"pred {v['pred_ms']:7.1f} ms  ratio {v['ratio']:.3f}")
+        real = json.loads((d / f"{tag}-real.json").read_text())
+        convs = conversations(run["mix"], run["conversations"], 1, DEFAULT_ID_RANGE)
+        sres = simulate(convs, profile, ClusterSpec(1), run["rate"], 1.0, 1, None, config,
+                        DEFAULT_ID_RANGE)
+        sim = {"runs": [run_json(sres, run["rate"], 1.0, None, PERCENTILES, slo)]}
+        r = ratios(real, sim)
+        print("  " + "  ".join(f"{k} {v['real_ms']:.0f}/{v['sim_ms']:.0f} ({v['ratio']:.2f})"
+                               for k, v in r.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
