@@ -157,7 +157,7 @@ class TorchAttention(AttentionBackend):
                 if qp.shape[0] * qp.shape[1] * kp.shape[1] <= GROUPED_MAX_SCORES:
                     op = self._grouped(qp, kp, vp, p.mask)
                 else:
-                    op = self._after_prefix(qp, kp, vp)
+                    op = self._after_prefix(qp, kp, vp, p.mask)
             out[p.start:p.end] = op.transpose(0, 1)
         return out
 
@@ -176,22 +176,21 @@ class TorchAttention(AttentionBackend):
         probs = torch.softmax(scores, dim=-1).view(kvh, (h // kvh) * n, ctx)
         return torch.bmm(probs, v).view(h, n, hd)
 
-    def _after_prefix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-                      ) -> torch.Tensor:
-        """A long chunk after a cached prefix: q [H, n, hd] over k, v [KVH, L, hd], where
-        the last n of the L positions are the chunk's own (the mask is causal, aligned to
-        the bottom right). Two flash-attention calls, the chunk over the prefix (no mask)
-        and over itself (causal), merged by their log-sum-exps; neither materializes a
-        score matrix. torch's masked SDPA took the math kernel here: 220 ms a layer for
-        1,955 tokens after 13 cached on SmolLM2 (an 8 s prefill), 72 ms with 4-D inputs,
-        46 ms this way."""
+    def _after_prefix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      mask: torch.Tensor) -> torch.Tensor:
+        """A long chunk after a cached prefix: q [H, n, hd] over k, v [KVH, L, hd] with
+        mask [n, L], where the last n of the L positions are the chunk's own (batch.py's
+        mask: causal, aligned to the bottom right). Two flash-attention calls, the chunk
+        over the prefix (no mask) and over itself (causal), merged by their log-sum-exps;
+        neither materializes a score matrix. torch's masked SDPA took the math kernel
+        here: 220 ms a layer for 1,955 tokens after 13 cached on SmolLM2 (an 8 s
+        prefill), 72 ms with 4-D inputs (the fallback, where torch lacks the op), 46 ms
+        this way."""
         flash = _FLASH_WITH_LSE
+        if flash is None:
+            return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask,
+                                                  enable_gqa=self.gqa)[0]
         cached = k.shape[1] - q.shape[1]
-        if flash is None or cached <= 0:
-            return F.scaled_dot_product_attention(
-                q[None], k[None], v[None], enable_gqa=self.gqa,
-                attn_mask=torch.arange(k.shape[1])[None, :] <=
-                cached + torch.arange(q.shape[1])[:, None])[0]
         o1, l1 = flash(q[None], k[None, :, :cached], v[None, :, :cached],
                        scale=self.scale)[:2]
         o2, l2 = flash(q[None], k[None, :, cached:], v[None, :, cached:], is_causal=True,

@@ -23,6 +23,6 @@ def test_prefix_attention_equals_masked_sdpa(heads, kv_heads, n, ctx, path) -> N
     attn = TorchAttention(heads, kv_heads, hd)
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
                                          enable_gqa=heads != kv_heads)
-    out = attn._grouped(q, k, v, mask) if path == "_grouped" else attn._after_prefix(q, k, v)
+    out = getattr(attn, path)(q, k, v, mask)
     assert out.shape == (heads, n, hd)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
