@@ -53,7 +53,7 @@ class RequestRecord:
     prompt_tokens: int = 0
     output_tokens: int = 0
     ttft: float | None = None
-    server_ttft: float | None = None  # the server's own TTFT (its `server_timing`), if sent
+    server_ttft: float | None = None  # the server's own TTFT (serve.server_ttft), if sent
     tpot: float | None = None
     e2e: float | None = None
     itl: list[float] = field(default_factory=list)

@@ -68,6 +68,10 @@ class ServerMetrics:
         tokens = buckets_1_2_5(max_model_len)
         step_tokens = buckets_1_2_5(max_num_batched_tokens)
         self.ttft = hist("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
+        self.first_chunk = hist(
+            "time_to_first_chunk_seconds", "Streamed requests: time from the HTTP request's "
+            "arrival to its first chunk handed to the HTTP server (what a client times as "
+            "TTFT, less the network and its own parsing).", TTFT_BUCKETS)
         self.tpot = hist("time_per_output_token_seconds", "Mean time per output token.",
                          TPOT_BUCKETS)
         self.itl = hist("inter_token_latency_seconds", "Latency between tokens.",
@@ -197,6 +201,12 @@ class ServerMetrics:
                  "running %d, waiting %d, KV cache %.1f%%", prefill / dt, decode / dt, steps,
                  dt, st.num_running, st.num_waiting, 100.0 * st.kv_usage)
         self._window = [now, 0, 0, 0]
+
+    def observe_first_chunk(self, seconds: float) -> None:
+        """A streamed request's first chunk went to the HTTP server `seconds` after its
+        arrival (called on the event loop)."""
+        with self._lock:
+            self.first_chunk.observe(seconds)
 
     def observe_finished(self, out: RequestOutput | None, reason: str) -> None:
         with self._lock:

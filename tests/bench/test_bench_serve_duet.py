@@ -1,6 +1,6 @@
 """`duet bench serve` against a real duetserve server (tiny random model): the counts the
 benchmark reports equal what the server's /metrics counted, and so do the server TTFTs
-it read from each response's `server_timing`."""
+it read from each response's `server_timing` (time to the first streamed chunk)."""
 from __future__ import annotations
 
 import json
@@ -35,10 +35,14 @@ def test_bench_serve_counts_match_server_metrics(tiny_checkpoints, tmp_path):
     records = json.loads(out.read_text())["runs"][0]["requests"]
     requested = [r["expected_output_len"] for r in records]
     assert summary["total_output_tokens"] == sum(requested)
-    # each request's server TTFT is the value the server's TTFT histogram observed
+    # each request's server TTFT is its first chunk's time, the value the server's
+    # time-to-first-chunk histogram observed; the engine's first-token stamps (the TTFT
+    # histogram) come before them
     server_ttft = [r["server_ttft"] for r in records]
     assert all(t is not None and t > 0 for t in server_ttft)
+    assert delta["duet:time_to_first_chunk_seconds_count"] == 12
     assert sum(server_ttft) == pytest.approx(
-        delta["duet:time_to_first_token_seconds_sum"], rel=1e-6, abs=1e-6)
+        delta["duet:time_to_first_chunk_seconds_sum"], rel=1e-6, abs=1e-6)
+    assert 0 < delta["duet:time_to_first_token_seconds_sum"] <= sum(server_ttft)
     assert summary["server_ttft_ms"]["median"] is not None
     assert summary["server_vs_client_ttft_p50"] > 0

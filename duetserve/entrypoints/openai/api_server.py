@@ -98,7 +98,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
         if core.trace is not None:
             roles.connector.observers.append(core.trace.transfer)
     ctx = ServerContext(engine, served_model_name, core.model_config.vocab_size,
-                        engine.max_model_len)
+                        engine.max_model_len, on_first_chunk=metrics.observe_first_chunk)
     created = int(time.time())
 
     @asynccontextmanager

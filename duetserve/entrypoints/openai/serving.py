@@ -15,7 +15,7 @@ import dataclasses
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 
@@ -78,6 +78,9 @@ class ServerContext:
     served_model_name: str
     vocab_size: int
     max_model_len: int
+    # fn(seconds from arrival) when a streamed request's first chunk goes to the HTTP
+    # server (the metrics' time-to-first-chunk histogram); None: not observed.
+    on_first_chunk: Callable[[float], None] | None = None
 
     def __post_init__(self) -> None:
         self.tokenizer = self.engine.tokenizer
@@ -263,7 +266,9 @@ class _Generation:
         RequestGuard when the HTTP request reached the app): `queue_s` to its first
         scheduling, `ttft_s` to its first token (the engine's stamp, what the
         duet:time_to_first_token_seconds histogram records), `first_chunk_s` to the first
-        streamed chunk handed to the HTTP server (streaming only), `e2e_s` to now. Sent as
+        streamed chunk handed to the HTTP server (streaming only; what the
+        duet:time_to_first_chunk_seconds histogram records, and the server's end of the
+        span a streaming client times as its TTFT), `e2e_s` to now. Sent as
         the `server_timing` field of the final usage chunk and of non-streaming
         responses (an extension OpenAI clients ignore); None where not reached."""
         ms = [s.metrics for s in self.subs if s.metrics is not None]
@@ -300,6 +305,8 @@ class _Generation:
                 for chunk in render_deltas(i, out):
                     if self.first_chunk_time is None:
                         self.first_chunk_time = time.time()
+                        if self.ctx.on_first_chunk is not None:
+                            self.ctx.on_first_chunk(self.first_chunk_time - self.arrival_time)
                     yield _sse(chunk)
             if render_usage is not None and any(s.started for s in self.subs):
                 yield _sse({**render_usage(self.usage()), "server_timing": self.timing()})
