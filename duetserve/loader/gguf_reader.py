@@ -10,7 +10,8 @@ when asked (`get`): strings into one list of str, numbers into one numpy array; 
 of it is cached here, so the caller decides how long it lives.
 
 Tensors are indexed as `gguf`'s are (`GGUFTensorInfo`: name, type, shape in GGUF order,
-sizes, and `data`, a view of the file's memory map shaped as gguf shapes it). Only
+sizes, `data`, a view of the file's memory map shaped as gguf shapes it, and the file's
+path and the data's offset for reads that bypass the map). Only
 little-endian files are read (what llama.cpp writes on every host we run on).
 """
 from __future__ import annotations
@@ -59,6 +60,7 @@ class GGUFTensorInfo(NamedTuple):
     n_bytes: int
     data_offset: int               # absolute, in the file
     data: np.ndarray               # a view of the file's map (row-major, gguf's shape)
+    path: str                      # the file (for reads that bypass the map)
 
 
 class _Array(NamedTuple):
@@ -225,4 +227,4 @@ class GGUFFile:
                                 f"{self._size} bytes")
         data = self.data[start:end].view(dtype).reshape(np_dims)
         return GGUFTensorInfo(name, qtype, tuple(int(d) for d in dims), n_elements, n_bytes,
-                              start, data)
+                              start, data, self.path)
