@@ -67,7 +67,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict)
         # The loader fills every weight, so none is initialised here: nn.Embedding's own
         # init (normal_) on the meta device runs torch's Python reference, which imports
-        # torch._dynamo and with it inductor and sympy (~800 modules, ~90 MiB resident).
+        # torch._dynamo and with it inductor and sympy (~810 modules, tens of MiB resident).
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, backend)
