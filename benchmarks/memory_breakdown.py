@@ -14,7 +14,13 @@ touched count: the KV cache is allocated lazily):
 - the KV cache (its touched pages; its full size is reported too);
 - the GGUF file's memory map (page-cache pages still mapped into the process);
 - the rest: the Python interpreter, torch and the other libraries' code and data, the
-  allocator's cached free memory and whatever transient buffers are still held.
+  allocator's cached free memory and whatever transient buffers are still held; of it,
+  Python's small-object arenas (`pymalloc_arenas`, with `pymalloc_live` the bytes of the
+  objects alive in them: the difference is arenas pinned by a few survivors) and glibc's
+  heap in use / free but held (`malloc_in_use`, `malloc_free_held`).
+
+Run it with `DUET_CACHE_DIR` pointing at a folder without step_cost.json to see a first
+start, which measures the step cost (engine/step_cost.py) before serving.
 
 Prints one JSON line per stage (MiB).
 """
@@ -142,8 +148,35 @@ def malloc_stats() -> dict[str, float]:
             "malloc_free_held": round(m.fordblks / MiB, 1)}
 
 
+def pymalloc_stats() -> dict[str, float]:
+    """Python's small-object allocator (MiB): its arenas (1 MiB each, returned to the OS
+    only when wholly empty) and the bytes of live objects in them, parsed from
+    sys._debugmallocstats (which writes to the C stderr)."""
+    import re
+    import tempfile
+
+    with tempfile.TemporaryFile() as tmp:
+        saved = os.dup(2)
+        try:
+            os.dup2(tmp.fileno(), 2)
+            sys._debugmallocstats()
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        tmp.seek(0)
+        text = tmp.read().decode(errors="replace")
+    arenas = re.search(r"# arenas allocated current\s*=\s*([\d,]+)", text)
+    live = re.search(r"# bytes in allocated blocks\s*=\s*([\d,]+)", text)
+    size = re.search(r"(\d[\d,]*) arenas \* (\d+) bytes/arena", text)
+    if not (arenas and live and size):
+        return {}
+    n = int(arenas.group(1).replace(",", ""))
+    return {"pymalloc_arenas": round(n * int(size.group(2)) / MiB, 1),
+            "pymalloc_live": round(int(live.group(1).replace(",", "")) / MiB, 1)}
+
+
 def measure(stage: str, engine, model_path: str, trim: bool = False) -> dict:
-    out = {"stage": stage, **smaps(model_path), **malloc_stats()}
+    out = {"stage": stage, **smaps(model_path), **malloc_stats(), **pymalloc_stats()}
     if engine is not None:
         accounted = 0.0
         for kind, ts in tensor_groups(engine).items():

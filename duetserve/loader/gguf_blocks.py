@@ -4,7 +4,10 @@
 whole) and decodes a range of rows at a time, so a whole model never exists in float32:
 
 - `dequantize(a, b)`: float32 rows, exact (through `gguf.quants`).
-- `rows(ids)`: float32 rows at any ids, exact (the embedding lookup that reads the file).
+- `rows(ids)`: float32 rows at any ids, exact (the embedding lookup that reads the file:
+  with positioned reads, not through the map, so the rows read never count in the
+  process's resident memory; a mapped page would, and the kernel maps a file's cached
+  pages 64 KiB around each one touched).
 - `int4_groups(a, b)`: for Q4_0 / Q4_1 / Q4_K, the *exact* group-of-32 form
   `w = d * q + m` with `q` in 0..15 (d and m in float32), which models/quant.py packs.
   Other formats return None (they are not 4-bit).
@@ -17,6 +20,8 @@ Block layouts (ggml's, little-endian, `d`/`m`/`dmin` are float16):
                                   low nibbles are sub-block 2i, the high ones 2i + 1.
 """
 from __future__ import annotations
+
+import os
 
 import numpy as np
 
@@ -33,6 +38,9 @@ class GGUFTensor:
         self._qtype = tensor.tensor_type
         self._data = tensor.data            # memory-mapped; [rows, bytes] or [rows, cols]
         self.row_perm = row_perm
+        self._path = getattr(tensor, "path", None)      # rows() reads it with pread
+        self._offset = int(tensor.data_offset)
+        self._file = None                               # opened on the first rows()
         cols = int(tensor.shape[0])
         rows = int(np.prod([int(s) for s in tensor.shape[1:]])) if len(tensor.shape) > 1 else 1
         self.shape = (rows, cols) if len(tensor.shape) > 1 else (cols,)
@@ -58,13 +66,37 @@ class GGUFTensor:
 
     def rows(self, ids: np.ndarray) -> np.ndarray:
         """float32 rows `ids` (int [n], any order, repeats allowed) -> [n, cols], exact:
-        only those rows' bytes are read (memory-mapped pages, touched on demand)."""
+        only those rows' bytes are read, with pread from the file when its path is known
+        (else through the memory map). Opens the file on the first call."""
         uniq, inv = np.unique(np.asarray(ids, dtype=np.int64), return_inverse=True)
         if uniq.size and (uniq[0] < 0 or uniq[-1] >= self.shape[0]):
             raise IndexError(f"row ids must be in [0, {self.shape[0]}) for {self.name}")
         src = uniq if self.row_perm is None else self.row_perm[uniq]
-        data = self._data if self._data.ndim > 1 else self._data.reshape(self.shape[0], -1)
-        return self._decode(np.asarray(data[src]))[inv]
+        if self._path is None or len(self.shape) != 2:
+            data = self._data if self._data.ndim > 1 else \
+                self._data.reshape(self.shape[0], -1)
+            return self._decode(np.asarray(data[src]))[inv]
+        return self._decode(self._pread_rows(src))[inv]
+
+    def _pread_rows(self, src: np.ndarray) -> np.ndarray:
+        """Raw rows `src` (as the map would give them: [n, row bytes] uint8, or the
+        elements of a float tensor) read from the file, one read per run of consecutive
+        rows."""
+        row_bytes = self._data.nbytes // self.shape[0]
+        out = np.empty((len(src), row_bytes), np.uint8)
+        if self._file is None:
+            self._file = open(self._path, "rb", buffering=0)
+        fd = self._file.fileno()
+        starts = np.flatnonzero(np.diff(src, prepend=-2) != 1)
+        for a, b in zip(starts.tolist(), starts[1:].tolist() + [len(src)]):
+            view = memoryview(out[a:b]).cast("B")
+            offset, done = self._offset + int(src[a]) * row_bytes, 0
+            while done < len(view):
+                n = os.preadv(fd, [view[done:]], offset + done)
+                if n <= 0:
+                    raise OSError(f"{self._path} ends inside tensor {self.name}")
+                done += n
+        return out.view(self._data.dtype).reshape(len(src), -1)
 
     def _decode(self, raw: np.ndarray) -> np.ndarray:
         """Raw rows (file bytes, or the values of a float tensor) -> float32 [n, cols]."""

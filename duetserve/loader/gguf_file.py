@@ -1,5 +1,6 @@
-"""Read GGUF checkpoints with the `gguf` library: metadata -> ModelConfig, tensors ->
-float arrays under Hugging Face parameter names (so one weight-assignment path serves
+"""Read GGUF checkpoints (loader/gguf_reader.py, on the `gguf` library's constants and
+block decoders): metadata -> ModelConfig, tensors -> lazy row readers under Hugging Face
+parameter names (so one weight-assignment path serves
 GGUF and safetensors alike).
 
 NOTE: llama.cpp's converter permutes the rows of Q and K of Llama-architecture models
@@ -18,6 +19,7 @@ import numpy as np
 from duetserve.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from duetserve.errors import CheckpointError
 from duetserve.loader.gguf_blocks import GGUFTensor
+from duetserve.loader.gguf_reader import GGUFFile, TruncatedGGUF
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
@@ -52,10 +54,9 @@ def is_gguf(path: str) -> bool:
     return os.path.isfile(path) and path.endswith(".gguf")
 
 
-def open_gguf(path: str):
-    """Open and validate a GGUF file; every failure becomes a one-line CheckpointError."""
-    import gguf
-
+def open_gguf(path: str) -> GGUFFile:
+    """Open and validate a GGUF file (loader/gguf_reader.py: metadata and tensor index,
+    no per-element objects); every failure becomes a one-line CheckpointError."""
     if not os.path.exists(path):
         raise CheckpointError(f"checkpoint not found: {path}")
     if not os.path.isfile(path):
@@ -65,30 +66,17 @@ def open_gguf(path: str):
     if magic != GGUF_MAGIC:
         raise CheckpointError(f"not a GGUF file (magic {magic!r}, expected b'GGUF'): {path}")
     try:
-        reader = gguf.GGUFReader(path, "r")
-    except Exception as e:  # the library raises many kinds for damaged files
+        return GGUFFile(path)
+    except TruncatedGGUF as e:
+        raise CheckpointError(f"GGUF file is truncated: {e}: {path}") from None
+    except Exception as e:  # a damaged file fails in many ways
         raise CheckpointError(f"cannot read GGUF file {path} (truncated or corrupt?): "
                               f"{type(e).__name__}: {e}") from None
-    size = os.path.getsize(path)
-    for t in reader.tensors:
-        end = int(t.data_offset) + int(t.n_bytes)
-        if end > size:
-            raise CheckpointError(
-                f"GGUF file is truncated: tensor {t.name} ends at byte {end} but the file "
-                f"has {size} bytes: {path}")
-    return reader
 
 
-def _field(reader, key: str, default=None):
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    return f.contents()
-
-
-def gguf_model_config(reader, path: str = "") -> ModelConfig:
+def gguf_model_config(reader: GGUFFile, path: str = "") -> ModelConfig:
     """Build a ModelConfig from GGUF metadata; errors name the missing key or bad arch."""
-    arch = _field(reader, "general.architecture")
+    arch = reader.get("general.architecture")
     if arch is None:
         raise CheckpointError(f"GGUF file has no general.architecture: {path}")
     if arch not in SUPPORTED_ARCHITECTURES:
@@ -96,26 +84,26 @@ def gguf_model_config(reader, path: str = "") -> ModelConfig:
                               + ", ".join(SUPPORTED_ARCHITECTURES))
 
     def need(key: str):
-        v = _field(reader, f"{arch}.{key}")
+        v = reader.get(f"{arch}.{key}")
         if v is None:
             raise CheckpointError(f"GGUF metadata key {arch}.{key} is missing: {path}")
         return v
 
     hidden = int(need("embedding_length"))
     heads = int(need("attention.head_count"))
-    kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv", heads))
-    head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // heads))
-    tokens = _field(reader, "tokenizer.ggml.tokens")
-    vocab = int(_field(reader, f"{arch}.vocab_size", len(tokens) if tokens else 0))
+    kv_heads = int(reader.get(f"{arch}.attention.head_count_kv", heads))
+    head_dim = int(reader.get(f"{arch}.attention.key_length", hidden // heads))
+    vocab = int(reader.get(f"{arch}.vocab_size",
+                       reader.array_len("tokenizer.ggml.tokens") or 0))
     names = {t.name for t in reader.tensors}
-    eos = _field(reader, "tokenizer.ggml.eos_token_id")
-    eot = _field(reader, "tokenizer.ggml.eot_token_id")
+    eos = reader.get("tokenizer.ggml.eos_token_id")
+    eot = reader.get("tokenizer.ggml.eot_token_id")
     eos_ids = tuple(dict.fromkeys(int(x) for x in (eos, eot) if x is not None))
     rope_scaling = None
-    stype = _field(reader, f"{arch}.rope.scaling.type")
+    stype = reader.get(f"{arch}.rope.scaling.type")
     if stype == "linear":
         rope_scaling = (("rope_type", "linear"),
-                        ("factor", float(_field(reader, f"{arch}.rope.scaling.factor", 1.0))))
+                        ("factor", float(reader.get(f"{arch}.rope.scaling.factor", 1.0))))
     elif stype not in (None, "none"):
         raise CheckpointError(f"unsupported rope scaling type {stype!r} in {path}")
     weight_type = next((t.tensor_type.name.lower() for t in reader.tensors
@@ -129,13 +117,13 @@ def gguf_model_config(reader, path: str = "") -> ModelConfig:
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
-        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rms_norm_eps=float(reader.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(reader.get(f"{arch}.rope.freq_base", 10000.0)),
         rope_scaling=rope_scaling,
-        max_position_embeddings=int(_field(reader, f"{arch}.context_length", 4096)),
+        max_position_embeddings=int(reader.get(f"{arch}.context_length", 4096)),
         tie_word_embeddings="output.weight" not in names,
         has_qkv_bias="blk.0.attn_q.bias" in names,
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        bos_token_id=reader.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=eos_ids,
         weight_dtype=weight_type,
     )
@@ -154,7 +142,7 @@ def unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(w.shape))
 
 
-def drop_mapped_pages(reader) -> None:
+def drop_mapped_pages(reader: GGUFFile) -> None:
     """Unmap from this process the file pages read so far (the weights were repacked from
     them). The map itself may live on (a file-backed embedding reads rows from it), and
     while it does every page touched counts in the process's resident memory; dropped, a
@@ -176,7 +164,7 @@ def dequantize(tensor) -> np.ndarray:
     return GGUFTensor(tensor.name, tensor).dequantize()
 
 
-def iter_gguf_tensors(reader, config: ModelConfig) -> Iterator[tuple[str, GGUFTensor]]:
+def iter_gguf_tensors(reader: GGUFFile, config: ModelConfig) -> Iterator[tuple[str, GGUFTensor]]:
     """Yield (hf_name, lazy GGUFTensor) for every tensor, Q/K rows restored to HF order
     (as a row permutation applied when rows are read). Nothing is decoded here."""
     permute = config.architecture in PERMUTED_QK_ARCHS

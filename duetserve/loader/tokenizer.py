@@ -10,12 +10,14 @@ import json
 import logging
 import os
 
+import numpy as np
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from duetserve.config import ModelConfig
 from duetserve.errors import CheckpointError
 from duetserve.loader.chat_template import render_chat_template
+from duetserve.loader.gguf_reader import GGUFFile
 
 log = logging.getLogger(__name__)
 
@@ -104,41 +106,26 @@ class Tokenizer:
                            add_special_tokens=False)
 
     @classmethod
-    def from_gguf(cls, reader, cfg: ModelConfig) -> "Tokenizer":
-        def field(key, default=None):
-            f = reader.fields.get(key)
-            return default if f is None else f.contents()
-
+    def from_gguf(cls, reader: GGUFFile, cfg: ModelConfig) -> "Tokenizer":
+        """Build the tokenizer from the file's `tokenizer.ggml.*` metadata. The vocabulary
+        and merges are decoded here (one list of str each) and live only while the
+        `tokenizers` model is built: nothing per token outlives this call on the Python
+        side (its strings would pin Python's small-object arenas for good)."""
+        field = reader.get
         kind = field("tokenizer.ggml.model")
         if kind != "gpt2":
             raise CheckpointError(f"unsupported GGUF tokenizer model {kind!r}; supported: "
                                   "'gpt2' (byte-level BPE)")
-        tokens: list[str] = field("tokenizer.ggml.tokens")
-        merges: list[str] = field("tokenizer.ggml.merges") or []
-        types: list[int] = field("tokenizer.ggml.token_type") or [1] * len(tokens)
         pre = field("tokenizer.ggml.pre", "default")
         if pre not in PRE_TOKENIZERS:
             log.warning("GGUF pre-tokenizer %r unknown; using GPT-2's (known: %s)", pre,
                         ", ".join(PRE_TOKENIZERS))
             pre = "gpt2"
-        vocab = {t: i for i, t in enumerate(tokens)}
-        bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges],
-                         ignore_merges=pre in ("llama-bpe", "llama3"))
-        tok = HFTokenizer(bpe)
+        tok, special = _gguf_bpe(reader, ignore_merges=pre in ("llama-bpe", "llama3"))
         tok.pre_tokenizer = PRE_TOKENIZERS[pre]()
         tok.decoder = decoders.ByteLevel()
-        tok.add_tokens([AddedToken(t, special=False, normalized=False)
-                        for t, ty in zip(tokens, types) if ty == _USER_DEFINED])
-        tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                for t, ty in zip(tokens, types) if ty == _CONTROL])
-        bos = field("tokenizer.ggml.bos_token_id")
-        special = {}
-        for name in ("bos", "eos", "unknown", "padding"):
-            i = field(f"tokenizer.ggml.{name}_token_id")
-            if i is not None and 0 <= i < len(tokens):
-                key = {"unknown": "unk", "padding": "pad"}.get(name, name)
-                special[f"{key}_token"] = tokens[i]
-        return cls(tok, bos_token_id=bos, eos_token_ids=cfg.eos_token_ids,
+        return cls(tok, bos_token_id=field("tokenizer.ggml.bos_token_id"),
+                   eos_token_ids=cfg.eos_token_ids,
                    add_bos=bool(field("tokenizer.ggml.add_bos_token", False)),
                    chat_template=field("tokenizer.chat_template"), special_tokens=special)
 
@@ -176,3 +163,32 @@ class Tokenizer:
         # tokenizer.json's post-processor adds BOS when the model wants it.
         return cls(tok, bos_token_id=bos_id, eos_token_ids=tuple(eos_ids), add_bos=False,
                    chat_template=template, special_tokens=special)
+
+
+def _gguf_bpe(reader: GGUFFile, ignore_merges: bool) -> tuple[HFTokenizer, dict[str, str]]:
+    """The byte-level BPE of a GGUF file's vocabulary, merges and token types, its added
+    (user-defined) and special (control) tokens registered, and the special tokens'
+    strings by role (bos_token, eos_token, unk_token, pad_token), copied out of the
+    vocabulary list so that list can be freed whole."""
+    tokens: list[str] = reader.get("tokenizer.ggml.tokens")
+    types = reader.get("tokenizer.ggml.token_type")
+    if types is None:
+        types = np.ones(len(tokens), dtype=np.int32)
+    if len(types) != len(tokens):
+        raise CheckpointError(f"GGUF tokenizer.ggml.token_type has {len(types)} entries "
+                              f"for {len(tokens)} tokens")
+    merges = [tuple(m.split(" ", 1)) for m in reader.get("tokenizer.ggml.merges") or ()]
+    tok = HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
+                                 ignore_merges=ignore_merges))
+    del merges
+    tok.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
+                    for i in np.flatnonzero(types == _USER_DEFINED)])
+    tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
+                            for i in np.flatnonzero(types == _CONTROL)])
+    special = {}
+    for name in ("bos", "eos", "unknown", "padding"):
+        i = reader.get(f"tokenizer.ggml.{name}_token_id")
+        if i is not None and 0 <= i < len(tokens):
+            key = {"unknown": "unk", "padding": "pad"}.get(name, name)
+            special[f"{key}_token"] = "".join(list(tokens[i]))   # a copy, not the list's
+    return tok, special

@@ -65,7 +65,11 @@ class LlamaForCausalLM(nn.Module):
         backend = backend or TorchAttention(cfg.num_attention_heads, cfg.num_key_value_heads,
                                             cfg.head_dim)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # The loader fills every weight, so none is initialised here: nn.Embedding's own
+        # init (normal_) on the meta device runs torch's Python reference, which imports
+        # torch._dynamo and with it inductor and sympy (~810 modules, tens of MiB resident).
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, backend)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

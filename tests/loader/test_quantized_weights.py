@@ -190,37 +190,62 @@ def test_untied_gguf_embedding_is_read_from_the_file(tiny_checkpoints, tmp_path)
     assert not any(p.device.type == "meta" for p in model.parameters())
 
 
-def test_drop_mapped_pages_unmaps_what_was_read(tmp_path):
-    """After repacking, the file's pages read so far leave the process's resident set
-    (the map's Rss in /proc/self/smaps), and the data still reads back the same."""
+def _mapped_kib(path: str) -> int:
+    """Resident KiB of this process's mappings of `path` (/proc/self/smaps)."""
     import os
 
-    from duetserve.loader.gguf_file import drop_mapped_pages
+    real, total, cur = os.path.realpath(path), 0, ""
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            parts = line.split()
+            if "-" in parts[0] and not parts[0].endswith(":"):
+                cur = parts[5] if len(parts) > 5 else ""
+            elif parts[0] == "Rss:" and cur == real:
+                total += int(parts[1])
+    return total
 
+
+def _big_gguf(tmp_path) -> str:
     path = str(tmp_path / "big.gguf")
     w = gguf.GGUFWriter(path, "llama")
     w.add_tensor("x", np.arange(256 * 1024, dtype=np.float32).reshape(256, 1024))
+    w.add_tensor("q", quants.quantize(np.arange(256 * 1024, dtype=np.float32)
+                                      .reshape(256, 1024) / 1e5, Q.Q8_0), raw_dtype=Q.Q8_0)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    return path
+
+
+def test_drop_mapped_pages_unmaps_what_was_read(tmp_path):
+    """After repacking, the file's pages read so far leave the process's resident set
+    (the map's Rss in /proc/self/smaps), and the data still reads back the same."""
+    from duetserve.loader.gguf_file import drop_mapped_pages
+
+    path = _big_gguf(tmp_path)
     reader = open_gguf(path)
-    real = os.path.realpath(path)
-
-    def mapped_kib() -> int:
-        total, cur = 0, ""
-        with open("/proc/self/smaps") as f:
-            for line in f:
-                parts = line.split()
-                if "-" in parts[0] and not parts[0].endswith(":"):
-                    cur = parts[5] if len(parts) > 5 else ""
-                elif parts[0] == "Rss:" and cur == real:
-                    total += int(parts[1])
-        return total
-
     total = float(np.asarray(reader.tensors[0].data).sum())
-    assert mapped_kib() >= 1024          # 1 MiB of tensor data read: mapped
+    assert _mapped_kib(path) >= 1024          # 1 MiB of tensor data read: mapped
     drop_mapped_pages(reader)
-    assert mapped_kib() == 0
+    assert _mapped_kib(path) == 0
     assert float(np.asarray(reader.tensors[0].data).sum()) == total
-    assert mapped_kib() >= 1024          # read again: mapped again
+    assert _mapped_kib(path) >= 1024          # read again: mapped again
+
+
+def test_rows_are_read_without_mapping_the_file(tmp_path):
+    """The embedding lookup reads its rows with pread: exact, and none of the file's
+    pages become resident in the process (through the map they would, 64 KiB around
+    each row)."""
+    from duetserve.loader.gguf_file import drop_mapped_pages
+
+    path = _big_gguf(tmp_path)
+    reader = open_gguf(path)
+    drop_mapped_pages(reader)                 # what the header parse touched
+    ids = np.array([200, 3, 4, 5, 3, 255, 0, 128])      # runs, repeats, any order
+    for t in reader.tensors:
+        ref = quants.dequantize(np.array(t.data), t.tensor_type).reshape(256, 1024)
+        drop_mapped_pages(reader)
+        got = GGUFTensor(t.name, t).rows(ids)
+        assert _mapped_kib(path) == 0, t.name
+        np.testing.assert_array_equal(got, ref[ids])
