@@ -106,6 +106,8 @@ def _spec_of(method: str, args) -> dict | None:
             "num_speculative_tokens": args.k, "adaptive": not args.fixed}
     if method == "draft":
         spec["model"] = args.draft
+        if args.draft_quantization:
+            spec["quantization"] = args.draft_quantization
     return spec
 
 
@@ -135,6 +137,8 @@ def main() -> None:
     ap.add_argument("--draft", default=DRAFT)
     ap.add_argument("--workload", choices=("edit", "chat"), default="edit")
     ap.add_argument("--methods", default="off,ngram")
+    ap.add_argument("--draft-quantization", default=None,
+                    help="the draft model's quantization (default: the engine's, int4)")
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--fixed", action="store_true", help="adaptive off (always k drafts)")
     ap.add_argument("--max-tokens", type=int, default=128)

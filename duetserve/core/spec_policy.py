@@ -5,17 +5,27 @@ verifies (spec_decode/). Fixed mode verifies every available draft up to k. Adap
 picks per request from the step's position on the roofline and the request's measured
 acceptance:
 
-    step time      T(R) = max(mem_s, R * row_s)       R rows (tokens) in the step
-                           weights read once | FLOPs of R rows      (ridge: R* = mem_s/row_s)
+    step time      T(R)                   R rows (tokens) in the step: measured at
+                                          start-up for R = 1 .. n (`RooflineStep.measured`),
+                   = max(mem_s, R * row_s) beyond (weights read once | FLOPs of R rows)
     tokens a step  E    = sum over requests of 1 + a_r + a_r^2 + ... + a_r^k_r
                           (draft j survives only if drafts 1..j are accepted; a_r is the
                           request's acceptance rate, geometric model)
 
 A draft (r, j) is added, best gain a_r^j first, while it raises tokens per second:
-(E + a_r^j) / T(R + 1) > E / T(R). Left of the ridge a row is free (T flat), so every
-draft with a gain above `min_gain` fits until the step reaches the ridge; right of it a
-row costs row_s and a draft pays only if a_r^j > E / R, which never holds for a step of
-plain decodes (E / R = 1): a compute-bound step runs without speculation.
+(E + a_r^j) / T(R + 1) > E / T(R). Where a row is free (T flat), every draft with a gain
+above `min_gain` fits; where a row costs what a step's rows cost on average (T
+proportional to R, right of the ridge) a draft pays only if a_r^j > E / R, which never
+holds for a step of plain decodes (E / R = 1): a compute-bound step runs without
+speculation. On a CPU the measured T(R) lies between the two: each verify row costs some
+compute even at batch 1.
+
+Proposing is not free for a draft model: each draft is one forward of the draft model
+(`draft_seconds`, measured at start-up). A request proposes the n that maximises its
+expected tokens per second over the next step, proposals included:
+    (B + a + ... + a^n) / (T(R + n) + n * draft_seconds)
+with R = B = the running requests (the next step's decodes). Free proposers (n-gram)
+propose every draft whose gain stays above min_gain and leave the choice to `plan`.
 """
 from __future__ import annotations
 
@@ -26,12 +36,25 @@ from duetserve.sampling_params import SamplingParams
 
 @dataclass(frozen=True)
 class RooflineStep:
-    """Step time of R rows as the roofline predicts it (seconds)."""
+    """Step time of R rows (seconds): measured for R = 1 .. len(measured), else the
+    roofline's max(mem, R * row)."""
 
     mem_seconds: float       # weights (and the step's fixed bytes) at the memory bandwidth
     row_seconds: float       # FLOPs of one row at the peak
+    measured: tuple[float, ...] = ()   # T(1), T(2), ... as this machine ran them
+
+    @classmethod
+    def from_measured(cls, times: list[float]) -> "RooflineStep":
+        """From T(1..n) (non-decreasing is enforced): mem = T(1), row = T(n) / n, so the
+        roofline continues the table at R > n."""
+        mono = []
+        for t in times:
+            mono.append(max(t, mono[-1]) if mono else t)
+        return cls(mono[0], max(mono[-1], mono[0]) / len(mono), tuple(mono))
 
     def seconds(self, rows: int) -> float:
+        if 0 < rows <= len(self.measured):
+            return self.measured[rows - 1]
         return max(self.mem_seconds, rows * self.row_seconds)
 
     @property
@@ -58,6 +81,7 @@ class SpecPolicy:
     adaptive: bool = True
     roofline: RooflineStep | None = None  # adaptive only; None: treat every row as free
     min_gain: float = 0.15               # skip drafts less likely than this to be kept
+    draft_seconds: float = 0.0           # one draft token's proposal (0: free, n-gram)
 
     def plan(self, candidates: list[tuple[str, int, float]], base_rows: int,
              base_tokens: int) -> dict[str, int]:
@@ -90,15 +114,20 @@ class SpecPolicy:
         return out
 
     def has_room(self, base_rows: int) -> bool:
-        """Whether a step of base_rows rows leaves room for drafts (left of the ridge);
-        when it does not, no drafts are proposed for the next step either."""
+        """Whether a step of base_rows rows leaves room for drafts: one more row holding a
+        sure draft (gain 1) would raise the step's tokens per second. When it does not,
+        no drafts are proposed for the next step either."""
         if not self.adaptive or self.roofline is None:
             return True
-        return base_rows + 1 <= self.roofline.ridge_rows
+        t_now, t_next = self.roofline.seconds(base_rows), self.roofline.seconds(base_rows + 1)
+        return t_next * base_rows < t_now * (base_rows + 1) * (1 - 1e-9)
 
-    def num_to_propose(self, alpha: float) -> int:
-        """Drafts to propose for a request's next step: k, or (adaptive) the drafts whose
-        gain alpha^j stays above min_gain (at least one, so acceptance keeps being measured)."""
+    def num_to_propose(self, alpha: float, next_rows: int = 1) -> int:
+        """Drafts to propose for a request's next step (next_rows: that step's rows and
+        tokens without drafts). Fixed: k. Adaptive: at most the drafts whose gain alpha^j
+        stays above min_gain; free proposers take all of them (at least one, so
+        acceptance keeps being measured), a draft model the n (possibly 0) that
+        maximises tokens per second with its proposals' cost counted (module docstring)."""
         k = self.num_speculative_tokens
         if not self.adaptive:
             return k
@@ -106,4 +135,14 @@ class SpecPolicy:
         while n < k and gain * alpha >= self.min_gain:
             gain *= alpha
             n += 1
-        return n
+        if self.draft_seconds <= 0 or self.roofline is None:
+            return n
+        best, best_rate = 0, next_rows / self.roofline.seconds(next_rows)
+        tokens, gain = float(next_rows), 1.0
+        for j in range(1, n + 1):
+            gain *= alpha
+            tokens += gain
+            rate = tokens / (self.roofline.seconds(next_rows + j) + j * self.draft_seconds)
+            if rate > best_rate:
+                best, best_rate = j, rate
+        return best

@@ -14,8 +14,10 @@ from duetserve.request import Request
 
 
 def plan_spec(policy: SpecPolicy, running: list[Request], step: StepPlan) -> None:
-    """Drafts per running decode for this step (step.spec_plan) and whether the step
-    leaves room to propose more (step.spec_open). Mutates only `step`."""
+    """Drafts per running decode for this step (step.spec_plan), whether the step
+    leaves room to propose more (step.spec_open) and the rows the next step is expected to
+    have without drafts (step.spec_next_rows: the running requests' decodes). Mutates
+    only `step`."""
     base_rows, left, candidates = 0, step.budget, []
     for r in running:
         behind = r.num_tokens - r.num_computed_tokens
@@ -27,6 +29,7 @@ def plan_spec(policy: SpecPolicy, running: list[Request], step: StepPlan) -> Non
                                                    r.spec_num_rejections)))
     step.spec_plan = policy.plan(candidates, base_rows, max(1, len(running)))
     step.spec_open = policy.has_room(base_rows)
+    step.spec_next_rows = max(1, len(running))
 
 
 def drafts_for(request: Request, num_new: int, step: StepPlan, max_len: int) -> list[int]:
@@ -52,7 +55,8 @@ def num_to_propose(policy: SpecPolicy | None, request: Request, num_computed: in
             or not is_spec_eligible(request.sampling_params)):
         return 0
     n = policy.num_to_propose(acceptance_estimate(request.spec_num_accepted,
-                                                  request.spec_num_rejections))
+                                                  request.spec_num_rejections),
+                              step.spec_next_rows)
     # a draft model writes KV up to position num_tokens_after + n - 2 < max_len
     room = max_len - (num_computed + num_new + num_drafts)
     return max(0, min(n, room))

@@ -28,7 +28,7 @@ class StepPlan:
     methods and its spec fields (set by core/spec_schedule.plan_spec)."""
 
     __slots__ = ("budget", "full", "scheduled", "charged", "preempted", "spec_plan",
-                 "spec_open")
+                 "spec_open", "spec_next_rows")
 
     def __init__(self, budget: int) -> None:
         self.budget = budget                    # left
@@ -38,6 +38,7 @@ class StepPlan:
         self.preempted: set[str] = set()
         self.spec_plan: dict[str, int] = {}     # drafts per request (speculative decoding)
         self.spec_open = False                  # the step may propose drafts
+        self.spec_next_rows = 1                 # the next step's rows without drafts
 
     def add(self, request: Request, num_new: int, block_ids: list[int], is_new: bool,
             drafts: list[int] = (), propose: int = 0,  # type: ignore[assignment]

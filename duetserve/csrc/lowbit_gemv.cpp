@@ -316,6 +316,22 @@ void q8_rows(const int8_t* pk, const float* ws, const QuantizedX& X, float* y, i
 }
 
 constexpr int64_t ROWS_PER_TASK = 16;
+// More than 4 activation rows run in passes of 4 (the kernels' register budget). Each
+// thread walks its weight rows in tiles of about this many bytes and runs every pass on
+// a tile before the next, so passes after the first read the weights from L2 instead of
+// DRAM (a fifth row used to cost another full read of the thread's half of the matrix).
+// Every output is the same block computation either way: results do not change.
+constexpr int64_t TILE_BYTES = 64 * 1024;
+
+// Calls pass(t0, t1, m0, mm) for tiles [t0, t1) of [b0, b1) (units of `unit_bytes`) and
+// passes of up to 4 rows, tile by tile.
+template <typename F>
+inline void tiled_passes(int64_t b0, int64_t b1, int64_t unit_bytes, int64_t M, F&& pass) {
+  const int64_t tile = M <= 4 ? b1 - b0 : std::max<int64_t>(1, TILE_BYTES / unit_bytes);
+  for (int64_t t0 = b0; t0 < b1; t0 += tile)
+    for (int64_t m0 = 0; m0 < M; m0 += 4)
+      pass(t0, std::min(b1, t0 + tile), m0, std::min<int64_t>(4, M - m0));
+}
 
 }  // namespace
 
@@ -333,8 +349,9 @@ torch::Tensor q4_gemv(torch::Tensor x, torch::Tensor packed, int64_t N) {
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, packed.size(0), ROWS_PER_TASK / 4, [&](int64_t b0, int64_t b1) {
-    for (int64_t m0 = 0; m0 < M; m0 += 4)
-      q4_rows(pp, X, yp, nch, N, b0, b1, m0, std::min<int64_t>(4, M - m0));
+    tiled_passes(b0, b1, nch * Q4_BLOCK, M, [&](int64_t t0, int64_t t1, int64_t m0, int64_t mm) {
+      q4_rows(pp, X, yp, nch, N, t0, t1, m0, mm);
+    });
   });
   return y;
 }
@@ -355,8 +372,9 @@ torch::Tensor q8_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor scale
   const float* sp = scale.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, packed.size(0), ROWS_PER_TASK / 4, [&](int64_t b0, int64_t b1) {
-    for (int64_t m0 = 0; m0 < M; m0 += 4)
-      q8_rows(pp, sp, X, yp, npairs, N, b0, b1, m0, std::min<int64_t>(4, M - m0));
+    tiled_passes(b0, b1, npairs * Q8_BLOCK, M, [&](int64_t t0, int64_t t1, int64_t m0, int64_t mm) {
+      q8_rows(pp, sp, X, yp, npairs, N, t0, t1, m0, mm);
+    });
   });
   return y;
 }
@@ -375,8 +393,9 @@ torch::Tensor f32_gemv(torch::Tensor x, torch::Tensor w) {
   const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, N, ROWS_PER_TASK, [&](int64_t n0, int64_t n1) {
-    for (int64_t m0 = 0; m0 < M; m0 += 4)
-      f32_rows(wp, xp, yp, K, N, n0, n1, m0, std::min<int64_t>(4, M - m0));
+    tiled_passes(n0, n1, K * 4, M, [&](int64_t t0, int64_t t1, int64_t m0, int64_t mm) {
+      f32_rows(wp, xp, yp, K, N, t0, t1, m0, mm);
+    });
   });
   return y;
 }

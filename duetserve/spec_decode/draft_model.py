@@ -5,14 +5,20 @@ block ids, same block size, same slot arithmetic), so it needs no allocator of i
 the scheduler allocates the slots of both, including `num_drafts_to_propose` lookahead
 slots past the step's tokens, where the draft writes the KV of its own drafts.
 
-Per request the proposer remembers `num_computed`: positions [0, num_computed) hold the
-draft's KV of verified tokens. A proposal for a request with N known tokens:
+Per request the proposer remembers `num_computed` (positions [0, num_computed) hold the
+draft's KV of verified tokens) and the drafts it forwarded after them (their KV sits at
+the following positions). A proposal for a request with N known tokens:
 
-    forward(tokens[num_computed:N])      catch up (after a step: the accepted drafts and
-                                         the target's token; a new request: its prompt)
-       -> d_0 from the last position's logits
+    valid = num_computed + the forwarded drafts the target kept (their KV is right)
+    forward(tokens[valid:N])             catch up (after a step: at most the last kept
+       -> d_0 from the last position's logits   draft and the target's token; a new
+                                                request: its prompt)
     forward(d_0 at N), forward(d_1 at N+1), ...  -> d_1 ... d_{n-1}
-    num_computed = N                     (the drafts' KV is overwritten next time)
+    num_computed = N, forwarded = d_0 .. d_{n-2}   (rejected ones are overwritten later)
+
+A short catch-up runs as decode rows (one per token, logits of the last only), so a
+draft step is a decode-only step and takes the model's native decode stack (a prefill
+chunk would run the module path at several times the cost at batch 1).
 
 A prefix hit does not cover the draft's KV (a block may have been computed by a request
 whose draft never ran), so a new request starts at num_computed = 0.
@@ -32,6 +38,7 @@ from duetserve.worker.sampling_metadata import SamplingMetadata
 from duetserve.spec_decode.rejection import sample_from
 
 NEG_INF = float("-inf")
+CATCH_UP_DECODE_ROWS = 8     # catch-ups of up to this many tokens run as decode rows
 
 
 class DraftModelProposer:
@@ -49,9 +56,31 @@ class DraftModelProposer:
         backend = getattr(model.layers[0].self_attn, "backend", None)
         self.paged_decode = getattr(backend, "paged_decode", None) is not None
         self.num_computed: dict[str, int] = {}
+        self.forwarded: dict[str, list[int]] = {}   # drafts whose KV follows num_computed
 
     def forget(self, req_id: str) -> None:
         self.num_computed.pop(req_id, None)
+        self.forwarded.pop(req_id, None)
+
+    def _valid(self, req_id: str, token_ids: list[int]) -> int:
+        """Positions whose draft KV is right for `token_ids`: the verified ones, then the
+        forwarded drafts the target kept; at most len - 1 (the last token is forwarded to
+        get the next draft)."""
+        n = self.num_computed.get(req_id, 0)
+        for d in self.forwarded.get(req_id, ()):
+            if n >= len(token_ids) or token_ids[n] != d:
+                break
+            n += 1
+        return min(n, len(token_ids) - 1)
+
+    def _catch_up(self, req_id: str, st) -> list[SeqWork]:
+        """The first forward of a proposal: the tokens without draft KV, logits of the last."""
+        start = self._valid(req_id, st.token_ids)
+        tokens = st.token_ids[start:]
+        if len(tokens) > CATCH_UP_DECODE_ROWS:
+            return [SeqWork(req_id, tokens, start, st.block_ids, True)]
+        return [SeqWork(req_id, [t], start + i, st.block_ids, i == len(tokens) - 1)
+                for i, t in enumerate(tokens)]
 
     @torch.inference_mode()
     def propose(self, states: dict, counts: dict[str, int]
@@ -64,11 +93,7 @@ class DraftModelProposer:
             return {}, {}
         drafts: dict[str, list[int]] = {r: [] for r in req_ids}
         probs: dict[str, list[torch.Tensor]] = {r: [] for r in req_ids}
-        work = []
-        for r in req_ids:
-            st = states[r]
-            start = min(self.num_computed.get(r, 0), len(st.token_ids) - 1)
-            work.append(SeqWork(r, st.token_ids[start:], start, st.block_ids, True))
+        work = [w for r in req_ids for w in self._catch_up(r, states[r])]
         for j in range(max(counts[r] for r in req_ids)):
             if j > 0:
                 work = [SeqWork(r, [drafts[r][-1]], len(states[r].token_ids) + j - 1,
@@ -87,6 +112,7 @@ class DraftModelProposer:
                     probs[r].append(q)
         for r in req_ids:
             self.num_computed[r] = len(states[r].token_ids)
+            self.forwarded[r] = drafts[r][:-1]
         return drafts, {r: torch.stack(p) for r, p in probs.items() if p}
 
     def _target_vocab(self, logits: torch.Tensor) -> torch.Tensor:

@@ -43,11 +43,11 @@ def build_speculator(config: SpeculativeConfig, target: LoadedModel,
                      kv_dtype: torch.dtype, dtype: str, device: str = "cpu",
                      max_positions: int | None = None) -> Speculator:
     """The Speculator the ModelRunner calls. Loads the draft checkpoint (method "draft")
-    with `dtype` and config.draft_quantization; its KV cache has num_blocks blocks."""
+    with `dtype` and config.quantization; its KV cache has num_blocks blocks."""
     draft = None
     if config.method == "draft":
         loaded = load_model(config.model, dtype, device, max_positions=max_positions,
-                            quantization=config.draft_quantization)
+                            quantization=config.quantization)
         check_same_vocabulary(target, loaded)
         log.info("draft model %s: %s", loaded.path, loaded.describe())
         draft = DraftModelProposer(loaded.model, loaded.config, num_blocks, block_size,
@@ -58,6 +58,7 @@ def build_speculator(config: SpeculativeConfig, target: LoadedModel,
 
 
 PROBE_ROWS = 4      # the low-bit kernels work on 4 activation rows per weight pass
+MAX_PROBE_ROWS = 9  # the measured table's longest step (k + 1 rows, k <= 8)
 
 
 def theoretical_roofline(target: LoadedModel, hardware: HardwareProfile | None = None
@@ -71,41 +72,55 @@ def theoretical_roofline(target: LoadedModel, hardware: HardwareProfile | None =
 
 
 @torch.inference_mode()
+def step_seconds(model: torch.nn.Module, kv_caches: list, block_size: int, vocab_size: int,
+                 rows: int, paged_decode: bool = True, repeats: int = 3) -> float:
+    """Median time of a verify-shaped step of `rows` decode rows (one request's
+    consecutive positions, logits of every row) on the model's own kernels. Runs
+    1 + repeats steps into KV blocks 0..1 (call it before any request exists)."""
+    work = [SeqWork("probe", [(7919 * j) % vocab_size], block_size + j, [0, 1], True)
+            for j in range(rows)]
+    batch = build_step_batch(work, block_size, "cpu", paged_decode)
+    times = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        hidden = model(batch.input_ids, batch.positions, kv_caches, batch.meta)
+        model.compute_logits(hidden[batch.logits_indices])
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
+
 def measured_roofline(model: torch.nn.Module, kv_caches: list, block_size: int,
-                      vocab_size: int, paged_decode: bool = True,
+                      vocab_size: int, paged_decode: bool = True, max_rows: int = PROBE_ROWS,
                       repeats: int = 3) -> RooflineStep:
-    """The roofline as this machine runs the model's own decode kernels: the floor is a
-    1-row decode step (bound by the weight bytes), the slope the time of a PROBE_ROWS-row
-    verify-shaped step per row. Runs 1 + repeats steps of each size into KV blocks 0..1
-    (call it before any request exists)."""
-    def run(rows: int) -> float:
-        work = [SeqWork("probe", [(7919 * j) % vocab_size], block_size + j, [0, 1], True)
-                for j in range(rows)]
-        batch = build_step_batch(work, block_size, "cpu", paged_decode)
-        times = []
-        for _ in range(repeats + 1):
-            t0 = time.perf_counter()
-            hidden = model(batch.input_ids, batch.positions, kv_caches, batch.meta)
-            model.compute_logits(hidden[batch.logits_indices])
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times[1:])
-    one, many = run(1), run(PROBE_ROWS)
-    return RooflineStep(mem_seconds=one, row_seconds=max(many, one) / PROBE_ROWS)
+    """The step time as this machine runs the model's own decode kernels, for 1 ..
+    max(max_rows, PROBE_ROWS) verify-shaped rows (at most MAX_PROBE_ROWS); beyond, the
+    roofline through the table's last point. Call it before any request exists."""
+    n = min(max(max_rows, PROBE_ROWS), MAX_PROBE_ROWS)
+    return RooflineStep.from_measured([
+        step_seconds(model, kv_caches, block_size, vocab_size, r, paged_decode, repeats)
+        for r in range(1, n + 1)])
 
 
 def spec_policy_for(config: SpeculativeConfig, target: LoadedModel, speculator: Speculator,
                     runner) -> SpecPolicy:
-    """The scheduler's SpecPolicy for this engine. Adaptive: on the roofline measured
-    with the runner's model and KV cache (before any request exists)."""
-    roofline = None
+    """The scheduler's SpecPolicy for this engine. Adaptive: on the step times measured
+    with the runner's model and KV cache for 1 .. k+1 rows, and a draft model's 1-row
+    step (the cost of one draft) measured on its own cache (before any request exists)."""
+    roofline, draft_seconds = None, 0.0
     if config.adaptive:
         roofline = measured_roofline(runner.model, runner.kv_caches, runner.block_size,
-                                     target.config.vocab_size, runner.paged_decode)
+                                     target.config.vocab_size, runner.paged_decode,
+                                     config.num_speculative_tokens + 1)
+        draft = speculator.draft
+        if draft is not None:
+            draft_seconds = step_seconds(draft.model, draft.kv_caches, draft.block_size,
+                                         draft.vocab_size, 1, draft.paged_decode)
         theory = theoretical_roofline(target)
-        log.info("speculative decoding: adaptive, up to %d drafts; measured ridge at %.1f "
-                 "rows (1-row step %.1f ms, %.1f ms per row at %d rows); the cost model's "
-                 "roofline puts it at %.1f rows", config.num_speculative_tokens,
-                 roofline.ridge_rows, roofline.mem_seconds * 1e3, roofline.row_seconds * 1e3,
-                 PROBE_ROWS, theory.ridge_rows)
+        log.info("speculative decoding: adaptive, up to %d drafts; target step of 1..%d "
+                 "rows %s ms (ridge at %.1f rows; the cost model's roofline puts it at "
+                 "%.1f)%s", config.num_speculative_tokens, len(roofline.measured),
+                 "/".join(f"{t * 1e3:.1f}" for t in roofline.measured), roofline.ridge_rows,
+                 theory.ridge_rows,
+                 f"; a draft costs {draft_seconds * 1e3:.1f} ms" if draft is not None else "")
     return SpecPolicy(config.num_speculative_tokens, speculator.needs_lookahead,
-                      config.adaptive, roofline)
+                      config.adaptive, roofline, draft_seconds=draft_seconds)

@@ -199,3 +199,27 @@ def test_adaptive_plan_turns_off_when_compute_bound() -> None:
     assert policy.num_to_propose(0.9) == 4 and policy.num_to_propose(0.3) == 1
     fixed = SpecPolicy(3, needs_lookahead=False, adaptive=False)
     assert fixed.plan([good, bad], base_rows=100, base_tokens=100) == {"good": 3, "bad": 3}
+
+
+def test_measured_step_times_and_draft_cost() -> None:
+    """A measured T(1..5) (6 ms a verify row on a 40 ms step) leaves room for drafts
+    until a sure draft would no longer raise tokens per second (beyond the table: the
+    roofline through its last point). A draft model's proposals are counted: cheap
+    drafts and high acceptance propose all k, poor acceptance fewer, a draft that costs
+    as much as the target step none; a free proposer (n-gram) proposes every draft above
+    min_gain as before."""
+    roofline = RooflineStep.from_measured([0.040, 0.046, 0.052, 0.058, 0.064])
+    assert roofline.seconds(3) == 0.052 and roofline.seconds(10) == pytest.approx(0.128)
+    policy = SpecPolicy(4, needs_lookahead=True, adaptive=True, roofline=roofline,
+                        draft_seconds=0.010)
+    assert policy.has_room(1) and policy.has_room(4) and not policy.has_room(5)
+    assert policy.num_to_propose(0.9) == 4
+    assert policy.num_to_propose(0.5) == 1       # 1.5 / 56 ms beats 1.75 / 72 ms
+    assert policy.num_to_propose(0.9, next_rows=8) == 0   # right of the table: rows cost
+    costly = SpecPolicy(4, needs_lookahead=True, adaptive=True, roofline=roofline,
+                        draft_seconds=0.040)
+    assert costly.num_to_propose(0.5) == 0
+    free = SpecPolicy(4, needs_lookahead=False, adaptive=True, roofline=roofline)
+    assert free.num_to_propose(0.9) == 4 and free.num_to_propose(0.3) == 1
+    # the measured table is made non-decreasing (timing noise)
+    assert RooflineStep.from_measured([0.04, 0.039, 0.05]).measured == (0.04, 0.04, 0.05)

@@ -290,3 +290,27 @@ def test_f32_gemv_rows_are_independent_of_the_row_count():
     for i in range(4):
         assert torch.equal(native.f32_gemv(x[i:i + 1], w), whole[i:i + 1])
     assert torch.equal(native.f32_gemv(x[1:3], w), whole[1:3])
+
+
+@pytest.mark.parametrize("rows", [5, 8, 11])
+def test_lowbit_gemv_passes_of_four_rows_equal_alone(rows):
+    """Steps of more than 4 rows run in passes of 4 over tiles of the weight (so later
+    passes read it from cache): each pass's rows equal the same rows run as a step of
+    their own, bit for bit, for weights spanning many tiles (q4, q8 and float32)."""
+    from duetserve.models.quant import Int4Weight, Int8Weight, int4_groups_from_float, \
+        quantize_int8
+    native = ops()
+    if native is None:
+        pytest.skip("native kernels not built")
+    g = torch.Generator().manual_seed(rows)
+    n, k = 1000, 1024             # q4: 250 blocks of 2.5 KiB, q8: 4 KiB, f32: 4 KiB a row
+    w = torch.randn(n, k, generator=g)
+    x = torch.randn(rows, k, generator=g)
+    q4 = Int4Weight(*int4_groups_from_float(w))
+    q8 = Int8Weight(*quantize_int8(w))
+    for run in (lambda a: native.q4_gemv(a, q4.packed, n),
+                lambda a: native.q8_gemv(a, q8.packed, q8.scale32),
+                lambda a: native.f32_gemv(a, w)):
+        whole = run(x)
+        for m0 in range(0, rows, 4):
+            assert torch.equal(run(x[m0:m0 + 4]), whole[m0:m0 + 4])

@@ -149,8 +149,11 @@ def test_default_model_greedy_identical(pinned_lowbit, default_model_path) -> No
     assert _run(ngram, prompts) == base
     _check_clean(ngram)
     assert ngram.engine.scheduler.make_stats().spec.num_accepted_tokens > 0
+    # its own checkpoint as the draft, packed as the target is ("auto": the default
+    # int4 would requantize its 8-bit embedding/head, a different model)
     draft = _llm(loaded, {"method": "draft", "model": default_model_path,
-                          "num_speculative_tokens": 3, "adaptive": False},
+                          "num_speculative_tokens": 3, "adaptive": False,
+                          "quantization": "auto"},
                  max_num_batched_tokens=4096)
     assert _run(draft, prompts) == base
     _check_clean(draft)
@@ -230,6 +233,12 @@ def test_draft_with_another_vocabulary_is_refused(tiny, draft_path, tmp_path) ->
 def test_speculative_config_parsing() -> None:
     cfg = EngineConfig(speculative_config='{"method": "ngram", "num_speculative_tokens": 2}')
     assert cfg.speculative_config == SpeculativeConfig("ngram", 2)
+    old_key = SpeculativeConfig.parse({"method": "draft", "model": "m",
+                                       "draft_quantization": "int8"})
+    assert old_key.quantization == "int8"
+    assert SpeculativeConfig("draft", model="m").quantization == "int4"
+    with pytest.raises(ConfigError, match="speculative quantization"):
+        SpeculativeConfig("draft", model="m", quantization="int3")
     with pytest.raises(ConfigError, match="unknown speculative config key"):
         EngineConfig(speculative_config={"method": "ngram", "k": 2})
     with pytest.raises(ConfigError, match="needs \"model\""):
