@@ -25,7 +25,7 @@ import numpy as np
 
 from duetserve.bench.token_workload import DEFAULT_ID_RANGE
 from duetserve.sim.cluster import ClusterSpec
-from duetserve.sim.cost import shape_of
+from duetserve.sim.cost import shape_for
 from duetserve.sim.fit import fit_cost
 from duetserve.sim.profile import calibrated_profile, load_profile
 from duetserve.sim.run import run_json, simulate
@@ -54,7 +54,7 @@ def step_cold(d: Path, tag: str, steps) -> list[bool]:
 def step_report(steps, cold, cost) -> dict:
     by: dict[str, list[tuple[float, float]]] = {}
     for (_, dt, slices), c in zip(steps, cold):
-        pred = cost.step_seconds(shape_of(slices, c))
+        pred = cost.step_seconds(shape_for(cost, slices, c))
         by.setdefault(step_class(slices, cost.breakpoint), []).append((dt, pred))
     out = {}
     for k, v in sorted(by.items()):
@@ -70,7 +70,12 @@ def main() -> int:
     ap.add_argument("--profile", default=None, help="default DIR/profile.json")
     ap.add_argument("--refit", action="store_true")
     ap.add_argument("--fit-runs", default="", help="runs (mix-level) whose steps join the fit")
-    ap.add_argument("--no-grid", action="store_true", help="refit without the grid samples")
+    ap.add_argument("--no-grid", action="store_true",
+                    help="refit without the profile's samples (grid and serving scenario)")
+    ap.add_argument("--grid-only", action="store_true",
+                    help="of the profile's samples, the grid's only (no serving scenario)")
+    ap.add_argument("--flash-above", type=int, default=None,
+                    help="split of chunks after context (default: the profile's)")
     ap.add_argument("--save-profile", default=None)
     args = ap.parse_args()
     d = Path(args.dir)
@@ -81,13 +86,16 @@ def main() -> int:
         samples, cold = [], []
         if not args.no_grid:
             raw = json.loads(ppath.with_suffix(".samples.json").read_text())
-            samples += raw["samples"]
-            cold += raw.get("cold", [False] * len(raw["samples"]))
+            keep = raw.get("grid_steps") if args.grid_only else None
+            samples += raw["samples"][:keep]
+            cold += raw.get("cold", [False] * len(raw["samples"]))[:keep]
         for tag in filter(None, args.fit_runs.split(",")):
             steps = json.loads((d / f"{tag}-steps.json").read_text())
             samples += [(sl, dt) for _, dt, sl in steps]
             cold += step_cold(d, tag, steps)
-        cost, report = fit_cost(samples, doc["cost"].get("arrival_s", 0.0), cold)
+        flash_above = doc["cost"].get("flash_above", 0) if args.flash_above is None \
+            else args.flash_above
+        cost, report = fit_cost(samples, doc["cost"].get("arrival_s", 0.0), cold, flash_above)
         print(f"refit over {len(samples)} steps: {cost.describe()}")
         print(f"  {json.dumps(report)}")
         profile = calibrated_profile(doc["name"], cost, doc["scheduler"],
