@@ -43,7 +43,8 @@ class ServingSteps:
 
     samples: list[tuple[list[tuple[int, int, bool]], float]] = field(default_factory=list)
     cold: list[bool] = field(default_factory=list)
-    requests: int = 0
+    conversations: int = 0
+    requests: int = 0              # turns that finished (every one must)
     duration_s: float = 0.0
     foreign_cpu_s: float = 0.0
     attempts: int = 0
@@ -99,6 +100,7 @@ def measure_serving(engine, convs: list[TokenConversation], offsets: list[float]
         raise RuntimeError(f"serving scenario: {len(failed)} requests failed: {failed[0]}")
     out.samples = [(slices, dt) for _, dt, slices in res.steps]
     out.cold = list(res.step_cold)
+    out.conversations = len(convs)
     out.requests = len(res.records)
     out.duration_s = res.duration_s
     out.foreign_cpu_s = float(res.foreign_cpu_s or 0.0)
@@ -111,6 +113,7 @@ def summary(steps: ServingSteps, quick: bool = False) -> dict:
     spec, levels, phase_s = (QUICK_TRACE, QUICK_LEVELS, QUICK_PHASE_S) if quick \
         else (TRACE, LEVELS, PHASE_S)
     return {"trace": spec, "levels": list(levels), "phase_s": phase_s,
-            "rates": steps.rates, "requests": steps.requests, "steps": len(steps.samples),
+            "rates": steps.rates, "conversations": steps.conversations,
+            "requests": steps.requests, "steps": len(steps.samples),
             "duration_s": steps.duration_s, "engine_s": float(secs.sum()),
             "foreign_cpu_s": steps.foreign_cpu_s, "attempts": steps.attempts}

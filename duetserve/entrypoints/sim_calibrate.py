@@ -132,6 +132,7 @@ def calibrate(model: str | None, num_threads: int, quick: bool = False,
             "rusage": cal.rusage,
             "kv_bytes_per_token": kv_bytes_per_token(engine.model_config, engine.kv_dtype),
             "serving": serving_summary(serving, quick), "grid_steps": len(cal.samples),
+            "flash_above": flash_above,
             "fit": report, "grid_only_fit": grid_report, "pid": os.getpid()}
     profile = calibrated_profile(path.stem, cost, scheduler, meta,
                                  f"{Path(engine.loaded.path).name}, {num_threads} threads, "
