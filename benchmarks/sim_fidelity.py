@@ -6,7 +6,10 @@ simulator with the calibrated profile and the engine's own scheduler settings. R
 TTFT / TPOT p50 / p90 / p99 of both and their ratio (sim / real), the per-step prediction
 error of the cost model on the real run's own steps, and CDF overlays (bench/plot.py).
 Then the highest rate meeting a P90 SLO (90% of requests meet TTFT and TPOT limits): the
-simulator's by bisection, the engine's interpolated from measured runs around it.
+simulator's by bisection, the engine's interpolated from measured runs around it (rates
+--slo-factors x the simulator's, extended upward by --slo-step while the engine still
+meets the SLO at the highest, and downward while it meets it nowhere, at most --slo-extra
+more runs, so the engine's crossing is bracketed).
 
 Run it alone on the machine, under the exclusive benchmark lock:
 
