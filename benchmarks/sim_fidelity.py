@@ -6,7 +6,10 @@ simulator with the calibrated profile and the engine's own scheduler settings. R
 TTFT / TPOT p50 / p90 / p99 of both and their ratio (sim / real), the per-step prediction
 error of the cost model on the real run's own steps, and CDF overlays (bench/plot.py).
 Then the highest rate meeting a P90 SLO (90% of requests meet TTFT and TPOT limits): the
-simulator's by bisection, the engine's interpolated from measured runs around it.
+simulator's by bisection, the engine's interpolated from measured runs around it (rates
+--slo-factors x the simulator's, extended upward by --slo-step while the engine still
+meets the SLO at the highest, and downward while it meets it nowhere, at most --slo-extra
+more runs, so the engine's crossing is bracketed).
 
 Run it alone on the machine, under the exclusive benchmark lock:
 
@@ -36,7 +39,7 @@ from duetserve.bench.replay import replay
 from duetserve.bench.token_workload import (arrival_offsets, id_range_for_vocab,
                                              token_conversations)
 from duetserve.sim.cluster import ClusterSpec
-from duetserve.sim.cost import shape_of
+from duetserve.sim.cost import shape_for
 from duetserve.sim.profile import load_profile
 from duetserve.sim.run import run_json, simulate
 
@@ -92,7 +95,7 @@ def real_run(loaded, engine_config, convs, offsets, max_foreign: float):
 
 
 def step_errors(profile, steps, cold) -> dict:
-    pred = np.array([profile.cost.step_seconds(shape_of(sl, c))
+    pred = np.array([profile.cost.step_seconds(shape_for(profile.cost, sl, c))
                      for (_, _, sl), c in zip(steps, cold)])
     real = np.array([dt for _, dt, _ in steps])
     rel = np.abs(pred / real - 1.0)
@@ -158,7 +161,11 @@ def main() -> int:
     ap.add_argument("--max-foreign", type=float, default=0.15)
     ap.add_argument("--slo-mix", default="chat")
     ap.add_argument("--slo", default="ttft=600,tpot=60", help="P90 SLO (ms) for the max rate")
-    ap.add_argument("--slo-factors", default="0.8,0.95,1.1,1.25")
+    ap.add_argument("--slo-factors", default="0.8,1.0,1.25,1.5")
+    ap.add_argument("--slo-extra", type=int, default=4,
+                    help="at most this many more rates to bracket the engine's crossing")
+    ap.add_argument("--slo-step", type=float, default=1.25,
+                    help="factor between an extra rate and the last one")
     ap.add_argument("--skip-fidelity", action="store_true")
     args = ap.parse_args()
     out = Path(args.out)
@@ -232,8 +239,10 @@ def main() -> int:
                              cap * 0.3, cap * 1.0)
         log(f"{mix}: simulated max rate meeting the P90 SLO {slo}: {r_sim:.3f}/s")
         points_real, points_sim = [], []
-        for f in (float(x) for x in args.slo_factors.split(",")):
-            rate = r_sim * f
+        rates = [r_sim * float(x) for x in args.slo_factors.split(",")]
+        extra = 0
+        while rates:
+            rate = rates.pop(0)
             n = n_for(rate)
             convs = conversations(mix, n, args.seed, id_range)
             offsets = arrival_offsets(n, rate, 1.0, args.seed).tolist()
@@ -244,6 +253,14 @@ def main() -> int:
             points_sim.append((rate, attainment(sres.records, slo)))
             log(f"  {rate:.3f}/s: attainment real {points_real[-1][1]:.3f}, sim "
                 f"{points_sim[-1][1]:.3f} (foreign CPU {frac:.2f})")
+            # the engine's crossing must be bracketed: extend the rates upward while the
+            # highest one measured still meets the SLO (and downward while none does)
+            if not rates and extra < args.slo_extra:
+                top = max(points_real)
+                if top[1] >= 0.9:
+                    rates, extra = [top[0] * args.slo_step], extra + 1
+                elif all(a < 0.9 for _, a in points_real):
+                    rates, extra = [min(points_real)[0] / args.slo_step], extra + 1
         r_real = crossing(points_real)
         results["max_rate"] = {"mix": mix, "slo_ms": slo, "sim_bisection": r_sim,
                                "sim_points": points_sim, "real_points": points_real,

@@ -48,12 +48,26 @@ def main(src: str, dst: str) -> int:
     print("| mix | rate (conv/s) | load | requests | TTFT p50 | TTFT p90 | TTFT p99 | TPOT p50 "
           "| TPOT p90 | TPOT p99 | steps pred/meas |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
+    met = {"p50/p90": [0, 0], "p99": [0, 0]}
     for r in runs:
-        cells = [f"{x['real_ms']:.0f} / {x['sim_ms']:.0f} (**{x['ratio']:.2f}**)"
-                 for x in r["ratios"].values()]
+        cells = []
+        for key, x in r["ratios"].items():
+            ok = within_target(key, x["ratio"])
+            group = met["p99" if key.endswith("p99") else "p50/p90"]
+            group[0] += ok
+            group[1] += 1
+            ratio = f"**{x['ratio']:.2f}**" if ok else f"{x['ratio']:.2f}"
+            cells.append(f"{x['real_ms']:.0f} / {x['sim_ms']:.0f} ({ratio})")
         print(f"| {r['mix']} | {r['rate']:.3f} | {r['level']:g} | {r['requests']} | "
               + " | ".join(cells) + f" | {r['step_errors']['total_time_ratio']:.3f} |")
+    print("met (bold): " + ", ".join(f"{k} {a} of {b}" for k, (a, b) in met.items()))
     return 0
+
+
+def within_target(key: str, ratio: float | None) -> bool:
+    """The issue's targets: p50 and p90 within 10% of measured, p99 within 20%."""
+    tol = 0.2 if key.endswith("p99") else 0.1
+    return ratio is not None and 1 - tol <= ratio <= 1 + tol
 
 
 if __name__ == "__main__":

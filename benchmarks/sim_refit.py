@@ -25,13 +25,14 @@ import numpy as np
 
 from duetserve.bench.token_workload import DEFAULT_ID_RANGE
 from duetserve.sim.cluster import ClusterSpec
-from duetserve.sim.cost import shape_of
+from duetserve.sim.cost import shape_for
 from duetserve.sim.fit import fit_cost
 from duetserve.sim.profile import calibrated_profile, load_profile
 from duetserve.sim.run import run_json, simulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sim_fidelity import PERCENTILES, conversations, ratios  # noqa: E402
+from sim_fidelity import (PERCENTILES, attainment, conversations, ratios,  # noqa: E402
+                          sim_max_rate)
 
 
 def step_class(slices, breakpoint: int) -> str:
@@ -54,7 +55,7 @@ def step_cold(d: Path, tag: str, steps) -> list[bool]:
 def step_report(steps, cold, cost) -> dict:
     by: dict[str, list[tuple[float, float]]] = {}
     for (_, dt, slices), c in zip(steps, cold):
-        pred = cost.step_seconds(shape_of(slices, c))
+        pred = cost.step_seconds(shape_for(cost, slices, c))
         by.setdefault(step_class(slices, cost.breakpoint), []).append((dt, pred))
     out = {}
     for k, v in sorted(by.items()):
@@ -70,8 +71,16 @@ def main() -> int:
     ap.add_argument("--profile", default=None, help="default DIR/profile.json")
     ap.add_argument("--refit", action="store_true")
     ap.add_argument("--fit-runs", default="", help="runs (mix-level) whose steps join the fit")
-    ap.add_argument("--no-grid", action="store_true", help="refit without the grid samples")
+    ap.add_argument("--no-grid", action="store_true",
+                    help="refit without the profile's samples (grid and serving scenario)")
+    ap.add_argument("--grid-only", action="store_true",
+                    help="of the profile's samples, the grid's only (no serving scenario)")
+    ap.add_argument("--flash-above", type=int, default=None,
+                    help="split of chunks after context (default: the profile's)")
     ap.add_argument("--save-profile", default=None)
+    ap.add_argument("--runs", default="", help="only these runs (mix-level), default all")
+    ap.add_argument("--max-rate", action="store_true",
+                    help="also the simulator's max rate meeting the run's P90 SLO")
     args = ap.parse_args()
     d = Path(args.dir)
     fid = json.loads((d / "fidelity.json").read_text())
@@ -81,13 +90,16 @@ def main() -> int:
         samples, cold = [], []
         if not args.no_grid:
             raw = json.loads(ppath.with_suffix(".samples.json").read_text())
-            samples += raw["samples"]
-            cold += raw.get("cold", [False] * len(raw["samples"]))
+            keep = raw.get("grid_steps") if args.grid_only else None
+            samples += raw["samples"][:keep]
+            cold += raw.get("cold", [False] * len(raw["samples"]))[:keep]
         for tag in filter(None, args.fit_runs.split(",")):
             steps = json.loads((d / f"{tag}-steps.json").read_text())
             samples += [(sl, dt) for _, dt, sl in steps]
             cold += step_cold(d, tag, steps)
-        cost, report = fit_cost(samples, doc["cost"].get("arrival_s", 0.0), cold)
+        flash_above = doc["cost"].get("flash_above", 0) if args.flash_above is None \
+            else args.flash_above
+        cost, report = fit_cost(samples, doc["cost"].get("arrival_s", 0.0), cold, flash_above)
         print(f"refit over {len(samples)} steps: {cost.describe()}")
         print(f"  {json.dumps(report)}")
         profile = calibrated_profile(doc["name"], cost, doc["scheduler"],
@@ -100,8 +112,22 @@ def main() -> int:
         print(profile.cost.describe())
     config = profile.scheduler_config()
     slo = {"ttft": 600.0, "tpot": 60.0}
+    raw_path = ppath.with_suffix(".samples.json")
+    if raw_path.exists():         # the calibration's own steps: grid, serving scenario
+        raw = json.loads(raw_path.read_text())
+        g = raw.get("grid_steps", len(raw["samples"]))
+        flags = raw.get("cold", [False] * len(raw["samples"]))
+        for name, lo, hi in (("grid", 0, g), ("serving scenario", g, len(raw["samples"]))):
+            if hi > lo:
+                print(f"\ncalibration {name}: {hi - lo} steps")
+                steps = [(0.0, dt, sl) for sl, dt in raw["samples"][lo:hi]]
+                for k, v in step_report(steps, flags[lo:hi], profile.cost).items():
+                    print(f"  {k:20s} {v['steps']:5d} steps  meas {v['meas_ms']:7.1f} ms  "
+                          f"pred {v['pred_ms']:7.1f} ms  ratio {v['ratio']:.3f}")
     for run in fid["runs"]:
         tag = f"{run['mix']}-{run['level']:g}"
+        if args.runs and tag not in args.runs.split(","):
+            continue
         steps = json.loads((d / f"{tag}-steps.json").read_text())
         print(f"\n{tag} @ {run['rate']:.3f}/s, {run['requests']} requests")
         for k, v in step_report(steps, step_cold(d, tag, steps), profile.cost).items():
@@ -115,6 +141,23 @@ def main() -> int:
         r = ratios(real, sim)
         print("  " + "  ".join(f"{k} {v['real_ms']:.0f}/{v['sim_ms']:.0f} ({v['ratio']:.2f})"
                                for k, v in r.items()))
+    mr = fid.get("max_rate")
+    if args.max_rate and mr:      # the simulator's side of the max-rate item, offline
+        slo_mr = mr["slo_ms"]
+        n_for = lambda rate: max(16, int(round(rate * 45.0)))  # noqa: E731 (as the benchmark)
+        real = mr["real_interpolated"]
+        r_sim = sim_max_rate(mr["mix"], profile, config, DEFAULT_ID_RANGE, 1, slo_mr, n_for,
+                             mr["sim_bisection"] * 0.5, mr["sim_bisection"] * 1.5)
+        att = []
+        for rate, _ in mr["real_points"]:
+            convs = conversations(mr["mix"], n_for(rate), 1, DEFAULT_ID_RANGE)
+            res = simulate(convs, profile, ClusterSpec(1), rate, 1.0, 1, None, config,
+                           DEFAULT_ID_RANGE)
+            att.append(attainment(res.records, slo_mr))
+        print(f"\nmax rate ({mr['mix']}, {slo_mr}): sim {r_sim:.3f}, real {real}, ratio "
+              f"{r_sim / real if real else None}")
+        print("  real points " + ", ".join(f"{r:.3f}: {a:.2f}" for r, a in mr["real_points"]))
+        print("  sim there   " + ", ".join(f"{a:.2f}" for a in att))
     return 0
 
 

@@ -1,5 +1,7 @@
 """`duet simulate --calibrate`: measure this machine's engine over the step grid
-(bench/calibrate.py), fit the cost model (sim/fit.py) and save the profile.
+(bench/calibrate.py) and a serving scenario (bench/serve_scenario.py: a generic trace
+replayed on the wall clock, its load phases sized by the capacity the grid's fit
+simulates), fit the cost model on both (sim/fit.py) and save the profile.
 
 Rerun it whenever the engine's speed changes (new kernels, another CPU, other threads):
 it takes a few minutes (`--quick`: seconds, a rough fit for tests and smoke runs).
@@ -40,11 +42,53 @@ def served_scheduler_settings(engine) -> dict:
     return settings
 
 
+def flash_above_entries(num_heads: int) -> int:
+    """The largest n*(c+n) of a chunk after context that still runs the masked score
+    matrix (models/attention.py: heads x n x (c+n) <= GROUPED_MAX_SCORES); longer chunks
+    run two flash calls (sim/cost.py StepShape.flash_above)."""
+    from duetserve.models.attention import GROUPED_MAX_SCORES
+    return GROUPED_MAX_SCORES // num_heads
+
+
+def serving_steps(engine, grid_cost, scheduler: dict, id_range: tuple[int, int], quick: bool,
+                  max_foreign: float | None, say=None):
+    """Run the serving scenario (bench/serve_scenario.py) on `engine` at load phases sized
+    by the capacity the grid's fit simulates for the trace (everything queued at once).
+    Returns its ServingSteps (rates filled in). Mutates the engine."""
+    import math
+
+    from duetserve.bench.calibrate import MAX_FOREIGN
+    from duetserve.bench.serve_scenario import capacity_sample, measure_serving, trace
+    from duetserve.sim.cluster import ClusterSpec
+    from duetserve.sim.run import simulate
+    grid = calibrated_profile("grid", grid_cost, scheduler, {})
+    sample = capacity_sample(id_range, quick)
+    res = simulate(sample, grid, ClusterSpec(1), math.inf, 1.0, 0, None, None, id_range)
+    capacity = len(sample) / res.duration_s
+    convs, offsets, rates = trace(capacity, id_range, quick=quick)
+    if say is not None:
+        say(f"serving scenario: {len(convs)} conversations at "
+            f"{', '.join(f'{r:.3g}' for r in rates)}/s (grid fit's capacity {capacity:.3g}/s)")
+    steps = measure_serving(engine, convs, offsets,
+                            MAX_FOREIGN if max_foreign is None else max_foreign)
+    steps.rates = rates
+    if say is not None:
+        say(f"serving scenario: {len(steps.samples)} steps in {steps.duration_s:.1f} s, "
+            f"foreign CPU {steps.foreign_cpu_s / max(steps.duration_s, 1e-9):.2f} core")
+    return steps
+
+
+def serving_summary(steps, quick: bool) -> dict:
+    from duetserve.bench.serve_scenario import summary
+    return summary(steps, quick)
+
+
 def calibrate(model: str | None, num_threads: int, quick: bool = False,
               out: str | Path | None = None, kv_cache_memory: float = 2.0,
               verbose: bool = True, loaded=None, max_foreign: float | None = None
               ) -> tuple[SimProfile, Path]:
-    """Build the engine (on `loaded` weights when given), measure the grid, fit, save.
+    """Build the engine (on `loaded` weights when given), measure the grid and the serving
+    scenario, fit on both, save.
     `max_foreign`: redo a scenario when other processes used more of a core meanwhile
     (default bench.calibrate.MAX_FOREIGN; inf: never wait). Returns (profile, path)."""
     import torch
@@ -71,7 +115,13 @@ def calibrate(model: str | None, num_threads: int, quick: bool = False,
                        id_range=id_range_for_vocab(engine.model_config.vocab_size),
                        progress=say,
                        max_foreign=MAX_FOREIGN if max_foreign is None else max_foreign)
-    cost, report = fit_cost(cal.samples, statistics.median(cal.arrival_s), cal.cold)
+    arrival_s = statistics.median(cal.arrival_s)
+    flash_above = flash_above_entries(engine.model_config.num_attention_heads)
+    grid_cost, grid_report = fit_cost(cal.samples, arrival_s, cal.cold, flash_above)
+    serving = serving_steps(served, grid_cost, scheduler, id_range_for_vocab(
+        engine.model_config.vocab_size), quick, max_foreign, say)
+    samples, cold = cal.samples + serving.samples, cal.cold + serving.cold
+    cost, report = fit_cost(samples, arrival_s, cold, flash_above)
     path = Path(out) if out else default_calibrated_path(model, num_threads)
     meta = {"model": engine.loaded.path, "threads": num_threads, "cpu": cpu_name(),
             "machine": platform.node(), "torch": torch.__version__,
@@ -81,20 +131,23 @@ def calibrate(model: str | None, num_threads: int, quick: bool = False,
             "foreign_cpu_s": cal.foreign_cpu_s, "scenarios_redone": cal.num_redone,
             "rusage": cal.rusage,
             "kv_bytes_per_token": kv_bytes_per_token(engine.model_config, engine.kv_dtype),
-            "fit": report, "pid": os.getpid()}
+            "serving": serving_summary(serving, quick), "grid_steps": len(cal.samples),
+            "flash_above": flash_above,
+            "fit": report, "grid_only_fit": grid_report, "pid": os.getpid()}
     profile = calibrated_profile(path.stem, cost, scheduler, meta,
                                  f"{Path(engine.loaded.path).name}, {num_threads} threads, "
                                  f"{cpu_name()}")
     del served
     profile.save(path)
-    samples = path.with_suffix(".samples.json")     # raw steps, to refit without measuring
-    samples.write_text(json.dumps({"samples": cal.samples, "cold": cal.cold,
-                                   "arrival_s": cal.arrival_s}))
+    raw = path.with_suffix(".samples.json")     # raw steps, to refit without measuring
+    raw.write_text(json.dumps({"samples": samples, "cold": cold, "arrival_s": cal.arrival_s,
+                               "grid_steps": len(cal.samples)}))
     return profile, path
 
 
 def format_report(profile: SimProfile, path: Path) -> str:
     fit = profile.meta["fit"]
+    serving = profile.meta.get("serving", {})
     return "\n".join([
         f"profile {path}",
         f"  {profile.description}",
@@ -103,6 +156,9 @@ def format_report(profile: SimProfile, path: Path) -> str:
         f"RMS relative error {fit['rms_rel_error']:.3f}, median |error| "
         f"{fit['median_abs_rel_error']:.3f}, p90 |error| {fit['p90_abs_rel_error']:.3f}, "
         f"total time predicted/measured {fit['total_time_ratio']:.3f}",
+        f"  grid {profile.meta.get('grid_steps')} steps + serving scenario "
+        f"{serving.get('steps')} steps ({serving.get('requests')} requests in "
+        f"{serving.get('duration_s', 0.0):.0f} s at {serving.get('rates')} conversations/s)",
         f"  engine defaults: {profile.scheduler}",
         f"  measured in {profile.meta['measured_s']:.0f} s ({profile.meta['total_s']:.0f} s "
         f"with start-up); other processes used {profile.meta['foreign_cpu_s']:.1f} CPU s "

@@ -8,10 +8,14 @@ num_computed_tokens_before). `StepShape` reduces it to the few sums both models 
     decode  : n == 1   -> reads c cached positions (memory: KV bytes)
     prefill : n  > 1   -> n*c + n(n+1)/2 (query, key) pairs (compute: attention FLOPs)
 
-On this CPU engine the two kinds of prefill slice run different attention kernels
+On this CPU engine the kinds of prefill slice run different attention kernels
 (models/attention.py): a fresh one (c == 0) torch's flash kernel over the causal half,
-n(n+1)/2 pairs; a chunk after cached context an explicit masked score matrix, n*(c+n)
-entries, several times slower per entry. The calibrated model prices them apart.
+n(n+1)/2 pairs; a chunk after cached context with at most GROUPED_MAX_SCORES scores
+(heads x n x (c+n)) an explicit masked score matrix, n*(c+n) entries, several times
+slower per entry; a longer one two flash calls (the chunk over its c cached positions,
+then over itself, causal) merged by their log-sum-exps, n*c + n(n+1)/2 pairs. The
+calibrated model prices the three apart; `flash_above` (entries n*(c+n) per chunk) is
+where the engine switches, GROUPED_MAX_SCORES // heads for the calibrated model.
 
 Two models implement `step_seconds(shape)`:
   - `CalibratedCost`: measured on this machine (`duet simulate --calibrate`); linear in the
@@ -27,8 +31,8 @@ from typing import Iterable, Protocol
 
 # Feature names of the calibrated model, in coefficient order (see CalibratedCost).
 FEATURES = ("step", "requests", "rows_few", "many_rows", "rows_many", "logits",
-            "decode_context", "prefill_context", "fresh_pairs", "chunk_scores", "mixed_few",
-            "cold_rows")
+            "decode_context", "prefill_context", "fresh_pairs", "chunk_scores", "chunk_pairs",
+            "mixed_few", "cold_rows")
 
 
 @dataclass(slots=True)
@@ -44,8 +48,11 @@ class StepShape:
     prefill_pairs: int = 0       # sum of n*c + n(n+1)/2 over prefill slices
     num_prefills: int = 0        # prefill slices (n > 1)
     fresh_pairs: int = 0         # sum of n(n+1)/2 over prefill slices with c == 0
-    chunk_scores: int = 0        # sum of n*(c+n) over prefill slices with c > 0
+    chunk_scores: int = 0        # sum of n*(c+n) over chunks after context (c > 0) with
+                                 # n*(c+n) <= flash_above (the masked score matrix)
+    chunk_pairs: int = 0         # sum of n*c + n(n+1)/2 over the longer ones (flash)
     cold: bool = False           # the first step after the engine went idle (see below)
+    flash_above: int = 0         # the split of chunks after context (0: all score matrix)
 
     def add(self, num_new: int, num_computed: int, sampled: bool) -> None:
         """Count one request's slice. Mutates self."""
@@ -60,19 +67,31 @@ class StepShape:
             self.prefill_context += num_computed
             self.prefill_pairs += num_new * num_computed + num_new * (num_new + 1) // 2
             if num_computed:
-                self.chunk_scores += num_new * (num_computed + num_new)
+                entries = num_new * (num_computed + num_new)
+                if self.flash_above and entries > self.flash_above:
+                    self.chunk_pairs += num_new * num_computed + num_new * (num_new + 1) // 2
+                else:
+                    self.chunk_scores += entries
             else:
                 self.fresh_pairs += num_new * (num_new + 1) // 2
 
 
-def shape_of(items: Iterable[tuple[int, int, bool]], cold: bool = False) -> StepShape:
+def shape_of(items: Iterable[tuple[int, int, bool]], cold: bool = False,
+             flash_above: int = 0) -> StepShape:
     """StepShape of (num_new, num_computed_before, sampled) per scheduled request; `cold`:
-    the engine had no requests after its previous step (or had just started)."""
-    shape = StepShape(cold=cold)
+    the engine had no requests after its previous step (or had just started);
+    `flash_above`: see StepShape (a cost model's own split: `shape_for(cost, ...)`)."""
+    shape = StepShape(cold=cold, flash_above=flash_above)
     for n, c, sampled in items:
         if n > 0:
             shape.add(n, c, sampled)
     return shape
+
+
+def shape_for(cost: "StepCostModel", items: Iterable[tuple[int, int, bool]],
+              cold: bool = False) -> StepShape:
+    """shape_of with the split of chunks after context that `cost` was fitted with."""
+    return shape_of(items, cold, int(getattr(cost, "flash_above", 0)))
 
 
 class StepCostModel(Protocol):
@@ -95,6 +114,9 @@ class CalibratedCost:
         prefill_context sum c over prefills   cached context gathered for a prefill chunk
         fresh_pairs     sum n(n+1)/2, c == 0  flash attention of fresh prompts
         chunk_scores    sum n*(c+n), c > 0    masked score matrix of chunks after context
+                        n*(c+n) <= flash_above
+        chunk_pairs     sum n*c + n(n+1)/2    the longer chunks after context: two flash
+                        c > 0, above it       calls merged by log-sum-exp
         mixed_few       1 if T <= breakpoint  few rows with prefill work: the modules, not
                         and a prefill slice   the native decode stack of decode-only steps
         cold_rows       T if the step is cold the engine hands freed heap memory back to the
@@ -103,17 +125,19 @@ class CalibratedCost:
 
     `breakpoint` is the row count where the engine switches kernels (fitted).
     `arrival_s` is the engine's cost of adding one request (validation, detokenizer set-up),
-    paid by the step after an arrival."""
+    paid by the step after an arrival. `flash_above`: the engine's split of chunks after
+    context (StepShape; from the model's head count, not fitted)."""
 
     coef: tuple[float, ...]
     breakpoint: int
     arrival_s: float = 0.0
+    flash_above: int = 0
 
     def features(self, s: StepShape) -> tuple[float, ...]:
         many = s.num_tokens > self.breakpoint
         return (1.0, s.num_reqs, 0 if many else s.num_tokens, 1.0 if many else 0.0,
                 s.num_tokens if many else 0, s.num_logits, s.decode_context,
-                s.prefill_context, s.fresh_pairs, s.chunk_scores,
+                s.prefill_context, s.fresh_pairs, s.chunk_scores, s.chunk_pairs,
                 0.0 if many or not s.num_prefills else 1.0, s.num_tokens if s.cold else 0)
 
     def step_seconds(self, shape: StepShape) -> float:
@@ -121,11 +145,13 @@ class CalibratedCost:
 
     def describe(self) -> str:
         terms = ", ".join(f"{name} {c * 1e3:.4g} ms" for name, c in zip(FEATURES, self.coef))
-        return f"calibrated (breakpoint {self.breakpoint} rows): {terms}"
+        return (f"calibrated (breakpoint {self.breakpoint} rows, chunks after context on "
+                f"flash above {self.flash_above} entries): {terms}")
 
     def to_json(self) -> dict:
         return {"kind": "calibrated", "features": list(FEATURES), "coef_s": list(self.coef),
-                "breakpoint": self.breakpoint, "arrival_s": self.arrival_s}
+                "breakpoint": self.breakpoint, "arrival_s": self.arrival_s,
+                "flash_above": self.flash_above}
 
     @classmethod
     def from_json(cls, d: dict) -> "CalibratedCost":
@@ -133,7 +159,7 @@ class CalibratedCost:
             raise ValueError(f"profile features {d.get('features')} != {list(FEATURES)}: "
                              "re-run `duet simulate --calibrate`")
         return cls(tuple(float(c) for c in d["coef_s"]), int(d["breakpoint"]),
-                   float(d.get("arrival_s", 0.0)))
+                   float(d.get("arrival_s", 0.0)), int(d.get("flash_above", 0)))
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,7 @@ class SimInstance:
         self.scheduler = Scheduler(config)
         self.cost = cost
         self.arrival_s = float(getattr(cost, "arrival_s", 0.0))
+        self.flash_above = int(getattr(cost, "flash_above", 0))    # see sim/cost.py
         self.id_range = id_range
         self.pending: list[Request] = []
         self.busy = False
@@ -91,7 +92,7 @@ class SimInstance:
             self._so = None
             return None
         requests = self.scheduler.requests
-        shape = StepShape(cold=self.cold)
+        shape = StepShape(cold=self.cold, flash_above=self.flash_above)
         self.cold = False
         sampled = []
         for req_id, n in so.num_scheduled_tokens.items():

@@ -8,7 +8,7 @@ from duetserve.config import ConfigError
 from duetserve.metrics.cost_model import step_cost
 from duetserve.metrics.hardware import GPU_PROFILES
 from duetserve.metrics.known_models import LLAMA_3_8B
-from duetserve.sim.cost import FEATURES, CalibratedCost, shape_of
+from duetserve.sim.cost import FEATURES, CalibratedCost, shape_for, shape_of
 from duetserve.sim.fit import fit_cost, nnls
 from duetserve.sim.gpu import Efficiency, roofline_cost, unit_costs
 from duetserve.sim.profile import load_profile, roofline_profile
@@ -23,6 +23,22 @@ def test_shape_sums() -> None:
     # the calibrated model's split: flash pairs of the fresh prompt, the masked score
     # matrix (chunk x whole context) of the chunk after 64 cached tokens
     assert (s.num_prefills, s.fresh_pairs, s.chunk_scores) == (2, 8 * 9 // 2, 32 * 96)
+    assert s.chunk_pairs == 0
+
+
+def test_long_chunks_after_context_count_as_flash_pairs() -> None:
+    """Above `flash_above` score entries n*(c+n) a chunk after context runs two flash calls
+    (models/attention.py _after_prefix): pairs n*c + n(n+1)/2, no score matrix."""
+    items = [(32, 64, False), (256, 512, True), (1, 10, True)]
+    s = shape_of(items, flash_above=32 * 96)            # the first is at the limit: grouped
+    assert (s.chunk_scores, s.chunk_pairs) == (32 * 96, 256 * 512 + 256 * 257 // 2)
+    assert s.prefill_pairs == 32 * 64 + 32 * 33 // 2 + s.chunk_pairs
+    assert shape_of(items).chunk_scores == 32 * 96 + 256 * 768      # no split given
+    coef = [0.0] * len(FEATURES)
+    coef[FEATURES.index("chunk_pairs")] = 1e-6
+    cost = CalibratedCost(tuple(coef), 16, flash_above=32 * 96)
+    assert cost.step_seconds(shape_for(cost, items)) == pytest.approx(s.chunk_pairs * 1e-6)
+    assert CalibratedCost.from_json(cost.to_json()) == cost
 
 
 def test_calibrated_features_tell_the_engine_paths_apart() -> None:
@@ -84,9 +100,10 @@ def test_fit_recovers_a_known_cost_and_breakpoint() -> None:
     for name, value in (("step", 0.009), ("requests", 0.0004), ("rows_few", 0.0015),
                         ("many_rows", 0.006), ("rows_many", 0.0011), ("logits", 0.0002),
                         ("decode_context", 2e-6), ("fresh_pairs", 3e-8),
-                        ("chunk_scores", 8e-8), ("mixed_few", 0.004), ("cold_rows", 5e-5)):
+                        ("chunk_scores", 8e-8), ("chunk_pairs", 4e-8), ("mixed_few", 0.004),
+                        ("cold_rows", 5e-5)):
         coef[FEATURES.index(name)] = value
-    truth = CalibratedCost(tuple(coef), 4)
+    truth = CalibratedCost(tuple(coef), 4, flash_above=20_000)
     rng = np.random.default_rng(1)
     samples, cold = [], []
     for _ in range(300):
@@ -97,13 +114,13 @@ def test_fit_recovers_a_known_cost_and_breakpoint() -> None:
             c = 0 if rng.random() < 0.5 else int(rng.integers(1, 1024))
             slices.append((n, c, bool(rng.random() < 0.5)))   # mid-prompt chunks sample nothing
         cold.append(bool(rng.random() < 0.2))
-        samples.append((slices, truth.step_seconds(shape_of(slices, cold[-1]))))
+        samples.append((slices, truth.step_seconds(shape_for(truth, slices, cold[-1]))))
     samples.append(([(1, 10, True)], 5.0))       # a stall: dropped as an outlier
     cold.append(False)
     with pytest.raises(ValueError, match="cold flags"):
         fit_cost(samples, cold=cold[:-1])
-    cost, report = fit_cost(samples, arrival_s=0.0003, cold=cold)
-    assert cost.breakpoint == 4
+    cost, report = fit_cost(samples, arrival_s=0.0003, cold=cold, flash_above=20_000)
+    assert cost.breakpoint == 4 and cost.flash_above == 20_000
     assert cost.coef == pytest.approx(truth.coef, rel=1e-6, abs=1e-12)
     assert report["num_outliers"] == 1
     assert report["rms_rel_error"] < 1e-6

@@ -38,6 +38,11 @@ def test_simulation_tracks_the_engine_on_a_tiny_model(tiny_checkpoints, tmp_path
     profile = load_profile(saved)
     raw = json.loads(saved.with_suffix(".samples.json").read_text())
     assert profile.kind == "calibrated" and len(raw["samples"]) == profile.meta["fit"]["num_steps"]
+    # the fit covers the grid and the serving scenario's steps (requests on the wall clock)
+    serving = profile.meta["serving"]
+    assert serving["steps"] > 0 and serving["requests"] == 2 * serving["conversations"] > 0
+    assert raw["grid_steps"] + serving["steps"] == len(raw["samples"])
+    assert profile.cost.flash_above == profile.meta["flash_above"] > 0
 
     engine = EngineCore(EngineConfig(model=path, num_threads=2, kv_cache_memory=0.05,
                                      max_num_batched_tokens=32), loaded)
