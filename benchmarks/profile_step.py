@@ -48,13 +48,12 @@ def instrument(llm) -> Timers:
     tm = Timers()
     tm.wrap(eng.scheduler, "schedule", "scheduler")
     tm.wrap(eng.scheduler, "update_from_output", "scheduler")
-    tm.wrap(eng.runner, "execute_model", "runner (all)")
+    tm.wrap(eng.executor, "_execute", "runner (all)")
     tm.wrap(eng.runner.model, "forward", "model forward")
     tm.wrap(eng.runner.model, "compute_logits", "logits (LM head)")
     tm.wrap(eng.runner.sampler, "sample", "sampling")
     tm.wrap(mr, "build_step_batch", "input preparation")
-    tm.wrap(eng, "_update_child", "output handling")
-    tm.wrap(eng, "_make_output", "output handling")
+    tm.wrap(eng, "_make_outputs", "output handling")
     return tm
 
 
@@ -69,9 +68,17 @@ def op_split(prof) -> dict[str, float]:
     return split
 
 
-def profile_case(llm, prompts, max_tokens, warm_steps, steps) -> dict:
+def profile_case(llm, prompts, max_tokens, warm_steps, steps, warm_runs=0) -> dict:
+    """Profiles `steps` steps after `warm_steps` of the prompts; `warm_runs` earlier
+    whole runs of the same prompts (a prefill's first run of a shape creates oneDNN
+    primitives and pages in buffers, seconds at 512 tokens)."""
     eng = llm.engine
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    for r in range(warm_runs):
+        for i, p in enumerate(prompts):
+            eng.add_request(f"w{r}-{time.time_ns()}-{i}", p, params)
+        while eng.has_unfinished_requests():
+            eng.step()
     for i, p in enumerate(prompts):
         eng.add_request(f"p{time.time_ns()}-{i}", p, params)
     for _ in range(warm_steps):
@@ -125,7 +132,8 @@ def main() -> None:
         "decode, batch 1 (ctx ~300)": profile_case(llm, [prompt(300, 1)], 200, 4, 32),
         "decode, 64 seqs (ctx ~300)": profile_case(llm, [prompt(300, s) for s in range(64)],
                                                    64, 20, 8),
-        "prefill, 512 tokens": profile_case(llm, [prompt(512, 99)], 2, 0, 1),
+        "prefill, 512 tokens": profile_case(llm, [prompt(512, 99)], 2, 0, 1,
+                                            warm_runs=2),
     }
     print(llm.engine.loaded.describe())
     for name, c in cases.items():

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from duetserve.models.attention import AttentionMetadata, TorchAttention
+from duetserve.models.layers import DENSE_GEMV_ROWS, DenseLinear
 from duetserve.models.native import ops
 from duetserve.models.quant import Int4Weight, Int8Weight, QuantLinear
 
@@ -33,7 +34,7 @@ def _linear_slots(mod: nn.Module) -> list[torch.Tensor] | None:
         if isinstance(w, Int8Weight):
             return [w.packed, w.scale32, _EMPTY, bias]
         return None
-    if type(mod) is nn.Linear and mod.weight.dtype == torch.float32:
+    if type(mod) is DenseLinear and mod.weight.dtype == torch.float32:
         bias = _EMPTY if mod.bias is None else mod.bias.detach()
         if bias.dtype != torch.float32:
             return None
@@ -45,8 +46,12 @@ class NativeDecodeStack:
     """Built once per model (weights are referenced, not copied)."""
 
     def __init__(self, native, layers: list, policies: list, backend: TorchAttention,
-                 eps: float) -> None:
+                 eps: float, max_rows: int | None = None) -> None:
         self.policies = policies      # the low-bit linears' KernelPolicy objects (row limits)
+        # With float32 linears: the GEMV's row bound. Above it the modules run oneDNN's
+        # GEMM (layers.dense_linear), which the C++ stack does not call (its at::linear is
+        # MKL's, 1.1-1.8x slower on these shapes).
+        self.max_rows = max_rows
         self.calls = 0                # steps run through the stack
         self.stack = native.DecodeStack(layers, backend.num_heads, backend.num_kv_heads,
                                         eps, backend.scale)
@@ -57,7 +62,7 @@ class NativeDecodeStack:
         native = ops()
         if native is None or os.environ.get("DUET_DECODE_STACK", "1") == "0":
             return None
-        layers, policies = [], []
+        layers, policies, dense = [], [], False
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             backend = attn.backend
@@ -71,19 +76,21 @@ class NativeDecodeStack:
             if any(s is None for s in slots):
                 return None
             for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                dense = dense or type(m) is DenseLinear
                 if isinstance(m, QuantLinear) and all(p is not m.policy for p in policies):
                     policies.append(m.policy)
             layers.append([n.weight.detach() for n in norms] + [t for s in slots for t in s])
         if not layers:
             return None
         return cls(native, layers, policies, model.layers[0].self_attn.backend,
-                   model.layers[0].input_layernorm.eps)
+                   model.layers[0].input_layernorm.eps, DENSE_GEMV_ROWS if dense else None)
 
     def applies(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
         return (meta.decode_block_tables is not None and not meta.prefills
                 and x.dtype == torch.float32 and meta.cos is not None
                 and meta.cos.dtype == torch.float32
-                and all(x.shape[0] <= p.lowbit_max_rows for p in self.policies))
+                and all(x.shape[0] <= p.lowbit_max_rows for p in self.policies)
+                and (self.max_rows is None or x.shape[0] <= self.max_rows))
 
     def forward(self, x: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 meta: AttentionMetadata) -> torch.Tensor:

@@ -15,14 +15,36 @@ _NATIVE = ops()     # compiled fused row ops, or None (plain torch below)
 DENSE_GEMV_ROWS = 4   # float32 linears of up to this many rows: the native GEMV
 #                       (csrc/decode_stack.cpp uses the same bound)
 
+# oneDNN's float32 matmul, the op torch's own compiler emits for CPU linears. F.linear's
+# float32 GEMM is MKL's, which on the AMD EPYC (Zen 4) measured here runs the model's
+# shapes at 150-190 GFLOP/s at 512 rows and ~100 at 16 rows; oneDNN at 196-217 and 110-135
+# (SmolLM2-135M's four linears: 20.1 -> 17.8 ms a layer at 512 rows; its 49,152-row LM head
+# at 64 rows 36.0 -> 21.6 ms). None where this torch has no oneDNN.
+_ONEDNN_LINEAR = (getattr(torch.ops.mkldnn, "_linear_pointwise", None)
+                  if torch.backends.mkldnn.is_available() else None)
 
-def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x @ w.T for a float32 weight: the native DRAM-bound GEMV at few rows (oneDNN's f32
-    GEMM reads a large matrix at ~1/3 of the bandwidth there), else F.linear."""
-    if (_NATIVE is not None and x.shape[0] <= DENSE_GEMV_ROWS and x.dim() == 2
-            and x.dtype == torch.float32 and w.dtype == torch.float32 and w.is_contiguous()):
-        return _NATIVE.f32_gemv(x, w)
-    return F.linear(x, w)
+
+def dense_linear(x: torch.Tensor, w: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ w.T (+ bias) for a float32 weight: the native DRAM-bound GEMV at few rows
+    (GEMM libraries read a large matrix at ~1/3 of the bandwidth there), oneDNN's GEMM
+    above that, F.linear for anything else."""
+    if x.dtype == torch.float32 and w.dtype == torch.float32 and x.dim() == 2:
+        if _NATIVE is not None and x.shape[0] <= DENSE_GEMV_ROWS and w.is_contiguous():
+            y = _NATIVE.f32_gemv(x, w)
+            return y if bias is None else y + bias
+        if _ONEDNN_LINEAR is not None and w.is_contiguous() and (
+                bias is None or bias.dtype == torch.float32):
+            return _ONEDNN_LINEAR(x, w, bias, "none", [], "")
+    return F.linear(x, w, bias)
+
+
+class DenseLinear(nn.Linear):
+    """nn.Linear whose forward picks its float32 kernel by rows (`dense_linear`); the
+    loader replaces it with a QuantLinear where the weights stay low-bit."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return dense_linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -133,8 +155,8 @@ class GatedMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_up_proj = DenseLinear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = DenseLinear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)                    # [T, 2I]

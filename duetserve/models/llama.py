@@ -12,7 +12,8 @@ from torch import nn
 from duetserve.config import ModelConfig
 from duetserve.models.attention import AttentionBackend, AttentionMetadata, TorchAttention
 from duetserve.models.decode_stack import NativeDecodeStack
-from duetserve.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, dense_linear
+from duetserve.models.layers import (DenseLinear, GatedMLP, RMSNorm, RotaryEmbedding,
+                                     dense_linear)
 
 
 _UNBUILT = object()
@@ -27,9 +28,9 @@ class SelfAttention(nn.Module):
         self.head_dim = cfg.head_dim
         self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
         # Q, K and V in one matmul: rows [q | k | v].
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
+        self.qkv_proj = DenseLinear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
                                   bias=cfg.has_qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = DenseLinear(self.q_size, cfg.hidden_size, bias=False)
         self.backend = backend
 
     def forward(self, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
@@ -74,7 +75,7 @@ class LlamaForCausalLM(nn.Module):
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else \
-            nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            DenseLinear(cfg.hidden_size, cfg.vocab_size, bias=False)
         # decode-only steps through one native call (models/decode_stack.py), built on the
         # first forward (weights are loaded by then)
         self._stack: NativeDecodeStack | None | object = _UNBUILT
@@ -97,8 +98,6 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, d] for the positions that need logits -> [N, vocab] float32."""
         head = self.lm_head
-        if type(head) is nn.Linear and head.bias is None:
-            return dense_linear(hidden, head.weight.detach()).float()
-        if head is not None:             # a QuantLinear (tied ones too)
+        if head is not None:             # a DenseLinear or a QuantLinear (tied ones too)
             return head(hidden).float()
         return dense_linear(hidden, self.embed_tokens.weight.detach()).float()
