@@ -226,7 +226,10 @@ def main() -> int:
                          "steal_core_fraction": res.steal_s / res.duration_s,
                          "engine_rusage": res.rusage,
                          "ratios": ratios(real, sim),
-                         "step_errors": step_errors(profile, res.steps, res.step_cold)}
+                         "step_errors": step_errors(profile, res.steps, res.step_cold),
+                         # this run's engine: a re-measured start-up step cost changes
+                         # its StepBudget (benchmarks/sim_replay_diff.py replays with it)
+                         "scheduler": asdict(engine.scheduler.config)}
                 results["runs"].append(entry)
                 log(json.dumps(entry["ratios"]))
                 log(f"  steps: {entry['step_errors']}")

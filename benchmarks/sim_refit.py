@@ -33,6 +33,7 @@ from duetserve.sim.run import run_json, simulate
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sim_fidelity import (PERCENTILES, attainment, conversations, ratios,  # noqa: E402
                           sim_max_rate)
+from sim_fidelity_plot import within_target  # noqa: E402
 
 
 def step_class(slices, breakpoint: int) -> str:
@@ -124,6 +125,7 @@ def main() -> int:
                 for k, v in step_report(steps, flags[lo:hi], profile.cost).items():
                     print(f"  {k:20s} {v['steps']:5d} steps  meas {v['meas_ms']:7.1f} ms  "
                           f"pred {v['pred_ms']:7.1f} ms  ratio {v['ratio']:.3f}")
+    met = {"p50/p90": 0, "cells p50/p90": 0, "p99": 0, "cells p99": 0}
     for run in fid["runs"]:
         tag = f"{run['mix']}-{run['level']:g}"
         if args.runs and tag not in args.runs.split(","):
@@ -141,6 +143,11 @@ def main() -> int:
         r = ratios(real, sim)
         print("  " + "  ".join(f"{k} {v['real_ms']:.0f}/{v['sim_ms']:.0f} ({v['ratio']:.2f})"
                                for k, v in r.items()))
+        for k, v in r.items():
+            met["p99" if k.endswith("p99") else "p50/p90"] += within_target(k, v["ratio"])
+            met["cells p99" if k.endswith("p99") else "cells p50/p90"] += 1
+    print(f"\nwithin target: p50/p90 {met['p50/p90']} of {met['cells p50/p90']}, "
+          f"p99 {met['p99']} of {met['cells p99']}")
     mr = fid.get("max_rate")
     if args.max_rate and mr:      # the simulator's side of the max-rate item, offline
         slo_mr = mr["slo_ms"]

@@ -8,12 +8,17 @@ of contexts no grid produces, and measured 6-16% slower than grid steps of the s
 engine (bench/replay.py, the measured side of the fidelity check, wall clock, no HTTP) and
 its steps join the fit.
 
-The trace is deliberately not one of the fidelity benchmark's mixes (benchmarks/
-sim_fidelity.py: chat 3 turns 32-128 in, prefill-heavy 384-768, decode-heavy 16-64 in
-96-192 out), so the fit is not tuned on what it is judged on: two-turn conversations with
-wide prompt (TRACE input_len) and reply lengths, in load phases of PHASE_S seconds each at
-rising fractions of a capacity the caller estimates (idle gaps and cold steps at the low
-phases, queueing and big batches at the high ones).
+The traces are deliberately none of the fidelity benchmark's mixes (benchmarks/
+sim_fidelity.py: chat 3 turns 32-128 in 32-96 out, prefill-heavy 384-768 in, decode-heavy
+16-64 in 96-192 out), so the fit is not tuned on what it is judged on. Each replays in load
+phases of `phase_s` seconds at rising fractions of a capacity the caller estimates for it
+(idle gaps and cold steps at the low phases, queueing and big batches at the high ones):
+
+  long    two-turn conversations, 8-640 words in, 4-160 out: long prompts and contexts,
+          few streams (its capacity is low, so its phases hold few conversations)
+  short   more, shorter two-turn conversations, 8-96 in, 24-224 out: 4-16 streams decoding
+          at contexts of tens to hundreds of tokens, with prompts chunked beside them (the
+          shapes low and moderate load spends most steps on)
 """
 from __future__ import annotations
 
@@ -27,13 +32,33 @@ from duetserve.bench.replay import ReplayResult, replay
 from duetserve.bench.token_workload import (TokenConversation, arrival_offsets,
                                              token_conversations)
 
-TRACE = dict(dataset="chat", num_turns=2, input_len="8:640", output_len="4:160")
-LEVELS = (0.2, 0.45, 0.7, 0.95)     # fractions of the estimated capacity, one per phase
-PHASE_S = 12.0
-QUICK_TRACE = dict(dataset="chat", num_turns=2, input_len="4:24", output_len="2:8")
-QUICK_LEVELS = (0.3, 0.9)
-QUICK_PHASE_S = 1.5
+@dataclass(frozen=True)
+class Trace:
+    """One scenario trace: dataset settings (bench/datasets.make_dataset), load phases as
+    fractions of its capacity, seconds per phase, and its seed."""
+
+    name: str
+    spec: dict
+    levels: tuple[float, ...]
+    phase_s: float
+    seed: int
+
+
+TRACES = (
+    Trace("long", dict(dataset="chat", num_turns=2, input_len="8:640", output_len="4:160"),
+          (0.2, 0.45, 0.7, 0.95), 12.0, 7),
+    Trace("short", dict(dataset="chat", num_turns=2, input_len="8:96", output_len="24:224"),
+          (0.3, 0.6, 0.9), 14.0, 11),
+)
+QUICK_TRACES = (
+    Trace("quick", dict(dataset="chat", num_turns=2, input_len="4:24", output_len="2:8"),
+          (0.3, 0.9), 1.5, 7),
+)
 MAX_ATTEMPTS = 2
+
+
+def traces(quick: bool = False) -> tuple[Trace, ...]:
+    return QUICK_TRACES if quick else TRACES
 
 
 @dataclass
@@ -51,32 +76,32 @@ class ServingSteps:
     rates: list[float] = field(default_factory=list)
 
 
-def trace(capacity: float, id_range: tuple[int, int], seed: int = 7, quick: bool = False
+def trace(tr: Trace, capacity: float, id_range: tuple[int, int]
           ) -> tuple[list[TokenConversation], list[float], list[float]]:
-    """The scenario's conversations, their send offsets (s) and the phases' rates
+    """The trace's conversations, their send offsets (s) and the phases' rates
     (conversations/s), for an engine that serves `capacity` conversations/s of this trace.
-    Deterministic for a seed."""
+    Deterministic for a trace (its seed)."""
     if not capacity > 0:
         raise ValueError(f"capacity must be > 0 conversations/s, got {capacity}")
-    spec, levels, phase_s = (QUICK_TRACE, QUICK_LEVELS, QUICK_PHASE_S) if quick \
-        else (TRACE, LEVELS, PHASE_S)
-    rates = [capacity * f for f in levels]
+    rates = [capacity * f for f in tr.levels]
     offsets: list[float] = []
     for i, rate in enumerate(rates):
-        n = max(2, int(round(rate * phase_s)))
-        offsets += (i * phase_s + arrival_offsets(n, rate, 1.0, seed + i)).tolist()
+        n = max(2, int(round(rate * tr.phase_s)))
+        offsets += (i * tr.phase_s + arrival_offsets(n, rate, 1.0, tr.seed + i)).tolist()
+    spec = tr.spec
     convs = make_dataset(spec["dataset"], num_prompts=len(offsets),
                          input_len=spec["input_len"], output_len=spec["output_len"],
-                         num_turns=spec["num_turns"], seed=seed)
+                         num_turns=spec["num_turns"], seed=tr.seed)
     return token_conversations(convs, id_range), offsets, rates
 
 
-def capacity_sample(id_range: tuple[int, int], quick: bool = False,
-                    n: int = 120) -> list[TokenConversation]:
+def capacity_sample(tr: Trace, id_range: tuple[int, int], n: int = 120
+                    ) -> list[TokenConversation]:
     """Conversations of the trace's kind (another seed) to estimate its capacity on."""
-    spec = QUICK_TRACE if quick else TRACE
+    spec = tr.spec
     convs = make_dataset(spec["dataset"], num_prompts=n, input_len=spec["input_len"],
-                         output_len=spec["output_len"], num_turns=spec["num_turns"], seed=99)
+                         output_len=spec["output_len"], num_turns=spec["num_turns"],
+                         seed=tr.seed + 92)
     return token_conversations(convs, id_range)
 
 
@@ -107,13 +132,18 @@ def measure_serving(engine, convs: list[TokenConversation], offsets: list[float]
     return out
 
 
-def summary(steps: ServingSteps, quick: bool = False) -> dict:
-    """The profile's meta entry for the scenario (`steps.rates` set by the caller)."""
-    secs = np.array([s for _, s in steps.samples]) if steps.samples else np.zeros(1)
-    spec, levels, phase_s = (QUICK_TRACE, QUICK_LEVELS, QUICK_PHASE_S) if quick \
-        else (TRACE, LEVELS, PHASE_S)
-    return {"trace": spec, "levels": list(levels), "phase_s": phase_s,
-            "rates": steps.rates, "conversations": steps.conversations,
-            "requests": steps.requests, "steps": len(steps.samples),
-            "duration_s": steps.duration_s, "engine_s": float(secs.sum()),
-            "foreign_cpu_s": steps.foreign_cpu_s, "attempts": steps.attempts}
+def summary(measured: list[tuple[Trace, ServingSteps]]) -> dict:
+    """The profile's meta entry for the scenario: totals over its traces, and each trace's
+    settings and record (`steps.rates` set by the caller)."""
+    per = []
+    for tr, st in measured:
+        secs = np.array([s for _, s in st.samples]) if st.samples else np.zeros(1)
+        per.append({"name": tr.name, "trace": tr.spec, "levels": list(tr.levels),
+                    "phase_s": tr.phase_s, "rates": st.rates,
+                    "conversations": st.conversations, "requests": st.requests,
+                    "steps": len(st.samples), "duration_s": st.duration_s,
+                    "engine_s": float(secs.sum()), "foreign_cpu_s": st.foreign_cpu_s,
+                    "attempts": st.attempts})
+    total = {k: sum(p[k] for p in per) for k in ("conversations", "requests", "steps",
+                                                 "duration_s", "engine_s", "foreign_cpu_s")}
+    return {**total, "traces": per}

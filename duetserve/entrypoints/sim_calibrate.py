@@ -1,6 +1,6 @@
 """`duet simulate --calibrate`: measure this machine's engine over the step grid
-(bench/calibrate.py) and a serving scenario (bench/serve_scenario.py: a generic trace
-replayed on the wall clock, its load phases sized by the capacity the grid's fit
+(bench/calibrate.py) and a serving scenario (bench/serve_scenario.py: generic traces
+replayed on the wall clock, their load phases sized by the capacity the grid's fit
 simulates), fit the cost model on both (sim/fit.py) and save the profile.
 
 Rerun it whenever the engine's speed changes (new kernels, another CPU, other threads):
@@ -52,35 +52,40 @@ def flash_above_entries(num_heads: int) -> int:
 
 def serving_steps(engine, grid_cost, scheduler: dict, id_range: tuple[int, int], quick: bool,
                   max_foreign: float | None, say=None):
-    """Run the serving scenario (bench/serve_scenario.py) on `engine` at load phases sized
-    by the capacity the grid's fit simulates for the trace (everything queued at once).
-    Returns its ServingSteps (rates filled in). Mutates the engine."""
+    """Run the serving scenario's traces (bench/serve_scenario.py) on `engine`, each at
+    load phases sized by the capacity the grid's fit simulates for it (everything queued
+    at once). Returns [(Trace, ServingSteps with rates filled in)]. Mutates the engine."""
     import math
 
     from duetserve.bench.calibrate import MAX_FOREIGN
-    from duetserve.bench.serve_scenario import capacity_sample, measure_serving, trace
+    from duetserve.bench.serve_scenario import capacity_sample, measure_serving, trace, traces
     from duetserve.sim.cluster import ClusterSpec
     from duetserve.sim.run import simulate
     grid = calibrated_profile("grid", grid_cost, scheduler, {})
-    sample = capacity_sample(id_range, quick)
-    res = simulate(sample, grid, ClusterSpec(1), math.inf, 1.0, 0, None, None, id_range)
-    capacity = len(sample) / res.duration_s
-    convs, offsets, rates = trace(capacity, id_range, quick=quick)
-    if say is not None:
-        say(f"serving scenario: {len(convs)} conversations at "
-            f"{', '.join(f'{r:.3g}' for r in rates)}/s (grid fit's capacity {capacity:.3g}/s)")
-    steps = measure_serving(engine, convs, offsets,
-                            MAX_FOREIGN if max_foreign is None else max_foreign)
-    steps.rates = rates
-    if say is not None:
-        say(f"serving scenario: {len(steps.samples)} steps in {steps.duration_s:.1f} s, "
-            f"foreign CPU {steps.foreign_cpu_s / max(steps.duration_s, 1e-9):.2f} core")
-    return steps
+    measured = []
+    for tr in traces(quick):
+        sample = capacity_sample(tr, id_range)
+        res = simulate(sample, grid, ClusterSpec(1), math.inf, 1.0, 0, None, None, id_range)
+        capacity = len(sample) / res.duration_s
+        convs, offsets, rates = trace(tr, capacity, id_range)
+        if say is not None:
+            say(f"serving scenario {tr.name}: {len(convs)} conversations at "
+                f"{', '.join(f'{r:.3g}' for r in rates)}/s (grid fit's capacity "
+                f"{capacity:.3g}/s)")
+        steps = measure_serving(engine, convs, offsets,
+                                MAX_FOREIGN if max_foreign is None else max_foreign)
+        steps.rates = rates
+        if say is not None:
+            say(f"serving scenario {tr.name}: {len(steps.samples)} steps in "
+                f"{steps.duration_s:.1f} s, foreign CPU "
+                f"{steps.foreign_cpu_s / max(steps.duration_s, 1e-9):.2f} core")
+        measured.append((tr, steps))
+    return measured
 
 
-def serving_summary(steps, quick: bool) -> dict:
+def serving_summary(measured) -> dict:
     from duetserve.bench.serve_scenario import summary
-    return summary(steps, quick)
+    return summary(measured)
 
 
 def calibrate(model: str | None, num_threads: int, quick: bool = False,
@@ -120,7 +125,10 @@ def calibrate(model: str | None, num_threads: int, quick: bool = False,
     grid_cost, grid_report = fit_cost(cal.samples, arrival_s, cal.cold, flash_above)
     serving = serving_steps(served, grid_cost, scheduler, id_range_for_vocab(
         engine.model_config.vocab_size), quick, max_foreign, say)
-    samples, cold = cal.samples + serving.samples, cal.cold + serving.cold
+    samples, cold = list(cal.samples), list(cal.cold)
+    for _, steps in serving:
+        samples += steps.samples
+        cold += steps.cold
     cost, report = fit_cost(samples, arrival_s, cold, flash_above)
     path = Path(out) if out else default_calibrated_path(model, num_threads)
     meta = {"model": engine.loaded.path, "threads": num_threads, "cpu": cpu_name(),
@@ -131,7 +139,7 @@ def calibrate(model: str | None, num_threads: int, quick: bool = False,
             "foreign_cpu_s": cal.foreign_cpu_s, "scenarios_redone": cal.num_redone,
             "rusage": cal.rusage,
             "kv_bytes_per_token": kv_bytes_per_token(engine.model_config, engine.kv_dtype),
-            "serving": serving_summary(serving, quick), "grid_steps": len(cal.samples),
+            "serving": serving_summary(serving), "grid_steps": len(cal.samples),
             "flash_above": flash_above,
             "fit": report, "grid_only_fit": grid_report, "pid": os.getpid()}
     profile = calibrated_profile(path.stem, cost, scheduler, meta,
@@ -158,7 +166,10 @@ def format_report(profile: SimProfile, path: Path) -> str:
         f"total time predicted/measured {fit['total_time_ratio']:.3f}",
         f"  grid {profile.meta.get('grid_steps')} steps + serving scenario "
         f"{serving.get('steps')} steps ({serving.get('requests')} requests in "
-        f"{serving.get('duration_s', 0.0):.0f} s at {serving.get('rates')} conversations/s)",
+        f"{serving.get('duration_s', 0.0):.0f} s; " + "; ".join(
+            f"{t['name']}: {t['steps']} steps at "
+            f"{', '.join(f'{r:.3g}' for r in t['rates'])} conversations/s"
+            for t in serving.get("traces", [])) + ")",
         f"  engine defaults: {profile.scheduler}",
         f"  measured in {profile.meta['measured_s']:.0f} s ({profile.meta['total_s']:.0f} s "
         f"with start-up); other processes used {profile.meta['foreign_cpu_s']:.1f} CPU s "

@@ -122,7 +122,8 @@ class SimInstance:
     def end_step(self) -> list[Request]:
         """Apply the step begun by begin_step: one synthetic token per sampled slice, then
         the scheduler's update (counters, token stops, freeing). Returns the requests that
-        got a token or finished, in schedule order. Mutates the scheduler."""
+        got a token or finished, in schedule order. Mutates the scheduler; the instance
+        is idle (`busy` False) until the next begin_step."""
         so = self._so
         assert so is not None, "end_step without begin_step"
         ids = output_token_ids(self._next_token, len(self._sampled), self.id_range)
@@ -135,4 +136,5 @@ class SimInstance:
                 self.kv_loaded.pop(req.req_id, None)
         self.cold = not self.scheduler.has_unfinished_requests()
         self._so, self._sampled = None, []
+        self.busy = False          # between steps until the caller begins the next one
         return touched

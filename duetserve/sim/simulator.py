@@ -8,7 +8,8 @@ model, and every token is stamped with simulated time.
                           -> router -> instance.submit; an idle instance is kicked
     kick(instance)        same instant, after every send of that instant: begin a step
     step_end(instance)    end_step -> stamp tokens; finished turns send their next turn;
-                          P/D: a finished prefill starts a KV transfer; begin the next step
+                          P/D: a finished prefill starts a KV transfer; kick the instance
+                          (so the next turns sent at this instant join its next step)
     kv_arrived(request)   P/D: router -> decode instance.submit (kv_loaded = the prompt)
 
 Latencies follow `duet bench serve` (bench_metrics.py): a token's time is the end of the
@@ -150,7 +151,9 @@ class Simulation:
                 self._start_transfer(inst, state, req)
             else:
                 self._finish(state, req)
-        self._begin(inst)
+        # the next step begins after the sends of this instant (a finished turn's next
+        # turn), as the replay loop adds them before stepping again: a kick, not _begin
+        self._push(self.now, _KICK, inst)
 
     # -- disaggregation -----------------------------------------------------------------
     def _start_transfer(self, inst: SimInstance, state: TurnInFlight, req: Request) -> None:

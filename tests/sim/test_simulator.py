@@ -112,6 +112,20 @@ def test_chat_turns_resend_the_history_and_hit_the_prefix_cache() -> None:
     assert res.instances[0]["prefix_cache_hit_rate"] > 0
 
 
+def test_a_next_turn_sent_at_a_step_end_joins_the_very_next_step() -> None:
+    # A decodes 20 tokens; B's first turn (8 in, 2 out) ends at 20 ms (steps 0-10, 10-20).
+    # Its next turn is sent at 20 ms and joins the step beginning then (prompt 8 + 2 + 4
+    # tokens, 8 of them cached: the step at 20-30 ms has A's decode and B's chunk), as the
+    # engine's loop adds it before stepping again: first token at 30 ms, TTFT one step.
+    # (It used to wait a step, beside A's decode only: TTFT two steps.)
+    conv_b = [TokenTurn(tuple(range(2000, 2008)), 2), TokenTurn(tuple(range(3000, 3004)), 2)]
+    _, res = run([one_turn(8, 20), conv_b], [0.0, 0.0])
+    b0, b1 = res.records[1:]
+    assert b0.e2e == pytest.approx(2 * STEP)
+    assert b1.send_time == pytest.approx(2 * STEP)
+    assert b1.ttft == pytest.approx(STEP)
+
+
 def test_a_prompt_over_the_context_fails_alone() -> None:
     convs = [one_turn(600, 4), one_turn(10, 2, first_id=5000)]
     _, res = run(convs, [0.0, 0.0])
