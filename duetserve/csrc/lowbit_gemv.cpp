@@ -120,54 +120,38 @@ inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
   return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
 }
 
-// Calls f(std::integral_constant<int, mm>) for mm in 1..8.
+// Calls f(std::integral_constant<int, mm>) for mm in 1..4.
 template <typename F>
 inline void dispatch(int64_t mm, F&& f) {
   switch (mm) {
     case 1: f(std::integral_constant<int, 1>{}); break;
     case 2: f(std::integral_constant<int, 2>{}); break;
     case 3: f(std::integral_constant<int, 3>{}); break;
-    case 4: f(std::integral_constant<int, 4>{}); break;
-    case 5: f(std::integral_constant<int, 5>{}); break;
-    case 6: f(std::integral_constant<int, 6>{}); break;
-    case 7: f(std::integral_constant<int, 7>{}); break;
-    default: f(std::integral_constant<int, 8>{}); break;
+    default: f(std::integral_constant<int, 4>{}); break;
   }
 }
 
-// Up to 4 activation rows: one pass over a block computes its 4 weight rows. 5 to 8
-// rows: the accumulators of all 4 weight rows would not fit the 32 vector registers, so
-// the block's weight rows 0-1 and then 2-3 are computed (the second pass reads the block
-// from L1/L2, not DRAM). Each output is the same operations in the same order either way
-// (the sums of weight row r never mix with another row's): bit-identical results
-// whatever the number of rows computed at once.
+// Weight rows 4 nb .. 4 nb + 3 (one packed block) against activation rows m0 .. m0 + MM - 1.
 template <int MM>
-constexpr int kRowsPerPart = MM <= 4 ? 4 : 2;
-
-// Weight rows 4 nb + R0 .. 4 nb + R0 + NR - 1 of one packed block against activation rows
-// m0 .. m0 + MM - 1.
-template <int MM, int R0, int NR>
-void q4_block_part(const uint8_t* pk, const QuantizedX& X, float* y, int64_t nch, int64_t N,
-                   int64_t nb, int64_t m0) {
+void q4_block(const uint8_t* pk, const QuantizedX& X, float* y, int64_t nch, int64_t N,
+              int64_t nb, int64_t m0) {
   const int64_t gp = X.gp;
   const uint8_t* base = pk + nb * nch * Q4_BLOCK;
   const __m512i low4 = _mm512_set1_epi8(0x0F);
-  __m512 acc[NR][MM], accm[MM];
-  for (int r = 0; r < NR; ++r) for (int i = 0; i < MM; ++i) acc[r][i] = _mm512_setzero_ps();
+  __m512 acc[4][MM], accm[MM];
+  for (int r = 0; r < 4; ++r) for (int i = 0; i < MM; ++i) acc[r][i] = _mm512_setzero_ps();
   for (int i = 0; i < MM; ++i) accm[i] = _mm512_setzero_ps();
   for (int64_t c = 0; c < nch; ++c) {
     const uint8_t* blk = base + c * Q4_BLOCK;
-    if (R0 == 0)
-      for (int l = 0; l < Q4_BLOCK / 64; ++l)   // two chunks ahead (runs into the next block)
-        _mm_prefetch(reinterpret_cast<const char*>(blk + 2 * Q4_BLOCK + l * 64), _MM_HINT_T0);
+    for (int l = 0; l < Q4_BLOCK / 64; ++l)   // two chunks ahead (runs into the next block)
+      _mm_prefetch(reinterpret_cast<const char*>(blk + 2 * Q4_BLOCK + l * 64), _MM_HINT_T0);
     // lanes 4r + i: row r, group i
     const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 256)));
     const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 288)));
     for (int i = 0; i < MM; ++i)   // + m * (dx * sum xq): lanes 4r + g, summed at the end
       accm[i] = _mm512_fmadd_ps(mv, _mm512_broadcast_f32x4(
           _mm_loadu_ps(X.s.data() + (m0 + i) * gp + c * CH)), accm[i]);
-    for (int rr = 0; rr < NR; ++rr) {
-      const int r = R0 + rr;
+    for (int r = 0; r < 4; ++r) {
       const __m512i w = _mm512_loadu_si512(blk + r * 64);
       const __m512i lo = _mm512_and_si512(w, low4);
       const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low4);
@@ -180,78 +164,17 @@ void q4_block_part(const uint8_t* pk, const QuantizedX& X, float* y, int64_t nch
         dot = _mm512_dpbusd_epi32(dot, hi, _mm512_loadu_si512(xq + 64));
         const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(dot),
             _mm512_loadu_ps(X.d16.data() + ((m0 + i) * gp + c * CH) * 4));
-        acc[rr][i] = _mm512_fmadd_ps(t, wd, acc[rr][i]);
+        acc[r][i] = _mm512_fmadd_ps(t, wd, acc[r][i]);
       }
     }
   }
-  const __m512 zero = _mm512_setzero_ps();
   for (int i = 0; i < MM; ++i) {
     alignas(64) float mt[16];
     alignas(16) float o[4];
     _mm512_store_ps(mt, accm[i]);
-    // reduce4's output r depends on its r-th operand only
-    _mm_store_ps(o, reduce4(acc[0][i], NR > 1 ? acc[NR > 1 ? 1 : 0][i] : zero,
-                            NR > 2 ? acc[NR > 2 ? 2 : 0][i] : zero,
-                            NR > 3 ? acc[NR > 3 ? 3 : 0][i] : zero));
-    for (int rr = 0; rr < NR && nb * 4 + R0 + rr < N; ++rr) {
-      const int r = R0 + rr;
-      y[(m0 + i) * N + nb * 4 + r] = o[rr] + ((mt[4 * r] + mt[4 * r + 1]) + (mt[4 * r + 2] + mt[4 * r + 3]));
-    }
-  }
-}
-
-// Weight rows 4 nb .. 4 nb + 3 (one packed block) against activation rows m0 .. m0 + MM - 1.
-template <int MM>
-void q4_block(const uint8_t* pk, const QuantizedX& X, float* y, int64_t nch, int64_t N,
-              int64_t nb, int64_t m0) {
-  if constexpr (kRowsPerPart<MM> == 4) {
-    q4_block_part<MM, 0, 4>(pk, X, y, nch, N, nb, m0);
-  } else {
-    q4_block_part<MM, 0, 2>(pk, X, y, nch, N, nb, m0);
-    q4_block_part<MM, 2, 2>(pk, X, y, nch, N, nb, m0);
-  }
-}
-
-// Weight rows 4 nb + R0 .. 4 nb + R0 + NR - 1 of one packed block against activation rows
-// m0 .. m0 + MM - 1.
-template <int MM, int R0, int NR>
-void q8_block_part(const int8_t* pk, const float* ws, const QuantizedX& X, float* y,
-                   int64_t npairs, int64_t N, int64_t nb, int64_t m0) {
-  const int64_t gp = X.gp;
-  const int8_t* base = pk + nb * npairs * Q8_BLOCK;
-  // dx of groups 2p, 2p+1 as one vector: lanes 0-7 and 8-15 (vpdpbusd sums 4 bytes a lane)
-  const __m512i pidx = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-  __m512 acc[NR][MM];
-  for (int r = 0; r < NR; ++r) for (int i = 0; i < MM; ++i) acc[r][i] = _mm512_setzero_ps();
-  for (int64_t p = 0; p < npairs; ++p) {
-    const int8_t* blk = base + p * Q8_BLOCK;
-    if (R0 == 0)
-      for (int l = 0; l < Q8_BLOCK / 64; ++l)
-        _mm_prefetch(reinterpret_cast<const char*>(blk + 2 * Q8_BLOCK + l * 64), _MM_HINT_T0);
-    __m512 s[MM];
-    for (int i = 0; i < MM; ++i)
-      s[i] = _mm512_permutexvar_ps(pidx, _mm512_castps128_ps512(_mm_castsi128_ps(
-          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(X.d.data() + (m0 + i) * gp + 2 * p)))));
-    for (int rr = 0; rr < NR; ++rr) {
-      const __m512i w = _mm512_loadu_si512(blk + (R0 + rr) * 64);
-      const __m512i aw = _mm512_abs_epi8(w);
-      const __mmask64 neg = _mm512_movepi8_mask(w);
-      for (int i = 0; i < MM; ++i) {
-        const __m512i xv = _mm512_loadu_si512(X.q.data() + (m0 + i) * gp * G + p * 64);
-        const __m512i sx = _mm512_mask_sub_epi8(xv, neg, _mm512_setzero_si512(), xv);
-        const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), aw, sx);
-        acc[rr][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s[i], acc[rr][i]);
-      }
-    }
-  }
-  const __m512 zero = _mm512_setzero_ps();
-  for (int i = 0; i < MM; ++i) {
-    alignas(16) float o[4];
-    _mm_store_ps(o, reduce4(acc[0][i], NR > 1 ? acc[NR > 1 ? 1 : 0][i] : zero,
-                            NR > 2 ? acc[NR > 2 ? 2 : 0][i] : zero,
-                            NR > 3 ? acc[NR > 3 ? 3 : 0][i] : zero));
-    for (int rr = 0; rr < NR && nb * 4 + R0 + rr < N; ++rr)
-      y[(m0 + i) * N + nb * 4 + R0 + rr] = o[rr] * ws[nb * 4 + R0 + rr];
+    _mm_store_ps(o, reduce4(acc[0][i], acc[1][i], acc[2][i], acc[3][i]));
+    for (int r = 0; r < 4 && nb * 4 + r < N; ++r)
+      y[(m0 + i) * N + nb * 4 + r] = o[r] + ((mt[4 * r] + mt[4 * r + 1]) + (mt[4 * r + 2] + mt[4 * r + 3]));
   }
 }
 
@@ -259,11 +182,37 @@ void q8_block_part(const int8_t* pk, const float* ws, const QuantizedX& X, float
 template <int MM>
 void q8_block(const int8_t* pk, const float* ws, const QuantizedX& X, float* y, int64_t npairs,
               int64_t N, int64_t nb, int64_t m0) {
-  if constexpr (kRowsPerPart<MM> == 4) {
-    q8_block_part<MM, 0, 4>(pk, ws, X, y, npairs, N, nb, m0);
-  } else {
-    q8_block_part<MM, 0, 2>(pk, ws, X, y, npairs, N, nb, m0);
-    q8_block_part<MM, 2, 2>(pk, ws, X, y, npairs, N, nb, m0);
+  const int64_t gp = X.gp;
+  const int8_t* base = pk + nb * npairs * Q8_BLOCK;
+  // dx of groups 2p, 2p+1 as one vector: lanes 0-7 and 8-15 (vpdpbusd sums 4 bytes a lane)
+  const __m512i pidx = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  __m512 acc[4][MM];
+  for (int r = 0; r < 4; ++r) for (int i = 0; i < MM; ++i) acc[r][i] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < npairs; ++p) {
+    const int8_t* blk = base + p * Q8_BLOCK;
+    for (int l = 0; l < Q8_BLOCK / 64; ++l)
+      _mm_prefetch(reinterpret_cast<const char*>(blk + 2 * Q8_BLOCK + l * 64), _MM_HINT_T0);
+    __m512 s[MM];
+    for (int i = 0; i < MM; ++i)
+      s[i] = _mm512_permutexvar_ps(pidx, _mm512_castps128_ps512(_mm_castsi128_ps(
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(X.d.data() + (m0 + i) * gp + 2 * p)))));
+    for (int r = 0; r < 4; ++r) {
+      const __m512i w = _mm512_loadu_si512(blk + r * 64);
+      const __m512i aw = _mm512_abs_epi8(w);
+      const __mmask64 neg = _mm512_movepi8_mask(w);
+      for (int i = 0; i < MM; ++i) {
+        const __m512i xv = _mm512_loadu_si512(X.q.data() + (m0 + i) * gp * G + p * 64);
+        const __m512i sx = _mm512_mask_sub_epi8(xv, neg, _mm512_setzero_si512(), xv);
+        const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), aw, sx);
+        acc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s[i], acc[r][i]);
+      }
+    }
+  }
+  for (int i = 0; i < MM; ++i) {
+    alignas(16) float o[4];
+    _mm_store_ps(o, reduce4(acc[0][i], acc[1][i], acc[2][i], acc[3][i]));
+    for (int r = 0; r < 4 && nb * 4 + r < N; ++r)
+      y[(m0 + i) * N + nb * 4 + r] = o[r] * ws[nb * 4 + r];
   }
 }
 
@@ -367,26 +316,21 @@ void q8_rows(const int8_t* pk, const float* ws, const QuantizedX& X, float* y, i
 }
 
 constexpr int64_t ROWS_PER_TASK = 16;
-// Activation rows per pass over the weights: the low-bit kernels take up to 8 (a verify
-// step of k + 1 <= 8 rows reads and unpacks each weight once), the float32 one 4. More
-// rows run in several passes: each thread walks its weight rows in tiles of about
-// TILE_BYTES and runs every pass on a tile before the next, so passes after the first
-// read the weights from L2 instead of DRAM. Every output is the same block computation
-// either way: results do not change.
-constexpr int64_t LOWBIT_PASS_ROWS = 8;
-constexpr int64_t F32_PASS_ROWS = 4;
+// More than 4 activation rows run in passes of 4 (the kernels' register budget). Each
+// thread walks its weight rows in tiles of about this many bytes and runs every pass on
+// a tile before the next, so passes after the first read the weights from L2 instead of
+// DRAM (a fifth row used to cost another full read of the thread's half of the matrix).
+// Every output is the same block computation either way: results do not change.
 constexpr int64_t TILE_BYTES = 64 * 1024;
 
 // Calls pass(t0, t1, m0, mm) for tiles [t0, t1) of [b0, b1) (units of `unit_bytes`) and
-// passes of up to pass_rows rows, tile by tile.
+// passes of up to 4 rows, tile by tile.
 template <typename F>
-inline void tiled_passes(int64_t b0, int64_t b1, int64_t unit_bytes, int64_t M,
-                         int64_t pass_rows, F&& pass) {
-  const int64_t tile = M <= pass_rows ? b1 - b0
-                                      : std::max<int64_t>(1, TILE_BYTES / unit_bytes);
+inline void tiled_passes(int64_t b0, int64_t b1, int64_t unit_bytes, int64_t M, F&& pass) {
+  const int64_t tile = M <= 4 ? b1 - b0 : std::max<int64_t>(1, TILE_BYTES / unit_bytes);
   for (int64_t t0 = b0; t0 < b1; t0 += tile)
-    for (int64_t m0 = 0; m0 < M; m0 += pass_rows)
-      pass(t0, std::min(b1, t0 + tile), m0, std::min<int64_t>(pass_rows, M - m0));
+    for (int64_t m0 = 0; m0 < M; m0 += 4)
+      pass(t0, std::min(b1, t0 + tile), m0, std::min<int64_t>(4, M - m0));
 }
 
 }  // namespace
@@ -405,7 +349,7 @@ torch::Tensor q4_gemv(torch::Tensor x, torch::Tensor packed, int64_t N) {
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, packed.size(0), ROWS_PER_TASK / 4, [&](int64_t b0, int64_t b1) {
-    tiled_passes(b0, b1, nch * Q4_BLOCK, M, LOWBIT_PASS_ROWS, [&](int64_t t0, int64_t t1, int64_t m0, int64_t mm) {
+    tiled_passes(b0, b1, nch * Q4_BLOCK, M, [&](int64_t t0, int64_t t1, int64_t m0, int64_t mm) {
       q4_rows(pp, X, yp, nch, N, t0, t1, m0, mm);
     });
   });
@@ -428,7 +372,7 @@ torch::Tensor q8_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor scale
   const float* sp = scale.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, packed.size(0), ROWS_PER_TASK / 4, [&](int64_t b0, int64_t b1) {
-    tiled_passes(b0, b1, npairs * Q8_BLOCK, M, LOWBIT_PASS_ROWS, [&](int64_t t0, int64_t t1, int64_t m0, int64_t mm) {
+    tiled_passes(b0, b1, npairs * Q8_BLOCK, M, [&](int64_t t0, int64_t t1, int64_t m0, int64_t mm) {
       q8_rows(pp, sp, X, yp, npairs, N, t0, t1, m0, mm);
     });
   });
@@ -449,7 +393,7 @@ torch::Tensor f32_gemv(torch::Tensor x, torch::Tensor w) {
   const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, N, ROWS_PER_TASK, [&](int64_t n0, int64_t n1) {
-    tiled_passes(n0, n1, K * 4, M, F32_PASS_ROWS, [&](int64_t t0, int64_t t1, int64_t m0, int64_t mm) {
+    tiled_passes(n0, n1, K * 4, M, [&](int64_t t0, int64_t t1, int64_t m0, int64_t mm) {
       f32_rows(wp, xp, yp, K, N, t0, t1, m0, mm);
     });
   });

@@ -13,6 +13,7 @@ _NATIVE = ops()     # compiled fused row ops, or None (plain torch below)
 
 
 DENSE_GEMV_ROWS = 4   # float32 linears of up to this many rows: the native GEMV
+SILU_MUL_ROWS = 16    # MLP activations of up to this many rows: the native silu_mul
 #                       (csrc/decode_stack.cpp uses the same bound)
 
 
@@ -138,8 +139,9 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)                    # [T, 2I]
-        if _NATIVE is not None and x.shape[0] <= 2 and gate_up.is_contiguous():
-            return self.down_proj(_NATIVE.silu_mul(gate_up))   # 1-2 rows: one op (its exp is
-            # scalar: 800 us at 64 rows against torch's 80, so larger steps use torch)
+        if _NATIVE is not None and x.shape[0] <= SILU_MUL_ROWS and gate_up.is_contiguous():
+            # one op, and each row's result independent of the row count (verify rows of
+            # speculative decoding equal decodes); csrc/decode_stack.cpp uses the same bound
+            return self.down_proj(_NATIVE.silu_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)

@@ -58,7 +58,7 @@ def build_speculator(config: SpeculativeConfig, target: LoadedModel,
                       device, draft)
 
 
-PROBE_ROWS = 4      # the low-bit kernels work on 4 activation rows per weight pass
+PROBE_ROWS = 4      # the shortest measured table (a step of 1..4 rows)
 MAX_PROBE_ROWS = 9  # the measured table's longest step (k + 1 rows, k <= 8)
 
 

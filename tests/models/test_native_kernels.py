@@ -177,9 +177,12 @@ def test_fused_row_ops():
     x, w = torch.randn(7, 96), torch.randn(96)
     torch.testing.assert_close(native.rms_norm(x, w, 1e-6),
                                F.rms_norm(x, (96,), w, 1e-6), atol=1e-6, rtol=1e-5)
-    g = torch.randn(5, 64)
-    torch.testing.assert_close(native.silu_mul(g), F.silu(g[:, :32]) * g[:, 32:],
-                               atol=1e-6, rtol=1e-5)
+    g = torch.randn(5, 2 * 37) * 8        # a row's last 16-lane vector is partial
+    g[0, 0], g[0, 1], g[0, 2] = 100.0, -100.0, 0.0
+    whole = native.silu_mul(g)
+    torch.testing.assert_close(whole, F.silu(g[:, :37]) * g[:, 37:], atol=1e-6, rtol=1e-5)
+    for i in range(5):     # a row does not depend on the rows computed with it
+        assert torch.equal(native.silu_mul(g[i:i + 1]), whole[i:i + 1])
 
 
 def test_q4_dequant_slices():
@@ -294,9 +297,8 @@ def test_f32_gemv_rows_are_independent_of_the_row_count():
 
 @pytest.mark.parametrize("rows", [2, 5, 7, 8, 11])
 def test_gemv_rows_equal_alone(rows):
-    """The low-bit kernels compute up to 8 rows in one pass over a weight block (5-8 rows:
-    weight rows 0-1 then 2-3 of each block), float32 up to 4; more rows run in several
-    passes over tiles of the weight (so later passes read it from cache). Every row equals
+    """The GEMVs compute up to 4 activation rows in one pass over the weights; more rows
+    run in passes of 4 over tiles of the weight (so later passes read it from cache). Every row equals
     the same row run as a step of its own, bit for bit, for weights spanning many tiles
     (q4, q8 and float32): a verify step's rows are what decodes of them would compute."""
     from duetserve.models.quant import Int4Weight, Int8Weight, int4_groups_from_float, \

@@ -80,17 +80,19 @@ def _check_clean(llm: LLM) -> None:
     assert sum(spec.accepted_per_pos) == spec.num_accepted_tokens
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft"])
+@pytest.mark.parametrize("method", ["ngram", "draft", "draft-subset"])
 def test_tiny_greedy_identical_in_every_mode(tiny, draft_path, method) -> None:
-    spec = NGRAM if method == "ngram" else {"method": "draft", "model": draft_path,
-                                            "num_speculative_tokens": 3, "adaptive": False}
+    """draft-subset: the draft proposes only ids < 150 of the tiny vocabulary's 300."""
+    spec = NGRAM if method == "ngram" else {
+        "method": "draft", "model": draft_path, "num_speculative_tokens": 3,
+        "adaptive": False, "draft_vocab_size": 150 if method == "draft-subset" else None}
     prompts = _prompts(tiny.config.vocab_size)
     base = _run(_llm(tiny, max_num_batched_tokens=4096), prompts)
     one_batch = _llm(tiny, spec, max_num_batched_tokens=4096)
     assert _run(one_batch, prompts) == base
     _check_clean(one_batch)
     spec_stats = one_batch.engine.scheduler.make_stats().spec
-    if method == "draft":   # both outcomes of verification happen (n-gram drafts from a
+    if method != "ngram":   # both outcomes of verification happen (n-gram drafts from a
         # random model's tokens are almost never right: accepted ones are tested on the
         # default model below)
         assert 0 < spec_stats.num_accepted_tokens < spec_stats.num_draft_tokens
@@ -255,6 +257,11 @@ def test_speculative_config_parsing() -> None:
     assert SpeculativeConfig("draft", model="m").quantization == "int4"
     with pytest.raises(ConfigError, match="speculative quantization"):
         SpeculativeConfig("draft", model="m", quantization="int3")
+    assert SpeculativeConfig("draft", model="m").draft_vocab_size == 65536
+    assert SpeculativeConfig.parse({"method": "draft", "model": "m",
+                                    "draft_vocab_size": None}).draft_vocab_size is None
+    with pytest.raises(ConfigError, match="draft_vocab_size must be a positive integer"):
+        SpeculativeConfig("draft", model="m", draft_vocab_size=0)
     with pytest.raises(ConfigError, match="unknown speculative config key"):
         EngineConfig(speculative_config={"method": "ngram", "k": 2})
     with pytest.raises(ConfigError, match="needs \"model\""):
