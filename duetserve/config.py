@@ -108,6 +108,11 @@ class SpeculativeConfig:
     # target often, and its cost per token is what bounds the speedup (int4 reads ~0.6 of
     # int8's bytes); accepted tokens are the target's either way.
     quantization: str = "int4"
+    # method "draft": the draft proposes only token ids [0, draft_vocab_size) (its LM head
+    # reads those rows only; lossless, see spec_decode/draft_model.py). None: all ids.
+    # 65,536 of Qwen2.5's 151,936 ids (merge order) cover 98.0% of the tokens of
+    # duetserve's own Python and Markdown, and 43% of the head's bytes are read.
+    draft_vocab_size: int | None = 65536
 
     def __post_init__(self) -> None:
         check_one_of("speculative method", self.method, SPEC_METHODS)
@@ -123,6 +128,10 @@ class SpeculativeConfig:
             raise ConfigError("need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                               f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
         check_one_of("speculative quantization", self.quantization, QUANTIZATIONS)
+        if self.draft_vocab_size is not None and (
+                type(self.draft_vocab_size) is not int or self.draft_vocab_size < 1):
+            raise ConfigError("draft_vocab_size must be a positive integer or null, got "
+                              f"{self.draft_vocab_size!r}")
 
     @classmethod
     def parse(cls, value: "SpeculativeConfig | dict | str | None") -> "SpeculativeConfig | None":

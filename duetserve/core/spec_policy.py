@@ -122,12 +122,15 @@ class SpecPolicy:
         t_now, t_next = self.roofline.seconds(base_rows), self.roofline.seconds(base_rows + 1)
         return t_next * base_rows < t_now * (base_rows + 1) * (1 - 1e-9)
 
-    def num_to_propose(self, alpha: float, next_rows: int = 1) -> int:
+    def num_to_propose(self, alpha: float, next_rows: int = 1, probe: bool = False) -> int:
         """Drafts to propose for a request's next step (next_rows: that step's rows and
         tokens without drafts). Fixed: k. Adaptive: at most the drafts whose gain alpha^j
         stays above min_gain; free proposers take all of them (at least one, so
         acceptance keeps being measured), a draft model the n (possibly 0) that
-        maximises tokens per second with its proposals' cost counted (module docstring)."""
+        maximises tokens per second with its proposals' cost counted (module docstring).
+        probe: a draft model proposes at least one draft, so that a request whose
+        estimate fell (often: the first tokens of an answer are the hardest to guess)
+        is measured again instead of never speculating again."""
         k = self.num_speculative_tokens
         if not self.adaptive:
             return k
@@ -145,4 +148,4 @@ class SpecPolicy:
             rate = tokens / (self.roofline.seconds(next_rows + j) + j * self.draft_seconds)
             if rate > best_rate:
                 best, best_rate = j, rate
-        return best
+        return max(best, 1) if probe else best

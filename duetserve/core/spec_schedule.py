@@ -12,6 +12,8 @@ from duetserve.core.step_plan import StepPlan
 from duetserve.outputs import SpecDecodeStats
 from duetserve.request import Request
 
+PROBE_EVERY = 8
+
 
 def plan_spec(policy: SpecPolicy, running: list[Request], step: StepPlan) -> None:
     """Drafts per running decode for this step (step.spec_plan), whether the step
@@ -54,9 +56,12 @@ def num_to_propose(policy: SpecPolicy | None, request: Request, num_computed: in
             or num_computed + num_new != request.num_tokens
             or not is_spec_eligible(request.sampling_params)):
         return 0
+    # every PROBE_EVERY-th output token a draft model proposes at least one draft: the
+    # request's acceptance keeps being measured even where the policy chose none
+    probe = (num_computed + num_new - request.num_prompt_tokens) % PROBE_EVERY == 0
     n = policy.num_to_propose(acceptance_estimate(request.spec_num_accepted,
                                                   request.spec_num_rejections),
-                              step.spec_next_rows)
+                              step.spec_next_rows, probe)
     # a draft model writes KV up to position num_tokens_after + n - 2 < max_len
     room = max_len - (num_computed + num_new + num_drafts)
     return max(0, min(n, room))

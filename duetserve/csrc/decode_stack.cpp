@@ -21,6 +21,9 @@ namespace {
 // row, where oneDNN's GEMM is not); more rows run at::linear. models/layers.py uses the
 // same bound for the LM head (DENSE_GEMV_ROWS).
 constexpr int64_t kDenseGemvRows = 4;
+// Steps of up to this many rows run silu_mul (models/layers.py's SILU_MUL_ROWS: the
+// modules use the same bound, so both paths compute the same activations).
+constexpr int64_t kSiluMulRows = 16;
 
 // One linear: kind 4 -> a = packed, n = output rows; kind 8 -> (a, b) = (packed, scale32);
 // kind 0 -> dense a.
@@ -104,8 +107,8 @@ class DecodeStack {
       x = x + l.o(att.reshape({T, -1}));
       torch::Tensor gu = l.gate_up(rms_norm(x, l.post_norm, eps_));
       torch::Tensor act;
-      if (T <= 2 && gu.is_contiguous()) {
-        act = silu_mul(gu);
+      if (T <= kSiluMulRows && gu.is_contiguous()) {
+        act = silu_mul(gu);     // rows independent of T: a verify row equals a decode
       } else {
         auto parts = gu.chunk(2, -1);
         act = at::silu(parts[0]) * parts[1];

@@ -59,8 +59,9 @@ def add_engine_arguments(p: argparse.ArgumentParser, positional_model: bool = Fa
                         '"num_speculative_tokens": 3}\' or \'{"method": "draft", "model": '
                         'PATH}\'; keys: method, num_speculative_tokens, model, '
                         'prompt_lookup_min, prompt_lookup_max, adaptive (default true), '
-                        'quantization (the draft model\'s, default int4; '
-                        'docs/speculative_decoding.md)')
+                        'quantization (the draft model\'s, default int4), '
+                        'draft_vocab_size (the draft proposes ids below it, default 65536; '
+                        'null: all; docs/speculative_decoding.md)')
     g.add_argument("-v", "--verbose", action="store_true", help="log engine details")
 
 

@@ -13,7 +13,8 @@ _NATIVE = ops()     # compiled fused row ops, or None (plain torch below)
 
 
 DENSE_GEMV_ROWS = 4   # float32 linears of up to this many rows: the native GEMV
-#                       (csrc/decode_stack.cpp uses the same bound)
+SILU_MUL_ROWS = 16    # MLP activations of up to this many rows: the native silu_mul
+#                       (csrc/decode_stack.cpp uses the same bounds)
 
 # oneDNN's float32 matmul, the op torch's own compiler emits for CPU linears. F.linear's
 # float32 GEMM is MKL's, which on the AMD EPYC (Zen 4) measured here runs the model's
@@ -160,8 +161,9 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)                    # [T, 2I]
-        if _NATIVE is not None and x.shape[0] <= 2 and gate_up.is_contiguous():
-            return self.down_proj(_NATIVE.silu_mul(gate_up))   # 1-2 rows: one op (its exp is
-            # scalar: 800 us at 64 rows against torch's 80, so larger steps use torch)
+        if _NATIVE is not None and x.shape[0] <= SILU_MUL_ROWS and gate_up.is_contiguous():
+            # one op, and each row's result independent of the row count (verify rows of
+            # speculative decoding equal decodes); csrc/decode_stack.cpp uses the same bound
+            return self.down_proj(_NATIVE.silu_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)

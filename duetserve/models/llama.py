@@ -79,6 +79,7 @@ class LlamaForCausalLM(nn.Module):
         # decode-only steps through one native call (models/decode_stack.py), built on the
         # first forward (weights are loaded by then)
         self._stack: NativeDecodeStack | None | object = _UNBUILT
+        self._prefix_heads: dict[int, object] = {}   # compute_logits(num_ids=n)'s heads
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -95,9 +96,27 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, kv, meta)
         return self.norm(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [N, d] for the positions that need logits -> [N, vocab] float32."""
+    def compute_logits(self, hidden: torch.Tensor, num_ids: int | None = None) -> torch.Tensor:
+        """hidden: [N, d] for the positions that need logits -> [N, vocab] float32.
+        num_ids: logits of token ids [0, num_ids) only ([N, num_ids]; the LM head's rows
+        past num_ids are not read). Mutates: a cache of the reduced heads."""
         head = self.lm_head
+        if num_ids is not None and num_ids < self.config.vocab_size:
+            return self._prefix_logits(hidden, head, num_ids)
         if head is not None:             # a DenseLinear or a QuantLinear (tied ones too)
             return head(hidden).float()
         return dense_linear(hidden, self.embed_tokens.weight.detach()).float()
+
+    def _prefix_logits(self, hidden: torch.Tensor, head, n: int) -> torch.Tensor:
+        sub = self._prefix_heads.get(n)
+        if sub is None:
+            if head is None:
+                sub = self.embed_tokens.weight.detach()[:n]
+            elif type(head) is DenseLinear:
+                sub = head.weight.detach()[:n] if head.bias is None else head
+            else:                        # a QuantLinear: its first n rows, storage shared
+                sub = head.prefix(n)
+            self._prefix_heads[n] = sub
+        if isinstance(sub, torch.Tensor):
+            return dense_linear(hidden, sub).float()
+        return sub(hidden)[:, :n].float()

@@ -115,6 +115,16 @@ class Int4Weight:
         """Dequantized rows `ids` [n] -> [n, K] float32 (embedding lookup)."""
         return self._decode(*self.groups(ids.reshape(-1)), torch.float32).view(*ids.shape, -1)
 
+    def prefix(self, n: int) -> "Int4Weight":
+        """Rows [0, n) as a weight sharing this one's storage (the packed blocks up to
+        row n; a last partial block's other rows are computed and dropped)."""
+        if not 0 < n <= self.shape[0]:
+            raise ValueError(f"row prefix {n} outside 1..{self.shape[0]}")
+        out = object.__new__(Int4Weight)
+        out.shape = (n, self.shape[1])
+        out.packed = self.packed[:-(-n // 4)]
+        return out
+
     @property
     def nbytes(self) -> int:
         return self.packed.numel()
@@ -160,6 +170,16 @@ class Int8Weight:
                    b: int | None = None) -> torch.Tensor:
         b = self.shape[0] if b is None else b
         return self.int8_rows(torch.arange(a, b)).to(dtype) * self.scale[a:b].to(dtype)[:, None]
+
+    def prefix(self, n: int) -> "Int8Weight":
+        """Rows [0, n) as a weight sharing this one's storage (see Int4Weight.prefix)."""
+        if not 0 < n <= self.shape[0]:
+            raise ValueError(f"row prefix {n} outside 1..{self.shape[0]}")
+        out = object.__new__(Int8Weight)
+        out.shape = (n, self.shape[1])
+        out.packed = self.packed[:-(-n // 4)]
+        out.scale, out.scale32 = self.scale[:n], self.scale32[:n]
+        return out
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
@@ -232,6 +252,12 @@ class QuantLinear(nn.Module):
             b = min(n, a + _DEQUANT_ROWS)
             torch.matmul(x, self.qweight.dequantize(x.dtype, a, b).t(), out=y[:, a:b])
         return y
+
+    def prefix(self, n: int) -> "QuantLinear":
+        """The first n output rows as a QuantLinear sharing this one's weights (a reduced
+        LM head: logits of token ids [0, n) only)."""
+        return QuantLinear(self.qweight.prefix(n), None if self.bias is None else self.bias[:n],
+                           self.policy, None if self.dense is None else self.dense[:n])
 
     @property
     def nbytes(self) -> int:

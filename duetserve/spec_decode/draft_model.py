@@ -25,6 +25,15 @@ whose draft never ran), so a new request starts at num_computed = 0.
 Greedy requests take the draft's argmax (q one-hot); sampled requests sample from the
 draft's distribution after their temperature/top-k/top-p/min-p, and q is kept for the
 verifier.
+
+Reduced draft vocabulary (`draft_vocab_size` V'): the draft's LM head computes logits of
+token ids [0, V') only (the first V' rows of its LM head; at batch 1 the full head is
+about a fifth of a 0.5B draft's step). The draft then proposes only among those ids: q is
+0 outside them (logits -inf), greedy drafts are the argmax over them. The verifier stays
+exact for any q (rejection.py): a target token outside the subset is never drafted, and
+is emitted by the residual max(p - q, 0) = p there or as the target's own token.
+Byte-level BPE vocabularies (Qwen2's, Llama-3's) number tokens in merge order, so the
+first ids are the earliest, most common merges.
 """
 from __future__ import annotations
 
@@ -44,13 +53,17 @@ CATCH_UP_DECODE_ROWS = 8     # catch-ups of up to this many tokens run as decode
 class DraftModelProposer:
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, num_blocks: int,
                  block_size: int, kv_dtype: torch.dtype, target_vocab_size: int,
-                 eos_token_ids: tuple[int, ...], device: str = "cpu") -> None:
+                 eos_token_ids: tuple[int, ...], device: str = "cpu",
+                 draft_vocab_size: int | None = None) -> None:
         self.model = model
         self.config = model_config
         self.block_size = block_size
         self.device = device
         self.vocab_size = target_vocab_size
         self.eos_token_ids = eos_token_ids
+        # logits of ids [0, num_ids) only; None: the draft's whole vocabulary
+        self.num_ids = draft_vocab_size if draft_vocab_size is not None and \
+            draft_vocab_size < min(model_config.vocab_size, target_vocab_size) else None
         self.kv_caches = allocate_kv_cache(model_config, num_blocks, block_size, kv_dtype,
                                            device)
         backend = getattr(model.layers[0].self_attn, "backend", None)
@@ -103,8 +116,7 @@ class DraftModelProposer:
                 break
             batch = build_step_batch(work, self.block_size, self.device, self.paged_decode)
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
-            logits = self._target_vocab(self.model.compute_logits(
-                hidden[batch.logits_indices]))
+            logits = self.model.compute_logits(hidden[batch.logits_indices], self.num_ids)
             chosen = self._choose(logits, [states[r] for r in batch.logits_req_ids])
             for r, (token, q) in zip(batch.logits_req_ids, chosen):
                 drafts[r].append(token)
@@ -127,11 +139,13 @@ class DraftModelProposer:
 
     def _choose(self, logits: torch.Tensor, states: list
                 ) -> list[tuple[int, torch.Tensor | None]]:
-        """Per row: (draft token, q row or None). Greedy rows: argmax. Sampled rows: one
-        draw from q = softmax(processed logits), with the request's generator."""
+        """logits [n, <= V]: the draft's (past its vocabulary or num_ids: -inf). Per row:
+        (draft token, q row [V] or None). Greedy rows: argmax. Sampled rows: one draw
+        from q = softmax(processed logits), with the request's generator."""
         params = [st.sampling_params for st in states]
         if all(p.is_greedy for p in params):
-            return [(t, None) for t in logits.argmax(dim=-1).tolist()]
+            return [(t, None) for t in logits[:, :self.vocab_size].argmax(dim=-1).tolist()]
+        logits = self._target_vocab(logits)
         empty = [[] for _ in params]
         meta = SamplingMetadata.build(params, empty, empty, [None] * len(params),
                                       self.eos_token_ids, self.vocab_size, self.device)

@@ -52,12 +52,13 @@ def build_speculator(config: SpeculativeConfig, target: LoadedModel,
         log.info("draft model %s: %s", loaded.path, loaded.describe())
         draft = DraftModelProposer(loaded.model, loaded.config, num_blocks, block_size,
                                    kv_dtype, model_config.vocab_size,
-                                   tuple(model_config.eos_token_ids), device)
+                                   tuple(model_config.eos_token_ids), device,
+                                   config.draft_vocab_size)
     return Speculator(config, model_config.vocab_size, tuple(model_config.eos_token_ids),
                       device, draft)
 
 
-PROBE_ROWS = 4      # the low-bit kernels work on 4 activation rows per weight pass
+PROBE_ROWS = 4      # the shortest measured table (a step of 1..4 rows)
 MAX_PROBE_ROWS = 9  # the measured table's longest step (k + 1 rows, k <= 8)
 
 
@@ -73,9 +74,11 @@ def theoretical_roofline(target: LoadedModel, hardware: HardwareProfile | None =
 
 @torch.inference_mode()
 def step_seconds(model: torch.nn.Module, kv_caches: list, block_size: int, vocab_size: int,
-                 rows: int, paged_decode: bool = True, repeats: int = 3) -> float:
+                 rows: int, paged_decode: bool = True, repeats: int = 3,
+                 num_ids: int | None = None) -> float:
     """Median time of a verify-shaped step of `rows` decode rows (one request's
-    consecutive positions, logits of every row) on the model's own kernels. Runs
+    consecutive positions, logits of every row, of ids [0, num_ids) when given) on the
+    model's own kernels. Runs
     1 + repeats steps into KV blocks 0..1 (call it before any request exists)."""
     work = [SeqWork("probe", [(7919 * j) % vocab_size], block_size + j, [0, 1], True)
             for j in range(rows)]
@@ -84,7 +87,7 @@ def step_seconds(model: torch.nn.Module, kv_caches: list, block_size: int, vocab
     for _ in range(repeats + 1):
         t0 = time.perf_counter()
         hidden = model(batch.input_ids, batch.positions, kv_caches, batch.meta)
-        model.compute_logits(hidden[batch.logits_indices])
+        model.compute_logits(hidden[batch.logits_indices], num_ids)
         times.append(time.perf_counter() - t0)
     return statistics.median(times[1:])
 
@@ -114,7 +117,8 @@ def spec_policy_for(config: SpeculativeConfig, target: LoadedModel, speculator: 
         draft = speculator.draft
         if draft is not None:
             draft_seconds = step_seconds(draft.model, draft.kv_caches, draft.block_size,
-                                         draft.vocab_size, 1, draft.paged_decode)
+                                         draft.vocab_size, 1, draft.paged_decode,
+                                         num_ids=draft.num_ids)
         theory = theoretical_roofline(target)
         log.info("speculative decoding: adaptive, up to %d drafts; target step of 1..%d "
                  "rows %s ms (ridge at %.1f rows; the cost model's roofline puts it at "

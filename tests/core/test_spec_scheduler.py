@@ -219,7 +219,29 @@ def test_measured_step_times_and_draft_cost() -> None:
     costly = SpecPolicy(4, needs_lookahead=True, adaptive=True, roofline=roofline,
                         draft_seconds=0.040)
     assert costly.num_to_propose(0.5) == 0
+    assert costly.num_to_propose(0.5, probe=True) == 1   # measured again now and then
+    assert policy.num_to_propose(0.9, probe=True) == 4
     free = SpecPolicy(4, needs_lookahead=False, adaptive=True, roofline=roofline)
     assert free.num_to_propose(0.9) == 4 and free.num_to_propose(0.3) == 1
     # the measured table is made non-decreasing (timing noise)
     assert RooflineStep.from_measured([0.04, 0.039, 0.05]).measured == (0.04, 0.04, 0.05)
+
+
+def test_draft_model_probes_after_choosing_no_drafts() -> None:
+    """A draft model whose request's estimate fell so low that the policy proposes none
+    still proposes one draft every PROBE_EVERY-th output token, so the estimate can
+    recover; on the other steps none."""
+    from duetserve.core.spec_schedule import PROBE_EVERY, num_to_propose
+    from duetserve.core.step_plan import StepPlan
+    roofline = RooflineStep.from_measured([0.040, 0.046, 0.052, 0.058, 0.064])
+    policy = SpecPolicy(4, needs_lookahead=True, adaptive=True, roofline=roofline,
+                        draft_seconds=0.040)
+    req = Request("r", list(range(10)), SamplingParams(temperature=0.0, max_tokens=100))
+    req.spec_num_rejections = 5
+    step = StepPlan(budget=100)
+    step.spec_open, step.spec_next_rows = True, 1
+    got = []
+    for out in range(1, 2 * PROBE_EVERY + 1):
+        req.append_output_token_ids(1)
+        got.append(num_to_propose(policy, req, req.num_tokens - 1, 1, 0, step, 1000))
+    assert sum(got) == 2 and got[PROBE_EVERY - 1] == 1 and got[-1] == 1, got

@@ -177,9 +177,12 @@ def test_fused_row_ops():
     x, w = torch.randn(7, 96), torch.randn(96)
     torch.testing.assert_close(native.rms_norm(x, w, 1e-6),
                                F.rms_norm(x, (96,), w, 1e-6), atol=1e-6, rtol=1e-5)
-    g = torch.randn(5, 64)
-    torch.testing.assert_close(native.silu_mul(g), F.silu(g[:, :32]) * g[:, 32:],
-                               atol=1e-6, rtol=1e-5)
+    g = torch.randn(5, 2 * 37) * 8        # a row's last 16-lane vector is partial
+    g[0, 0], g[0, 1], g[0, 2] = 100.0, -100.0, 0.0
+    whole = native.silu_mul(g)
+    torch.testing.assert_close(whole, F.silu(g[:, :37]) * g[:, 37:], atol=1e-6, rtol=1e-5)
+    for i in range(5):     # a row does not depend on the rows computed with it
+        assert torch.equal(native.silu_mul(g[i:i + 1]), whole[i:i + 1])
 
 
 def test_q4_dequant_slices():
@@ -292,18 +295,19 @@ def test_f32_gemv_rows_are_independent_of_the_row_count():
     assert torch.equal(native.f32_gemv(x[1:3], w), whole[1:3])
 
 
-@pytest.mark.parametrize("rows", [5, 8, 11])
-def test_lowbit_gemv_passes_of_four_rows_equal_alone(rows):
-    """Steps of more than 4 rows run in passes of 4 over tiles of the weight (so later
-    passes read it from cache): each pass's rows equal the same rows run as a step of
-    their own, bit for bit, for weights spanning many tiles (q4, q8 and float32)."""
+@pytest.mark.parametrize("rows", [2, 5, 7, 8, 11])
+def test_gemv_rows_equal_alone(rows):
+    """The GEMVs compute up to 4 activation rows in one pass over the weights; more rows
+    run in passes of 4 over tiles of the weight (so later passes read it from cache). Every row equals
+    the same row run as a step of its own, bit for bit, for weights spanning many tiles
+    (q4, q8 and float32): a verify step's rows are what decodes of them would compute."""
     from duetserve.models.quant import Int4Weight, Int8Weight, int4_groups_from_float, \
         quantize_int8
     native = ops()
     if native is None:
         pytest.skip("native kernels not built")
     g = torch.Generator().manual_seed(rows)
-    n, k = 1000, 1024             # q4: 250 blocks of 2.5 KiB, q8: 4 KiB, f32: 4 KiB a row
+    n, k = 1001, 1024             # q4: 251 blocks of 2.5 KiB (the last padded), q8: 4 KiB
     w = torch.randn(n, k, generator=g)
     x = torch.randn(rows, k, generator=g)
     q4 = Int4Weight(*int4_groups_from_float(w))
@@ -312,5 +316,6 @@ def test_lowbit_gemv_passes_of_four_rows_equal_alone(rows):
                 lambda a: native.q8_gemv(a, q8.packed, q8.scale32),
                 lambda a: native.f32_gemv(a, w)):
         whole = run(x)
-        for m0 in range(0, rows, 4):
-            assert torch.equal(run(x[m0:m0 + 4]), whole[m0:m0 + 4])
+        for i in range(rows):
+            assert torch.equal(run(x[i:i + 1]), whole[i:i + 1]), i
+        assert torch.equal(run(x[1:rows]), whole[1:rows])

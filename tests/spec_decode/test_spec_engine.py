@@ -80,17 +80,19 @@ def _check_clean(llm: LLM) -> None:
     assert sum(spec.accepted_per_pos) == spec.num_accepted_tokens
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft"])
+@pytest.mark.parametrize("method", ["ngram", "draft", "draft-subset"])
 def test_tiny_greedy_identical_in_every_mode(tiny, draft_path, method) -> None:
-    spec = NGRAM if method == "ngram" else {"method": "draft", "model": draft_path,
-                                            "num_speculative_tokens": 3, "adaptive": False}
+    """draft-subset: the draft proposes only ids < 150 of the tiny vocabulary's 300."""
+    spec = NGRAM if method == "ngram" else {
+        "method": "draft", "model": draft_path, "num_speculative_tokens": 3,
+        "adaptive": False, "draft_vocab_size": 150 if method == "draft-subset" else None}
     prompts = _prompts(tiny.config.vocab_size)
     base = _run(_llm(tiny, max_num_batched_tokens=4096), prompts)
     one_batch = _llm(tiny, spec, max_num_batched_tokens=4096)
     assert _run(one_batch, prompts) == base
     _check_clean(one_batch)
     spec_stats = one_batch.engine.scheduler.make_stats().spec
-    if method == "draft":   # both outcomes of verification happen (n-gram drafts from a
+    if method != "ngram":   # both outcomes of verification happen (n-gram drafts from a
         # random model's tokens are almost never right: accepted ones are tested on the
         # default model below)
         assert 0 < spec_stats.num_accepted_tokens < spec_stats.num_draft_tokens
@@ -172,20 +174,42 @@ def _joint_counts(llm: LLM, prompt: list[int], seeds: range) -> dict[tuple, int]
     return counts
 
 
-def test_sampled_distribution_unchanged_chi_square(tiny, draft_path) -> None:
+CHI_N = 1500                       # seeded samples per run
+CHI_OPTS = dict(max_num_batched_tokens=4096, max_num_seqs=256, max_waiting_requests=0)
+
+
+@pytest.fixture(scope="module")
+def off_counts(tiny):
+    return _joint_counts(_llm(tiny, **CHI_OPTS), [117], range(CHI_N))
+
+
+@pytest.mark.parametrize("subset", [False, True])
+def test_sampled_distribution_unchanged_chi_square(tiny, draft_path, off_counts,
+                                                   subset) -> None:
     """Two-sample chi-square (homogeneity) on the joint distribution of generated tokens
     (1, 2) and, separately, (2, 3), with and without a draft model whose distribution
     differs from the target's; 1500 seeded samples each, p = 0.001 per table. A one-token
-    prompt keeps every step a batch of single-token rows (fast)."""
-    prompt = [117]
-    n = 1500
-    opts = dict(max_num_batched_tokens=4096, max_num_seqs=256, max_waiting_requests=0)
-    off = _joint_counts(_llm(tiny, **opts), prompt, range(n))
+    prompt keeps every step a batch of single-token rows (fast). subset: the draft
+    proposes only ids below the median id of the common first tokens (q = 0 for the
+    others), and the target's tokens above it still come out as often as without
+    speculation."""
+    n, off = CHI_N, off_counts
+    draft_vocab_size = None
+    if subset:
+        common = sorted({k[0] for k, c in off.items() if k[0] != "2-3" and c >= 0.02 * n})
+        assert len(common) >= 2, common
+        draft_vocab_size = common[len(common) // 2]
     spec_llm = _llm(tiny, {"method": "draft", "model": draft_path,
-                           "num_speculative_tokens": 2, "adaptive": False}, **opts)
-    on = _joint_counts(spec_llm, prompt, range(10 ** 6, 10 ** 6 + n))
+                           "num_speculative_tokens": 2, "adaptive": False,
+                           "draft_vocab_size": draft_vocab_size}, **CHI_OPTS)
+    on = _joint_counts(spec_llm, [117], range(10 ** 6, 10 ** 6 + n))
     spec = spec_llm.engine.scheduler.make_stats().spec
     assert 0 < spec.num_accepted_tokens < spec.num_draft_tokens     # q != p really bites
+    if subset:
+        assert spec_llm.engine.runner.speculator.draft.num_ids == draft_vocab_size
+        # the subset bites: first tokens outside it are common in the target's samples
+        outside = sum(c for k, c in off.items() if k[0] != "2-3" and k[0] >= draft_vocab_size)
+        assert outside > 0.1 * n, (draft_vocab_size, outside)
     for table in ("12", "23"):
         keys = [k for k in set(off) | set(on) if (k[0] == "2-3") == (table == "23")]
         # pool cells rare in both samples (expected count < 5 per sample)
@@ -239,6 +263,11 @@ def test_speculative_config_parsing() -> None:
     assert SpeculativeConfig("draft", model="m").quantization == "int4"
     with pytest.raises(ConfigError, match="speculative quantization"):
         SpeculativeConfig("draft", model="m", quantization="int3")
+    assert SpeculativeConfig("draft", model="m").draft_vocab_size == 65536
+    assert SpeculativeConfig.parse({"method": "draft", "model": "m",
+                                    "draft_vocab_size": None}).draft_vocab_size is None
+    with pytest.raises(ConfigError, match="draft_vocab_size must be a positive integer"):
+        SpeculativeConfig("draft", model="m", draft_vocab_size=0)
     with pytest.raises(ConfigError, match="unknown speculative config key"):
         EngineConfig(speculative_config={"method": "ngram", "k": 2})
     with pytest.raises(ConfigError, match="needs \"model\""):
