@@ -20,24 +20,7 @@ inline float to_f<at::BFloat16>(at::BFloat16 x) { return static_cast<float>(x); 
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
-// e^x for 16 lanes (x <= 0 after max subtraction; about 1 ulp): x = n ln2 + r, |r| <= ln2/2,
-// e^r by a degree-6 Taylor polynomial, times 2^n by scalef. The scalar std::exp was the
-// kernel's largest cost (one call per score).
-static inline __m512 exp512(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
+#include "simd_exp.h"   // exp16 (the scalar std::exp was this kernel's largest cost)
 
 // float32 cache, D a multiple of 16 and <= 256: q rows and K/V rows held in registers.
 static bool decode_f32_avx512(const float* q, const float* kc, const float* vc,
@@ -77,7 +60,7 @@ static bool decode_f32_avx512(const float* q, const float* kc, const float* vc,
         __m512 sumv = _mm512_setzero_ps();
         int64_t t = 0;
         for (; t + 16 <= L; t += 16) {
-          const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(sg + t), mv));
+          const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + t), mv));
           _mm512_storeu_ps(sg + t, e);
           sumv = _mm512_add_ps(sumv, e);
         }

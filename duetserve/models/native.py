@@ -82,7 +82,7 @@ def _build():
                                                 "lowbit_gemv.cpp", "elementwise.cpp",
                                                 "decode_stack.cpp")]
     digest = hashlib.sha1()
-    for path in sources + [os.path.join(_SRC, "ops.h")]:
+    for path in sources + [os.path.join(_SRC, h) for h in ("ops.h", "simd_exp.h")]:
         with open(path, "rb") as f:
             digest.update(f.read())
     # the source directory too: the build file records absolute source paths, so two
