@@ -69,3 +69,41 @@ def test_bad_flags_are_one_line_errors(argv, message):
     r = subprocess.run([sys.executable, "-m", "duetserve", *argv], capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 2 and message in r.stderr, r.stderr
+
+
+def test_a_late_health_answer_is_not_a_dead_instance():
+    """One timed-out /health leaves an instance in; TIMEOUTS_DOWN in a row take it out;
+    a refused connection takes it out at once; an answer puts it back."""
+    import asyncio
+
+    import httpx
+
+    from duetserve.entrypoints.router.pool import TIMEOUTS_DOWN
+
+    mode = {"a": "timeout"}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        how = mode[request.url.host]
+        if how == "timeout":
+            raise httpx.ReadTimeout("late", request=request)
+        if how == "refused":
+            raise httpx.ConnectError("refused", request=request)
+        return httpx.Response(200, json={"num_waiting": 0})
+
+    async def run() -> None:
+        a = Instance("http://a:1", "replica")
+        pool = InstancePool([a], colocated=True)
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            for n in range(1, TIMEOUTS_DOWN):
+                await pool.check(client, a)
+                assert a.healthy and a.timeouts == n
+            await pool.check(client, a)
+            assert not a.healthy and "timed out" in a.last_error
+            mode["a"] = "ok"
+            await pool.check(client, a)
+            assert a.healthy and a.timeouts == 0
+            mode["a"] = "refused"
+            await pool.check(client, a)
+            assert not a.healthy and "ConnectError" in a.last_error
+
+    asyncio.run(run())

@@ -2,7 +2,9 @@
 
 An instance is healthy while /health answers 200; a request that cannot reach it (or a
 5xx with no answer) takes it out at once, and the health loop puts it back when /health
-answers again. /load (queue and KV usage) is read on each check for the least-loaded
+answers again. A health check that only times out counts after `TIMEOUTS_DOWN` in a row:
+an instance busy with a long step on a loaded machine answers late, it is not gone
+(a refused connection or a non-200 answer still takes it out at once). /load (queue and KV usage) is read on each check for the least-loaded
 policy; the router adds its own count of requests in flight to each instance.
 
 Membership may change at run time (`duet cluster`, duetserve/cluster/): add() registers
@@ -22,6 +24,7 @@ log = logging.getLogger("duetserve.router")
 
 
 KINDS = ("prefill", "decode", "replica")     # replica: colocated (`--role both`)
+TIMEOUTS_DOWN = 2    # consecutive timed-out health checks that take an instance out
 
 
 @dataclass
@@ -36,6 +39,7 @@ class Instance:
     name: str = ""                   # stable identity (default: the URL)
     draining: bool = False           # being removed: no new requests
     served: int = 0                  # router requests sent there, ever
+    timeouts: int = 0                # health checks timed out in a row
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -153,8 +157,8 @@ class InstancePool:
         return all(any(i.available for i in self.of(k)) for k in self.serving_kinds)
 
     async def check(self, client: httpx.AsyncClient, inst: Instance) -> None:
-        """One health check; mutates inst (healthy, load). An instance whose URL changed
-        while the check ran (moved) is left to the next check."""
+        """One health check; mutates inst (healthy, load, timeouts). An instance whose URL
+        changed while the check ran (moved) is left to the next check."""
         url = inst.url
         try:
             r = await client.get(f"{url}/health", timeout=self.timeout_s)
@@ -167,7 +171,14 @@ class InstancePool:
                 return
             if load.status_code == 200:
                 inst.load = load.json()
+            inst.timeouts = 0
             inst.mark_up()
+        except httpx.TimeoutException as e:
+            if inst.url == url:
+                inst.timeouts += 1
+                if inst.timeouts >= TIMEOUTS_DOWN:
+                    inst.mark_down(f"{inst.timeouts} health checks timed out: "
+                                   f"{type(e).__name__}")
         except (httpx.HTTPError, ValueError) as e:
             if inst.url == url:
                 inst.mark_down(f"{type(e).__name__}: {e}")
