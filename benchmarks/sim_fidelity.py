@@ -11,6 +11,13 @@ simulator's by bisection, the engine's interpolated from measured runs around it
 meets the SLO at the highest, and downward while it meets it nowhere, at most --slo-extra
 more runs, so the engine's crossing is bracketed).
 
+The speed probe (bench/speed_probe.py: fixed step shapes on random token ids, none of
+these workloads' requests) runs on a fresh engine right before each measured run (once
+before the max-rate runs), and the run's simulation uses the calibrated profile rescaled
+to the machine's speed then (sim/speed.py): calibration, as a user would recalibrate
+before planning on this machine, not fitting on results. The unscaled profile's figures
+are kept beside (`sim_unscaled`, `*-sim-unscaled.json`); --no-speed-probe skips it.
+
 Run it alone on the machine, under the exclusive benchmark lock:
 
     flock -x /tmp/duet-bench.lock .venv/bin/python benchmarks/sim_fidelity.py \\
@@ -94,6 +101,32 @@ def real_run(loaded, engine_config, convs, offsets, max_foreign: float):
     return engine, res, frac
 
 
+def speed_probe(loaded, engine_config, profile, id_range, out: Path, tag: str):
+    """Run the speed probe on a fresh engine; the profile rescaled to it (sim/speed.py)
+    and the probe's record. Saves the probe's steps to OUT/TAG-probe.json (for offline
+    refits, benchmarks/sim_refit.py)."""
+    from duetserve.bench.speed_probe import run_probe
+    from duetserve.engine.engine_core import EngineCore
+    from duetserve.sim.speed import probe_ratio, rescaled
+    wait_until_quiet(0.1, 5.0, 600.0)
+    res = run_probe(EngineCore(engine_config, loaded), id_range)
+    now = probe_ratio(profile.cost, res.samples, res.cold)
+    (out / f"{tag}-probe.json").write_text(json.dumps({"samples": res.samples,
+                                                       "cold": res.cold}))
+    scaled = rescaled(profile, now)
+    log(f"  speed probe: {now['steps']} steps in {res.seconds:.1f} s, measured / predicted "
+        f"{now['ratio']:.3f} (decode-only {now['decode_ratio']:.3f}); speed factor "
+        f"{scaled.meta['speed_scale']['factor']:.3f}")
+    return scaled, {**now, "factor": scaled.meta["speed_scale"]["factor"],
+                    "seconds": res.seconds}
+
+
+def sim_doc(label: str, convs, profile, config, rate, seed, id_range, slo):
+    sres = simulate(convs, profile, ClusterSpec(1), rate, 1.0, seed, None, config, id_range)
+    return sres, {"schema": "duet-bench-serve/1", "label": label, "config": {},
+                  "runs": [run_json(sres, rate, 1.0, None, PERCENTILES, slo)]}
+
+
 def step_errors(profile, steps, cold) -> dict:
     pred = np.array([profile.cost.step_seconds(shape_for(profile.cost, sl, c))
                      for (_, _, sl), c in zip(steps, cold)])
@@ -167,6 +200,8 @@ def main() -> int:
     ap.add_argument("--slo-step", type=float, default=1.25,
                     help="factor between an extra rate and the last one")
     ap.add_argument("--skip-fidelity", action="store_true")
+    ap.add_argument("--no-speed-probe", action="store_true",
+                    help="simulate with the calibrated profile as saved (no probe before runs)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -202,16 +237,20 @@ def main() -> int:
                 convs = conversations(mix, n, args.seed, id_range)
                 offsets = arrival_offsets(n, rate, 1.0, args.seed).tolist()
                 log(f"{mix} @ {rate:.3f}/s ({level:g} x capacity), {n} conversations")
+                tag = f"{mix}-{level:g}"
+                run_profile, probe_rec = profile, None
+                if not args.no_speed_probe:
+                    run_profile, probe_rec = speed_probe(loaded, engine_config, profile,
+                                                         id_range, out, tag)
                 engine, res, frac = real_run(loaded, engine_config, convs, offsets,
                                              args.max_foreign)
                 real = doc(f"engine {mix} @ {rate:.3g}/s", res.records, res.duration_s, rate,
                            slo, {"foreign_cpu_core_fraction": frac})
-                sres = simulate(convs, profile, ClusterSpec(1), rate, 1.0, args.seed, None,
-                                config, id_range)
-                sim = {"schema": "duet-bench-serve/1", "label": f"sim {mix} @ {rate:.3g}/s",
-                       "config": {}, "runs": [run_json(sres, rate, 1.0, None, PERCENTILES, slo)]}
-                tag = f"{mix}-{level:g}"
-                for name, d in (("real", real), ("sim", sim)):
+                sres, sim = sim_doc(f"sim {mix} @ {rate:.3g}/s", convs, run_profile, config,
+                                    rate, args.seed, id_range, slo)
+                _, unscaled = sim_doc(f"sim (unscaled) {mix} @ {rate:.3g}/s", convs, profile,
+                                      config, rate, args.seed, id_range, slo)
+                for name, d in (("real", real), ("sim", sim), ("sim-unscaled", unscaled)):
                     (out / f"{tag}-{name}.json").write_text(json.dumps(d))
                 # the engine's own steps (start s, seconds, slices), to check a cost model
                 (out / f"{tag}-steps.json").write_text(json.dumps(res.steps))
@@ -226,7 +265,11 @@ def main() -> int:
                          "steal_core_fraction": res.steal_s / res.duration_s,
                          "engine_rusage": res.rusage,
                          "ratios": ratios(real, sim),
-                         "step_errors": step_errors(profile, res.steps, res.step_cold),
+                         "ratios_unscaled": ratios(real, unscaled),
+                         "speed_probe": probe_rec,
+                         "step_errors": step_errors(run_profile, res.steps, res.step_cold),
+                         "step_errors_unscaled": step_errors(profile, res.steps,
+                                                             res.step_cold),
                          # this run's engine: a re-measured start-up step cost changes
                          # its StepBudget (benchmarks/sim_replay_diff.py replays with it)
                          "scheduler": asdict(engine.scheduler.config)}
@@ -238,8 +281,14 @@ def main() -> int:
         mix = args.slo_mix
         n_for = lambda rate: max(16, int(round(rate * args.run_seconds)))  # noqa: E731
         cap = capacity(mix, profile, config, id_range, args.seed)
+        unscaled_profile, probe_rec = profile, None
+        if not args.no_speed_probe:        # one probe before the max-rate runs
+            profile, probe_rec = speed_probe(loaded, engine_config, profile, id_range, out,
+                                             "max-rate")
         r_sim = sim_max_rate(mix, profile, config, id_range, args.seed, slo, n_for,
                              cap * 0.3, cap * 1.0)
+        r_sim_unscaled = sim_max_rate(mix, unscaled_profile, config, id_range, args.seed,
+                                      slo, n_for, cap * 0.3, cap * 1.0)
         log(f"{mix}: simulated max rate meeting the P90 SLO {slo}: {r_sim:.3f}/s")
         points_real, points_sim = [], []
         rates = [r_sim * float(x) for x in args.slo_factors.split(",")]
@@ -269,7 +318,10 @@ def main() -> int:
                                "sim_points": points_sim, "real_points": points_real,
                                "sim_interpolated": crossing(points_sim),
                                "real_interpolated": r_real,
-                               "ratio": r_sim / r_real if r_real else None}
+                               "ratio": r_sim / r_real if r_real else None,
+                               "speed_probe": probe_rec,
+                               "sim_bisection_unscaled": r_sim_unscaled,
+                               "ratio_unscaled": r_sim_unscaled / r_real if r_real else None}
         log(f"max rate: sim {r_sim:.3f}, real {r_real}")
     results["total_s"] = time.perf_counter() - t_start
     (out / "fidelity.json").write_text(json.dumps(results, indent=1))

@@ -46,8 +46,8 @@ def main(src: str, dst: str) -> int:
     fig.savefig(dst, dpi=100)
     print(f"wrote {dst}")
     print("| mix | rate (conv/s) | load | requests | TTFT p50 | TTFT p90 | TTFT p99 | TPOT p50 "
-          "| TPOT p90 | TPOT p99 | steps pred/meas |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| TPOT p90 | TPOT p99 | steps pred/meas | speed factor |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     met = {"p50/p90": [0, 0], "p99": [0, 0]}
     for r in runs:
         cells = []
@@ -58,9 +58,23 @@ def main(src: str, dst: str) -> int:
             group[1] += 1
             ratio = f"**{x['ratio']:.2f}**" if ok else f"{x['ratio']:.2f}"
             cells.append(f"{x['real_ms']:.0f} / {x['sim_ms']:.0f} ({ratio})")
+        probe = r.get("speed_probe")
+        factor = f"{probe['factor']:.3f}" if probe else "-"
+        unscaled = r.get("step_errors_unscaled")
+        steps = f"{r['step_errors']['total_time_ratio']:.3f}" + (
+            f" ({unscaled['total_time_ratio']:.3f})" if unscaled else "")
         print(f"| {r['mix']} | {r['rate']:.3f} | {r['level']:g} | {r['requests']} | "
-              + " | ".join(cells) + f" | {r['step_errors']['total_time_ratio']:.3f} |")
+              + " | ".join(cells) + f" | {steps} | {factor} |")
     print("met (bold): " + ", ".join(f"{k} {a} of {b}" for k, (a, b) in met.items()))
+    if all("ratios_unscaled" in r for r in runs):    # the profile without the probes
+        met_u = {"p50/p90": [0, 0], "p99": [0, 0]}
+        for r in runs:
+            for key, x in r["ratios_unscaled"].items():
+                group = met_u["p99" if key.endswith("p99") else "p50/p90"]
+                group[0] += within_target(key, x["ratio"])
+                group[1] += 1
+        print("unscaled profile (no speed probe): "
+              + ", ".join(f"{k} {a} of {b}" for k, (a, b) in met_u.items()))
     return 0
 
 

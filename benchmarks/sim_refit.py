@@ -12,6 +12,11 @@ step from the engine's own steps (`*-steps.json`). Two reports:
 
     PYTHONPATH=. .venv/bin/python benchmarks/sim_refit.py out/sim/fidelity [--refit]
 
+Runs measured with the speed probe (`TAG-probe.json` beside them, the calibration's probe
+in the profile's samples file) are simulated, as the benchmark did, with the profile
+rescaled by the probe taken before the run, the factor recomputed under the cost model in
+use (a refit changes the predictions both probes are divided by); --no-probe: unscaled.
+
 Reads the folder only; writes nothing unless `--save-profile` is given.
 """
 from __future__ import annotations
@@ -29,6 +34,7 @@ from duetserve.sim.cost import shape_for
 from duetserve.sim.fit import fit_cost
 from duetserve.sim.profile import calibrated_profile, load_profile
 from duetserve.sim.run import run_json, simulate
+from duetserve.sim.speed import probe_ratio, rescaled
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sim_fidelity import (PERCENTILES, attainment, conversations, ratios,  # noqa: E402
@@ -66,6 +72,18 @@ def step_report(steps, cold, cost) -> dict:
     return out
 
 
+def probed(profile, d: Path, tag: str, reference: dict | None):
+    """The profile rescaled by run TAG's speed probe (None when there is none)."""
+    path = d / f"{tag}-probe.json"
+    if reference is None or not path.exists():
+        return None
+    now = json.loads(path.read_text())
+    ref = probe_ratio(profile.cost, reference["samples"], reference["cold"])
+    base = calibrated_profile(profile.name, profile.cost, profile.scheduler,
+                              {**profile.meta, "speed_probe": ref}, profile.description)
+    return rescaled(base, probe_ratio(profile.cost, now["samples"], now["cold"]))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("dir")
@@ -80,6 +98,8 @@ def main() -> int:
                     help="split of chunks after context (default: the profile's)")
     ap.add_argument("--save-profile", default=None)
     ap.add_argument("--runs", default="", help="only these runs (mix-level), default all")
+    ap.add_argument("--no-probe", action="store_true",
+                    help="simulate with the profile unscaled even where a run has a probe")
     ap.add_argument("--max-rate", action="store_true",
                     help="also the simulator's max rate meeting the run's P90 SLO")
     args = ap.parse_args()
@@ -114,8 +134,10 @@ def main() -> int:
     config = profile.scheduler_config()
     slo = {"ttft": 600.0, "tpot": 60.0}
     raw_path = ppath.with_suffix(".samples.json")
+    reference = None              # the calibration's speed probe
     if raw_path.exists():         # the calibration's own steps: grid, serving scenario
         raw = json.loads(raw_path.read_text())
+        reference = None if args.no_probe else raw.get("probe")
         g = raw.get("grid_steps", len(raw["samples"]))
         flags = raw.get("cold", [False] * len(raw["samples"]))
         for name, lo, hi in (("grid", 0, g), ("serving scenario", g, len(raw["samples"]))):
@@ -131,13 +153,16 @@ def main() -> int:
         if args.runs and tag not in args.runs.split(","):
             continue
         steps = json.loads((d / f"{tag}-steps.json").read_text())
-        print(f"\n{tag} @ {run['rate']:.3f}/s, {run['requests']} requests")
-        for k, v in step_report(steps, step_cold(d, tag, steps), profile.cost).items():
+        run_profile = probed(profile, d, tag, reference) or profile
+        factor = run_profile.meta.get("speed_scale", {}).get("factor")
+        print(f"\n{tag} @ {run['rate']:.3f}/s, {run['requests']} requests"
+              + (f", speed factor {factor:.3f}" if factor else ""))
+        for k, v in step_report(steps, step_cold(d, tag, steps), run_profile.cost).items():
             print(f"  {k:20s} {v['steps']:5d} steps  meas {v['meas_ms']:7.1f} ms  "
                   f"pred {v['pred_ms']:7.1f} ms  ratio {v['ratio']:.3f}")
         real = json.loads((d / f"{tag}-real.json").read_text())
         convs = conversations(run["mix"], run["conversations"], 1, DEFAULT_ID_RANGE)
-        sres = simulate(convs, profile, ClusterSpec(1), run["rate"], 1.0, 1, None, config,
+        sres = simulate(convs, run_profile, ClusterSpec(1), run["rate"], 1.0, 1, None, config,
                         DEFAULT_ID_RANGE)
         sim = {"runs": [run_json(sres, run["rate"], 1.0, None, PERCENTILES, slo)]}
         r = ratios(real, sim)
@@ -153,6 +178,7 @@ def main() -> int:
         slo_mr = mr["slo_ms"]
         n_for = lambda rate: max(16, int(round(rate * 45.0)))  # noqa: E731 (as the benchmark)
         real = mr["real_interpolated"]
+        profile = probed(profile, d, "max-rate", reference) or profile
         r_sim = sim_max_rate(mr["mix"], profile, config, DEFAULT_ID_RANGE, 1, slo_mr, n_for,
                              mr["sim_bisection"] * 0.5, mr["sim_bisection"] * 1.5)
         att = []

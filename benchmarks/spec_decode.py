@@ -6,6 +6,7 @@ medians over prompts and repeats, after one untimed warm-up request per engine. 
 alternate per repeat so drift on this shared machine hits every configuration alike.
 
     python benchmarks/spec_decode.py --workload edit --methods off,ngram
+    python benchmarks/spec_decode.py --workload edit-local --methods off,ngram --max-tokens 512
     python benchmarks/spec_decode.py --workload chat --methods off,draft \
         --draft /root/.cache/duetserve-models/qwen2.5-coder-0.5b-instruct.gguf
 
@@ -16,13 +17,18 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 from duetserve.config import EngineConfig
 from duetserve.engine.engine_core import EngineCore
 from duetserve.engine.llm import LLM
 from duetserve.loader import load_model
 from duetserve.sampling_params import SamplingParams
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from spec_edit_local import EDIT_LOCAL_PROMPTS  # noqa: E402
 
 TARGET = "/root/.cache/duetserve-models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
 DRAFT = "/root/.cache/duetserve-models/qwen2.5-coder-0.5b-instruct.gguf"
@@ -81,6 +87,8 @@ _CODE = [
 _EDITS = ["Add type hints to every function signature", "Add a docstring to each function",
           "Rename the variables to longer descriptive names", "Add a comment above each loop"]
 
+# `edit`: edits that rewrite most lines of short snippets. `edit-local`
+# (benchmarks/spec_edit_local.py): one local edit of a 40-80 line file, the whole file back.
 EDIT_PROMPTS = [[{"role": "user", "content": f"{edit}. Reply with the whole modified code "
                   f"only.\n\n```python\n{code}```"}] for code, edit in zip(_CODE, _EDITS)]
 
@@ -90,6 +98,8 @@ CHAT_PROMPTS = [[{"role": "user", "content": q}] for q in (
     "What is the difference between a list and a tuple in Python?",
     "Write a short function that checks whether a string is a palindrome, and explain it.",
 )]
+
+WORKLOADS = {"edit": EDIT_PROMPTS, "edit-local": EDIT_LOCAL_PROMPTS, "chat": CHAT_PROMPTS}
 
 
 def _engine(loaded, spec: dict | None, threads: int) -> LLM:
@@ -135,7 +145,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=TARGET)
     ap.add_argument("--draft", default=DRAFT)
-    ap.add_argument("--workload", choices=("edit", "chat"), default="edit")
+    ap.add_argument("--workload", choices=tuple(WORKLOADS), default="edit")
     ap.add_argument("--methods", default="off,ngram")
     ap.add_argument("--draft-quantization", default=None,
                     help="the draft model's quantization (default: the engine's, int4)")
@@ -148,7 +158,7 @@ def main() -> None:
     ap.add_argument("--out", default="spec_decode.json")
     args = ap.parse_args()
     loaded = load_model(args.model, "auto", quantization="auto")
-    prompts = (EDIT_PROMPTS if args.workload == "edit" else CHAT_PROMPTS)[:args.num_prompts]
+    prompts = WORKLOADS[args.workload][:args.num_prompts]
     methods = args.methods.split(",")
     engines = {m: _engine(loaded, _spec_of(m, args), args.threads) for m in methods}
     for llm in engines.values():                        # warm-up, untimed

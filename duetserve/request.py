@@ -84,10 +84,15 @@ class Request:
     num_external_tokens: int = 0           # prompt KV to load from a prefill instance
     # Speculative decoding: drafts proposed by the runner for the next step (never part of
     # all_token_ids: they become tokens only once verified), and the request's measured
-    # acceptance (drafts accepted; verify steps that rejected one).
+    # acceptance (drafts accepted; verify steps that rejected one). spec_streak: its last
+    # step verified drafts and kept them all; spec_streak_*: the part of the two counts
+    # measured on verify steps that came right after such a step (core/spec_schedule.py).
     spec_token_ids: list[int] = field(default_factory=list)
     spec_num_accepted: int = 0
     spec_num_rejections: int = 0
+    spec_streak: bool = False
+    spec_streak_accepted: int = 0
+    spec_streak_rejections: int = 0
 
     # --- optional wall-clock stamps the engine sets (time.time()) ------------------------
     first_scheduled_time: float | None = None

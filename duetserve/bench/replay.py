@@ -25,6 +25,7 @@ from typing import Any
 from duetserve.bench.bench_metrics import RequestRecord, TurnInFlight, compute_latencies
 from duetserve.bench.cpu_meter import ForeignCpu
 from duetserve.bench.token_workload import TokenConversation
+from duetserve.errors import EngineOverloadedError
 from duetserve.outputs import OutputAccumulator
 
 
@@ -73,7 +74,7 @@ def replay(engine: Any, convs: list[TokenConversation], offsets: list[float],
         params = SamplingParams(temperature=0.0, max_tokens=spec.output_len, ignore_eos=True)
         try:
             engine.add_request(req_id, prompt, params)
-        except ValueError as e:                 # RequestError: recorded, never fatal
+        except (ValueError, EngineOverloadedError) as e:   # refused: recorded, never fatal
             rec.error = str(e)
             records.append(rec)
             return

@@ -55,6 +55,11 @@ QUICK_TRACES = (
           (0.3, 0.9), 1.5, 7),
 )
 MAX_ATTEMPTS = 2
+# at most this many arrivals per load phase: a tiny model's capacity can be hundreds of
+# conversations a second, and a phase of rate x phase_s arrivals would then overrun the
+# engine's waiting queue (EngineConfig.max_waiting_requests, 1024); a capped phase keeps
+# its rate and ends early (traces of 4 phases queue at most 4 x 200 turns at once)
+MAX_PER_PHASE = 200
 
 
 def traces(quick: bool = False) -> tuple[Trace, ...]:
@@ -80,13 +85,14 @@ def trace(tr: Trace, capacity: float, id_range: tuple[int, int]
           ) -> tuple[list[TokenConversation], list[float], list[float]]:
     """The trace's conversations, their send offsets (s) and the phases' rates
     (conversations/s), for an engine that serves `capacity` conversations/s of this trace.
-    Deterministic for a trace (its seed)."""
+    A phase holds round(rate x phase_s) arrivals, at least 2 and at most MAX_PER_PHASE
+    (then it ends before phase_s). Deterministic for a trace (its seed)."""
     if not capacity > 0:
         raise ValueError(f"capacity must be > 0 conversations/s, got {capacity}")
     rates = [capacity * f for f in tr.levels]
     offsets: list[float] = []
     for i, rate in enumerate(rates):
-        n = max(2, int(round(rate * tr.phase_s)))
+        n = min(MAX_PER_PHASE, max(2, int(round(rate * tr.phase_s))))
         offsets += (i * tr.phase_s + arrival_offsets(n, rate, 1.0, tr.seed + i)).tolist()
     spec = tr.spec
     convs = make_dataset(spec["dataset"], num_prompts=len(offsets),

@@ -317,6 +317,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids = []
+        request.spec_streak = False
         request.num_preemptions += 1
         self.num_preemptions += 1
         step.preempted.add(request.req_id)
@@ -384,6 +385,8 @@ class Scheduler:
                 request.num_computed_tokens -= len(drafts) - num_accepted
                 assert self.spec_stats is not None
                 count_spec(self.spec_stats, request, len(drafts), num_accepted)
+            elif self.spec_stats is not None:
+                count_spec(self.spec_stats, request, 0, 0)
             request.spec_token_ids = runner_output.spec_token_ids.get(req_id, [])
             for token_id in new_token_ids:
                 request.append_output_token_ids(token_id)

@@ -12,13 +12,21 @@ acceptance:
                           (draft j survives only if drafts 1..j are accepted; a_r is the
                           request's acceptance rate, geometric model)
 
-A draft (r, j) is added, best gain a_r^j first, while it raises tokens per second:
-(E + a_r^j) / T(R + 1) > E / T(R). Where a row is free (T flat), every draft with a gain
-above `min_gain` fits; where a row costs what a step's rows cost on average (T
-proportional to R, right of the ridge) a draft pays only if a_r^j > E / R, which never
+Drafts (r, j) are taken best gain a_r^j first, and the step takes the number of them
+that gives the most tokens per second, E / T(R). Where a row is free (T flat), every draft
+with a gain above `min_gain` fits; where a row costs what a step's rows cost on average
+(T proportional to R, right of the ridge) a draft pays only if a_r^j > E / R, which never
 holds for a step of plain decodes (E / R = 1): a compute-bound step runs without
 speculation. On a CPU the measured T(R) lies between the two: each verify row costs some
-compute even at batch 1.
+compute even at batch 1, and not evenly (the 1.5B: 56, 74, 79 ms for 4, 5, 6 rows), so
+the best count can lie past one that does not pay by itself.
+
+a_r: with `condition_on_streak` (n-gram) the request's acceptance is measured apart on
+verify steps right after one that kept all its drafts and on the others
+(core/spec_schedule.acceptance_of): a prompt-lookup copy that has been right goes on from
+the same occurrence and stays right (an edited file's unchanged lines), a fresh match is
+often wrong (new text), and one estimate for both would take too few drafts in the first
+case and too many in the second.
 
 Proposing is not free for a draft model: each draft is one forward of the draft model
 (`draft_seconds`, measured at start-up). A request proposes the n that maximises its
@@ -82,6 +90,9 @@ class SpecPolicy:
     roofline: RooflineStep | None = None  # adaptive only; None: treat every row as free
     min_gain: float = 0.15               # skip drafts less likely than this to be kept
     draft_seconds: float = 0.0           # one draft token's proposal (0: free, n-gram)
+    # acceptance estimated apart after a fully kept verify and otherwise (n-gram:
+    # core/spec_schedule.acceptance_of); False: one estimate per request
+    condition_on_streak: bool = False
 
     def plan(self, candidates: list[tuple[str, int, float]], base_rows: int,
              base_tokens: int) -> dict[str, int]:
@@ -101,16 +112,25 @@ class SpecPolicy:
                     break
                 options.append((gain, req_id))
         options.sort(key=lambda o: -o[0])
+        # gains of one request decrease, so every prefix of `options` takes each request's
+        # drafts in order: choose the prefix with the most tokens per second. Not the first
+        # prefix after which one more draft stops paying: the measured T(R) is not convex
+        # (on the 1.5B, 56 -> 74 -> 79 ms for 4, 5, 6 rows), and a sixth row can pay
+        # where a fifth alone does not.
+        best, rows, tokens = 0, base_rows, float(base_tokens)
+        if self.roofline is not None:
+            best_rate = tokens / self.roofline.seconds(rows) if rows > 0 else 0.0
+            for n, (gain, _) in enumerate(options, 1):
+                rows += 1
+                tokens += gain
+                rate = tokens / self.roofline.seconds(rows)
+                if rate > best_rate * (1 + 1e-9):
+                    best, best_rate = n, rate
+        else:
+            best = len(options)           # every row free
         out: dict[str, int] = {}
-        rows, tokens = base_rows, float(base_tokens)
-        for gain, req_id in options:      # gains of one request decrease: j is added in order
-            if self.roofline is not None:
-                t_now, t_next = self.roofline.seconds(rows), self.roofline.seconds(rows + 1)
-                if (tokens + gain) * t_now <= tokens * t_next:
-                    break                 # sorted by gain: no later draft pays either
+        for _, req_id in options[:best]:
             out[req_id] = out.get(req_id, 0) + 1
-            rows += 1
-            tokens += gain
         return out
 
     def has_room(self, base_rows: int) -> bool:

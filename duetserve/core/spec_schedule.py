@@ -15,6 +15,22 @@ from duetserve.request import Request
 PROBE_EVERY = 8
 
 
+def acceptance_of(policy: SpecPolicy, request: Request, streak: bool | None = None) -> float:
+    """The request's per-draft acceptance estimate for its next verify. With
+    policy.condition_on_streak (n-gram), measured separately on verify steps that follow a
+    step which kept all its drafts (streak: the lookup's copy goes on from the same
+    occurrence, and in an edited file that continues for whole lines) and on the others
+    (a fresh match, often in new text); `streak` picks the state, default the request's.
+    Otherwise one estimate from all its verify steps. Mutates nothing."""
+    if not policy.condition_on_streak:
+        return acceptance_estimate(request.spec_num_accepted, request.spec_num_rejections)
+    if request.spec_streak if streak is None else streak:
+        return acceptance_estimate(request.spec_streak_accepted,
+                                   request.spec_streak_rejections)
+    return acceptance_estimate(request.spec_num_accepted - request.spec_streak_accepted,
+                               request.spec_num_rejections - request.spec_streak_rejections)
+
+
 def plan_spec(policy: SpecPolicy, running: list[Request], step: StepPlan) -> None:
     """Drafts per running decode for this step (step.spec_plan), whether the step
     leaves room to propose more (step.spec_open) and the rows the next step is expected to
@@ -26,9 +42,7 @@ def plan_spec(policy: SpecPolicy, running: list[Request], step: StepPlan) -> Non
         base_rows += min(behind, max(left, 0))
         left -= behind
         if behind == 1 and r.spec_token_ids:
-            candidates.append((r.req_id, len(r.spec_token_ids),
-                               acceptance_estimate(r.spec_num_accepted,
-                                                   r.spec_num_rejections)))
+            candidates.append((r.req_id, len(r.spec_token_ids), acceptance_of(policy, r)))
     step.spec_plan = policy.plan(candidates, base_rows, max(1, len(running)))
     step.spec_open = policy.has_room(base_rows)
     step.spec_next_rows = max(1, len(running))
@@ -59,9 +73,13 @@ def num_to_propose(policy: SpecPolicy | None, request: Request, num_computed: in
     # every PROBE_EVERY-th output token a draft model proposes at least one draft: the
     # request's acceptance keeps being measured even where the policy chose none
     probe = (num_computed + num_new - request.num_prompt_tokens) % PROBE_EVERY == 0
-    n = policy.num_to_propose(acceptance_estimate(request.spec_num_accepted,
-                                                  request.spec_num_rejections),
-                              step.spec_next_rows, probe)
+    alpha = acceptance_of(policy, request)
+    if policy.condition_on_streak:
+        # proposals follow this step's verify, whose outcome (streak or not) is not known
+        # yet; the next step's plan uses that state's estimate and takes fewer drafts
+        # when it should, so propose what the better state would use
+        alpha = max(acceptance_of(policy, request, True), acceptance_of(policy, request, False))
+    n = policy.num_to_propose(alpha, step.spec_next_rows, probe)
     # a draft model writes KV up to position num_tokens_after + n - 2 < max_len
     room = max_len - (num_computed + num_new + num_drafts)
     return max(0, min(n, room))
@@ -74,9 +92,19 @@ def lookahead(policy: SpecPolicy | None, num_propose: int) -> int:
 
 def count_spec(stats: SpecDecodeStats, request: Request, num_drafts: int,
                num_accepted: int) -> None:
-    """Mutates the request's acceptance counts and `stats`."""
+    """After a step of `request` that verified num_drafts drafts (0: a step without
+    drafts, which only ends a streak). Mutates the request's acceptance counts and
+    streak, and `stats`."""
+    if num_drafts == 0:
+        request.spec_streak = False
+        return
+    rejected = num_accepted < num_drafts
     request.spec_num_accepted += num_accepted
-    request.spec_num_rejections += num_accepted < num_drafts
+    request.spec_num_rejections += rejected
+    if request.spec_streak:
+        request.spec_streak_accepted += num_accepted
+        request.spec_streak_rejections += rejected
+    request.spec_streak = not rejected
     stats.num_drafts += 1
     stats.num_draft_tokens += num_drafts
     stats.num_accepted_tokens += num_accepted

@@ -11,6 +11,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto nogil = pybind11::call_guard<pybind11::gil_scoped_release>();
   m.def("paged_decode_attention", &paged_decode_attention, nogil,
         "decode attention over a paged KV cache, read in place");
+  m.def("prefill_attention", &prefill_attention, nogil,
+        "causal attention of a prompt chunk over itself, [n, H, D] float32 (empty: not covered)");
   m.def("q4_gemv", &q4_gemv, nogil, "x[M,K] f32 (int8 per 32) @ packed q4 W^T -> [M,N] f32 (few rows)");
   m.def("q8_gemv", &q8_gemv, nogil, "x[M,K] f32 (int8 per 32) @ packed int8 W^T * row scale -> [M,N] f32");
   m.def("q4_dequant_bf16", &q4_dequant_bf16, nogil, "rows [a, b) of a packed q4 weight (K columns) as bf16");

@@ -6,6 +6,8 @@
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
                                      torch::Tensor v_cache, torch::Tensor block_tables,
                                      torch::Tensor context_lens, double scale);
+torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
+                                double scale);
 torch::Tensor q4_gemv(torch::Tensor x, torch::Tensor packed, int64_t N);
 torch::Tensor q8_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor scale);
 torch::Tensor q4_dequant_bf16(torch::Tensor packed, int64_t K, int64_t a, int64_t b);

@@ -99,11 +99,6 @@ class EngineCore:
         self.config = config
         num_threads = config.num_threads or min(os.cpu_count() or 1, 16)
         torch.set_num_threads(num_threads)
-        # Weights and the KV cache on 2 MiB transparent huge pages (torch's CPU allocator
-        # madvises allocations of >= 2 MiB when this is set; read at allocation time):
-        # decode streams every weight once a step, and with 4 KiB pages the hardware
-        # prefetcher restarts at every page boundary. An explicit 0 in the environment wins.
-        os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
         torch.manual_seed(config.seed)
         self.loaded = loaded or load_model(config.model, config.dtype, config.device,
                                            max_positions=config.max_model_len,

@@ -1,7 +1,9 @@
 """`duet simulate --calibrate`: measure this machine's engine over the step grid
 (bench/calibrate.py) and a serving scenario (bench/serve_scenario.py: generic traces
-replayed on the wall clock, their load phases sized by the capacity the grid's fit
-simulates), fit the cost model on both (sim/fit.py) and save the profile.
+replayed on the wall clock, each on a fresh engine, their load phases sized by the
+capacity the grid's fit simulates), fit the cost model on both (sim/fit.py), run the
+speed probe (bench/speed_probe.py) to record the speed the fit was measured at, and save
+the profile.
 
 Rerun it whenever the engine's speed changes (new kernels, another CPU, other threads):
 it takes a few minutes (`--quick`: seconds, a rough fit for tests and smoke runs).
@@ -50,11 +52,13 @@ def flash_above_entries(num_heads: int) -> int:
     return GROUPED_MAX_SCORES // num_heads
 
 
-def serving_steps(engine, grid_cost, scheduler: dict, id_range: tuple[int, int], quick: bool,
-                  max_foreign: float | None, say=None):
-    """Run the serving scenario's traces (bench/serve_scenario.py) on `engine`, each at
-    load phases sized by the capacity the grid's fit simulates for it (everything queued
-    at once). Returns [(Trace, ServingSteps with rates filled in)]. Mutates the engine."""
+def serving_steps(new_engine, grid_cost, scheduler: dict, id_range: tuple[int, int],
+                  quick: bool, max_foreign: float | None, say=None):
+    """Run the serving scenario's traces (bench/serve_scenario.py), each on a fresh engine
+    from `new_engine()` (built with the serving settings, as benchmarks/sim_fidelity.py
+    builds one per measured run) and at load phases sized by the capacity the grid's fit
+    simulates for it (everything queued at once). Returns [(Trace, ServingSteps with
+    rates filled in)]."""
     import math
 
     from duetserve.bench.calibrate import MAX_FOREIGN
@@ -72,8 +76,10 @@ def serving_steps(engine, grid_cost, scheduler: dict, id_range: tuple[int, int],
             say(f"serving scenario {tr.name}: {len(convs)} conversations at "
                 f"{', '.join(f'{r:.3g}' for r in rates)}/s (grid fit's capacity "
                 f"{capacity:.3g}/s)")
+        engine = new_engine()
         steps = measure_serving(engine, convs, offsets,
                                 MAX_FOREIGN if max_foreign is None else max_foreign)
+        del engine
         steps.rates = rates
         if say is not None:
             say(f"serving scenario {tr.name}: {len(steps.samples)} steps in "
@@ -105,7 +111,9 @@ def calibrate(model: str | None, num_threads: int, quick: bool = False,
     from duetserve.engine.engine_core import EngineCore
     from duetserve.engine.step_cost import cache_key
     from duetserve.models.native import cpu_name
+    from duetserve.bench.speed_probe import run_probe
     from duetserve.sim.fit import fit_cost
+    from duetserve.sim.speed import probe_ratio
     from duetserve.worker.kv_cache import kv_bytes_per_token
 
     t0 = time.perf_counter()
@@ -123,13 +131,22 @@ def calibrate(model: str | None, num_threads: int, quick: bool = False,
     arrival_s = statistics.median(cal.arrival_s)
     flash_above = flash_above_entries(engine.model_config.num_attention_heads)
     grid_cost, grid_report = fit_cost(cal.samples, arrival_s, cal.cold, flash_above)
-    serving = serving_steps(served, grid_cost, scheduler, id_range_for_vocab(
-        engine.model_config.vocab_size), quick, max_foreign, say)
+    id_range = id_range_for_vocab(engine.model_config.vocab_size)
+    fresh = lambda: EngineCore(config, served.loaded)     # noqa: E731  serving settings
+    # the speed the fit is measured at, for rescaling the profile later (sim/speed.py):
+    # between the grid and the scenario, on a fresh engine as a later probe runs
+    probe = run_probe(fresh(), id_range, quick,
+                      MAX_FOREIGN if max_foreign is None else max_foreign)
+    serving = serving_steps(fresh, grid_cost, scheduler, id_range, quick, max_foreign, say)
     samples, cold = list(cal.samples), list(cal.cold)
     for _, steps in serving:
         samples += steps.samples
         cold += steps.cold
     cost, report = fit_cost(samples, arrival_s, cold, flash_above)
+    speed = probe_ratio(cost, probe.samples, probe.cold)
+    if say is not None:
+        say(f"speed probe: {speed['steps']} steps in {probe.seconds:.1f} s, measured / "
+            f"predicted {speed['ratio']:.3f} (decode-only {speed['decode_ratio']:.3f})")
     path = Path(out) if out else default_calibrated_path(model, num_threads)
     meta = {"model": engine.loaded.path, "threads": num_threads, "cpu": cpu_name(),
             "machine": platform.node(), "torch": torch.__version__,
@@ -140,7 +157,7 @@ def calibrate(model: str | None, num_threads: int, quick: bool = False,
             "rusage": cal.rusage,
             "kv_bytes_per_token": kv_bytes_per_token(engine.model_config, engine.kv_dtype),
             "serving": serving_summary(serving), "grid_steps": len(cal.samples),
-            "flash_above": flash_above,
+            "flash_above": flash_above, "speed_probe": speed,
             "fit": report, "grid_only_fit": grid_report, "pid": os.getpid()}
     profile = calibrated_profile(path.stem, cost, scheduler, meta,
                                  f"{Path(engine.loaded.path).name}, {num_threads} threads, "
@@ -149,8 +166,33 @@ def calibrate(model: str | None, num_threads: int, quick: bool = False,
     profile.save(path)
     raw = path.with_suffix(".samples.json")     # raw steps, to refit without measuring
     raw.write_text(json.dumps({"samples": samples, "cold": cold, "arrival_s": cal.arrival_s,
-                               "grid_steps": len(cal.samples)}))
+                               "grid_steps": len(cal.samples),
+                               "probe": {"samples": probe.samples, "cold": probe.cold}}))
     return profile, path
+
+
+def rescale_to_now(profile: SimProfile, quick: bool = False, loaded=None,
+                   kv_cache_memory: float = 2.0) -> SimProfile:
+    """Run the speed probe (bench/speed_probe.py) on a fresh engine of the profile's model
+    and threads (on `loaded` weights when given) and return the profile rescaled to the
+    machine's speed now (sim/speed.py). ValueError when the profile is not a calibrated
+    one with a probe record."""
+    from duetserve.bench.speed_probe import run_probe
+    from duetserve.bench.token_workload import id_range_for_vocab
+    from duetserve.config import EngineConfig
+    from duetserve.engine.engine_core import EngineCore
+    from duetserve.sim.speed import probe_ratio, probe_reference, rescaled
+    try:
+        probe_reference(profile)    # fail before the ~25 s probe, not after
+    except ValueError as e:
+        raise ValueError(f"--speed-probe needs a calibrated profile with a speed-probe "
+                         f"record ({e})") from None
+    config = EngineConfig(model=profile.meta.get("model"),
+                          num_threads=int(profile.meta.get("threads", 2)),
+                          kv_cache_memory=kv_cache_memory)
+    engine = EngineCore(config, loaded)
+    res = run_probe(engine, id_range_for_vocab(engine.model_config.vocab_size), quick)
+    return rescaled(profile, probe_ratio(profile.cost, res.samples, res.cold))
 
 
 def format_report(profile: SimProfile, path: Path) -> str:

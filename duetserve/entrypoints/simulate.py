@@ -77,6 +77,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quick", action="store_true", help="--calibrate on a small grid")
     g.add_argument("--num-threads", type=int, default=2, help="engine threads (calibration)")
     g.add_argument("--profile-out", default=None, help="where --calibrate saves the profile")
+    g.add_argument("--speed-probe", action="store_true",
+                   help="before simulating, run the speed probe (~25 s of engine steps of "
+                   "fixed shapes) and rescale the calibrated profile to this machine's "
+                   "speed now")
 
 
 def resolve_profile(args: argparse.Namespace):
@@ -131,6 +135,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from duetserve.bench.token_workload import token_conversations
     from duetserve.sim.run import run_json, simulate
     profile = resolve_profile(args)
+    if args.speed_probe:
+        from duetserve.entrypoints.sim_calibrate import rescale_to_now
+        try:
+            profile = rescale_to_now(profile)
+        except ValueError as e:
+            raise UserError(str(e)) from None
+        scale = profile.meta["speed_scale"]
+        print(f"speed probe: measured / predicted {scale['now']['ratio']:.3f} now, "
+              f"{scale['reference']['ratio']:.3f} at calibration: steps x "
+              f"{scale['factor']:.3f}")
     if args.write_profile:
         print(f"wrote {profile.save(args.write_profile)}")
     try:

@@ -16,6 +16,7 @@ import torch
 from duetserve.config import ModelConfig
 from duetserve.errors import CheckpointError
 from duetserve.loader import gguf_file, hf_folder
+from duetserve.loader.huge_pages import place_weights
 from duetserve.loader.tokenizer import Tokenizer
 from duetserve.loader.quantize import QUANTIZATIONS, QuantPlan
 from duetserve.loader.weights import load_weights
@@ -60,11 +61,13 @@ class LoadedModel:
     kernel_policy: KernelPolicy | None = None   # None: no quantized linears
     quant_summary: dict = field(default_factory=dict)
     resident_bytes: int = 0     # every weight tensor kept, dense copies included
+    weight_pages: str = ""      # where the weights live (loader/huge_pages.py)
 
     def describe(self) -> str:
         """One line: weight forms and the kernel choice with its reason (for logs)."""
+        pages = f"; {self.weight_pages}" if self.weight_pages else ""
         if self.kernel_policy is None:
-            return f"weights dense {str(self.dtype).replace('torch.', '')}"
+            return f"weights dense {str(self.dtype).replace('torch.', '')}{pages}"
         forms = ", ".join(f"{v} {k}" for k, v in self.quant_summary.items()
                           if k.startswith("int"))
         emb = self.quant_summary.get("embedding")
@@ -72,7 +75,7 @@ class LoadedModel:
                 f"{self.resident_bytes / 2**20:.0f} MiB resident"
                 f"{f'; embedding {emb}' if emb else ''}); "
                 f"many-row GEMMs in {str(self.kernel_policy.dense_dtype).replace('torch.', '')}"
-                f" ({self.kernel_policy.reason})")
+                f" ({self.kernel_policy.reason}){pages}")
 
 
 def release_free_memory() -> None:
@@ -137,7 +140,8 @@ def load_model(path: str | None, dtype: str = "float32", device: str = "cpu",
     if qlayers:
         policy = plan.policy
         finish_policy(model, policy)
+    pages = place_weights(model) if device == "cpu" else ""
     release_free_memory()       # the loader's transient buffers, back to the OS
     return LoadedModel(model, cfg, tokenizer, path, time.perf_counter() - t0, dense + packed,
                        torch_dtype, quantization, policy, dict(plan.summary) if plan else {},
-                       dense + packed + copies)
+                       dense + packed + copies, pages)

@@ -106,6 +106,7 @@ class TorchAttention(AttentionBackend):
         native = ops()
         self.paged_decode = None if native is None else native.paged_decode_attention
         self.rope_kv_write = None if native is None else native.rope_kv_write
+        self.prefill_native = None if native is None else native.prefill_attention
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -142,6 +143,8 @@ class TorchAttention(AttentionBackend):
         for g in meta.decode_groups:
             out[g.start:g.end] = self._decode(q[g.start:g.end], k_cache, v_cache, g)
         for p in meta.prefills:
+            if p.mask is None and self._native_prefill(q, k, v, p, out):
+                continue
             qp = q[p.start:p.end].transpose(0, 1)                # [H, n, hd]
             if p.mask is None:   # no cached prefix: the new K/V are the whole context
                 kp = k[p.start:p.end].transpose(0, 1)
@@ -160,6 +163,23 @@ class TorchAttention(AttentionBackend):
                     op = self._after_prefix(qp, kp, vp, p.mask)
             out[p.start:p.end] = op.transpose(0, 1)
         return out
+
+    def _native_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        p: PrefillSeq, out: torch.Tensor) -> bool:
+        """A prompt chunk without a cached prefix through the native causal kernel
+        (csrc/prefill_attention.cpp: only the causal half of the scores; torch's flash
+        kernel computes all of them below 512-key blocks). Writes out[p.start:p.end];
+        False where it does not apply (no native build, not float32, head size other
+        than 64 or 128): the caller runs torch's SDPA."""
+        if (self.prefill_native is None or q.dtype != torch.float32
+                or k.dtype != torch.float32 or v.dtype != torch.float32):
+            return False
+        o = self.prefill_native(q[p.start:p.end], k[p.start:p.end], v[p.start:p.end],
+                                self.scale)
+        if o.numel() == 0:
+            return False
+        out[p.start:p.end] = o
+        return True
 
     def _grouped(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  mask: torch.Tensor) -> torch.Tensor:

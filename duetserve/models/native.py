@@ -79,8 +79,8 @@ def _build():
     from torch.utils import cpp_extension
 
     sources = [os.path.join(_SRC, f) for f in ("bindings.cpp", "paged_attention.cpp",
-                                                "lowbit_gemv.cpp", "elementwise.cpp",
-                                                "decode_stack.cpp")]
+                                                "prefill_attention.cpp", "lowbit_gemv.cpp",
+                                                "elementwise.cpp", "decode_stack.cpp")]
     digest = hashlib.sha1()
     for path in sources + [os.path.join(_SRC, h) for h in ("ops.h", "simd_exp.h")]:
         with open(path, "rb") as f:

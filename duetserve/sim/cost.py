@@ -29,10 +29,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Iterable, Protocol
 
+KNOT_ROWS = 3      # rows_few_over: where the few-row slope changes (measured, §3)
+
 # Feature names of the calibrated model, in coefficient order (see CalibratedCost).
 FEATURES = ("step", "requests", "rows_few", "many_rows", "rows_many", "logits",
             "decode_context", "prefill_context", "fresh_pairs", "chunk_scores", "chunk_pairs",
-            "mixed_few", "cold_rows")
+            "mixed_few", "cold_rows", "rows_few_over")
 
 
 @dataclass(slots=True)
@@ -122,6 +124,10 @@ class CalibratedCost:
         cold_rows       T if the step is cold the engine hands freed heap memory back to the
                                               OS when it goes idle (EngineCore._on_idle), so
                                               the next step faults its transients in again
+        rows_few_over   T - KNOT_ROWS if      the few-row path's cost per row rises above
+                        KNOT_ROWS < T <= bp   KNOT_ROWS rows (decode steps: 1-3 streams
+                                              ~1.2 ms each, 4-16 ~1.8 ms, docs/simulator.md
+                                              §3); a slope change, not a jump
 
     `breakpoint` is the row count where the engine switches kernels (fitted).
     `arrival_s` is the engine's cost of adding one request (validation, detokenizer set-up),
@@ -138,10 +144,19 @@ class CalibratedCost:
         return (1.0, s.num_reqs, 0 if many else s.num_tokens, 1.0 if many else 0.0,
                 s.num_tokens if many else 0, s.num_logits, s.decode_context,
                 s.prefill_context, s.fresh_pairs, s.chunk_scores, s.chunk_pairs,
-                0.0 if many or not s.num_prefills else 1.0, s.num_tokens if s.cold else 0)
+                0.0 if many or not s.num_prefills else 1.0, s.num_tokens if s.cold else 0,
+                0 if many else max(0, s.num_tokens - KNOT_ROWS))
 
     def step_seconds(self, shape: StepShape) -> float:
         return sum(c * f for c, f in zip(self.coef, self.features(shape)))
+
+    def scaled(self, factor: float) -> "CalibratedCost":
+        """Every coefficient (and the arrival cost) times `factor` > 0: the same engine on
+        a machine running 1/factor as fast (sim/speed.py)."""
+        if not factor > 0:
+            raise ValueError(f"scale factor must be > 0, got {factor}")
+        return CalibratedCost(tuple(c * factor for c in self.coef), self.breakpoint,
+                              self.arrival_s * factor, self.flash_above)
 
     def describe(self) -> str:
         terms = ", ".join(f"{name} {c * 1e3:.4g} ms" for name, c in zip(FEATURES, self.coef))

@@ -127,4 +127,5 @@ def spec_policy_for(config: SpeculativeConfig, target: LoadedModel, speculator: 
                  theory.ridge_rows,
                  f"; a draft costs {draft_seconds * 1e3:.1f} ms" if draft is not None else "")
     return SpecPolicy(config.num_speculative_tokens, speculator.needs_lookahead,
-                      config.adaptive, roofline, draft_seconds=draft_seconds)
+                      config.adaptive, roofline, draft_seconds=draft_seconds,
+                      condition_on_streak=config.method == "ngram")

@@ -89,7 +89,8 @@ class SpecFakeRunner(FakeRunner):
 def _scheduler(seed: int, lookahead: bool, adaptive: bool = False, accept_prob: float = 0.6,
                **overrides) -> tuple[Scheduler, SpecFakeRunner]:
     roofline = RooflineStep(mem_seconds=0.01, row_seconds=0.001) if adaptive else None
-    policy = SpecPolicy(4, needs_lookahead=lookahead, adaptive=adaptive, roofline=roofline)
+    policy = SpecPolicy(4, needs_lookahead=lookahead, adaptive=adaptive, roofline=roofline,
+                        condition_on_streak=overrides.pop("condition_on_streak", False))
     config = make_config(spec_policy=policy, **overrides)
     return (Scheduler(config),
             SpecFakeRunner(config.block_size, seed, 30, accept_prob, lookahead))
@@ -107,6 +108,7 @@ def _step(sched: Scheduler, runner: SpecFakeRunner) -> SchedulerOutput:
     (0, False, False, {}),
     (1, True, False, {"long_prefill_token_threshold": 7}),
     (2, True, True, {}),
+    (3, False, True, {"condition_on_streak": True}),
 ])
 def test_random_workload_with_speculation(seed, lookahead, adaptive, overrides) -> None:
     rng = random.Random(seed)
@@ -245,3 +247,78 @@ def test_draft_model_probes_after_choosing_no_drafts() -> None:
         req.append_output_token_ids(1)
         got.append(num_to_propose(policy, req, req.num_tokens - 1, 1, 0, step, 1000))
     assert sum(got) == 2 and got[PROBE_EVERY - 1] == 1 and got[-1] == 1, got
+
+
+# Step times of Qwen2.5-Coder-1.5B Q4_K_M for 1..7 verify rows (docs/benchmarks.md): a
+# fifth draft row costs more than a sixth (56 -> 74 -> 79 ms), so the table is not convex.
+STEP_1_5B = [0.0382, 0.0408, 0.0461, 0.0562, 0.0739, 0.0793, 0.091]
+
+
+def test_plan_takes_the_best_prefix_on_a_non_convex_step_table() -> None:
+    """Tokens per second for one request with acceptance 0.95: 1, 1.95, 2.85, 3.71, 4.52,
+    5.30, 6.03 tokens over 38.2 .. 91.0 ms peak at 6 rows (5 drafts), although a 4th
+    draft alone lowers them (3.71 / 56.2 ms > 4.52 / 73.9 ms)."""
+    policy = SpecPolicy(6, needs_lookahead=False, adaptive=True,
+                        roofline=RooflineStep.from_measured(STEP_1_5B))
+    assert policy.plan([("a", 6, 0.95)], base_rows=1, base_tokens=1) == {"a": 5}
+    assert policy.plan([("a", 3, 0.95)], base_rows=1, base_tokens=1) == {"a": 3}
+    # 0.23: one draft (1.23 / 40.8 ms), a second lowers the rate and no later one pays
+    assert policy.plan([("a", 6, 0.23)], base_rows=1, base_tokens=1) == {"a": 1}
+
+
+def test_acceptance_is_estimated_apart_after_a_fully_kept_verify() -> None:
+    """count_spec keeps the verify steps that follow a step which kept all its drafts
+    (a streak) apart; a step without drafts or a rejection ends the streak; with
+    condition_on_streak the estimate is the state's, otherwise one for all."""
+    from duetserve.core.spec_schedule import acceptance_of, count_spec
+    from duetserve.outputs import SpecDecodeStats
+    req = Request("a", [1, 2, 3], SamplingParams(max_tokens=50))
+    stats = SpecDecodeStats()
+    count_spec(stats, req, 4, 4)        # after a step without a streak: counted as fresh
+    assert req.spec_streak and (req.spec_streak_accepted, req.spec_streak_rejections) == (0, 0)
+    count_spec(stats, req, 4, 4)
+    count_spec(stats, req, 4, 1)        # in the streak: counted there, ends it
+    assert not req.spec_streak and (req.spec_streak_accepted, req.spec_streak_rejections) == (5, 1)
+    count_spec(stats, req, 3, 0)
+    count_spec(stats, req, 0, 0)        # no drafts: nothing counted
+    assert (req.spec_num_accepted, req.spec_num_rejections) == (9, 2)
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (4, 15, 9)
+    count_spec(stats, req, 2, 2)
+    count_spec(stats, req, 0, 0)
+    assert not req.spec_streak
+    streak = SpecPolicy(4, needs_lookahead=False, condition_on_streak=True)
+    assert acceptance_of(streak, req, True) == pytest.approx((5 + 1) / (5 + 1 + 2))
+    assert acceptance_of(streak, req, False) == pytest.approx((6 + 1) / (6 + 1 + 2))
+    assert acceptance_of(streak, req) == acceptance_of(streak, req, False)
+    plain = SpecPolicy(4, needs_lookahead=False)
+    assert acceptance_of(plain, req) == pytest.approx((11 + 1) / (11 + 2 + 2))
+
+
+def test_scheduler_plans_with_the_streak_state() -> None:
+    """A request whose verifies go well inside a streak and badly otherwise: after a step
+    without drafts it verifies one draft, after a fully kept verify five; the runner is
+    asked for what the better state would use (the next verify's outcome is not known
+    when the step is scheduled)."""
+    policy = SpecPolicy(6, needs_lookahead=False, adaptive=True,
+                        roofline=RooflineStep.from_measured(STEP_1_5B), condition_on_streak=True)
+    sched = Scheduler(make_config(spec_policy=policy, block_size=4))
+    req = Request("a", [1, 2, 3, 4, 5, 6], SamplingParams(max_tokens=100), eos_token_ids=(EOS,))
+    req.spec_num_accepted, req.spec_num_rejections = 40, 10
+    req.spec_streak_accepted, req.spec_streak_rejections = 38, 1   # 0.95 vs 3/13 fresh
+    sched.add_request(req)
+    out = sched.schedule()
+    assert out.num_drafts_to_propose == {"a": 6}
+    sched.update_from_output(out, ModelRunnerOutput(["a"], {"a": [7]},
+                                                    spec_token_ids={"a": [8, 9, 10, 11, 12, 13]}))
+    out = sched.schedule()                          # the prefill had no drafts: fresh
+    assert out.scheduled_spec_token_ids == {"a": [8]}
+    assert out.num_drafts_to_propose == {"a": 6}
+    sched.update_from_output(out, ModelRunnerOutput(["a"], {"a": [8, 20]},
+                                                    spec_token_ids={"a": [21, 22, 23, 24, 25, 26]}))
+    assert req.spec_streak
+    out = sched.schedule()
+    assert out.scheduled_spec_token_ids == {"a": [21, 22, 23, 24, 25]}
+    sched.update_from_output(out, ModelRunnerOutput(["a"], {"a": [21, 22, 30]},
+                                                    spec_token_ids={"a": [31, 32]}))
+    assert not req.spec_streak
+    assert sched.schedule().scheduled_spec_token_ids == {"a": [31]}

@@ -319,3 +319,38 @@ def test_gemv_rows_equal_alone(rows):
         for i in range(rows):
             assert torch.equal(run(x[i:i + 1]), whole[i:i + 1]), i
         assert torch.equal(run(x[1:rows]), whole[1:rows])
+
+
+def _qkv_views(n, heads, kvh, hd, seed=0):
+    """q [n, H, hd], k / v [n, KVH, hd] as strided views of one fused projection, the
+    way the attention backend receives them."""
+    qkv = torch.randn(n, (heads + 2 * kvh) * hd, generator=torch.Generator().manual_seed(seed))
+    q = qkv[:, :heads * hd].view(n, heads, hd)
+    k = qkv[:, heads * hd:(heads + kvh) * hd].view(n, kvh, hd)
+    v = qkv[:, (heads + kvh) * hd:].view(n, kvh, hd)
+    return q, k, v
+
+
+@pytest.mark.parametrize("n,heads,kvh,hd", [(1, 4, 4, 64), (31, 9, 3, 64), (33, 9, 3, 64),
+                                            (100, 6, 2, 128), (257, 8, 1, 64)])
+def test_prefill_attention_matches_causal_sdpa(n, heads, kvh, hd):
+    q, k, v = _qkv_views(n, heads, kvh, hd)
+    want = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1),
+                                          v.transpose(0, 1), is_causal=True,
+                                          enable_gqa=True).transpose(0, 1)
+    got = native.prefill_attention(q, k, v, hd ** -0.5)
+    if got.numel() == 0:
+        pytest.skip("prefill kernel not covered by this build (no AVX-512)")
+    assert got.shape == (n, heads, hd)
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-6)
+
+
+def test_prefill_attention_declines_what_it_does_not_cover_and_the_backend_falls_back():
+    from duetserve.models.attention import PrefillSeq, TorchAttention
+    q, k, v = _qkv_views(20, 4, 2, 32)                       # head size 32: not covered
+    assert native.prefill_attention(q, k, v, 32 ** -0.5).numel() == 0
+    backend = TorchAttention(4, 2, 32)
+    out = torch.zeros(20, 4, 32)
+    seq = PrefillSeq(0, 20, torch.arange(20), None)
+    assert backend._native_prefill(q, k, v, seq, out) is False
+    assert not out.any()

@@ -152,3 +152,28 @@ def test_kv_blocks_fill_the_memory_beside_the_weights() -> None:
     assert kv_tokens == pytest.approx((80e9 * 0.85 - 16.06e9) / 131072, rel=0.01)
     with pytest.raises(ConfigError, match="no room"):
         roofline_profile("llama-3-70b", "l40s", Efficiency())
+
+
+def test_few_row_slope_changes_above_the_knot() -> None:
+    """rows_few_over: up to KNOT_ROWS rows each costs rows_few; each row above it also
+    rows_few_over, up to the breakpoint (above it the dense-GEMM terms take over)."""
+    from duetserve.sim.cost import KNOT_ROWS
+    coef = [0.0] * len(FEATURES)
+    coef[FEATURES.index("rows_few")] = 1.0
+    coef[FEATURES.index("rows_few_over")] = 0.5
+    cost = CalibratedCost(tuple(coef), 16)
+    t = [cost.step_seconds(shape_of([(1, 64, True)] * b)) for b in range(1, 18)]
+    assert t[:KNOT_ROWS] == [1.0, 2.0, 3.0][:KNOT_ROWS]
+    assert t[KNOT_ROWS] == pytest.approx(KNOT_ROWS + 1 + 0.5)
+    assert t[15] == pytest.approx(16 + 0.5 * (16 - KNOT_ROWS))
+    assert t[16] == 0.0                   # 17 rows: above the breakpoint
+    # a fit recovers the two slopes from noiseless steps
+    truth = CalibratedCost(tuple(1e-3 if f in ("step", "rows_few") else
+                                 6e-4 if f == "rows_few_over" else 0.0 for f in FEATURES), 16)
+    samples = [([(1, 64, True)] * b, truth.step_seconds(shape_of([(1, 64, True)] * b)))
+               for b in list(range(1, 17)) * 2]
+    fitted, report = fit_cost(samples)
+    assert report["rms_rel_error"] < 1e-6
+    for b in (1, 3, 4, 8, 16):
+        s = shape_of([(1, 64, True)] * b)
+        assert fitted.step_seconds(s) == pytest.approx(truth.step_seconds(s), rel=1e-6)

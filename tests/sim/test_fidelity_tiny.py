@@ -22,7 +22,7 @@ from duetserve.bench.token_workload import (arrival_offsets, id_range_for_vocab,
                                              token_conversations)
 from duetserve.config import EngineConfig
 from duetserve.engine.engine_core import EngineCore
-from duetserve.entrypoints.sim_calibrate import calibrate
+from duetserve.entrypoints.sim_calibrate import calibrate, rescale_to_now
 from duetserve.loader import load_model
 from duetserve.sim.cluster import ClusterSpec
 from duetserve.sim.fit import fit_cost
@@ -43,6 +43,14 @@ def test_simulation_tracks_the_engine_on_a_tiny_model(tiny_checkpoints, tmp_path
     assert serving["steps"] > 0 and serving["requests"] == 2 * serving["conversations"] > 0
     assert raw["grid_steps"] + serving["steps"] == len(raw["samples"])
     assert profile.cost.flash_above == profile.meta["flash_above"] > 0
+    # the speed probe ran on its own engine; its steps are kept apart from the fit's
+    probe = profile.meta["speed_probe"]
+    assert probe["steps"] == len(raw["probe"]["samples"]) == len(raw["probe"]["cold"]) > 0
+    assert probe["ratio"] > 0
+    # `duet simulate --speed-probe`: the probe again, the profile rescaled by now / then
+    now = rescale_to_now(profile, quick=True, loaded=loaded, kv_cache_memory=0.05)
+    factor = now.meta["speed_scale"]["factor"]
+    assert factor > 0 and now.cost == profile.cost.scaled(factor)
 
     engine = EngineCore(EngineConfig(model=path, num_threads=2, kv_cache_memory=0.05,
                                      max_num_batched_tokens=32), loaded)
@@ -74,3 +82,21 @@ def test_simulation_tracks_the_engine_on_a_tiny_model(tiny_checkpoints, tmp_path
     for key in ("ttft_ms", "tpot_ms", "e2el_ms"):
         ratio = ss[key]["median"] / rs[key]["median"]
         assert 0.35 < ratio < 2.5, (key, ratio, report)
+
+
+def test_replay_records_a_refusal_and_goes_on(tiny_checkpoints) -> None:
+    """A turn the engine refuses (its waiting queue is full: EngineOverloadedError, the
+    server's 503) is recorded as a failed request; the replay serves the rest."""
+    path = tiny_checkpoints["llama-gqa-untied"]
+    engine = EngineCore(EngineConfig(model=path, num_threads=2, kv_cache_memory=0.05,
+                                     max_waiting_requests=2))
+    id_range = id_range_for_vocab(engine.model_config.vocab_size)
+    convs = token_conversations(make_dataset("chat", num_prompts=4, input_len="8:12",
+                                             output_len="3:4", num_turns=2, seed=5), id_range)
+    res = replay(engine, convs, [0.0] * 4)           # 4 first turns due at once, room for 2
+    refused = [r for r in res.records if not r.success]
+    assert [r.req_id for r in refused] == ["2-0", "3-0"]
+    assert all("overloaded" in r.error for r in refused)
+    served = [r for r in res.records if r.success]
+    assert [r.req_id for r in served] == ["0-0", "0-1", "1-0", "1-1"]
+    assert not engine.has_unfinished_requests()

@@ -73,6 +73,9 @@ def test_simulate_cli_user_errors(tmp_path, capsys) -> None:
     assert "cannot read profile" in capsys.readouterr().err
     assert cli_main(["simulate", "--hardware", "h100-sxm", "--pd", "2X"]) == 2
     assert cli_main(["simulate", "--hardware", "tpu"]) == 2
+    # the speed probe rescales calibrated profiles only (checked before any engine starts)
+    assert cli_main(["simulate", "--hardware", "h100-sxm", "--speed-probe"]) == 2
+    assert "needs a calibrated profile" in capsys.readouterr().err
 
 
 def test_plan_cli_prints_both_modes(tmp_path, capsys) -> None:

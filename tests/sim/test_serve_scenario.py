@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from duetserve.bench.serve_scenario import (TRACES, ServingSteps, capacity_sample, summary,
-                                            trace, traces)
+from duetserve.bench.serve_scenario import (MAX_PER_PHASE, QUICK_TRACES, TRACES, ServingSteps,
+                                            capacity_sample, summary, trace, traces)
 
 
 @pytest.mark.parametrize("tr", TRACES, ids=lambda t: t.name)
@@ -26,6 +26,21 @@ def test_trace_phases_follow_the_capacity_and_are_seeded(tr) -> None:
     assert trace(tr, 4.0, (1000, 40000))[2] == pytest.approx([4.0 * f for f in tr.levels])
     with pytest.raises(ValueError, match="capacity must be > 0"):
         trace(tr, 0.0, (1000, 40000))
+
+
+@pytest.mark.parametrize("tr", TRACES + QUICK_TRACES, ids=lambda t: t.name)
+def test_a_fast_engine_gets_capped_phases_at_the_same_rates(tr) -> None:
+    # a tiny model's capacity: uncapped, phases of thousands of arrivals would overrun the
+    # engine's waiting queue (max_waiting_requests 1024: EngineOverloadedError)
+    capacity = 10 * MAX_PER_PHASE / min(tr.levels) / tr.phase_s
+    convs, offsets, rates = trace(tr, capacity, (1000, 40000))
+    assert len(offsets) == len(convs) == MAX_PER_PHASE * len(tr.levels) < 1024
+    assert rates == pytest.approx([capacity * f for f in tr.levels])
+    for i, rate in enumerate(rates):
+        phase = offsets[i * MAX_PER_PHASE:(i + 1) * MAX_PER_PHASE]
+        assert i * tr.phase_s <= min(phase) and max(phase) < (i + 1) * tr.phase_s
+        # the phase keeps its rate and ends early: 200 arrivals span about 200 / rate
+        assert max(phase) - i * tr.phase_s == pytest.approx(MAX_PER_PHASE / rate, rel=0.5)
 
 
 def test_the_short_trace_has_more_shorter_conversations_than_the_long_one() -> None:

@@ -1,0 +1,167 @@
+// Causal self-attention of one prompt chunk that has no cached prefix (a prefill's keys
+// are its own tokens), float32, computing only the causal half.
+//
+// torch's CPU flash attention splits keys in blocks of 512, so a 512-token causal
+// prompt computes the whole 512 x 512 score matrix and masks half of it (SmolLM2, 2
+// threads: 4.5-5 ms a layer, 15-20% of a float32 prefill). Here:
+//   task = (query head h, block of QB query rows); key blocks of KB = 64 up to the block's
+//   last row only; per key block: S = scale * Q K^T (K transposed once per KV head, so
+//   the inner loop is a broadcast of q[r][d] times 64 keys in 4 registers), online
+//   softmax per row (running max m and sum l; earlier partial outputs rescaled by
+//   exp(m_old - m_new)), O += P V (a broadcast of p[r][j] times V's row j).
+// GQA: query head h reads KV head h / (H / KVH). Tasks are head-major, blocks of a head
+// in the order early, late, early, ..., so contiguous shares of tasks cost about the same.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cmath>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#include "simd_exp.h"
+
+namespace {
+
+constexpr int64_t QB = 32;   // query rows per task
+constexpr int64_t KB = 64;   // keys per block (4 registers of 16)
+constexpr int64_t R = 4;     // query rows per register tile
+
+// Lanes of key register j (keys 16 j .. 16 j + 15 of a block) among the first n_keys.
+inline __mmask16 lane_mask(int64_t n_keys, int j) {
+  if (n_keys >= 16 * (j + 1)) return (__mmask16)0xFFFF;
+  if (n_keys <= 16 * j) return (__mmask16)0;
+  return (__mmask16)((1u << (n_keys - 16 * j)) - 1);
+}
+
+// One task: rows [q0, q0 + rows) of head h. Qh: row r's q at Qh + r * qs; Kt: [D][np]
+// (this KV head, keys padded to np with zeros); Vh: key j's v at Vh + j * vs;
+// out: row r at out + r * os.
+template <int NV>
+void attend(const float* Qh, int64_t qs, int64_t q0, int64_t rows, const float* Kt,
+            int64_t np, const float* Vh, int64_t vs, float* out, int64_t os, float scale) {
+  constexpr int64_t D = 16 * NV;
+  alignas(64) float S[QB][KB];
+  alignas(64) float O[QB][D];
+  float m[QB], l[QB];
+  for (int64_t r = 0; r < rows; ++r) {
+    m[r] = -INFINITY;
+    l[r] = 0.f;
+    for (int64_t d = 0; d < D; ++d) O[r][d] = 0.f;
+  }
+  const int64_t last = q0 + rows - 1;                 // the block's last query position
+  for (int64_t k0 = 0; k0 <= last; k0 += KB) {
+    // S = scale * Q K^T for keys [k0, k0 + KB)
+    for (int64_t r0 = 0; r0 < rows; r0 += R) {
+      const int64_t rr = std::min<int64_t>(R, rows - r0);
+      __m512 acc[R][4];
+      for (int64_t r = 0; r < R; ++r)
+        for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+      for (int64_t d = 0; d < D; ++d) {
+        const float* kt = Kt + d * np + k0;
+        const __m512 k0v = _mm512_loadu_ps(kt), k1v = _mm512_loadu_ps(kt + 16),
+                     k2v = _mm512_loadu_ps(kt + 32), k3v = _mm512_loadu_ps(kt + 48);
+        for (int64_t r = 0; r < R; ++r) {
+          const __m512 qv = _mm512_set1_ps(Qh[(r0 + std::min(r, rr - 1)) * qs + d]);
+          acc[r][0] = _mm512_fmadd_ps(qv, k0v, acc[r][0]);
+          acc[r][1] = _mm512_fmadd_ps(qv, k1v, acc[r][1]);
+          acc[r][2] = _mm512_fmadd_ps(qv, k2v, acc[r][2]);
+          acc[r][3] = _mm512_fmadd_ps(qv, k3v, acc[r][3]);
+        }
+      }
+      const __m512 sc = _mm512_set1_ps(scale);
+      for (int64_t r = 0; r < rr; ++r)
+        for (int j = 0; j < 4; ++j) _mm512_store_ps(&S[r0 + r][16 * j], _mm512_mul_ps(acc[r][j], sc));
+    }
+    // online softmax, then O += P V over the keys each row may see
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t n_keys = std::min<int64_t>(KB, q0 + r - k0 + 1);   // causal: keys <= row
+      float* s = S[r];
+      __m512 mx = _mm512_set1_ps(-INFINITY);
+      for (int j = 0; j < 4; ++j)
+        mx = _mm512_mask_max_ps(mx, lane_mask(n_keys, j), mx, _mm512_load_ps(s + 16 * j));
+      const float m_new = std::max(m[r], _mm512_reduce_max_ps(mx));
+      const float alpha = std::exp(m[r] - m_new);     // 0 on the first block (m = -inf)
+      const __m512 mv = _mm512_set1_ps(m_new);
+      __m512 sum = _mm512_setzero_ps();
+      for (int j = 0; j < 4; ++j) {
+        const __m512 p = _mm512_maskz_mov_ps(lane_mask(n_keys, j),
+                                             exp16(_mm512_sub_ps(_mm512_load_ps(s + 16 * j), mv)));
+        _mm512_store_ps(s + 16 * j, p);
+        sum = _mm512_add_ps(sum, p);
+      }
+      l[r] = l[r] * alpha + _mm512_reduce_add_ps(sum);
+      m[r] = m_new;
+      __m512 o[NV];
+      const __m512 av = _mm512_set1_ps(alpha);
+      for (int i = 0; i < NV; ++i) o[i] = _mm512_mul_ps(_mm512_load_ps(&O[r][16 * i]), av);
+      for (int64_t j = 0; j < n_keys; ++j) {
+        const __m512 p = _mm512_set1_ps(s[j]);
+        const float* vr = Vh + (k0 + j) * vs;
+        for (int i = 0; i < NV; ++i) o[i] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vr + 16 * i), o[i]);
+      }
+      for (int i = 0; i < NV; ++i) _mm512_store_ps(&O[r][16 * i], o[i]);
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m512 inv = _mm512_set1_ps(1.f / l[r]);
+    for (int i = 0; i < NV; ++i)
+      _mm512_storeu_ps(out + r * os + 16 * i, _mm512_mul_ps(_mm512_load_ps(&O[r][16 * i]), inv));
+  }
+}
+
+template <int NV>
+void run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+         torch::Tensor& out, float scale) {
+  constexpr int64_t D = 16 * NV;
+  const int64_t n = q.size(0), H = q.size(1), KVH = k.size(1), G = H / KVH;
+  const int64_t np = (n + KB - 1) / KB * KB;
+  // K transposed per KV head: Kt[kvh][d][key], keys padded with zeros to np
+  std::vector<float> kt(KVH * D * np, 0.f);
+  const float* kp = k.data_ptr<float>();
+  const int64_t ks = k.stride(0);
+  at::parallel_for(0, KVH * D, 1, [&](int64_t a, int64_t b) {
+    for (int64_t gd = a; gd < b; ++gd)
+      for (int64_t t = 0; t < n; ++t) kt[gd * np + t] = kp[t * ks + gd];
+  });
+  const float* qp = q.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t nb = (n + QB - 1) / QB;
+  at::parallel_for(0, H * nb, 1, [&](int64_t a, int64_t b) {
+    for (int64_t task = a; task < b; ++task) {
+      // within a head, blocks alternate early / late (0, nb-1, 1, nb-2, ...), so a
+      // contiguous share of tasks that cuts a head in two still gets an even mix
+      const int64_t h = task / nb, i = task % nb, g = h / G;
+      const int64_t q0 = (i % 2 == 0 ? i / 2 : nb - 1 - i / 2) * QB;
+      attend<NV>(qp + q0 * q.stride(0) + h * D, q.stride(0), q0, std::min(QB, n - q0),
+                 kt.data() + g * D * np, np, vp + g * D, v.stride(0),
+                 op + (q0 * H + h) * D, H * D, scale);
+    }
+  });
+}
+
+}  // namespace
+#endif
+
+// q [n, H, D], k / v [n, KVH, D] float32 (rows may be strided, each head's D contiguous)
+// -> [n, H, D]: causal attention of the chunk over itself. Returns an empty tensor where
+// this build or shape is not covered (no AVX-512, D not 64 or 128): the caller falls back.
+torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
+                                double scale) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v: [n, heads, D]");
+  TORCH_CHECK(q.size(0) == k.size(0) && k.sizes() == v.sizes() && q.size(2) == k.size(2) &&
+              q.size(1) % k.size(1) == 0, "shape mismatch");
+#if defined(__AVX512F__)
+  const int64_t D = q.size(2);
+  const bool dense_heads = q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1 &&
+                           q.stride(1) == D && k.stride(1) == D && v.stride(1) == D;
+  if (q.scalar_type() == torch::kFloat32 && k.scalar_type() == torch::kFloat32 &&
+      v.scalar_type() == torch::kFloat32 && dense_heads && (D == 64 || D == 128)) {
+    auto out = torch::empty({q.size(0), q.size(1), D}, q.options());
+    if (D == 64) run<4>(q, k, v, out, static_cast<float>(scale));
+    else run<8>(q, k, v, out, static_cast<float>(scale));
+    return out;
+  }
+#endif
+  return torch::empty({0}, q.options());
+}

@@ -1,0 +1,108 @@
+"""Model weights in 2 MiB pages (transparent huge pages).
+
+A decode step reads every weight once, as long sequential streams. In 4 KiB pages such a
+stream crosses a page every 4 KiB: a TLB miss and page walk each time, and the hardware
+prefetcher, which does not run across pages, restarts. Measured on the AMD EPYC (Zen 4),
+2 threads, SmolLM2-135M's float32 layer linears (425 MB, 120 GEMVs): 15.6-15.9 ms in 4 KiB
+pages, 13.0-13.9 ms in 2 MiB pages (27 -> 31-33 GB/s; `torch.sum` over 512 MiB 32.4-33.3
+-> 33.9-35.1 GB/s).
+
+Linux backs anonymous memory with huge pages where the process asks (madvise mode, the
+usual default) or everywhere (always mode); torch's allocator does not ask. So after
+loading, `place_weights` copies the storages of the model's weights into one anonymous
+mapping aligned to 2 MiB and advised MADV_HUGEPAGE, and points every tensor that viewed
+them at the copy (`Tensor.set_`, in place: modules, packed low-bit weights and views that
+shared a storage keep sharing it, and the old storage is freed). The KV cache is not
+placed here: it asks for small pages on purpose (worker/kv_cache.py).
+
+`DUET_HUGE_PAGES=0` leaves the weights where the loader put them (to compare).
+"""
+from __future__ import annotations
+
+import mmap
+import os
+
+import torch
+from torch import nn
+
+HUGE_PAGE = 2 << 20
+MIN_STORAGE_BYTES = 1 << 20     # smaller storages stay where they are (norms, biases)
+_THP_MODE_FILE = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+
+def thp_mode() -> str:
+    """The kernel's transparent-huge-page mode: always, madvise, never or unavailable."""
+    try:
+        with open(_THP_MODE_FILE) as f:
+            text = f.read()
+    except OSError:
+        return "unavailable"
+    start, end = text.find("["), text.find("]")
+    return text[start + 1:end] if 0 <= start < end else "unavailable"
+
+
+def _weight_tensors(model: nn.Module) -> list[torch.Tensor]:
+    """Every tensor the model's modules hold: parameters, buffers, and tensors inside
+    duetserve's own weight objects (packed low-bit weights, dense copies), once each."""
+    found: dict[int, torch.Tensor] = {}
+    seen: set[int] = set()
+
+    def visit(v) -> None:
+        if isinstance(v, torch.Tensor):
+            found.setdefault(id(v), v)
+        elif isinstance(v, (list, tuple)):
+            for x in v:
+                visit(x)
+        elif isinstance(v, dict):
+            for x in v.values():
+                visit(x)
+        elif (not isinstance(v, (nn.Module, type)) and hasattr(v, "__dict__")
+              and type(v).__module__.startswith("duetserve.") and id(v) not in seen):
+            seen.add(id(v))
+            for x in vars(v).values():
+                visit(x)
+
+    for module in model.modules():
+        for v in vars(module).values():
+            visit(v)
+    return list(found.values())
+
+
+def place_weights(model: nn.Module) -> str:
+    """Move the model's weight storages of at least MIN_STORAGE_BYTES into one 2 MiB-page
+    mapping. Mutates the tensors in place (their storage). Returns where the weights are
+    and why, for the start-up log ("in 2 MiB pages (...)")."""
+    mode = thp_mode()
+    if os.environ.get("DUET_HUGE_PAGES", "1") == "0":
+        return "in the allocator's pages (DUET_HUGE_PAGES=0)"
+    if mode not in ("always", "madvise") or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return f"in 4 KiB pages (transparent huge pages: {mode})"
+    groups: dict[int, tuple[torch.UntypedStorage, list[torch.Tensor]]] = {}
+    for t in _weight_tensors(model):
+        if t.device.type != "cpu" or t.is_sparse or t.dtype == torch.bool:
+            continue
+        storage = t.untyped_storage()
+        if storage.nbytes() < MIN_STORAGE_BYTES:
+            continue
+        groups.setdefault(storage.data_ptr(), (storage, []))[1].append(t)
+    if not groups:
+        return "in 4 KiB pages (no storage of 1 MiB or more)"
+    sizes = {k: -(-s.nbytes() // 64) * 64 for k, (s, _) in groups.items()}
+    total = -(-sum(sizes.values()) // HUGE_PAGE) * HUGE_PAGE
+    area = mmap.mmap(-1, total + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    raw = torch.frombuffer(area, dtype=torch.uint8)      # holds the mapping alive
+    base = (-raw.data_ptr()) % HUGE_PAGE
+    area.madvise(mmap.MADV_HUGEPAGE, base, total)
+    arena = raw.untyped_storage()
+    cursor = base
+    with torch.no_grad():
+        for key, (storage, tensors) in groups.items():
+            n = storage.nbytes()
+            src = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (n,), (1,))
+            raw[cursor:cursor + n].copy_(src)
+            for t in tensors:
+                es = t.element_size()
+                t.set_(arena, cursor // es + t.storage_offset(), t.size(), t.stride())
+            cursor += sizes[key]
+    return (f"in 2 MiB pages ({(cursor - base) / 2**20:.0f} MiB in "
+            f"{len(groups)} storages; transparent huge pages: {mode})")

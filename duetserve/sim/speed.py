@@ -1,0 +1,78 @@
+"""Rescale a calibrated profile to the machine's current speed with the speed probe
+(bench/speed_probe.py runs it; this module only does the arithmetic, numpy only).
+
+A calibration records the probe's measured / predicted time (`probe_ratio`) in the
+profile's meta ("speed_probe"). The probe run again later gives another ratio; the speed
+factor is now / then, and every coefficient of the cost model is multiplied by it
+(`rescaled`): a machine running 10% slower than during the calibration gets steps 10%
+longer. One factor for every term, since the drift seen here moved decode-only and
+prefill steps alike (docs/simulator.md §3).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Sequence
+
+import numpy as np
+
+from duetserve.sim.cost import CalibratedCost, shape_for
+
+OUTLIER_RATIO = 3.0     # probe steps this far from the median measured/predicted are dropped
+
+
+def probe_ratio(cost: CalibratedCost, samples: Sequence, cold: Sequence[bool]) -> dict:
+    """Measured / predicted time of the probe's steps (samples: (slices, seconds)) under
+    `cost`: the total over the steps whose own ratio is within OUTLIER_RATIO of the
+    median (a stall is not the machine's speed), and the same for decode-only steps and
+    for steps with prefill work, for the record. ValueError on no steps."""
+    if not samples:
+        raise ValueError("the speed probe measured no steps")
+    if len(cold) != len(samples):
+        raise ValueError(f"{len(cold)} cold flags for {len(samples)} probe steps")
+    pred = np.array([cost.step_seconds(shape_for(cost, sl, c))
+                     for (sl, _), c in zip(samples, cold)])
+    real = np.array([s for _, s in samples], dtype=np.float64)
+    per = real / pred
+    med = float(np.median(per))
+    keep = (per <= OUTLIER_RATIO * med) & (per >= med / OUTLIER_RATIO)
+    decode = np.array([all(n == 1 for n, _, _ in sl) for sl, _ in samples])
+
+    def ratio(mask: np.ndarray) -> float | None:
+        m = mask & keep
+        return float(real[m].sum() / pred[m].sum()) if m.any() else None
+    return {"ratio": ratio(np.ones_like(keep)), "decode_ratio": ratio(decode),
+            "prefill_ratio": ratio(~decode), "steps": int(len(real)),
+            "dropped": int((~keep).sum()), "measured_s": float(real.sum())}
+
+
+def speed_factor(reference: dict, now: dict) -> float:
+    """Now / then: the probe's ratio now over the one recorded at calibration."""
+    ref, cur = reference.get("ratio"), now.get("ratio")
+    if not ref or not cur or not (ref > 0 and cur > 0):
+        raise ValueError(f"speed probe ratios must be > 0, got reference {ref}, now {cur}")
+    return cur / ref
+
+
+def probe_reference(profile) -> dict:
+    """The speed-probe record a calibration stored in `profile`'s meta. ValueError when
+    the profile is not calibrated or predates the probe (nothing to rescale against)."""
+    if profile.kind != "calibrated":
+        raise ValueError(f"only a calibrated profile can be rescaled (this one: {profile.kind})")
+    reference = profile.meta.get("speed_probe")
+    if not reference:
+        raise ValueError("the profile has no speed-probe record: re-run `duet simulate "
+                         "--calibrate`")
+    return reference
+
+
+def rescaled(profile, now: dict):
+    """A copy of the calibrated `profile` (sim/profile.SimProfile) with its cost scaled by
+    speed_factor(profile's recorded probe, `now`); the factor and both probe records go
+    into the copy's meta ("speed_scale"). ValueError when the profile has no probe record
+    (calibrated before the probe existed) or is not calibrated. Mutates nothing."""
+    reference = probe_reference(profile)
+    factor = speed_factor(reference, now)
+    cost = profile.cost.scaled(factor)
+    meta = {**profile.meta, "speed_scale": {"factor": factor, "reference": reference,
+                                            "now": now}}
+    return replace(profile, cost=cost, cost_json=cost.to_json(), meta=meta)
