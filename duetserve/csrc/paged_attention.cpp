@@ -10,6 +10,7 @@
 // bfloat16; math is float32. Work items (sequence, KV head) run in parallel.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -22,15 +23,45 @@ inline float to_f<at::BFloat16>(at::BFloat16 x) { return static_cast<float>(x); 
 #include <immintrin.h>
 #include "simd_exp.h"   // exp16 (the scalar std::exp was this kernel's largest cost)
 
-// float32 cache, D a multiple of 16 and <= 256: q rows and K/V rows held in registers.
-static bool decode_f32_avx512(const float* q, const float* kc, const float* vc,
-                              const int64_t* tables, const int64_t* lens, float* out,
-                              int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t num_blocks,
-                              int64_t bs, int64_t max_blocks, float scale) {
+// 16 cache elements as float32 lanes (bfloat16: the high half of a float32).
+static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16(const at::BFloat16* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+// Four 16-lane sums at once: [sum(a), sum(b), sum(c), sum(d)].
+static inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  auto h = [](__m512 v) {
+    return _mm256_add_ps(_mm512_castps512_ps256(v),
+                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  };
+  const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(h(a), h(b)), _mm256_hadd_ps(h(c), h(d)));
+  return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+
+// Prefetch one cache row (`bytes` long) into L2. (Into L1, _MM_HINT_T0, measured no
+// faster than no prefetch at all; into L2 or L3, 1.4-1.6x faster: 64 sequences of ~300
+// tokens, SmolLM2's heads, float32 cache, AMD EPYC Zen 4, 2 threads.)
+static inline void prefetch_row(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(c + o, _MM_HINT_T1);
+}
+
+// D a multiple of 16 and <= 256, G <= 8. The context is walked block by block: each block
+// of the cache is bs contiguous rows (one 4 KiB page for 16 float32 rows of 64, where the
+// hardware prefetcher stops), so while a block's rows are used the same rows of the next
+// block in the table are prefetched. Scores of 4 keys are summed horizontally at once.
+template <typename KV>
+static bool decode_avx512(const float* q, const KV* kc, const KV* vc, const int64_t* tables,
+                          const int64_t* lens, float* out, int64_t B, int64_t H, int64_t KVH,
+                          int64_t D, int64_t num_blocks, int64_t bs, int64_t max_blocks,
+                          float scale) {
   constexpr int64_t MAXV = 16;                  // D / 16 <= 16
   const int64_t G = H / KVH, nv = D / 16;
   if (D % 16 || nv > MAXV || G > 8) return false;
   const int64_t head_stride = num_blocks * bs * D;
+  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(KV));
   at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t item = begin; item < end; ++item) {
@@ -38,20 +69,44 @@ static bool decode_f32_avx512(const float* q, const float* kc, const float* vc,
       const int64_t L = lens[b];
       const int64_t* table = tables + b * max_blocks;
       const float* qb = q + (b * H + kh * G) * D;
-      const float* kbase = kc + kh * head_stride;
-      const float* vbase = vc + kh * head_stride;
+      const KV* kbase = kc + kh * head_stride;
+      const KV* vbase = vc + kh * head_stride;
       scores.resize(G * L);
-      for (int64_t t = 0; t < L; ++t) {
-        const float* krow = kbase + (table[t / bs] * bs + t % bs) * D;
-        __m512 kv[MAXV];
-        for (int64_t i = 0; i < nv; ++i) kv[i] = _mm512_loadu_ps(krow + 16 * i);
-        for (int64_t g = 0; g < G; ++g) {
-          __m512 acc = _mm512_mul_ps(kv[0], _mm512_loadu_ps(qb + g * D));
-          for (int64_t i = 1; i < nv; ++i)
-            acc = _mm512_fmadd_ps(kv[i], _mm512_loadu_ps(qb + g * D + 16 * i), acc);
-          scores[g * L + t] = _mm512_reduce_add_ps(acc) * scale;
+      // pass 1: scores
+      for (int64_t t0 = 0; t0 < L; t0 += bs) {
+        const int64_t n = std::min(bs, L - t0);
+        const KV* kb = kbase + table[t0 / bs] * bs * D;
+        const KV* knext = t0 + bs < L ? kbase + table[t0 / bs + 1] * bs * D : nullptr;
+        int64_t j = 0;
+        for (; j + 4 <= n; j += 4) {
+          if (knext)
+            for (int64_t r = 0; r < 4; ++r) prefetch_row(knext + (j + r) * D, row_bytes);
+          const KV* k0 = kb + j * D;
+          for (int64_t g = 0; g < G; ++g) {
+            const float* qg = qb + g * D;
+            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (int64_t i = 0; i < nv; ++i) {
+              const __m512 qv = _mm512_loadu_ps(qg + 16 * i);
+              a0 = _mm512_fmadd_ps(load16(k0 + 16 * i), qv, a0);
+              a1 = _mm512_fmadd_ps(load16(k0 + D + 16 * i), qv, a1);
+              a2 = _mm512_fmadd_ps(load16(k0 + 2 * D + 16 * i), qv, a2);
+              a3 = _mm512_fmadd_ps(load16(k0 + 3 * D + 16 * i), qv, a3);
+            }
+            _mm_storeu_ps(scores.data() + g * L + t0 + j,
+                          _mm_mul_ps(sum4(a0, a1, a2, a3), _mm_set1_ps(scale)));
+          }
+        }
+        for (; j < n; ++j) {
+          const KV* krow = kb + j * D;
+          for (int64_t g = 0; g < G; ++g) {
+            __m512 acc = _mm512_setzero_ps();
+            for (int64_t i = 0; i < nv; ++i)
+              acc = _mm512_fmadd_ps(load16(krow + 16 * i), _mm512_loadu_ps(qb + g * D + 16 * i), acc);
+            scores[g * L + t0 + j] = _mm512_reduce_add_ps(acc) * scale;
+          }
         }
       }
+      // softmax over each head's scores
       for (int64_t g = 0; g < G; ++g) {
         float* sg = scores.data() + g * L;
         float m = -INFINITY;
@@ -69,15 +124,22 @@ static bool decode_f32_avx512(const float* q, const float* kc, const float* vc,
         const float inv = 1.f / sum;
         for (t = 0; t < L; ++t) sg[t] *= inv;
       }
+      // pass 2: weighted sum of values
       __m512 acc[8][MAXV];
       for (int64_t g = 0; g < G; ++g)
         for (int64_t i = 0; i < nv; ++i) acc[g][i] = _mm512_setzero_ps();
-      for (int64_t t = 0; t < L; ++t) {
-        const float* vrow = vbase + (table[t / bs] * bs + t % bs) * D;
-        for (int64_t i = 0; i < nv; ++i) {
-          const __m512 v = _mm512_loadu_ps(vrow + 16 * i);
-          for (int64_t g = 0; g < G; ++g)
-            acc[g][i] = _mm512_fmadd_ps(_mm512_set1_ps(scores[g * L + t]), v, acc[g][i]);
+      for (int64_t t0 = 0; t0 < L; t0 += bs) {
+        const int64_t n = std::min(bs, L - t0);
+        const KV* vb = vbase + table[t0 / bs] * bs * D;
+        const KV* vnext = t0 + bs < L ? vbase + table[t0 / bs + 1] * bs * D : nullptr;
+        for (int64_t j = 0; j < n; ++j) {
+          if (vnext) prefetch_row(vnext + j * D, row_bytes);
+          const KV* vrow = vb + j * D;
+          for (int64_t i = 0; i < nv; ++i) {
+            const __m512 v = load16(vrow + 16 * i);
+            for (int64_t g = 0; g < G; ++g)
+              acc[g][i] = _mm512_fmadd_ps(_mm512_set1_ps(scores[g * L + t0 + j]), v, acc[g][i]);
+          }
         }
       }
       float* ob = out + (b * H + kh * G) * D;
@@ -163,7 +225,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
   auto lens = context_lens.contiguous();
   if (k_cache.scalar_type() == torch::kFloat32) {
 #if defined(__AVX512F__)
-    if (decode_f32_avx512(q.data_ptr<float>(), k_cache.data_ptr<float>(),
+    if (decode_avx512<float>(q.data_ptr<float>(), k_cache.data_ptr<float>(),
                           v_cache.data_ptr<float>(), block_tables.data_ptr<int64_t>(),
                           lens.data_ptr<int64_t>(), out.data_ptr<float>(), B, H, KVH, D, nb, bs,
                           block_tables.size(1), static_cast<float>(scale)))
@@ -174,6 +236,14 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
                        lens.data_ptr<int64_t>(), out.data_ptr<float>(), B, H, KVH, D, nb, bs,
                        block_tables.size(1), static_cast<float>(scale));
   } else if (k_cache.scalar_type() == torch::kBFloat16) {
+#if defined(__AVX512F__)
+    if (decode_avx512<at::BFloat16>(q.data_ptr<float>(), k_cache.data_ptr<at::BFloat16>(),
+                                    v_cache.data_ptr<at::BFloat16>(),
+                                    block_tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
+                                    out.data_ptr<float>(), B, H, KVH, D, nb, bs,
+                                    block_tables.size(1), static_cast<float>(scale)))
+      return out;
+#endif
     decode_impl<at::BFloat16>(q.data_ptr<float>(), k_cache.data_ptr<at::BFloat16>(),
                               v_cache.data_ptr<at::BFloat16>(),
                               block_tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),

@@ -91,10 +91,22 @@ def choose_dense_dtype(dtype: str) -> tuple[torch.dtype, str]:
 
 
 def calibrate_lowbit_rows(layer: QuantLinear) -> int:
-    """Largest row count (of 1..64) at which `layer`'s low-bit kernel is at least as fast
-    as its dense path; 0 if never. Uses the layer as it is (dense copy or not)."""
+    """Largest row count of _ROWS up to which `layer`'s low-bit kernel is at least as fast
+    as its dense path at every count measured (the first count where dense wins ends the
+    search); 0 if dense wins at 1 row. Uses the layer as it is (dense copy or not).
+
+    The two paths are timed alternately (best of 5 each, one untimed call first), so a
+    load that comes and goes during the measurement slows both alike. A start-up measured
+    while the machine was busy once returned 64 on a model whose crossover is 4-16 (the
+    old search only stopped at a loss from 8 rows on, so one noisy win carried it on)."""
     policy = layer.policy
     kind = "dense" if layer.dense is not None else "dequant"
+
+    def timed(x: torch.Tensor, rows: int) -> float:
+        policy.lowbit_max_rows = rows
+        t = time.perf_counter()
+        layer(x)
+        return time.perf_counter() - t
 
     def measure() -> int:
         best = 0
@@ -102,18 +114,18 @@ def calibrate_lowbit_rows(layer: QuantLinear) -> int:
         try:
             for m in _ROWS:
                 x = torch.randn(m, layer.in_features)
-                policy.lowbit_max_rows = m
-                low = _best_of(lambda: layer(x), 3)
-                policy.lowbit_max_rows = 0
-                dense = _best_of(lambda: layer(x), 3)
-                if low <= dense:
-                    best = m
-                elif m >= 8:
+                timed(x, m), timed(x, 0)            # warm-up (oneDNN builds its primitive)
+                low = dense = float("inf")
+                for _ in range(5):
+                    low = min(low, timed(x, m))
+                    dense = min(dense, timed(x, 0))
+                if low > dense:
                     break
+                best = m
         finally:
             policy.lowbit_max_rows = saved
         return best
-    gemv = "native-v3" if ops() is not None else "torch"   # bump when kernels change
+    gemv = "native-v4" if ops() is not None else "torch"   # bump when kernels change
     return int(_cached(_key("lowbit_rows", layer.out_features, layer.in_features,
                             f"int{layer.qweight.bits}", kind, policy.dense_dtype, gemv),
                        measure))

@@ -36,15 +36,18 @@ def _reference(q, kc, vc, tables, lens):
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("kvh,heads", [(2, 6), (3, 3), (1, 8)])
-def test_matches_sdpa(kvh, heads):
-    q, kc, vc, tables, lens = _case(kvh, heads)
+@pytest.mark.parametrize("kvh,heads,hd", [(2, 6, 32), (3, 3, 32), (1, 8, 32), (3, 9, 64),
+                                          (2, 12, 128), (1, 9, 64)])
+def test_matches_sdpa(kvh, heads, hd):
+    # (1, 9, 64): 9 query heads a KV head, past the AVX-512 kernel's 8: the plain loop
+    q, kc, vc, tables, lens = _case(kvh, heads, hd)
     got = native.paged_decode_attention(q, kc, vc, tables, lens, q.shape[-1] ** -0.5)
     torch.testing.assert_close(got, _reference(q, kc, vc, tables, lens), atol=1e-5, rtol=1e-5)
 
 
-def test_bf16_cache():
-    q, kc, vc, tables, lens = _case()
+@pytest.mark.parametrize("kvh,heads,hd", [(2, 6, 32), (3, 9, 64), (2, 12, 128), (1, 9, 64)])
+def test_bf16_cache(kvh, heads, hd):
+    q, kc, vc, tables, lens = _case(kvh, heads, hd)
     kb, vb = kc.bfloat16(), vc.bfloat16()
     got = native.paged_decode_attention(q, kb, vb, tables, lens, q.shape[-1] ** -0.5)
     ref = _reference(q, kb.float(), vb.float(), tables, lens)
