@@ -169,13 +169,17 @@ class TorchAttention(AttentionBackend):
         """A prompt chunk without a cached prefix through the native causal kernel
         (csrc/prefill_attention.cpp: only the causal half of the scores; torch's flash
         kernel computes all of them below 512-key blocks). Writes out[p.start:p.end];
-        False where it does not apply (no native build, not float32, head size other
-        than 64 or 128): the caller runs torch's SDPA."""
-        if (self.prefill_native is None or q.dtype != torch.float32
-                or k.dtype != torch.float32 or v.dtype != torch.float32):
+        False where it does not apply (no native build, neither float32 nor bfloat16,
+        head size other than 64 or 128): the caller runs torch's SDPA.
+
+        bfloat16 q/k/v (many-row steps computed in bf16) are widened to float32 for the
+        kernel: 512 tokens of SmolLM2's heads, 2 threads: 3.4-5.1 ms against torch's bf16
+        flash SDPA's 4.5-8.1 (and the softmax is float32)."""
+        if self.prefill_native is None or any(
+                t.dtype not in (torch.float32, torch.bfloat16) for t in (q, k, v)):
             return False
-        o = self.prefill_native(q[p.start:p.end], k[p.start:p.end], v[p.start:p.end],
-                                self.scale)
+        o = self.prefill_native(q[p.start:p.end].float(), k[p.start:p.end].float(),
+                                v[p.start:p.end].float(), self.scale)
         if o.numel() == 0:
             return False
         out[p.start:p.end] = o

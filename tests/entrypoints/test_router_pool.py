@@ -107,3 +107,17 @@ def test_a_late_health_answer_is_not_a_dead_instance():
             assert not a.healthy and "ConnectError" in a.last_error
 
     asyncio.run(run())
+
+
+def test_router_drops_idle_connections_before_an_instance_closes_them():
+    """The router's client must not keep an idle connection as long as the instance does
+    (`duet serve --timeout-keep-alive`): reusing one the instance is closing at that
+    moment fails the request with ReadError."""
+    import argparse
+
+    from duetserve.entrypoints.openai import serve
+    from duetserve.entrypoints.router import app
+
+    p = argparse.ArgumentParser()
+    serve.add_arguments(p)
+    assert 0 < app.KEEPALIVE_EXPIRY_S < p.get_default("timeout_keep_alive")

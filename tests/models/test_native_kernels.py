@@ -357,3 +357,21 @@ def test_prefill_attention_declines_what_it_does_not_cover_and_the_backend_falls
     seq = PrefillSeq(0, 20, torch.arange(20), None)
     assert backend._native_prefill(q, k, v, seq, out) is False
     assert not out.any()
+
+
+def test_bfloat16_prefill_runs_the_native_kernel_in_float32():
+    """A bf16 step's prompt (many-row GEMMs in bfloat16) goes through the native causal
+    kernel on its q/k/v widened to float32, not through torch's bf16 SDPA."""
+    from duetserve.models.attention import PrefillSeq, TorchAttention
+    q, k, v = (t.bfloat16() for t in _qkv_views(40, 9, 3, 64, seed=3))
+    backend = TorchAttention(9, 3, 64)
+    out = torch.zeros(40, 9, 64, dtype=torch.bfloat16)
+    seq = PrefillSeq(0, 40, torch.arange(40), None)
+    assert backend._native_prefill(q, k, v, seq, out) is True
+    want = native.prefill_attention(q.float(), k.float(), v.float(), 64 ** -0.5)
+    assert torch.equal(out, want.bfloat16())
+    ref = F.scaled_dot_product_attention(q.float().transpose(0, 1)[None],
+                                         k.float().transpose(0, 1)[None],
+                                         v.float().transpose(0, 1)[None], is_causal=True,
+                                         enable_gqa=True)[0].transpose(0, 1)
+    torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=1e-2)   # bf16 output

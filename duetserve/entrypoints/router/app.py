@@ -38,6 +38,14 @@ log = logging.getLogger("duetserve.router")
 BUCKETS = [0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0]
 
 
+# Idle pooled connections to the instances are dropped after this many seconds. It must
+# stay below the instances' keep-alive timeout (`duet serve --timeout-keep-alive`, 5 s by
+# default; httpx's own default expiry is also 5 s): otherwise the router can reuse a
+# connection at the moment the instance closes it, and the request fails with ReadError
+# (seen in tests/entrypoints/test_disagg.py: "decode instance ... failed: ReadError").
+KEEPALIVE_EXPIRY_S = 2.0
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill", default=None, help="prefill instance URLs, comma-separated")
     p.add_argument("--decode", default=None, help="decode instance URLs, comma-separated")
@@ -109,7 +117,8 @@ def build_app(pool: InstancePool, prefill_policy: Policy, decode_policy: Policy,
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
+        limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100,
+                              keepalive_expiry=KEEPALIVE_EXPIRY_S)
         async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(None, connect=5.0)
                                      ) as client:
             state["flow"] = Flow(client, pool, prefill_policy, decode_policy, on_timings)
