@@ -35,6 +35,7 @@
 #include <vector>
 #if defined(__AVX512F__)
 #include <immintrin.h>
+#include "simd_sum.h"
 #endif
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define DUET_VNNI 1
@@ -109,17 +110,6 @@ QuantizedX quantize_x(const float* x, int64_t M, int64_t K, bool q4_order, int64
 }
 
 #if defined(DUET_VNNI)
-// Four 16-lane sums at once: [sum(a), sum(b), sum(c), sum(d)].
-inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
-  auto h = [](__m512 v) {
-    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
-  };
-  const __m256 ab = _mm256_hadd_ps(h(a), h(b));
-  const __m256 cd = _mm256_hadd_ps(h(c), h(d));
-  const __m256 abcd = _mm256_hadd_ps(ab, cd);
-  return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
-}
-
 // Calls f(std::integral_constant<int, mm>) for mm in 1..4.
 template <typename F>
 inline void dispatch(int64_t mm, F&& f) {
@@ -172,7 +162,7 @@ void q4_block(const uint8_t* pk, const QuantizedX& X, float* y, int64_t nch, int
     alignas(64) float mt[16];
     alignas(16) float o[4];
     _mm512_store_ps(mt, accm[i]);
-    _mm_store_ps(o, reduce4(acc[0][i], acc[1][i], acc[2][i], acc[3][i]));
+    _mm_store_ps(o, sum4(acc[0][i], acc[1][i], acc[2][i], acc[3][i]));
     for (int r = 0; r < 4 && nb * 4 + r < N; ++r)
       y[(m0 + i) * N + nb * 4 + r] = o[r] + ((mt[4 * r] + mt[4 * r + 1]) + (mt[4 * r + 2] + mt[4 * r + 3]));
   }
@@ -210,7 +200,7 @@ void q8_block(const int8_t* pk, const float* ws, const QuantizedX& X, float* y, 
   }
   for (int i = 0; i < MM; ++i) {
     alignas(16) float o[4];
-    _mm_store_ps(o, reduce4(acc[0][i], acc[1][i], acc[2][i], acc[3][i]));
+    _mm_store_ps(o, sum4(acc[0][i], acc[1][i], acc[2][i], acc[3][i]));
     for (int r = 0; r < 4 && nb * 4 + r < N; ++r)
       y[(m0 + i) * N + nb * 4 + r] = o[r] * ws[nb * 4 + r];
   }

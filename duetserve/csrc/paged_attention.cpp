@@ -22,22 +22,13 @@ inline float to_f<at::BFloat16>(at::BFloat16 x) { return static_cast<float>(x); 
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #include "simd_exp.h"   // exp16 (the scalar std::exp was this kernel's largest cost)
+#include "simd_sum.h"   // sum4
 
 // 16 cache elements as float32 lanes (bfloat16: the high half of a float32).
 static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 static inline __m512 load16(const at::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(
       _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
-
-// Four 16-lane sums at once: [sum(a), sum(b), sum(c), sum(d)].
-static inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
-  auto h = [](__m512 v) {
-    return _mm256_add_ps(_mm512_castps512_ps256(v),
-                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
-  };
-  const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(h(a), h(b)), _mm256_hadd_ps(h(c), h(d)));
-  return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
 }
 
 // Prefetch one cache row (`bytes` long) into L2. (Into L1, _MM_HINT_T0, measured no

@@ -82,7 +82,8 @@ def _build():
                                                 "prefill_attention.cpp", "lowbit_gemv.cpp",
                                                 "elementwise.cpp", "decode_stack.cpp")]
     digest = hashlib.sha1()
-    for path in sources + [os.path.join(_SRC, h) for h in ("ops.h", "simd_exp.h")]:
+    headers = [os.path.join(_SRC, h) for h in ("ops.h", "simd_exp.h", "simd_sum.h")]
+    for path in sources + headers:
         with open(path, "rb") as f:
             digest.update(f.read())
     # the source directory too: the build file records absolute source paths, so two
