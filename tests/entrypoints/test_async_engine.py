@@ -134,3 +134,37 @@ async def _last(stream):
     async for out in stream:
         last = out
     return last
+
+
+def test_build_constructs_and_steps_on_one_thread() -> None:
+    """AsyncEngine.build runs the factory on the engine thread, which then steps it (one
+    OpenMP pool for loading and stepping: see the async_engine docstring)."""
+    built_on: list[int] = []
+
+    def factory() -> FakeCore:
+        built_on.append(threading.get_ident())
+        return FakeCore()
+
+    eng = AsyncEngine.build(factory)
+    try:
+        assert eng.is_running
+
+        async def main() -> None:
+            await _last(await eng.add_request("x", [1], SamplingParams(max_tokens=2)))
+
+        asyncio.run(main())
+        assert built_on != [threading.get_ident()]
+        assert eng.engine.thread_ids == set(built_on)
+    finally:
+        eng.shutdown()
+    assert eng.engine.shut_down and not eng.is_running
+
+
+def test_build_reraises_the_factory_error() -> None:
+    def factory() -> FakeCore:
+        raise RequestError("no such checkpoint")
+
+    threads = threading.active_count()
+    with pytest.raises(RequestError, match="no such checkpoint"):
+        AsyncEngine.build(factory)
+    assert threading.active_count() == threads     # the engine thread has ended

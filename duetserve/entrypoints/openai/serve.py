@@ -102,36 +102,43 @@ def build_server(args: argparse.Namespace):
         if not getattr(args, name) > 0:
             raise UserError(f"--{name.replace('_', '-')} must be > 0, got "
                             f"{getattr(args, name)}")
-    core = build_engine(args, kv_transfer_config(args))
-    name, path = served_name(getattr(args, "model_pos", None) or args.model)
-    name = args.served_model_name or name
-    api_key = args.api_key or os.environ.get("DUET_API_KEY") or None
-    logging.getLogger("duetserve.metrics").setLevel(logging.INFO)
-    logging.getLogger("duetserve.serve").setLevel(logging.INFO)
-    if not logging.getLogger().handlers:
-        logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app = build_app(AsyncEngine(core), name, api_key, path,
-                    max_request_bytes=args.max_request_bytes, read_timeout=args.header_timeout)
-    log = logging.getLogger("duetserve.serve")
-    if core.step_budget is not None:
-        log.info("step budget: %s", core.step_budget.describe())
-    else:
-        log.info("step budget: %d tokens per step (--max-num-batched-tokens)",
-                 core.max_num_batched_tokens)
-    log.info("serving %s at http://%s:%d/v1 (max_model_len %d%s)", name, args.host,
-             args.port, core.max_model_len, ", API key required" if api_key else "")
-    ctx = app.state.ctx
-    # Everything built so far (weights' Python objects, the tokenizer's vocabulary, the
-    # app) lives as long as the server: out of the collector's sight, so a full
-    # collection scans only what requests create. Without this each one took 40-300 ms
-    # on the default model, a stall of every stream (docs/reliability.md).
-    gc.collect()
-    gc.freeze()
-    config = uvicorn.Config(app, host=args.host, port=args.port,
-                            log_level=args.uvicorn_log_level,
-                            http=header_timeout_protocol(args.header_timeout),
-                            timeout_keep_alive=args.timeout_keep_alive,
-                            timeout_graceful_shutdown=5)
+    kv_transfer = kv_transfer_config(args)
+    # Built on the thread that will step it (AsyncEngine.build says why).
+    engine = AsyncEngine.build(lambda: build_engine(args, kv_transfer))
+    core = engine.engine
+    try:
+        name, path = served_name(getattr(args, "model_pos", None) or args.model)
+        name = args.served_model_name or name
+        api_key = args.api_key or os.environ.get("DUET_API_KEY") or None
+        logging.getLogger("duetserve.metrics").setLevel(logging.INFO)
+        logging.getLogger("duetserve.serve").setLevel(logging.INFO)
+        if not logging.getLogger().handlers:
+            logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        app = build_app(engine, name, api_key, path, max_request_bytes=args.max_request_bytes,
+                        read_timeout=args.header_timeout)
+        log = logging.getLogger("duetserve.serve")
+        if core.step_budget is not None:
+            log.info("step budget: %s", core.step_budget.describe())
+        else:
+            log.info("step budget: %d tokens per step (--max-num-batched-tokens)",
+                     core.max_num_batched_tokens)
+        log.info("serving %s at http://%s:%d/v1 (max_model_len %d%s)", name, args.host,
+                 args.port, core.max_model_len, ", API key required" if api_key else "")
+        ctx = app.state.ctx
+        # Everything built so far (weights' Python objects, the tokenizer's vocabulary, the
+        # app) lives as long as the server: out of the collector's sight, so a full
+        # collection scans only what requests create. Without this each one took 40-300 ms
+        # on the default model, a stall of every stream (docs/reliability.md).
+        gc.collect()
+        gc.freeze()
+        config = uvicorn.Config(app, host=args.host, port=args.port,
+                                log_level=args.uvicorn_log_level,
+                                http=header_timeout_protocol(args.header_timeout),
+                                timeout_keep_alive=args.timeout_keep_alive,
+                                timeout_graceful_shutdown=5)
+    except BaseException:
+        engine.shutdown()     # its thread is running already
+        raise
     return DrainingServer(config, lambda: drain(ctx, args.shutdown_timeout))
 
 
