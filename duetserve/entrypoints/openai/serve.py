@@ -103,6 +103,11 @@ def build_server(args: argparse.Namespace):
             raise UserError(f"--{name.replace('_', '-')} must be > 0, got "
                             f"{getattr(args, name)}")
     kv_transfer = kv_transfer_config(args)
+    # A server logs how it set itself up (model, kernels and why, KV cache, step budget)
+    # and its throughput every few seconds.
+    logging.getLogger("duetserve").setLevel(logging.INFO)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # Built on the thread that will step it (AsyncEngine.build says why).
     engine = AsyncEngine.build(lambda: build_engine(args, kv_transfer))
     core = engine.engine
@@ -110,18 +115,9 @@ def build_server(args: argparse.Namespace):
         name, path = served_name(getattr(args, "model_pos", None) or args.model)
         name = args.served_model_name or name
         api_key = args.api_key or os.environ.get("DUET_API_KEY") or None
-        logging.getLogger("duetserve.metrics").setLevel(logging.INFO)
-        logging.getLogger("duetserve.serve").setLevel(logging.INFO)
-        if not logging.getLogger().handlers:
-            logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         app = build_app(engine, name, api_key, path, max_request_bytes=args.max_request_bytes,
                         read_timeout=args.header_timeout)
         log = logging.getLogger("duetserve.serve")
-        if core.step_budget is not None:
-            log.info("step budget: %s", core.step_budget.describe())
-        else:
-            log.info("step budget: %d tokens per step (--max-num-batched-tokens)",
-                     core.max_num_batched_tokens)
         log.info("serving %s at http://%s:%d/v1 (max_model_len %d%s)", name, args.host,
                  args.port, core.max_model_len, ", API key required" if api_key else "")
         ctx = app.state.ctx
