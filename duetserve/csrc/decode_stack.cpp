@@ -9,18 +9,15 @@
 //   h = rms_norm(x); x += linear(silu(gate) * up of linear(h)).
 // so the result equals the module path's bit for bit for low-bit linears (a test checks
 // it). A linear is q4 (packed, N), q8 (q, scale) or dense float32 (weight), each with an
-// optional bias; dense ones at <= 4 rows run f32_gemv, where the modules' nn.Linear runs
-// oneDNN's GEMM (the same sums in another order: float32 rounding differences).
+// optional bias; dense ones run f32_gemv up to the row count the loader measured it faster
+// than oneDNN's GEMM (models/kernels.py: calibrate_dense_gemv_rows; the module path uses the
+// same bound and the stack runs no bigger dense steps).
 #include <vector>
 
 #include "ops.h"
 
 namespace {
 
-// Dense float32 linears of up to this many rows run the native GEMV (DRAM-bound at one
-// row, where oneDNN's GEMM is not); more rows run at::linear. models/layers.py uses the
-// same bound for the LM head (DENSE_GEMV_ROWS).
-constexpr int64_t kDenseGemvRows = 4;
 // Steps of up to this many rows run silu_mul (models/layers.py's SILU_MUL_ROWS: the
 // modules use the same bound, so both paths compute the same activations).
 constexpr int64_t kSiluMulRows = 16;
@@ -30,21 +27,23 @@ constexpr int64_t kSiluMulRows = 16;
 struct Linear {
   int kind = 0;
   int64_t n = 0;
+  int64_t gemv_rows = 0;      // dense: f32_gemv up to this many rows, at::linear above
   torch::Tensor a, b, bias;   // bias undefined when absent
 
   torch::Tensor operator()(const torch::Tensor& x) const {
     torch::Tensor y;
     if (kind == 4) y = q4_gemv(x, a, n);
     else if (kind == 8) y = q8_gemv(x, a, b);
-    else if (x.size(0) <= kDenseGemvRows) y = f32_gemv(x, a);
+    else if (x.size(0) <= gemv_rows) y = f32_gemv(x, a);
     else return bias.defined() ? at::linear(x, a, bias) : at::linear(x, a);
     return bias.defined() ? y + bias : y;
   }
 };
 
-Linear make_linear(const std::vector<torch::Tensor>& t, size_t i) {
+Linear make_linear(const std::vector<torch::Tensor>& t, size_t i, int64_t gemv_rows) {
   // four slots per linear: a, b, c, bias; empty (numel 0) slots are absent
   Linear l;
+  l.gemv_rows = gemv_rows;
   l.a = t.at(i);
   if (l.a.scalar_type() == torch::kUInt8) {
     TORCH_CHECK(l.a.dim() == 3, "q4 weight: packed [ceil(N/4), ceil(K/128), 320]");
@@ -69,19 +68,20 @@ struct Layer {
 
 class DecodeStack {
  public:
-  // layers[i] = [input_norm, post_attention_norm, qkv(4 slots), o(4), gate_up(4), down(4)]
+  // layers[i] = [input_norm, post_attention_norm, qkv(4 slots), o(4), gate_up(4), down(4)];
+  // dense_gemv_rows: dense linears run f32_gemv up to this many rows.
   DecodeStack(const std::vector<std::vector<torch::Tensor>>& layers, int64_t H, int64_t KVH,
-              double eps, double scale)
+              double eps, double scale, int64_t dense_gemv_rows)
       : H_(H), KVH_(KVH), eps_(eps), scale_(scale) {
     for (const auto& t : layers) {
       TORCH_CHECK(t.size() == 18, "a layer is 2 norms + 4 linears of 4 slots");
       Layer l;
       l.in_norm = t[0];
       l.post_norm = t[1];
-      l.qkv = make_linear(t, 2);
-      l.o = make_linear(t, 6);
-      l.gate_up = make_linear(t, 10);
-      l.down = make_linear(t, 14);
+      l.qkv = make_linear(t, 2, dense_gemv_rows);
+      l.o = make_linear(t, 6, dense_gemv_rows);
+      l.gate_up = make_linear(t, 10, dense_gemv_rows);
+      l.down = make_linear(t, 14, dense_gemv_rows);
       layers_.push_back(std::move(l));
     }
   }
@@ -127,7 +127,7 @@ class DecodeStack {
 void bind_decode_stack(pybind11::module& m) {
   pybind11::class_<DecodeStack>(m, "DecodeStack")
       .def(pybind11::init<const std::vector<std::vector<torch::Tensor>>&, int64_t, int64_t,
-                          double, double>())
+                          double, double, int64_t>())
       .def("forward", &DecodeStack::forward,
            pybind11::call_guard<pybind11::gil_scoped_release>());   // see bindings.cpp
 }

@@ -20,7 +20,8 @@ from duetserve.loader.huge_pages import place_weights
 from duetserve.loader.tokenizer import Tokenizer
 from duetserve.loader.quantize import QUANTIZATIONS, QuantPlan
 from duetserve.loader.weights import load_weights
-from duetserve.models.kernels import TORCH_DTYPES, choose_dense_dtype, finish_policy
+from duetserve.models.kernels import (TORCH_DTYPES, choose_dense_dtype, finish_dense,
+                                      finish_policy)
 from duetserve.models.quant import KernelPolicy, QuantEmbedding, QuantLinear
 from duetserve.models.registry import model_class
 
@@ -62,10 +63,12 @@ class LoadedModel:
     quant_summary: dict = field(default_factory=dict)
     resident_bytes: int = 0     # every weight tensor kept, dense copies included
     weight_pages: str = ""      # where the weights live (loader/huge_pages.py)
+    dense_kernels: str = ""     # float32 linears' kernel bound (kernels.finish_dense)
 
     def describe(self) -> str:
         """One line: weight forms and the kernel choice with its reason (for logs)."""
         pages = f"; {self.weight_pages}" if self.weight_pages else ""
+        pages = (f"; {self.dense_kernels}" if self.dense_kernels else "") + pages
         if self.kernel_policy is None:
             return f"weights dense {str(self.dtype).replace('torch.', '')}{pages}"
         forms = ", ".join(f"{v} {k}" for k, v in self.quant_summary.items()
@@ -141,7 +144,8 @@ def load_model(path: str | None, dtype: str = "float32", device: str = "cpu",
         policy = plan.policy
         finish_policy(model, policy)
     pages = place_weights(model) if device == "cpu" else ""
+    dense_kernels = finish_dense(model) if device == "cpu" else ""   # timed in place
     release_free_memory()       # the loader's transient buffers, back to the OS
     return LoadedModel(model, cfg, tokenizer, path, time.perf_counter() - t0, dense + packed,
                        torch_dtype, quantization, policy, dict(plan.summary) if plan else {},
-                       dense + packed + copies, pages)
+                       dense + packed + copies, pages, dense_kernels)

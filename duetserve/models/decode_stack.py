@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from duetserve.models.attention import AttentionMetadata, TorchAttention
-from duetserve.models.layers import DENSE_GEMV_ROWS, DenseLinear
+from duetserve.models.layers import DenseLinear
 from duetserve.models.native import ops
 from duetserve.models.quant import Int4Weight, Int8Weight, QuantLinear
 
@@ -54,7 +54,7 @@ class NativeDecodeStack:
         self.max_rows = max_rows
         self.calls = 0                # steps run through the stack
         self.stack = native.DecodeStack(layers, backend.num_heads, backend.num_kv_heads,
-                                        eps, backend.scale)
+                                        eps, backend.scale, max_rows or 0)
 
     @classmethod
     def build(cls, model: nn.Module) -> "NativeDecodeStack | None":
@@ -83,7 +83,7 @@ class NativeDecodeStack:
         if not layers:
             return None
         return cls(native, layers, policies, model.layers[0].self_attn.backend,
-                   model.layers[0].input_layernorm.eps, DENSE_GEMV_ROWS if dense else None)
+                   model.layers[0].input_layernorm.eps, model.dense_gemv_rows if dense else None)
 
     def applies(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
         return (meta.decode_block_tables is not None and not meta.prefills

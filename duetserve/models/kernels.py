@@ -7,6 +7,9 @@
 - `calibrate_lowbit_rows(layer)`: for one of the model's own linears, the largest row
   count at which the low-bit kernel beats the dense path; decode steps up to that many
   rows use low-bit weights, bigger steps the dense GEMM.
+- `calibrate_dense_gemv_rows(model)`: for a model's float32 linears, the largest row count
+  at which the native GEMV beats oneDNN's GEMM over its own layers' weights (read from
+  DRAM, as in a step); `finish_dense` sets that bound on the model.
 
 Results are cached in $DUET_CACHE_DIR (~/.cache/duetserve)/cpu_kernels.json (key: CPU
 model, torch version, threads, shape), so start-up measures each thing once per machine.
@@ -27,6 +30,10 @@ log = logging.getLogger("duetserve")
 
 BF16_MIN_SPEEDUP = 1.3
 _ROWS = (1, 2, 4, 8, 16, 32, 64)
+_DENSE_ROWS = (1, 2, 4, 6, 8, 12, 16, 24, 32)
+# The dense calibration times whole layers' linears until they hold this many bytes: more
+# than any L3 here, so the weights come from DRAM as in a step (SmolLM2: all 30 layers).
+_DENSE_PROBE_BYTES = 256 * 2**20
 
 
 def _key(*parts) -> str:
@@ -145,3 +152,68 @@ def finish_policy(model: torch.nn.Module, policy: KernelPolicy) -> None:
                       f"(measured on {big.out_features}x{big.in_features} "
                       f"int{big.qweight.bits}, dense path "
                       f"{'resident' if big.dense is not None else 'dequantized per call'})")
+
+
+def _dense_linears(model: torch.nn.Module) -> list:
+    from duetserve.models.layers import DenseLinear
+    return [m for m in model.modules()
+            if type(m) is DenseLinear and m.weight.dtype == torch.float32]
+
+
+def calibrate_dense_gemv_rows(model: torch.nn.Module) -> int:
+    """Largest row count of _DENSE_ROWS up to which the native float32 GEMV runs the
+    model's layer linears at least as fast as oneDNN's GEMM (the search stops at the first
+    count where oneDNN wins); 0 if oneDNN wins at 1 row. Timed over the first layers'
+    linears holding _DENSE_PROBE_BYTES, the two kernels alternately, best of 3 each.
+
+    Measured on the AMD EPYC (Zen 4), 2 threads, SmolLM2-135M's float32 layers: the GEMV
+    wins up to 12 rows on the gate/up projection and 4 on the down projection; where it
+    wins it reads the weights once for up to 4 rows at a time."""
+    from duetserve.models.layers import dense_linear
+    linears = [m for m in _dense_linears(model) if m is not getattr(model, "lm_head", None)]
+    probe, nbytes = [], 0
+    for m in linears:
+        if nbytes >= _DENSE_PROBE_BYTES:
+            break
+        probe.append(m)
+        nbytes += m.weight.numel() * 4
+
+    def timed(xs: dict, rows: int, gemv_rows: int) -> float:
+        t = time.perf_counter()
+        for m in probe:
+            dense_linear(xs[m.in_features], m.weight.detach(), None, gemv_rows)
+        return time.perf_counter() - t
+
+    @torch.inference_mode()
+    def measure() -> int:
+        best = 0
+        for rows in _DENSE_ROWS:
+            xs = {k: torch.randn(rows, k) for k in {m.in_features for m in probe}}
+            timed(xs, rows, rows), timed(xs, rows, 0)      # warm-up (oneDNN primitives)
+            gemv = gemm = float("inf")
+            for _ in range(3):
+                gemv = min(gemv, timed(xs, rows, rows))
+                gemm = min(gemm, timed(xs, rows, 0))
+            if gemv > gemm:
+                break
+            best = rows
+        return best
+    if not probe or ops() is None:
+        return 0
+    shapes = sorted({tuple(m.weight.shape) for m in probe})
+    return int(_cached(_key("dense_gemv_rows", shapes, len(probe), "native-v1"), measure))
+
+
+def finish_dense(model: torch.nn.Module) -> str:
+    """Set the float32 GEMV's row bound (calibrate_dense_gemv_rows) on every float32
+    DenseLinear and on the model (its tied LM head and decode stack). Mutates `model`.
+    Returns the reason for the log line ("" without float32 linears or native kernels)."""
+    linears = _dense_linears(model)
+    if not linears or ops() is None:
+        return ""
+    rows = calibrate_dense_gemv_rows(model)
+    for m in linears:
+        m.gemv_rows = rows
+    if hasattr(model, "dense_gemv_rows"):
+        model.dense_gemv_rows = rows
+    return f"float32 linears: native GEMV up to {rows} rows, oneDNN GEMM above (measured)"

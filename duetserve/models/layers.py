@@ -12,7 +12,8 @@ from duetserve.models.native import ops
 _NATIVE = ops()     # compiled fused row ops, or None (plain torch below)
 
 
-DENSE_GEMV_ROWS = 4   # float32 linears of up to this many rows: the native GEMV
+DENSE_GEMV_ROWS = 4   # float32 linears of up to this many rows: the native GEMV, until the
+#                       loader measures this machine's bound (kernels.calibrate_dense_gemv_rows)
 SILU_MUL_ROWS = 16    # MLP activations of up to this many rows: the native silu_mul
 #                       (csrc/decode_stack.cpp uses the same bounds)
 
@@ -25,13 +26,13 @@ _ONEDNN_LINEAR = (getattr(torch.ops.mkldnn, "_linear_pointwise", None)
                   if torch.backends.mkldnn.is_available() else None)
 
 
-def dense_linear(x: torch.Tensor, w: torch.Tensor,
-                 bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ w.T (+ bias) for a float32 weight: the native DRAM-bound GEMV at few rows
-    (GEMM libraries read a large matrix at ~1/3 of the bandwidth there), oneDNN's GEMM
-    above that, F.linear for anything else."""
+def dense_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+                 gemv_rows: int = DENSE_GEMV_ROWS) -> torch.Tensor:
+    """x @ w.T (+ bias) for a float32 weight: the native GEMV up to `gemv_rows` rows
+    (DRAM-bound at one row, where GEMM libraries read a large matrix at ~1/3 of the
+    bandwidth), oneDNN's GEMM above that, F.linear for anything else."""
     if x.dtype == torch.float32 and w.dtype == torch.float32 and x.dim() == 2:
-        if _NATIVE is not None and x.shape[0] <= DENSE_GEMV_ROWS and w.is_contiguous():
+        if _NATIVE is not None and x.shape[0] <= gemv_rows and w.is_contiguous():
             y = _NATIVE.f32_gemv(x, w)
             return y if bias is None else y + bias
         if _ONEDNN_LINEAR is not None and w.is_contiguous() and (
@@ -42,10 +43,13 @@ def dense_linear(x: torch.Tensor, w: torch.Tensor,
 
 class DenseLinear(nn.Linear):
     """nn.Linear whose forward picks its float32 kernel by rows (`dense_linear`); the
-    loader replaces it with a QuantLinear where the weights stay low-bit."""
+    loader replaces it with a QuantLinear where the weights stay low-bit, and sets
+    `gemv_rows` from this machine's measurement (kernels.finish_dense)."""
+
+    gemv_rows = DENSE_GEMV_ROWS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return dense_linear(x, self.weight, self.bias)
+        return dense_linear(x, self.weight, self.bias, self.gemv_rows)
 
 
 class RMSNorm(nn.Module):

@@ -12,8 +12,8 @@ from torch import nn
 from duetserve.config import ModelConfig
 from duetserve.models.attention import AttentionBackend, AttentionMetadata, TorchAttention
 from duetserve.models.decode_stack import NativeDecodeStack
-from duetserve.models.layers import (DenseLinear, GatedMLP, RMSNorm, RotaryEmbedding,
-                                     dense_linear)
+from duetserve.models.layers import (DENSE_GEMV_ROWS, DenseLinear, GatedMLP, RMSNorm,
+                                     RotaryEmbedding, dense_linear)
 
 
 _UNBUILT = object()
@@ -80,6 +80,8 @@ class LlamaForCausalLM(nn.Module):
         # first forward (weights are loaded by then)
         self._stack: NativeDecodeStack | None | object = _UNBUILT
         self._prefix_heads: dict[int, object] = {}   # compute_logits(num_ids=n)'s heads
+        # float32 linears run the native GEMV up to this many rows (kernels.finish_dense)
+        self.dense_gemv_rows = DENSE_GEMV_ROWS
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -105,7 +107,8 @@ class LlamaForCausalLM(nn.Module):
             return self._prefix_logits(hidden, head, num_ids)
         if head is not None:             # a DenseLinear or a QuantLinear (tied ones too)
             return head(hidden).float()
-        return dense_linear(hidden, self.embed_tokens.weight.detach()).float()
+        return dense_linear(hidden, self.embed_tokens.weight.detach(),
+                            gemv_rows=self.dense_gemv_rows).float()
 
     def _prefix_logits(self, hidden: torch.Tensor, head, n: int) -> torch.Tensor:
         sub = self._prefix_heads.get(n)
@@ -118,5 +121,5 @@ class LlamaForCausalLM(nn.Module):
                 sub = head.prefix(n)
             self._prefix_heads[n] = sub
         if isinstance(sub, torch.Tensor):
-            return dense_linear(hidden, sub).float()
+            return dense_linear(hidden, sub, gemv_rows=self.dense_gemv_rows).float()
         return sub(hidden)[:, :n].float()

@@ -7,6 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from duetserve.models.layers import DenseLinear
+from duetserve.models.llama import _UNBUILT
 from duetserve.models.native import ops
 
 native = ops()
@@ -221,8 +223,10 @@ def test_native_decode_stack_equals_module_path(tiny_checkpoints, variant, quant
         for m in model.modules():     # tiny shapes calibrate to the dense path: force low-bit
             if hasattr(m, "policy"):
                 m.policy.lowbit_max_rows = 8
-        if not use_stack:
-            model._stack = None
+            if type(m) is DenseLinear:  # and the float32 GEMV's bound (timed at load)
+                m.gemv_rows = 4
+        model.dense_gemv_rows = 4
+        model._stack = _UNBUILT if use_stack else None
         for t in (t for kv in eng.runner.kv_caches for t in kv):
             t.zero_()     # start-up measurements may have written slots (or read a cache)
         sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=2)
@@ -375,3 +379,40 @@ def test_bfloat16_prefill_runs_the_native_kernel_in_float32():
                                          v.float().transpose(0, 1)[None], is_causal=True,
                                          enable_gqa=True)[0].transpose(0, 1)
     torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=1e-2)   # bf16 output
+
+
+def test_finish_dense_sets_the_measured_gemv_bound(tiny_checkpoints, monkeypatch):
+    """finish_dense puts the calibrated row bound on every float32 linear and on the model
+    (tied LM head, decode stack); dense_linear runs the GEMV up to it and oneDNN above,
+    the same product either way (float32 rounding apart)."""
+    from duetserve.loader import load_model
+    from duetserve.models import kernels
+    from duetserve.models.layers import dense_linear
+    monkeypatch.setattr(kernels, "calibrate_dense_gemv_rows", lambda model: 6)
+    loaded = load_model(tiny_checkpoints["llama-gqa-tied"])
+    model = loaded.model
+    linears = [m for m in model.modules() if type(m) is DenseLinear]
+    assert linears and {m.gemv_rows for m in linears} == {6} and model.dense_gemv_rows == 6
+    assert "native GEMV up to 6 rows" in loaded.describe()
+    w = linears[0].weight.detach()
+    x = torch.randn(8, w.shape[1])
+    torch.testing.assert_close(dense_linear(x, w, None, 8), dense_linear(x, w, None, 0),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_dense_gemv_calibration_stops_at_the_first_loss(tiny_checkpoints, monkeypatch):
+    """The search keeps the largest row count before oneDNN first wins (here: a fake clock
+    where the GEMV loses from 8 rows on, then would win again at 16)."""
+    from duetserve.loader import load_model
+    from duetserve.models import kernels, layers
+    monkeypatch.setattr(kernels, "_cached", lambda key, measure: measure())
+    model = load_model(tiny_checkpoints["llama-gqa-tied"]).model
+    clock = [0.0]
+    monkeypatch.setattr(kernels.time, "perf_counter", lambda: clock[0])
+
+    def fake_dense_linear(x, w, bias=None, gemv_rows=4):
+        rows = x.shape[0]
+        gemv_wins = rows < 8 or rows >= 16
+        clock[0] += 1.0 if (rows <= gemv_rows) == gemv_wins else 2.0
+    monkeypatch.setattr(layers, "dense_linear", fake_dense_linear)
+    assert kernels.calibrate_dense_gemv_rows(model) == 6
