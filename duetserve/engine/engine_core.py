@@ -186,7 +186,7 @@ class EngineCore:
             f"{config.dtype}/{config.quantization}/{config.kv_cache_dtype}", num_threads,
             self.model_config.vocab_size, config.block_size,
             min(self.max_model_len - 1, self.num_blocks * config.block_size),
-            0 if self.loaded.kernel_policy is None else self.loaded.kernel_policy.lowbit_max_rows)
+            self.loaded.few_row_rows)
         if cost is None:
             log.info("KV cache or max_model_len too small for the step-cost probes: fixed "
                      "step budget of %d tokens", FALLBACK_TOKEN_BUDGET)

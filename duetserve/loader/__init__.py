@@ -65,6 +65,14 @@ class LoadedModel:
     weight_pages: str = ""      # where the weights live (loader/huge_pages.py)
     dense_kernels: str = ""     # float32 linears' kernel bound (kernels.finish_dense)
 
+    @property
+    def few_row_rows(self) -> int:
+        """Steps of up to this many rows run the few-row kernels (the low-bit GEMVs, or
+        the float32 GEMV of a dense model); 0: none measured."""
+        if self.kernel_policy is not None:
+            return self.kernel_policy.lowbit_max_rows
+        return getattr(self.model, "dense_gemv_rows", 0) if self.dense_kernels else 0
+
     def describe(self) -> str:
         """One line: weight forms and the kernel choice with its reason (for logs)."""
         pages = f"; {self.weight_pages}" if self.weight_pages else ""

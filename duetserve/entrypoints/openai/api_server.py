@@ -85,7 +85,8 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
         ", ".join(f"{v} {k}" for k, v in loaded.quant_summary.items() if k.startswith("int"))
         or f"dense {str(loaded.dtype).replace('torch.', '')}",
         str(policy.dense_dtype if policy else loaded.dtype).replace("torch.", ""),
-        policy.lowbit_max_rows if policy else -1, policy.reason if policy else "")
+        policy.lowbit_max_rows if policy else -1,
+        policy.reason if policy else loaded.dense_kernels)
     core.add_step_observer(metrics.observe_step)
     engine.idle_stats_observers.append(metrics.observe_step)
     engine.finish_observers.append(metrics.observe_finished)
