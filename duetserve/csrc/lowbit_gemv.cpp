@@ -87,6 +87,7 @@ struct QuantizedX {
   std::vector<int8_t> q;
   std::vector<float> d, s;
   std::vector<float> d16;  // q4: per row and chunk, dx of its 4 groups, each 4 times
+  std::vector<float> s16;  // q4: the same for xs (dx * sum of the group's xq)
   int64_t gp;  // padded groups per row
 };
 
@@ -102,9 +103,13 @@ QuantizedX quantize_x(const float* x, int64_t M, int64_t K, bool q4_order, int64
                  out.d.data() + m * out.gp, out.s.data() + m * out.gp);
   if (q4_order) {   // one 16-float vector per chunk: lanes 4i..4i+3 = dx of group i
     out.d16.resize(M * out.gp * 4);
+    out.s16.resize(M * out.gp * 4);
     for (int64_t m = 0; m < M; ++m)
       for (int64_t g = 0; g < out.gp; ++g)
-        for (int r = 0; r < 4; ++r) out.d16[(m * out.gp + g) * 4 + r] = out.d[m * out.gp + g];
+        for (int r = 0; r < 4; ++r) {
+          out.d16[(m * out.gp + g) * 4 + r] = out.d[m * out.gp + g];
+          out.s16[(m * out.gp + g) * 4 + r] = out.s[m * out.gp + g];
+        }
   }
   return out;
 }
@@ -122,49 +127,61 @@ inline void dispatch(int64_t mm, F&& f) {
 }
 
 // Weight rows 4 nb .. 4 nb + 3 (one packed block) against activation rows m0 .. m0 + MM - 1.
+// Per chunk and activation row: the 4 weight rows' dots (vpdpbusd leaves each group's sum
+// in 4 int32 lanes) are summed across those lanes in integers and transposed into one
+// vector, lanes 4g + r = row r, group g; the float work (convert, x scale, w scale, and the
+// m term) then runs once for 4 weight rows instead of once per row. From 2 activation rows
+// on these kernels are bound by the vector pipes that do the dots and the float math, and
+// this moves 3 of every 8 such operations onto shuffles and integer adds.
 template <int MM>
 void q4_block(const uint8_t* pk, const QuantizedX& X, float* y, int64_t nch, int64_t N,
               int64_t nb, int64_t m0) {
   const int64_t gp = X.gp;
   const uint8_t* base = pk + nb * nch * Q4_BLOCK;
   const __m512i low4 = _mm512_set1_epi8(0x0F);
-  __m512 acc[4][MM], accm[MM];
-  for (int r = 0; r < 4; ++r) for (int i = 0; i < MM; ++i) acc[r][i] = _mm512_setzero_ps();
-  for (int i = 0; i < MM; ++i) accm[i] = _mm512_setzero_ps();
+  // lane 4g + r <- lane 4r + g (the packed d and m are row-major)
+  const __m512i tr = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  __m512 acc[MM];
+  for (int i = 0; i < MM; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t c = 0; c < nch; ++c) {
     const uint8_t* blk = base + c * Q4_BLOCK;
     for (int l = 0; l < Q4_BLOCK / 64; ++l)   // two chunks ahead (runs into the next block)
       _mm_prefetch(reinterpret_cast<const char*>(blk + 2 * Q4_BLOCK + l * 64), _MM_HINT_T0);
-    // lanes 4r + i: row r, group i
-    const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 256)));
-    const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 288)));
-    for (int i = 0; i < MM; ++i)   // + m * (dx * sum xq): lanes 4r + g, summed at the end
-      accm[i] = _mm512_fmadd_ps(mv, _mm512_broadcast_f32x4(
-          _mm_loadu_ps(X.s.data() + (m0 + i) * gp + c * CH)), accm[i]);
+    const __m512 dv = _mm512_permutexvar_ps(tr, _mm512_cvtph_ps(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 256))));
+    const __m512 mv = _mm512_permutexvar_ps(tr, _mm512_cvtph_ps(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 288))));
+    __m512i lo[4], hi[4];
     for (int r = 0; r < 4; ++r) {
       const __m512i w = _mm512_loadu_si512(blk + r * 64);
-      const __m512i lo = _mm512_and_si512(w, low4);
-      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low4);
-      const __m512 wd = _mm512_permutexvar_ps(_mm512_add_epi32(
-          _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
-          _mm512_set1_epi32(4 * r)), dv);
-      for (int i = 0; i < MM; ++i) {
-        const int8_t* xq = X.q.data() + (m0 + i) * gp * G + c * CH * G;
-        __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xq));
-        dot = _mm512_dpbusd_epi32(dot, hi, _mm512_loadu_si512(xq + 64));
-        const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(dot),
-            _mm512_loadu_ps(X.d16.data() + ((m0 + i) * gp + c * CH) * 4));
-        acc[r][i] = _mm512_fmadd_ps(t, wd, acc[r][i]);
-      }
+      lo[r] = _mm512_and_si512(w, low4);
+      hi[r] = _mm512_and_si512(_mm512_srli_epi16(w, 4), low4);
+    }
+    for (int i = 0; i < MM; ++i) {
+      const int8_t* xq = X.q.data() + (m0 + i) * gp * G + c * CH * G;
+      const __m512i xlo = _mm512_loadu_si512(xq), xhi = _mm512_loadu_si512(xq + 64);
+      __m512i d[4];
+      for (int r = 0; r < 4; ++r)
+        d[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[r], xlo),
+                                   hi[r], xhi);
+      // per 128-bit lane (one group): [d0 d1 d2 d3] summed over their 4 lanes each
+      const __m512i u0 = _mm512_add_epi32(_mm512_unpacklo_epi32(d[0], d[1]),
+                                          _mm512_unpackhi_epi32(d[0], d[1]));
+      const __m512i u1 = _mm512_add_epi32(_mm512_unpacklo_epi32(d[2], d[3]),
+                                          _mm512_unpackhi_epi32(d[2], d[3]));
+      const __m512i e = _mm512_add_epi32(_mm512_unpacklo_epi64(u0, u1),
+                                         _mm512_unpackhi_epi64(u0, u1));
+      const int64_t off = ((m0 + i) * gp + c * CH) * 4;
+      acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(e),
+                                             _mm512_loadu_ps(X.d16.data() + off)), dv, acc[i]);
+      acc[i] = _mm512_fmadd_ps(mv, _mm512_loadu_ps(X.s16.data() + off), acc[i]);
     }
   }
   for (int i = 0; i < MM; ++i) {
-    alignas(64) float mt[16];
-    alignas(16) float o[4];
-    _mm512_store_ps(mt, accm[i]);
-    _mm_store_ps(o, sum4(acc[0][i], acc[1][i], acc[2][i], acc[3][i]));
+    alignas(64) float a[16];
+    _mm512_store_ps(a, acc[i]);
     for (int r = 0; r < 4 && nb * 4 + r < N; ++r)
-      y[(m0 + i) * N + nb * 4 + r] = o[r] + ((mt[4 * r] + mt[4 * r + 1]) + (mt[4 * r + 2] + mt[4 * r + 3]));
+      y[(m0 + i) * N + nb * 4 + r] = (a[r] + a[4 + r]) + (a[8 + r] + a[12 + r]);
   }
 }
 

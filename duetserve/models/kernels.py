@@ -132,7 +132,7 @@ def calibrate_lowbit_rows(layer: QuantLinear) -> int:
         finally:
             policy.lowbit_max_rows = saved
         return best
-    gemv = "native-v4" if ops() is not None else "torch"   # bump when kernels change
+    gemv = "native-v5" if ops() is not None else "torch"   # bump when kernels change
     return int(_cached(_key("lowbit_rows", layer.out_features, layer.in_features,
                             f"int{layer.qweight.bits}", kind, policy.dense_dtype, gemv),
                        measure))
