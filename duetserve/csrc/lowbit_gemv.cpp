@@ -131,8 +131,8 @@ inline void dispatch(int64_t mm, F&& f) {
 // in 4 int32 lanes) are summed across those lanes in integers and transposed into one
 // vector, lanes 4g + r = row r, group g; the float work (convert, x scale, w scale, and the
 // m term) then runs once for 4 weight rows instead of once per row. From 2 activation rows
-// on these kernels are bound by the vector pipes that do the dots and the float math, and
-// this moves 3 of every 8 such operations onto shuffles and integer adds.
+// on these kernels are bound by the vector pipes that do the dots and the float math; the
+// lane sums run as shuffles and integer adds instead (docs/performance.md has the timings).
 template <int MM>
 void q4_block(const uint8_t* pk, const QuantizedX& X, float* y, int64_t nch, int64_t N,
               int64_t nb, int64_t m0) {
