@@ -71,6 +71,32 @@ def _best_of(fn, reps: int = 5) -> float:
     return best
 
 
+def _crossover(rows: tuple[int, ...], make_input, run, reps: int) -> int:
+    """Largest count of `rows` up to which run(x, bound=count) (the few-row kernel) is at
+    least as fast as run(x, bound=0) (the GEMM) at every count measured; the first count
+    where the GEMM wins ends the search; 0 if it wins at the first. x = make_input(count).
+    The two are timed alternately (best of `reps` each, one untimed call of each first:
+    oneDNN builds its primitive then), so a load that comes and goes during the
+    measurement slows both alike."""
+    def elapsed(x, bound: int) -> float:
+        t = time.perf_counter()
+        run(x, bound)
+        return time.perf_counter() - t
+
+    best = 0
+    for count in rows:
+        x = make_input(count)
+        run(x, count), run(x, 0)
+        t_few = t_many = float("inf")
+        for _ in range(reps):
+            t_few = min(t_few, elapsed(x, count))
+            t_many = min(t_many, elapsed(x, 0))
+        if t_few > t_many:
+            break
+        best = count
+    return best
+
+
 def bf16_gemm_speedup() -> float:
     def measure() -> float:
         a = torch.randn(256, 1024)
@@ -101,37 +127,22 @@ def calibrate_lowbit_rows(layer: QuantLinear) -> int:
     """Largest row count of _ROWS up to which `layer`'s low-bit kernel is at least as fast
     as its dense path at every count measured (the first count where dense wins ends the
     search); 0 if dense wins at 1 row. Uses the layer as it is (dense copy or not).
-
-    The two paths are timed alternately (best of 5 each, one untimed call first), so a
-    load that comes and goes during the measurement slows both alike. A start-up measured
-    while the machine was busy once returned 64 on a model whose crossover is 4-16 (the
-    old search only stopped at a loss from 8 rows on, so one noisy win carried it on)."""
+    Timed by `_crossover`, best of 5. A start-up measured while the machine was busy once
+    returned 64 on a model whose crossover is 4-16 (the old search only stopped at a loss
+    from 8 rows on, so one noisy win carried it on)."""
     policy = layer.policy
     kind = "dense" if layer.dense is not None else "dequant"
 
-    def timed(x: torch.Tensor, rows: int) -> float:
-        policy.lowbit_max_rows = rows
-        t = time.perf_counter()
+    def run(x: torch.Tensor, lowbit_rows: int) -> None:
+        policy.lowbit_max_rows = lowbit_rows
         layer(x)
-        return time.perf_counter() - t
 
     def measure() -> int:
-        best = 0
         saved = policy.lowbit_max_rows
         try:
-            for m in _ROWS:
-                x = torch.randn(m, layer.in_features)
-                timed(x, m), timed(x, 0)            # warm-up (oneDNN builds its primitive)
-                low = dense = float("inf")
-                for _ in range(5):
-                    low = min(low, timed(x, m))
-                    dense = min(dense, timed(x, 0))
-                if low > dense:
-                    break
-                best = m
+            return _crossover(_ROWS, lambda m: torch.randn(m, layer.in_features), run, reps=5)
         finally:
             policy.lowbit_max_rows = saved
-        return best
     gemv = "native-v5" if ops() is not None else "torch"   # bump when kernels change
     return int(_cached(_key("lowbit_rows", layer.out_features, layer.in_features,
                             f"int{layer.qweight.bits}", kind, policy.dense_dtype, gemv),
@@ -164,11 +175,11 @@ def calibrate_dense_gemv_rows(model: torch.nn.Module) -> int:
     """Largest row count of _DENSE_ROWS up to which the native float32 GEMV runs the
     model's layer linears at least as fast as oneDNN's GEMM (the search stops at the first
     count where oneDNN wins); 0 if oneDNN wins at 1 row. Timed over the first layers'
-    linears holding _DENSE_PROBE_BYTES, the two kernels alternately, best of 3 each.
+    linears holding _DENSE_PROBE_BYTES, by `_crossover`, best of 3.
 
-    Measured on the AMD EPYC (Zen 4), 2 threads, SmolLM2-135M's float32 layers: the GEMV
-    wins up to 12 rows on the gate/up projection and 4 on the down projection; where it
-    wins it reads the weights once for up to 4 rows at a time."""
+    Measured on the AMD EPYC (Zen 4), 2 threads, SmolLM2-135M's float32 weights: the GEMV
+    wins up to 16 rows on the gate/up projection and 4 on the down projection, and over
+    whole layers up to 12; it reads the weights once for up to 4 rows at a time."""
     from duetserve.models.layers import dense_linear
     linears = [m for m in _dense_linears(model) if m is not getattr(model, "lm_head", None)]
     probe, nbytes = [], 0
@@ -178,26 +189,16 @@ def calibrate_dense_gemv_rows(model: torch.nn.Module) -> int:
         probe.append(m)
         nbytes += m.weight.numel() * 4
 
-    def timed(xs: dict, rows: int, gemv_rows: int) -> float:
-        t = time.perf_counter()
+    def run(xs: dict, gemv_rows: int) -> None:
         for m in probe:
             dense_linear(xs[m.in_features], m.weight.detach(), None, gemv_rows)
-        return time.perf_counter() - t
+
+    def inputs(rows: int) -> dict:
+        return {k: torch.randn(rows, k) for k in {m.in_features for m in probe}}
 
     @torch.inference_mode()
     def measure() -> int:
-        best = 0
-        for rows in _DENSE_ROWS:
-            xs = {k: torch.randn(rows, k) for k in {m.in_features for m in probe}}
-            timed(xs, rows, rows), timed(xs, rows, 0)      # warm-up (oneDNN primitives)
-            gemv = gemm = float("inf")
-            for _ in range(3):
-                gemv = min(gemv, timed(xs, rows, rows))
-                gemm = min(gemm, timed(xs, rows, 0))
-            if gemv > gemm:
-                break
-            best = rows
-        return best
+        return _crossover(_DENSE_ROWS, inputs, run, reps=3)
     if not probe or ops() is None:
         return 0
     shapes = sorted({tuple(m.weight.shape) for m in probe})
