@@ -120,7 +120,8 @@ def main() -> int:
             cold += step_cold(d, tag, steps)
         flash_above = doc["cost"].get("flash_above", 0) if args.flash_above is None \
             else args.flash_above
-        cost, report = fit_cost(samples, doc["cost"].get("arrival_s", 0.0), cold, flash_above)
+        cost, report = fit_cost(samples, doc["cost"].get("arrival_s", 0.0), cold, flash_above,
+                                doc["cost"].get("chunk_rows", 0))
         print(f"refit over {len(samples)} steps: {cost.describe()}")
         print(f"  {json.dumps(report)}")
         profile = calibrated_profile(doc["name"], cost, doc["scheduler"],

@@ -103,7 +103,7 @@ def main() -> int:
     log(f"grid: {len(cal.samples)} steps in {cal.seconds:.1f} s")
     flash_above = flash_above_entries(served.model_config.num_attention_heads)
     grid_cost, _ = fit_cost(cal.samples, statistics.median(cal.arrival_s), cal.cold,
-                            flash_above)
+                            flash_above, served.runner.chunk_rows)
     grid = calibrated_profile("grid", grid_cost, scheduler, {})
     traces = {}
     for tr in scenario_traces(args.quick):

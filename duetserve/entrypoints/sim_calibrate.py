@@ -130,7 +130,9 @@ def calibrate(model: str | None, num_threads: int, quick: bool = False,
                        max_foreign=MAX_FOREIGN if max_foreign is None else max_foreign)
     arrival_s = statistics.median(cal.arrival_s)
     flash_above = flash_above_entries(engine.model_config.num_attention_heads)
-    grid_cost, grid_report = fit_cost(cal.samples, arrival_s, cal.cold, flash_above)
+    chunk_rows = engine.runner.chunk_rows
+    grid_cost, grid_report = fit_cost(cal.samples, arrival_s, cal.cold, flash_above,
+                                      chunk_rows)
     id_range = id_range_for_vocab(engine.model_config.vocab_size)
     fresh = lambda: EngineCore(config, served.loaded)     # noqa: E731  serving settings
     # the speed the fit is measured at, for rescaling the profile later (sim/speed.py):
@@ -142,7 +144,7 @@ def calibrate(model: str | None, num_threads: int, quick: bool = False,
     for _, steps in serving:
         samples += steps.samples
         cold += steps.cold
-    cost, report = fit_cost(samples, arrival_s, cold, flash_above)
+    cost, report = fit_cost(samples, arrival_s, cold, flash_above, chunk_rows)
     speed = probe_ratio(cost, probe.samples, probe.cold)
     if say is not None:
         say(f"speed probe: {speed['steps']} steps in {probe.seconds:.1f} s, measured / "
@@ -157,7 +159,7 @@ def calibrate(model: str | None, num_threads: int, quick: bool = False,
             "rusage": cal.rusage,
             "kv_bytes_per_token": kv_bytes_per_token(engine.model_config, engine.kv_dtype),
             "serving": serving_summary(serving), "grid_steps": len(cal.samples),
-            "flash_above": flash_above, "speed_probe": speed,
+            "flash_above": flash_above, "chunk_rows": chunk_rows, "speed_probe": speed,
             "fit": report, "grid_only_fit": grid_report, "pid": os.getpid()}
     profile = calibrated_profile(path.stem, cost, scheduler, meta,
                                  f"{Path(engine.loaded.path).name}, {num_threads} threads, "

@@ -55,6 +55,7 @@ class StepShape:
     chunk_pairs: int = 0         # sum of n*c + n(n+1)/2 over the longer ones (flash)
     cold: bool = False           # the first step after the engine went idle (see below)
     flash_above: int = 0         # the split of chunks after context (0: all score matrix)
+    chunk_rows: int = 0          # chunks of up to this many tokens run as decode rows
 
     def add(self, num_new: int, num_computed: int, sampled: bool) -> None:
         """Count one request's slice. Mutates self."""
@@ -64,6 +65,9 @@ class StepShape:
         if num_new == 1:
             self.num_decodes += 1
             self.decode_context += num_computed
+        elif num_new <= self.chunk_rows:     # the engine's layout (worker/batch.py): one
+            self.num_decodes += num_new      # decode row per token, context = position
+            self.decode_context += num_new * num_computed + num_new * (num_new - 1) // 2
         else:
             self.num_prefills += 1
             self.prefill_context += num_computed
@@ -79,11 +83,11 @@ class StepShape:
 
 
 def shape_of(items: Iterable[tuple[int, int, bool]], cold: bool = False,
-             flash_above: int = 0) -> StepShape:
+             flash_above: int = 0, chunk_rows: int = 0) -> StepShape:
     """StepShape of (num_new, num_computed_before, sampled) per scheduled request; `cold`:
     the engine had no requests after its previous step (or had just started);
-    `flash_above`: see StepShape (a cost model's own split: `shape_for(cost, ...)`)."""
-    shape = StepShape(cold=cold, flash_above=flash_above)
+    `flash_above`, `chunk_rows`: see StepShape (a cost model's own: `shape_for(cost, ...)`)."""
+    shape = StepShape(cold=cold, flash_above=flash_above, chunk_rows=chunk_rows)
     for n, c, sampled in items:
         if n > 0:
             shape.add(n, c, sampled)
@@ -92,8 +96,9 @@ def shape_of(items: Iterable[tuple[int, int, bool]], cold: bool = False,
 
 def shape_for(cost: "StepCostModel", items: Iterable[tuple[int, int, bool]],
               cold: bool = False) -> StepShape:
-    """shape_of with the split of chunks after context that `cost` was fitted with."""
-    return shape_of(items, cold, int(getattr(cost, "flash_above", 0)))
+    """shape_of with the engine's layout of chunks that `cost` was fitted with."""
+    return shape_of(items, cold, int(getattr(cost, "flash_above", 0)),
+                    int(getattr(cost, "chunk_rows", 0)))
 
 
 class StepCostModel(Protocol):
@@ -112,15 +117,16 @@ class CalibratedCost:
         many_rows       1 if T >  breakpoint  switching to the dense GEMM path
         rows_many       T if T >  breakpoint  dense GEMM FLOPs per row
         logits          sampled positions     LM head rows, sampling, detokenizing
-        decode_context  sum c over decodes    KV bytes read by decode attention
+        decode_context  sum c over decode     KV bytes read by decode attention (a chunk
+                        rows                  of <= chunk_rows tokens: one row a token)
         prefill_context sum c over prefills   cached context gathered for a prefill chunk
         fresh_pairs     sum n(n+1)/2, c == 0  flash attention of fresh prompts
         chunk_scores    sum n*(c+n), c > 0    masked score matrix of chunks after context
                         n*(c+n) <= flash_above
         chunk_pairs     sum n*c + n(n+1)/2    the longer chunks after context: two flash
                         c > 0, above it       calls merged by log-sum-exp
-        mixed_few       1 if T <= breakpoint  few rows with prefill work: the modules, not
-                        and a prefill slice   the native decode stack of decode-only steps
+        mixed_few       1 if T <= breakpoint  few rows with a longer prefill slice: the
+                        and a prefill slice   modules, not the native decode stack
         cold_rows       T if the step is cold the engine hands freed heap memory back to the
                                               OS when it goes idle (EngineCore._on_idle), so
                                               the next step faults its transients in again
@@ -132,12 +138,15 @@ class CalibratedCost:
     `breakpoint` is the row count where the engine switches kernels (fitted).
     `arrival_s` is the engine's cost of adding one request (validation, detokenizer set-up),
     paid by the step after an arrival. `flash_above`: the engine's split of chunks after
-    context (StepShape; from the model's head count, not fitted)."""
+    context (StepShape; from the model's head count, not fitted). `chunk_rows`: chunks of
+    up to this many tokens run as decode rows (StepShape; the engine's setting, 0 in
+    profiles calibrated before it did)."""
 
     coef: tuple[float, ...]
     breakpoint: int
     arrival_s: float = 0.0
     flash_above: int = 0
+    chunk_rows: int = 0
 
     def features(self, s: StepShape) -> tuple[float, ...]:
         many = s.num_tokens > self.breakpoint
@@ -156,17 +165,18 @@ class CalibratedCost:
         if not factor > 0:
             raise ValueError(f"scale factor must be > 0, got {factor}")
         return CalibratedCost(tuple(c * factor for c in self.coef), self.breakpoint,
-                              self.arrival_s * factor, self.flash_above)
+                              self.arrival_s * factor, self.flash_above, self.chunk_rows)
 
     def describe(self) -> str:
         terms = ", ".join(f"{name} {c * 1e3:.4g} ms" for name, c in zip(FEATURES, self.coef))
         return (f"calibrated (breakpoint {self.breakpoint} rows, chunks after context on "
-                f"flash above {self.flash_above} entries): {terms}")
+                f"flash above {self.flash_above} entries, chunks of up to {self.chunk_rows} "
+                f"tokens as decode rows): {terms}")
 
     def to_json(self) -> dict:
         return {"kind": "calibrated", "features": list(FEATURES), "coef_s": list(self.coef),
                 "breakpoint": self.breakpoint, "arrival_s": self.arrival_s,
-                "flash_above": self.flash_above}
+                "flash_above": self.flash_above, "chunk_rows": self.chunk_rows}
 
     @classmethod
     def from_json(cls, d: dict) -> "CalibratedCost":
@@ -174,7 +184,8 @@ class CalibratedCost:
             raise ValueError(f"profile features {d.get('features')} != {list(FEATURES)}: "
                              "re-run `duet simulate --calibrate`")
         return cls(tuple(float(c) for c in d["coef_s"]), int(d["breakpoint"]),
-                   float(d.get("arrival_s", 0.0)), int(d.get("flash_above", 0)))
+                   float(d.get("arrival_s", 0.0)), int(d.get("flash_above", 0)),
+                   int(d.get("chunk_rows", 0)))
 
 
 @dataclass(frozen=True)

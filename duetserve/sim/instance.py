@@ -42,6 +42,7 @@ class SimInstance:
         self.cost = cost
         self.arrival_s = float(getattr(cost, "arrival_s", 0.0))
         self.flash_above = int(getattr(cost, "flash_above", 0))    # see sim/cost.py
+        self.chunk_rows = int(getattr(cost, "chunk_rows", 0))
         self.id_range = id_range
         self.pending: list[Request] = []
         self.busy = False
@@ -92,7 +93,8 @@ class SimInstance:
             self._so = None
             return None
         requests = self.scheduler.requests
-        shape = StepShape(cold=self.cold, flash_above=self.flash_above)
+        shape = StepShape(cold=self.cold, flash_above=self.flash_above,
+                          chunk_rows=self.chunk_rows)
         self.cold = False
         sampled = []
         for req_id, n in so.num_scheduled_tokens.items():

@@ -11,6 +11,16 @@ import torch
 from duetserve.models.attention import AttentionMetadata, DecodeGroup, PrefillSeq
 
 DECODE_GROUP_SIZE = 32
+# With the in-place paged kernel, a prompt chunk of at most this many tokens is laid out
+# as one decode row per token (context = its position + 1), as a verify slice is: per
+# layer, SmolLM2's heads, 2 threads, the chunk's attention after 128 / 512 / 2,048 cached
+# tokens took 10-151 / 37-515 / 132-1,995 us for 2-32 tokens this way against 92-228 /
+# 265-805 / 1,268-4,122 us gathered and masked; fresh chunks 3-31 against 36-64 us; at 128
+# tokens the two are even. And a step whose rows are all decode rows runs the native
+# decode stack when it has few enough rows (models/decode_stack.py), with no per-layer
+# Python: one decode beside a short chunk costs about the decode-only step plus the
+# chunk's rows, where it cost ~4 ms more through the modules.
+CHUNK_AS_DECODE_ROWS = 64
 
 
 @dataclass(slots=True)
@@ -42,6 +52,13 @@ def _expand_verify(work: list[SeqWork]) -> list[SeqWork]:
     return out
 
 
+def _chunk_rows(w: SeqWork) -> list[SeqWork]:
+    """A prompt chunk as one decode row per token, the last one with the chunk's logits."""
+    last = len(w.token_ids) - 1
+    return [SeqWork(w.req_id, [t], w.start_pos + j, w.block_ids, w.needs_logits and j == last)
+            for j, t in enumerate(w.token_ids)]
+
+
 @dataclass(slots=True)
 class StepBatch:
     input_ids: torch.Tensor        # [T]
@@ -62,11 +79,17 @@ def build_step_batch(work: list[SeqWork], block_size: int, device: torch.device 
                      paged_decode: bool = False) -> StepBatch:
     """Decodes (one new token) first, then prefill chunks; see models/attention.py.
     `paged_decode`: the backend reads the cache in place, so decodes get one block table
-    and context lengths instead of padded groups and masks."""
+    and context lengths instead of padded groups and masks, and chunks of up to
+    CHUNK_AS_DECODE_ROWS tokens become decode rows (after the decodes, each chunk's rows
+    contiguous and in position order)."""
     work = _expand_verify(work)
     # Decodes sorted by context length: each group pads only to its own longest context.
     decodes = sorted((w for w in work if len(w.token_ids) == 1), key=lambda w: w.start_pos)
     prefills = [w for w in work if len(w.token_ids) > 1]
+    if paged_decode:
+        decodes += [r for w in prefills if len(w.token_ids) <= CHUNK_AS_DECODE_ROWS
+                    for r in _chunk_rows(w)]
+        prefills = [w for w in prefills if len(w.token_ids) > CHUNK_AS_DECODE_ROWS]
     ordered = decodes + prefills
     ids: list[int] = []
     pos: list[int] = []

@@ -57,23 +57,27 @@ def test_bf16_cache(kvh, heads, hd):
 
 
 def test_backend_native_equals_group_fallback():
-    """Through TorchAttention: decode tokens via the kernel vs via padded groups."""
+    """Through TorchAttention: decode tokens via the kernel vs via padded groups, and
+    prompt chunks (fresh, and after a cached prefix) as the kernel's decode rows vs the
+    causal / masked prefill paths."""
     from duetserve.models.attention import TorchAttention
     from duetserve.worker.batch import SeqWork, build_step_batch
     kvh, heads, hd, bs, nb = 2, 4, 16, 4, 32
     g = torch.Generator().manual_seed(1)
     cache = (torch.randn(kvh, nb, bs, hd, generator=g), torch.randn(kvh, nb, bs, hd, generator=g))
     work = [SeqWork("a", [5], 9, [3, 7, 11], True), SeqWork("b", [6], 2, [20], True),
-            SeqWork("c", [1, 2, 3], 0, [30], True)]
-    q = torch.randn(5, heads, hd, generator=g)
-    k = torch.randn(5, kvh, hd, generator=g)
-    v = torch.randn(5, kvh, hd, generator=g)
+            SeqWork("c", [1, 2, 3], 0, [30], True),
+            SeqWork("d", [4, 5, 6, 7, 8], 6, [12, 13, 14], False)]   # after 6 cached
+    q = torch.randn(10, heads, hd, generator=g)
+    k = torch.randn(10, kvh, hd, generator=g)
+    v = torch.randn(10, kvh, hd, generator=g)
     backend = TorchAttention(heads, kvh, hd)
     outs = []
     for paged in (True, False):
         c = (cache[0].clone(), cache[1].clone())
         meta = build_step_batch(work, bs, paged_decode=paged).meta
         assert (meta.decode_block_tables is not None) == paged
+        assert len(meta.prefills) == (0 if paged else 2)
         outs.append(backend.forward(q, k, v, c, meta))
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
 
@@ -416,3 +420,29 @@ def test_dense_gemv_calibration_stops_at_the_first_loss(tiny_checkpoints, monkey
         clock[0] += 1.0 if (rows <= gemv_rows) == gemv_wins else 2.0
     monkeypatch.setattr(layers, "dense_linear", fake_dense_linear)
     assert kernels.calibrate_dense_gemv_rows(model) == 6
+
+
+def test_short_chunks_become_decode_rows_with_the_logits_at_their_end(monkeypatch):
+    """With the in-place kernel, a chunk of up to CHUNK_AS_DECODE_ROWS tokens is laid out
+    as decode rows after the decodes, contiguous and in position order (context = its
+    position + 1), with a logits row only at its end when the slice needs one; a longer
+    chunk stays a prefill; without the kernel nothing is expanded."""
+    from duetserve.worker import batch as B
+    monkeypatch.setattr(B, "CHUNK_AS_DECODE_ROWS", 4)
+    work = [B.SeqWork("long", [1, 2, 3, 4, 5], 0, [40, 41], True),
+            B.SeqWork("dec", [9], 7, [3, 4], True),
+            B.SeqWork("chunk", [6, 7, 8], 5, [10, 11], True),
+            B.SeqWork("part", [2, 3], 0, [20], False)]
+    b = B.build_step_batch(work, 4, paged_decode=True)
+    assert b.input_ids.tolist() == [9, 6, 7, 8, 2, 3, 1, 2, 3, 4, 5]
+    assert b.positions.tolist() == [7, 5, 6, 7, 0, 1, 0, 1, 2, 3, 4]
+    assert b.meta.num_decodes == 6
+    assert b.meta.decode_context_lens.tolist() == [8, 6, 7, 8, 1, 2]
+    assert b.meta.decode_block_tables[1].tolist() == [10, 11]
+    assert [(p.start, p.end) for p in b.meta.prefills] == [(6, 11)]
+    assert b.order == ["dec", "chunk", "part", "long"]
+    assert b.logits_req_ids == ["dec", "chunk", "long"]
+    assert b.logits_indices.tolist() == [0, 3, 10]
+    plain = B.build_step_batch(work, 4, paged_decode=False)
+    assert plain.meta.num_decodes == 1 and len(plain.meta.prefills) == 3
+    assert plain.logits_req_ids == ["dec", "long", "chunk"]

@@ -41,6 +41,26 @@ def test_long_chunks_after_context_count_as_flash_pairs() -> None:
     assert CalibratedCost.from_json(cost.to_json()) == cost
 
 
+def test_short_chunks_count_as_decode_rows_where_the_engine_runs_them_so() -> None:
+    """With `chunk_rows`, a chunk of up to that many tokens is counted as the engine lays
+    it out (worker/batch.py): one decode row per token, row j after c + j tokens, no
+    prefill slice (so a step of them and decodes is a decode-stack step); a longer chunk
+    stays a prefill. The setting travels with the cost."""
+    items = [(1, 100, True), (4, 10, True), (8, 0, False)]
+    s = shape_of(items, chunk_rows=4)
+    assert (s.num_tokens, s.num_decodes, s.num_prefills, s.num_logits) == (13, 5, 1, 2)
+    assert s.decode_context == 100 + 4 * 10 + 4 * 3 // 2
+    assert (s.prefill_context, s.fresh_pairs, s.chunk_scores) == (0, 8 * 9 // 2, 0)
+    assert shape_of(items).num_decodes == 1                   # no layout given
+    coef = [0.0] * len(FEATURES)
+    coef[FEATURES.index("mixed_few")] = 1.0
+    cost = CalibratedCost(tuple(coef), 32, chunk_rows=8)
+    assert cost.step_seconds(shape_for(cost, items)) == 0.0   # all decode rows
+    assert cost.step_seconds(shape_for(cost, items + [(9, 0, True)])) == 1.0
+    assert CalibratedCost.from_json(cost.to_json()) == cost
+    assert cost.scaled(2.0).chunk_rows == 8
+
+
 def test_calibrated_features_tell_the_engine_paths_apart() -> None:
     """Few-row steps with prefill work run the modules (mixed_few); decode-only ones the
     native decode stack; above the breakpoint both are dense GEMM steps."""

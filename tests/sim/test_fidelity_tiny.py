@@ -43,6 +43,7 @@ def test_simulation_tracks_the_engine_on_a_tiny_model(tiny_checkpoints, tmp_path
     assert serving["steps"] > 0 and serving["requests"] == 2 * serving["conversations"] > 0
     assert raw["grid_steps"] + serving["steps"] == len(raw["samples"])
     assert profile.cost.flash_above == profile.meta["flash_above"] > 0
+    assert profile.cost.chunk_rows == profile.meta["chunk_rows"] > 0    # the engine's layout
     # the speed probe ran on its own engine; its steps are kept apart from the fit's
     probe = profile.meta["speed_probe"]
     assert probe["steps"] == len(raw["probe"]["samples"]) == len(raw["probe"]["cold"]) > 0
