@@ -24,9 +24,17 @@ attention over it. (R = 0: one line for every step with prefill work.)
 - else the step must fit `target = STEP_FACTOR x decode_ms(D)` (or the fixed
   `--max-step-ms`): the largest T with step_ms(T) <= target, but at least D + MIN_CHUNK
   x P for the P requests with prompt tokens to compute, so every prompt makes progress at
-  least as fast as a stream (a burst of new requests is not starved by a small target). A stream's gap while a prompt is prefilled is then at
-  most STEP_FACTOR x its decode-only gap (unless even D + MIN_CHUNK rows cost more), the
-  price being TTFT: more, shorter chunks.
+  least as fast as a stream (a burst of new requests is not starved by a small target),
+  and at least D + `efficient_chunk(D)`: a step that carries prompt tokens beside D decodes
+  may cost an overhead F over their decode-only step (where the chunk leaves the native
+  decode stack for the per-layer modules: ~3-5 ms beside a 4 ms decode step on a 2-core
+  CPU, before short chunks ran as decode rows, worker/batch.py), and a chunk too small
+  to amortize F makes prefill so slow that the queue, not the gap, sets everyone's
+  latency (the default model at 0.8 chat conversations/s then: 1-2 token chunks, TTFT
+  p50 1.4 s and TPOT p50 14 ms, where a fixed 512-token budget gave 112 ms and 8 ms).
+  The efficient chunk is the smallest whose own tokens take CHUNK_EFFICIENCY of the step
+  time it adds (1 where F <= 0). A stream's gap while a prompt is prefilled is then at
+  most STEP_FACTOR x its decode-only gap unless that target cannot carry such a chunk.
 - A prefill chunk after s cached tokens is charged `c * (1 + s * per_pair / per_token)`
   budget tokens (per_token: the slope of the piece the step's budget lies in), so deep in
   a long context it gets fewer tokens (`max_chunk`), never fewer than MIN_CHUNK.
@@ -37,6 +45,7 @@ import math
 from dataclasses import asdict, dataclass
 
 MIN_CHUNK = 1             # least prefill tokens a step with decodes gives a prompt (progress)
+CHUNK_EFFICIENCY = 0.8    # a chunk beside decodes: its tokens' share of the time it adds
 MAX_BUDGET = 8192         # cannot fit in one step
 STEP_FACTOR = 1.5         # default target: this many times the decode-only step of the D
 DECODE_REF_TOKENS = 16    # streams running; reported at start-up for this many streams
@@ -136,6 +145,30 @@ def token_budget(cost: StepCost, max_step_ms: float, lo: int = MIN_CHUNK,
     return max(lo, min(hi, budget))
 
 
+def efficient_chunk(cost: StepCost, num_decodes: int, efficiency: float = CHUNK_EFFICIENCY,
+                    hi: int = MAX_BUDGET) -> int:
+    """Fewest prompt tokens c (1..hi) whose modelled cost takes at least `efficiency` of
+    the time a chunk of c adds to a decode-only step of `num_decodes` streams:
+    slope x c >= efficiency x (step_ms(D + c) - decode_ms(D)). On a piece with intercept
+    f and slope s the added time is F + s x c with F = f + s x D - decode_ms(D), so
+    c >= efficiency x F / ((1 - efficiency) x s). With D below the low-bit rows R, on the
+    low-bit piece and at most R - D (past R the dense line's fixed cost would make the
+    chunk jump to hundreds of tokens; the step target's own budget may still go there);
+    with D >= R (or no low-bit piece), on the dense line."""
+    d = num_decodes
+    dec = cost.decode_ms(d)
+
+    def need(fixed: float, slope: float) -> int:
+        overhead = fixed + slope * d - dec
+        if overhead <= 0:
+            return 1
+        return max(1, math.ceil(efficiency * overhead / ((1.0 - efficiency) * slope) - 1e-9))
+    if cost.lowbit_per_token_ms > 0 and d < cost.lowbit_rows:
+        c = need(cost.lowbit_fixed_ms, cost.lowbit_per_token_ms)
+        return min(c, cost.lowbit_rows - d, hi)
+    return min(need(cost.fixed_ms, cost.per_token_ms), hi)
+
+
 @dataclass(frozen=True)
 class StepBudget:
     """The per-step token budget from the measured cost (see the module docstring).
@@ -145,6 +178,7 @@ class StepBudget:
     max_step_ms: float | None = None
     min_chunk: int = MIN_CHUNK
     idle: int = IDLE_BUDGET
+    efficiency: float = CHUNK_EFFICIENCY
 
     def target_ms(self, num_decodes: int) -> float:
         return self.max_step_ms if self.max_step_ms is not None else \
@@ -155,12 +189,21 @@ class StepBudget:
         with `num_prefills` requests (running or admissible) that have prompt tokens to
         compute: at least one token for each of them (min_chunk x max(1, num_prefills)),
         as for each decode, so a burst of new prompts is admitted at the pace of the
-        streams, not starved by a small target."""
+        streams, not starved by a small target; and at least an efficient chunk
+        (`efficient_chunk`) beside the decodes."""
         if num_decodes == 0:
             return self.idle
-        lo = num_decodes + self.min_chunk * max(1, num_prefills)
+        lo = num_decodes + max(self.min_chunk * max(1, num_prefills),
+                               self.efficient_chunk(num_decodes))
         return token_budget(self.cost, self.target_ms(num_decodes), lo=lo,
                             hi=max(self.idle, lo))
+
+    def efficient_chunk(self, num_decodes: int) -> int:
+        """The least chunk a step beside `num_decodes` decodes carries (efficient_chunk
+        with this policy's efficiency, at most the idle budget); 0 with efficiency 0."""
+        if self.efficiency <= 0:
+            return 0
+        return efficient_chunk(self.cost, num_decodes, self.efficiency, self.idle)
 
     def describe(self) -> str:
         """The budget as reported at start-up."""
@@ -173,7 +216,9 @@ class StepBudget:
                f"{c.lowbit_fixed_ms:.1f} ms + {c.lowbit_per_token_ms:.3f} ms/token up to "
                f"{c.lowbit_rows} rows, ")
         return (f"{self.idle} tokens with no decode running; with D decodes, tokens "
-                f"(target step) for D = {per}; a chunk token after 1,000 cached tokens "
+                f"(target step) for D = {per}; a chunk beside 1 / 8 decodes at least "
+                f"{self.efficient_chunk(1)} / {self.efficient_chunk(8)} tokens (worth its "
+                f"step overhead); a chunk token after 1,000 cached tokens "
                 f"costs {self._per_token(1000, self.for_step(8)):.2f} with 8 decodes; "
                 f"measured: decode-only steps {dec}, other steps {low}{c.fixed_ms:.1f} ms + "
                 f"{c.per_token_ms:.3f} ms/token above, + {c.per_pair_ms * 1e6:.0f} ns per "

@@ -32,6 +32,7 @@ log = logging.getLogger("duetserve")
 SMALL, LARGE = 16, 128     # fresh prefills of these many tokens: the general line (above
                            # the low-bit rows R, when there are some: R + 16 and LARGE)
 CONTEXT = 512              # a chunk after this many cached tokens: the context term
+LOW_ROWS = 8               # the low-bit piece's smaller probe: at most this many rows
 DECODES = 16               # decode-only steps of 1 and min(DECODES, R) streams: decode line
 DECODE_CONTEXT = 128       # each probe stream's context
 NOISE_RATIO = 1.5          # repeats of one probe further apart than this: a noisy machine
@@ -115,6 +116,11 @@ def _decode_streams(lowbit_rows: int) -> int:
     return min(DECODES, lowbit_rows) if lowbit_rows >= 4 else DECODES
 
 
+def _low_rows(r: int) -> int:
+    """Rows of the low-bit piece's smaller probe (R >= 4): 1 decode + a chunk of >= 2."""
+    return max(3, min(LOW_ROWS, r // 2))
+
+
 def _probes(max_tokens: int, lowbit_rows: int) -> tuple[dict, dict]:
     """The probe steps (name -> [(context, new tokens)]) and the sizes they were chosen
     with. Steps with prefill work carry decodes beside their chunk, as the steps the
@@ -132,8 +138,9 @@ def _probes(max_tokens: int, lowbit_rows: int) -> tuple[dict, dict]:
         return [(dctx, 1)] * decodes + [(rows - decodes, rows - decodes)]
     probes = {"small": mixed(small, beside), "large": mixed(large, beside),
               "decode1": [(dctx, 1)], "decode2": [(dctx, 1)] * d2}
-    if r:
-        probes["low1"], probes["low2"] = mixed(r // 2, r // 2 - 2), mixed(r, r - 2)
+    if r:     # the low-bit piece's ends: a short chunk beside one decode (the steps whose
+        # fixed cost decides how small a chunk is worth it, core/step_budget.py), R rows
+        probes["low1"], probes["low2"] = mixed(_low_rows(r), 1), mixed(r, r - 2)
     if ctx >= 2 * chunk:
         probes["chunk"] = [(chunk, chunk)]
         probes["context"] = [(ctx + chunk, chunk)]
@@ -150,12 +157,12 @@ def probe_tokens(max_tokens: int, lowbit_rows: int) -> int:
 def measure(runner, vocab_size: int, block_size: int, max_tokens: int,
             lowbit_rows: int = 0) -> StepCost:
     """Fit StepCost (core/step_budget.py) from probe steps through the real runner:
-    steps of R/2 and R rows (the low-bit piece, when the model's linears run low-bit
-    kernels up to R = `lowbit_rows` >= 4 rows) and of R + 16 (or SMALL) and LARGE rows
-    (the general line), each mostly decodes beside a short chunk (or 8 decodes beside a
-    long one); a chunk of R (or SMALL) tokens after CONTEXT cached tokens against the
-    same chunk fresh (the context term); decode-only steps of 1 and min(DECODES, R)
-    streams (the decode line). Each probe is warmed up once (first calls pay one-time
+    two steps of the low-bit piece, when the model's linears run low-bit kernels up to
+    R = `lowbit_rows` >= 4 rows (one decode beside a short chunk, min(8, R/2) rows, and R
+    rows, mostly decodes beside a short chunk); steps of R + 16 (or SMALL) and LARGE rows
+    (the general line, 8 decodes beside a chunk); a chunk of R (or SMALL) tokens after
+    CONTEXT cached tokens against the same chunk fresh (the context term); decode-only
+    steps of 1 and min(DECODES, R) streams (the decode line). Each probe is warmed up once (first calls pay one-time
     kernel set-up and first-touch page faults), then timed twice, interleaved; the faster
     counts. Raises NoisyMeasurement (with the fit) when the two disagree by more than
     NOISE_RATIO. `max_tokens` bounds every probe's context."""
@@ -178,7 +185,7 @@ def measure(runner, vocab_size: int, block_size: int, max_tokens: int,
     dec_fixed, dec_per = StepCost.line(1, best["decode1"], n["d2"], best["decode2"])
     low_fixed = low_per = 0.0
     if r:
-        low_fixed, low_per = StepCost.line(r // 2, best["low1"], r, best["low2"])
+        low_fixed, low_per = StepCost.line(_low_rows(r), best["low1"], r, best["low2"])
     cost = StepCost(fixed, per_token, per_pair, dec_fixed, dec_per, r, low_fixed, low_per)
     noisy = {k: [round(t, 1) for t in v] for k, v in times.items()
              if max(v) > NOISE_RATIO * min(v)}

@@ -1,11 +1,14 @@
 """The step token budget from a target step time (pure arithmetic)."""
 from __future__ import annotations
 
+import math
+
 import pytest
 
-from duetserve.core.step_budget import (IDLE_BUDGET, MAX_BUDGET, MIN_CHUNK, STEP_FACTOR,
-                                        StepBudget, StepCost, default_max_step_ms,
-                                        derive_step_budget, token_budget)
+from duetserve.core.step_budget import (CHUNK_EFFICIENCY, IDLE_BUDGET, MAX_BUDGET,
+                                        MIN_CHUNK, STEP_FACTOR, StepBudget, StepCost,
+                                        default_max_step_ms, derive_step_budget,
+                                        efficient_chunk, token_budget)
 
 # Shaped like the default model on a 2-core CPU: decode-only steps much cheaper than
 # steps with prefill work, and attention over a cached context that matters.
@@ -79,8 +82,8 @@ def test_budget_sees_the_low_bit_cliff() -> None:
 def test_a_step_with_decodes_fits_the_factor_of_their_decode_only_step() -> None:
     """The acceptance's arithmetic: with D streams decoding, a step that also carries a
     fresh prompt's chunk is modelled at most STEP_FACTOR x the decode-only step of those
-    D streams (their median gap), unless even D + MIN_CHUNK tokens cannot fit (then the
-    floor: the prompt still progresses)."""
+    D streams (their median gap), unless even D + the floor's chunk cannot fit (then the
+    floor: the prompt still progresses, in a chunk worth its step's overhead)."""
     for cost in (MEASURED, CLIFF):
         policy = StepBudget(cost)
         assert policy.for_step(0) == IDLE_BUDGET
@@ -88,11 +91,12 @@ def test_a_step_with_decodes_fits_the_factor_of_their_decode_only_step() -> None
             budget = policy.for_step(d)
             target = STEP_FACTOR * cost.decode_ms(d)
             assert policy.target_ms(d) == pytest.approx(target)
-            assert budget >= d + MIN_CHUNK
-            if budget > d + MIN_CHUNK:
+            floor = d + max(MIN_CHUNK, efficient_chunk(cost, d))
+            assert budget >= floor
+            if budget > floor:
                 assert cost.step_ms(budget) <= target + 1e-9
-            else:   # the floor: even one prompt token beside the decodes is dearer
-                assert cost.step_ms(d + MIN_CHUNK + 1) > target
+            else:   # the floor: a step of one more token would miss the target
+                assert cost.step_ms(floor + 1) > target
     # 8 decodes: 1.5 x (12 + 16) = 42 ms -> (42 - 20) / 1 = 22 tokens
     assert StepBudget(MEASURED).for_step(8) == 22
     # with the cliff: 1.5 x (4 + 12) = 24 ms -> 16 rows on the low-bit piece: 8 for a
@@ -103,6 +107,40 @@ def test_a_step_with_decodes_fits_the_factor_of_their_decode_only_step() -> None
     fixed = StepBudget(StepCost(20.0, 0.25), max_step_ms=100.0)
     assert fixed.for_step(1) == fixed.for_step(64) == 320
     assert fixed.for_step(0) == IDLE_BUDGET
+
+
+def test_a_chunk_beside_decodes_is_worth_its_step_overhead() -> None:
+    """A step that carries prompt tokens beside D decodes costs an overhead F over their
+    decode-only step; the floor chunk c is the least whose own cost takes
+    CHUNK_EFFICIENCY of the time it adds (slope x c >= E x (F + slope x c)), so prefill
+    beside a few streams is not done a token or two at a time at F a step."""
+    e = CHUNK_EFFICIENCY
+    # MEASURED beside one decode: F = 20 + 1 - 14 = 7 ms -> c >= e x 7 / ((1 - e) x 1)
+    assert efficient_chunk(MEASURED, 1) == math.ceil(e * 7.0 / (1 - e) - 1e-9)
+    assert StepBudget(MEASURED).for_step(1) == 1 + efficient_chunk(MEASURED, 1)
+    for cost in (MEASURED, CLIFF):
+        for d in (1, 2, 4, 8, 12):
+            c = efficient_chunk(cost, d)
+            def worth(n: int) -> bool:     # the chunk's own cost >= e x what it adds
+                added = cost.step_ms(d + n) - cost.decode_ms(d)
+                return cost.per_token_at(d + n) * n >= e * added - 1e-9
+            if cost.lowbit_rows and d + c == cost.lowbit_rows:   # capped at the rows
+                assert c == cost.lowbit_rows - d
+                continue
+            assert worth(c)
+            assert c == 1 or not worth(c - 1)
+    # the cap: a chunk past the low-bit rows would jump onto the dense line's fixed cost
+    # (one decode on CLIFF: F = 8 + 1 - 5.5 = 3.5 ms, so 0.9 wants 32 tokens: 15 fit)
+    assert efficient_chunk(CLIFF, 1, efficiency=0.9) == 16 - 1
+    assert efficient_chunk(CLIFF, 1, efficiency=0.8) == 14      # 0.8 x 3.5 / 0.2
+    # a step with prompt tokens no dearer than the decodes' own: no floor beyond 1
+    cheap = StepCost(fixed_ms=1.0, per_token_ms=1.0, decode_fixed_ms=2.0,
+                     decode_per_seq_ms=1.0)
+    assert efficient_chunk(cheap, 4) == 1
+    assert StepBudget(MEASURED, efficiency=0.0).for_step(1) == 1 + MIN_CHUNK
+    assert StepBudget(MEASURED, efficiency=0.0).efficient_chunk(1) == 0
+    # never past the idle budget
+    assert efficient_chunk(MEASURED, 1, efficiency=0.9999, hi=64) == 64
 
 
 def test_a_chunk_deep_in_a_context_is_charged_for_its_attention() -> None:
