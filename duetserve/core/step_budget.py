@@ -33,8 +33,11 @@ attention over it. (R = 0: one line for every step with prefill work.)
   latency (the default model at 0.8 chat conversations/s then: 1-2 token chunks, TTFT
   p50 1.4 s and TPOT p50 14 ms, where a fixed 512-token budget gave 112 ms and 8 ms).
   The efficient chunk is the smallest whose own tokens take CHUNK_EFFICIENCY of the step
-  time it adds (1 where F <= 0). A stream's gap while a prompt is prefilled is then at
-  most STEP_FACTOR x its decode-only gap unless that target cannot carry such a chunk.
+  time it adds (1 where F <= 0), but never one whose step is modelled above
+  MAX_GAP_FACTOR x the decode-only step (the bound on a stream's gap this budget exists
+  for). A stream's gap while a prompt is prefilled is then at most STEP_FACTOR x its
+  decode-only gap unless that target cannot carry such a chunk, and at most
+  MAX_GAP_FACTOR x unless even D + MIN_CHUNK rows cost more.
 - A prefill chunk after s cached tokens is charged `c * (1 + s * per_pair / per_token)`
   budget tokens (per_token: the slope of the piece the step's budget lies in), so deep in
   a long context it gets fewer tokens (`max_chunk`), never fewer than MIN_CHUNK.
@@ -49,6 +52,7 @@ CHUNK_EFFICIENCY = 0.8    # a chunk beside decodes: its tokens' share of the tim
 MAX_BUDGET = 8192         # cannot fit in one step
 STEP_FACTOR = 1.5         # default target: this many times the decode-only step of the D
 DECODE_REF_TOKENS = 16    # streams running; reported at start-up for this many streams
+MAX_GAP_FACTOR = 2.0      # the efficient-chunk floor's step: at most this x decode-only
 IDLE_BUDGET = 2048        # budget of a step with no running decode (nobody's gap to protect)
 FALLBACK_TOKEN_BUDGET = 512   # fixed budget when the measured cost is implausible (noise)
 ROUND_FROM = 64           # budgets of at least this many tokens are rounded down to 16s
@@ -199,11 +203,16 @@ class StepBudget:
                             hi=max(self.idle, lo))
 
     def efficient_chunk(self, num_decodes: int) -> int:
-        """The least chunk a step beside `num_decodes` decodes carries (efficient_chunk
-        with this policy's efficiency, at most the idle budget); 0 with efficiency 0."""
+        """The least chunk a step beside `num_decodes` decodes carries: efficient_chunk
+        with this policy's efficiency, cut to the largest whose step is modelled within
+        MAX_GAP_FACTOR x the decode-only step (0 when not even one token is); 0 with
+        efficiency 0."""
         if self.efficiency <= 0:
             return 0
-        return efficient_chunk(self.cost, num_decodes, self.efficiency, self.idle)
+        c = efficient_chunk(self.cost, num_decodes, self.efficiency, self.idle)
+        gap = MAX_GAP_FACTOR * self.cost.decode_ms(num_decodes)
+        fits = token_budget(self.cost, gap, lo=0, hi=num_decodes + c) - num_decodes
+        return max(0, min(c, fits))
 
     def describe(self) -> str:
         """The budget as reported at start-up."""

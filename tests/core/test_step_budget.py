@@ -6,7 +6,8 @@ import math
 import pytest
 
 from duetserve.core.step_budget import (CHUNK_EFFICIENCY, IDLE_BUDGET, MAX_BUDGET,
-                                        MIN_CHUNK, STEP_FACTOR, StepBudget, StepCost,
+                                        MAX_GAP_FACTOR, MIN_CHUNK, STEP_FACTOR, StepBudget,
+                                        StepCost,
                                         default_max_step_ms, derive_step_budget,
                                         efficient_chunk, token_budget)
 
@@ -91,7 +92,7 @@ def test_a_step_with_decodes_fits_the_factor_of_their_decode_only_step() -> None
             budget = policy.for_step(d)
             target = STEP_FACTOR * cost.decode_ms(d)
             assert policy.target_ms(d) == pytest.approx(target)
-            floor = d + max(MIN_CHUNK, efficient_chunk(cost, d))
+            floor = d + max(MIN_CHUNK, policy.efficient_chunk(d))
             assert budget >= floor
             if budget > floor:
                 assert cost.step_ms(budget) <= target + 1e-9
@@ -117,7 +118,7 @@ def test_a_chunk_beside_decodes_is_worth_its_step_overhead() -> None:
     e = CHUNK_EFFICIENCY
     # MEASURED beside one decode: F = 20 + 1 - 14 = 7 ms -> c >= e x 7 / ((1 - e) x 1)
     assert efficient_chunk(MEASURED, 1) == math.ceil(e * 7.0 / (1 - e) - 1e-9)
-    assert StepBudget(MEASURED).for_step(1) == 1 + efficient_chunk(MEASURED, 1)
+    assert StepBudget(MEASURED).for_step(1) == 1 + StepBudget(MEASURED).efficient_chunk(1)
     for cost in (MEASURED, CLIFF):
         for d in (1, 2, 4, 8, 12):
             c = efficient_chunk(cost, d)
@@ -137,6 +138,15 @@ def test_a_chunk_beside_decodes_is_worth_its_step_overhead() -> None:
     cheap = StepCost(fixed_ms=1.0, per_token_ms=1.0, decode_fixed_ms=2.0,
                      decode_per_seq_ms=1.0)
     assert efficient_chunk(cheap, 4) == 1
+    # ... but the floor never models a step above MAX_GAP_FACTOR x the decode-only one
+    # (MEASURED beside one decode: 2 x 14 = 28 ms holds 8 rows: 7 of the 28 tokens wanted)
+    assert StepBudget(MEASURED, efficiency=0.8).efficient_chunk(1) == 7
+    for cost in (MEASURED, CLIFF):
+        policy = StepBudget(cost, efficiency=0.95)
+        for d in (1, 2, 4, 8, 12, 64):
+            c = policy.efficient_chunk(d)
+            assert c <= efficient_chunk(cost, d, 0.95)
+            assert c == 0 or cost.step_ms(d + c) <= MAX_GAP_FACTOR * cost.decode_ms(d) + 1e-9
     assert StepBudget(MEASURED, efficiency=0.0).for_step(1) == 1 + MIN_CHUNK
     assert StepBudget(MEASURED, efficiency=0.0).efficient_chunk(1) == 0
     # never past the idle budget
