@@ -47,15 +47,16 @@ def _expand_verify(work: list[SeqWork]) -> list[SeqWork]:
             out.append(w)
             continue
         assert len(w.token_ids) == w.num_spec + 1, (w.req_id, len(w.token_ids), w.num_spec)
-        out.extend(SeqWork(w.req_id, [t], w.start_pos + j, w.block_ids, True)
-                   for j, t in enumerate(w.token_ids))
+        out.extend(_as_rows(w, every_row_logits=True))
     return out
 
 
-def _chunk_rows(w: SeqWork) -> list[SeqWork]:
-    """A prompt chunk as one decode row per token, the last one with the chunk's logits."""
+def _as_rows(w: SeqWork, every_row_logits: bool = False) -> list[SeqWork]:
+    """A slice as one single-token row per position; logits on every row (a verify
+    slice) or, for a prompt chunk, only on the last and only if the slice needs them."""
     last = len(w.token_ids) - 1
-    return [SeqWork(w.req_id, [t], w.start_pos + j, w.block_ids, w.needs_logits and j == last)
+    return [SeqWork(w.req_id, [t], w.start_pos + j, w.block_ids,
+                    every_row_logits or (w.needs_logits and j == last))
             for j, t in enumerate(w.token_ids)]
 
 
@@ -88,7 +89,7 @@ def build_step_batch(work: list[SeqWork], block_size: int, device: torch.device 
     prefills = [w for w in work if len(w.token_ids) > 1]
     if paged_decode:
         decodes += [r for w in prefills if len(w.token_ids) <= CHUNK_AS_DECODE_ROWS
-                    for r in _chunk_rows(w)]
+                    for r in _as_rows(w)]
         prefills = [w for w in prefills if len(w.token_ids) > CHUNK_AS_DECODE_ROWS]
     ordered = decodes + prefills
     ids: list[int] = []
