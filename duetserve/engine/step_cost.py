@@ -162,10 +162,10 @@ def measure(runner, vocab_size: int, block_size: int, max_tokens: int,
     rows, mostly decodes beside a short chunk); steps of R + 16 (or SMALL) and LARGE rows
     (the general line, 8 decodes beside a chunk); a chunk of R (or SMALL) tokens after
     CONTEXT cached tokens against the same chunk fresh (the context term); decode-only
-    steps of 1 and min(DECODES, R) streams (the decode line). Each probe is warmed up once (first calls pay one-time
-    kernel set-up and first-touch page faults), then timed twice, interleaved; the faster
-    counts. Raises NoisyMeasurement (with the fit) when the two disagree by more than
-    NOISE_RATIO. `max_tokens` bounds every probe's context."""
+    steps of 1 and min(DECODES, R) streams (the decode line). Each probe is warmed up once
+    (first calls pay one-time kernel set-up and first-touch page faults), then timed
+    twice, interleaved; the faster counts. Raises NoisyMeasurement (with the fit) when
+    the two disagree by more than NOISE_RATIO. `max_tokens` bounds every probe's context."""
     probes, n = _probes(max_tokens, lowbit_rows)
     if "context" in probes:
         full = n["ctx"] + n["chunk"]

@@ -23,6 +23,11 @@ DECODE_GROUP_SIZE = 32
 CHUNK_AS_DECODE_ROWS = 64
 
 
+def chunk_rows(paged_decode: bool) -> int:
+    """Prompt chunks of up to this many tokens become decode rows (0: none do)."""
+    return CHUNK_AS_DECODE_ROWS if paged_decode else 0
+
+
 @dataclass(slots=True)
 class SeqWork:
     """One request's slice of the step."""
@@ -87,10 +92,10 @@ def build_step_batch(work: list[SeqWork], block_size: int, device: torch.device 
     # Decodes sorted by context length: each group pads only to its own longest context.
     decodes = sorted((w for w in work if len(w.token_ids) == 1), key=lambda w: w.start_pos)
     prefills = [w for w in work if len(w.token_ids) > 1]
-    if paged_decode:
-        decodes += [r for w in prefills if len(w.token_ids) <= CHUNK_AS_DECODE_ROWS
-                    for r in _as_rows(w)]
-        prefills = [w for w in prefills if len(w.token_ids) > CHUNK_AS_DECODE_ROWS]
+    as_rows = chunk_rows(paged_decode)
+    if as_rows:
+        decodes += [r for w in prefills if len(w.token_ids) <= as_rows for r in _as_rows(w)]
+        prefills = [w for w in prefills if len(w.token_ids) > as_rows]
     ordered = decodes + prefills
     ids: list[int] = []
     pos: list[int] = []

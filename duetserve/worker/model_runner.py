@@ -14,7 +14,7 @@ from duetserve.config import ModelConfig
 from duetserve.outputs import ModelRunnerOutput, SchedulerOutput
 from duetserve.sampling_params import SamplingParams
 from duetserve.structured import GrammarCompiler, GrammarState
-from duetserve.worker.batch import CHUNK_AS_DECODE_ROWS, SeqWork, build_step_batch
+from duetserve.worker.batch import SeqWork, build_step_batch, chunk_rows
 from duetserve.worker.grammar_mask import GrammarMasker
 from duetserve.worker.kv_cache import allocate_kv_cache
 from duetserve.worker.sampler import compute_prompt_logprobs
@@ -59,7 +59,7 @@ class ModelRunner:
         backend = getattr(model.layers[0].self_attn, "backend", None)
         self.paged_decode = getattr(backend, "paged_decode", None) is not None
         # prompt chunks of up to this many tokens run as decode rows (worker/batch.py)
-        self.chunk_rows = CHUNK_AS_DECODE_ROWS if self.paged_decode else 0
+        self.chunk_rows = chunk_rows(self.paged_decode)
         self.speculator = speculator
 
     # -- state -------------------------------------------------------------------------
