@@ -5,9 +5,10 @@
 # measured works) and the runs alternate between them, REPEATS times per concurrency (the
 # order flips each repeat), so a machine that speeds up or slows down during the script
 # moves both alike. Prints medians and their ratio, writes JSON.
-#   benchmarks/spec_serve.sh OUTDIR [MODEL]      (default model: SmolLM2-135M; REPEATS=3)
+#   benchmarks/spec_serve.sh OUTDIR [MODEL]      (default model: SmolLM2-135M; REPEATS=3;
+#                                                CONCS="1 4 32": the concurrencies run)
 set -e
-OUT=${1:-out/spec_serve}; MODEL=${2:-}; REPEATS=${REPEATS:-3}
+OUT=${1:-out/spec_serve}; MODEL=${2:-}; REPEATS=${REPEATS:-3}; CONCS=${CONCS:-1 4 32}
 mkdir -p "$OUT"
 PY=${PY:-/work/main/.venv/bin/python}
 $PY - "$OUT/edit.jsonl" <<'PYEOF'
@@ -30,7 +31,7 @@ for cfg in off ngram; do
   PIDS+=($!)
   for _ in $(seq 180); do curl -sf http://127.0.0.1:${PORT[$cfg]}/v1/models >/dev/null && break; sleep 1; done
 done
-for conc in 1 4 32; do
+for conc in $CONCS; do
   n=$(( conc == 32 ? 64 : 8 ))
   for r in $(seq $REPEATS); do
     order="off ngram"; [ $((r % 2)) = 0 ] && order="ngram off"
@@ -42,13 +43,13 @@ for conc in 1 4 32; do
     done
   done
 done
-$PY - "$OUT" "$REPEATS" <<'PYEOF'
+$PY - "$OUT" "$REPEATS" $CONCS <<'PYEOF'
 import json, statistics, sys
-out, repeats = sys.argv[1], int(sys.argv[2])
+out, repeats, concs = sys.argv[1], int(sys.argv[2]), [int(c) for c in sys.argv[3:]]
 rows = {}
 print(f"{'concurrency':>11} {'config':>6} {'out tok/s':>10} {'TPOT p50 ms':>12} {'ratio':>6}"
       f"  (medians of {repeats}; per-run out tok/s)")
-for conc in (1, 4, 32):
+for conc in concs:
     base = None
     for cfg in ("off", "ngram"):
         runs = [json.load(open(f"{out}/{cfg}-c{conc}-r{r}.json"))["runs"][0]["summary"]

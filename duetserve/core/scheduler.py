@@ -20,7 +20,10 @@ slice is its last token plus k drafts (request.spec_token_ids, proposed by the r
 after the previous step), so k+1 positions are computed; after the step the counter
 advances by k+1 and falls back by the number of rejected drafts. Their KV slots are simply
 overwritten later. Drafts never enter all_token_ids, so block hashes (and the prefix
-cache) only ever see verified tokens.
+cache) only ever see verified tokens. A fixed budget caps drafts with everything else; a
+StepBudget (a time target, for the gaps prefill chunks cause) is widened by the drafts
+the policy planned, which already weighed their rows' cost against their tokens, so
+prefill chunks get the room they would have had without speculation.
 
 Waiting order and preemption victims follow one key, (priority, arrival): smaller
 priority first, then earlier add_request; preempted requests go to the front of their
@@ -237,6 +240,8 @@ class Scheduler:
         self.remote.run_loaded(self.running, self.config.max_num_seqs)
         if self.spec_policy is not None:
             plan_spec(self.spec_policy, self.running, step)
+            if self.config.step_budget is not None:
+                step.widen(sum(step.spec_plan.values()))
         self._schedule_running(step)
         if not step.preempted:
             self._schedule_waiting(step)

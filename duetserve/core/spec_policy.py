@@ -6,7 +6,9 @@ picks per request from the step's position on the roofline and the request's mea
 acceptance:
 
     step time      T(R)                   R rows (tokens) in the step: measured at
-                                          start-up for R = 1 .. n (`RooflineStep.measured`),
+                                          start-up for R = 1 .. n (`RooflineStep.measured`)
+                                          and a few R past n (`.beyond`: a few requests
+                                          verifying together), linear between them,
                    = max(mem_s, R * row_s) beyond (weights read once | FLOPs of R rows)
     tokens a step  E    = sum over requests of 1 + a_r + a_r^2 + ... + a_r^k_r
                           (draft j survives only if drafts 1..j are accepted; a_r is the
@@ -44,30 +46,58 @@ from duetserve.sampling_params import SamplingParams
 
 @dataclass(frozen=True)
 class RooflineStep:
-    """Step time of R rows (seconds): measured for R = 1 .. len(measured), else the
-    roofline's max(mem, R * row)."""
+    """Step time of R rows (seconds): measured for R = 1 .. len(measured) and at the rows
+    of `beyond` (linear between measured points), else the roofline's max(mem, R * row)
+    through the last measured point."""
 
     mem_seconds: float       # weights (and the step's fixed bytes) at the memory bandwidth
     row_seconds: float       # FLOPs of one row at the peak
     measured: tuple[float, ...] = ()   # T(1), T(2), ... as this machine ran them
+    # (R, T(R)) measured past the dense table, R increasing: the steps of a few
+    # requests verifying together, whose extra rows can cost far less than the
+    # table's average row (a low-bit GEMV reads the weights once for several rows)
+    beyond: tuple[tuple[int, float], ...] = ()
 
     @classmethod
-    def from_measured(cls, times: list[float]) -> "RooflineStep":
-        """From T(1..n) (non-decreasing is enforced): mem = T(1), row = T(n) / n, so the
-        roofline continues the table at R > n."""
-        mono = []
+    def from_measured(cls, times: list[float],
+                      beyond: list[tuple[int, float]] = ()) -> "RooflineStep":
+        """From T(1..n) and optional (R, T(R)) points with R > n increasing (the whole is
+        made non-decreasing: timing noise); mem = T(1), row = T(last) / last, so the
+        roofline continues the table past its last point."""
+        mono: list[float] = []
         for t in times:
             mono.append(max(t, mono[-1]) if mono else t)
-        return cls(mono[0], max(mono[-1], mono[0]) / len(mono), tuple(mono))
+        more: list[tuple[int, float]] = []
+        last_rows, last_t = len(mono), mono[-1]
+        for rows, t in beyond:
+            if rows <= last_rows:
+                raise ValueError(f"beyond rows must exceed {last_rows}: {rows}")
+            last_rows, last_t = rows, max(t, last_t)
+            more.append((last_rows, last_t))
+        return cls(mono[0], max(last_t, mono[0]) / last_rows, tuple(mono), tuple(more))
 
     def seconds(self, rows: int) -> float:
-        if 0 < rows <= len(self.measured):
+        n = len(self.measured)
+        if 0 < rows <= n:
             return self.measured[rows - 1]
+        if self.beyond and n and rows <= self.beyond[-1][0]:
+            lo_r, lo_t = n, self.measured[-1]
+            for hi_r, hi_t in self.beyond:
+                if rows <= hi_r:
+                    return lo_t + (hi_t - lo_t) * (rows - lo_r) / (hi_r - lo_r)
+                lo_r, lo_t = hi_r, hi_t
         return max(self.mem_seconds, rows * self.row_seconds)
 
     @property
     def ridge_rows(self) -> float:
         return self.mem_seconds / self.row_seconds if self.row_seconds > 0 else float("inf")
+
+    def describe(self) -> str:
+        """T(R) as measured, for the start-up log: "4.1/4.4/5.0/5.8 ms; 8: 10.0, 12: ..."."""
+        text = "/".join(f"{t * 1e3:.1f}" for t in self.measured) + " ms"
+        if self.beyond:
+            text += "; " + ", ".join(f"{r} rows {t * 1e3:.1f}" for r, t in self.beyond)
+        return text
 
 
 def is_spec_eligible(params: SamplingParams) -> bool:

@@ -50,6 +50,11 @@ class StepPlan:
         self.charged[request.req_id] = num_new if charge is None else charge
         self.budget -= self.charged[request.req_id]
 
+    def widen(self, extra: int) -> None:
+        """Leave `extra` more tokens for the slices still to be added (not counted in
+        `full`, the step's own budget, which sizes prefill chunks). Mutates the plan."""
+        self.budget += extra
+
     def remove(self, request: Request) -> None:
         """Undo `add` for `request` (preempted in this step), giving its charge back;
         nothing when it was not scheduled. Mutates the plan only."""

@@ -60,6 +60,10 @@ def build_speculator(config: SpeculativeConfig, target: LoadedModel,
 
 PROBE_ROWS = 4      # the shortest measured table (a step of 1..4 rows)
 MAX_PROBE_ROWS = 9  # the measured table's longest step (k + 1 rows, k <= 8)
+# past the table, steps of 2, 3 and 4 times its rows are measured too: that many requests
+# verifying k drafts each (or more requests fewer), the steps where whether drafts pay is
+# decided by how much an extra row costs there, not by the table's average row
+BEYOND_MULTIPLES = (2, 3, 4)
 
 
 def theoretical_roofline(target: LoadedModel, hardware: HardwareProfile | None = None
@@ -77,10 +81,11 @@ def step_seconds(model: torch.nn.Module, kv_caches: list, block_size: int, vocab
                  rows: int, paged_decode: bool = True, repeats: int = 3,
                  num_ids: int | None = None) -> float:
     """Median time of a verify-shaped step of `rows` decode rows (one request's
-    consecutive positions, logits of every row, of ids [0, num_ids) when given) on the
-    model's own kernels. Runs
-    1 + repeats steps into KV blocks 0..1 (call it before any request exists)."""
-    work = [SeqWork("probe", [(7919 * j) % vocab_size], block_size + j, [0, 1], True)
+    consecutive positions from block_size on, logits of every row, of ids [0, num_ids)
+    when given) on the model's own kernels. Runs 1 + repeats steps into KV blocks
+    0 .. (block_size + rows - 1) // block_size (call it before any request exists)."""
+    blocks = list(range((block_size + rows - 1) // block_size + 1))
+    work = [SeqWork("probe", [(7919 * j) % vocab_size], block_size + j, blocks, True)
             for j in range(rows)]
     batch = build_step_batch(work, block_size, "cpu", paged_decode)
     times = []
@@ -94,21 +99,27 @@ def step_seconds(model: torch.nn.Module, kv_caches: list, block_size: int, vocab
 
 def measured_roofline(model: torch.nn.Module, kv_caches: list, block_size: int,
                       vocab_size: int, paged_decode: bool = True, max_rows: int = PROBE_ROWS,
-                      repeats: int = 3) -> RooflineStep:
+                      repeats: int = 3, beyond: tuple[int, ...] = BEYOND_MULTIPLES
+                      ) -> RooflineStep:
     """The step time as this machine runs the model's own decode kernels, for 1 ..
-    max(max_rows, PROBE_ROWS) verify-shaped rows (at most MAX_PROBE_ROWS); beyond, the
-    roofline through the table's last point. Call it before any request exists."""
+    n = max(max_rows, PROBE_ROWS) verify-shaped rows (n at most MAX_PROBE_ROWS) and for
+    m * n rows, m in `beyond`; linear between, the roofline through the last point past
+    it. Call it before any request exists."""
     n = min(max(max_rows, PROBE_ROWS), MAX_PROBE_ROWS)
-    return RooflineStep.from_measured([
-        step_seconds(model, kv_caches, block_size, vocab_size, r, paged_decode, repeats)
-        for r in range(1, n + 1)])
+
+    def t(rows: int) -> float:
+        return step_seconds(model, kv_caches, block_size, vocab_size, rows, paged_decode,
+                            repeats)
+    return RooflineStep.from_measured([t(r) for r in range(1, n + 1)],
+                                      [(m * n, t(m * n)) for m in sorted(beyond) if m > 1])
 
 
 def spec_policy_for(config: SpeculativeConfig, target: LoadedModel, speculator: Speculator,
                     runner) -> SpecPolicy:
     """The scheduler's SpecPolicy for this engine. Adaptive: on the step times measured
-    with the runner's model and KV cache for 1 .. k+1 rows, and a draft model's 1-row
-    step (the cost of one draft) measured on its own cache (before any request exists)."""
+    with the runner's model and KV cache for 1 .. k+1 rows and 2, 3, 4 times that, and a
+    draft model's 1-row step (the cost of one draft) measured on its own cache (before
+    any request exists)."""
     roofline, draft_seconds = None, 0.0
     if config.adaptive:
         roofline = measured_roofline(runner.model, runner.kv_caches, runner.block_size,
@@ -121,10 +132,9 @@ def spec_policy_for(config: SpeculativeConfig, target: LoadedModel, speculator: 
                                          num_ids=draft.num_ids)
         theory = theoretical_roofline(target)
         log.info("speculative decoding: adaptive, up to %d drafts; target step of 1..%d "
-                 "rows %s ms (ridge at %.1f rows; the cost model's roofline puts it at "
+                 "rows %s (ridge at %.1f rows; the cost model's roofline puts it at "
                  "%.1f)%s", config.num_speculative_tokens, len(roofline.measured),
-                 "/".join(f"{t * 1e3:.1f}" for t in roofline.measured), roofline.ridge_rows,
-                 theory.ridge_rows,
+                 roofline.describe(), roofline.ridge_rows, theory.ridge_rows,
                  f"; a draft costs {draft_seconds * 1e3:.1f} ms" if draft is not None else "")
     return SpecPolicy(config.num_speculative_tokens, speculator.needs_lookahead,
                       config.adaptive, roofline, draft_seconds=draft_seconds,

@@ -174,6 +174,37 @@ def test_counter_falls_back_by_the_rejected_drafts() -> None:
     assert (req.spec_num_accepted, req.spec_num_rejections) == (2, 1)
 
 
+def test_step_budget_does_not_cap_planned_drafts() -> None:
+    """A StepBudget whose time target holds one decode and one more token (2 tokens)
+    does not cut the policy's 4 drafts (rows are nearly free on this roofline), and a
+    prompt arriving then still gets the chunk it would get without drafts; a fixed budget
+    of 2 tokens caps the drafts at 1."""
+    from duetserve.core.step_budget import StepBudget, StepCost
+    budget = StepBudget(StepCost(fixed_ms=10.0, per_token_ms=5.0), min_chunk=1, idle=64)
+    assert budget.for_step(1, 0) == 2 and budget.for_step(1, 1) == 2
+    roofline = RooflineStep(mem_seconds=0.01, row_seconds=0.0001)
+
+    def drafts_step(**config) -> SchedulerOutput:
+        policy = SpecPolicy(4, needs_lookahead=False, adaptive=True, roofline=roofline)
+        sched = Scheduler(make_config(spec_policy=policy, block_size=4, **config))
+        req = Request("a", [1, 2], SamplingParams(max_tokens=50), eos_token_ids=(EOS,))
+        req.spec_num_accepted = 20               # acceptance 21 / 22: gains 0.95 .. 0.83
+        sched.add_request(req)
+        out = sched.schedule()
+        sched.update_from_output(out, ModelRunnerOutput(["a"], {"a": [7]},
+                                                        spec_token_ids={"a": [8, 9, 10, 11]}))
+        sched.add_request(Request("b", list(range(1, 21)), SamplingParams(max_tokens=5),
+                                  eos_token_ids=(EOS,)))
+        return sched.schedule()
+
+    out = drafts_step(max_num_batched_tokens=64, step_budget=budget)
+    assert out.scheduled_spec_token_ids == {"a": [8, 9, 10, 11]}
+    assert out.num_scheduled_tokens == {"a": 5, "b": 1}
+    out = drafts_step(max_num_batched_tokens=2)
+    assert out.scheduled_spec_token_ids == {"a": [8]}
+    assert out.num_scheduled_tokens == {"a": 2}
+
+
 def test_drafts_respect_max_tokens_and_preemption_drops_them() -> None:
     sched, _ = _scheduler(0, lookahead=True, block_size=4)
     req = Request("a", [1, 2, 3], SamplingParams(max_tokens=3), eos_token_ids=(EOS,))
@@ -227,6 +258,30 @@ def test_measured_step_times_and_draft_cost() -> None:
     assert free.num_to_propose(0.9) == 4 and free.num_to_propose(0.3) == 1
     # the measured table is made non-decreasing (timing noise)
     assert RooflineStep.from_measured([0.04, 0.039, 0.05]).measured == (0.04, 0.04, 0.05)
+
+
+def test_steps_measured_past_the_table_let_several_requests_verify() -> None:
+    """Four decodes on a 4-row table of 4.0 .. 5.8 ms: through the table's last point
+    (1.45 ms a row) four more rows cost 5.8 ms, so a draft with gain 0.9 (3.6 tokens for
+    4 rows) does not pay. Measured at 8 rows (8.0 ms: extra rows cost 0.55 ms), one
+    draft each does. Interpolation is linear between measured points, the roofline
+    through the last one continues past it, and the whole is made non-decreasing."""
+    table = [0.0040, 0.0044, 0.0050, 0.0058]
+    cands = [(f"r{i}", 3, 0.9) for i in range(4)]
+    plain = SpecPolicy(3, needs_lookahead=False, adaptive=True,
+                       roofline=RooflineStep.from_measured(table))
+    assert plain.plan(cands, base_rows=4, base_tokens=4) == {}
+    assert not plain.has_room(4)
+    wide = RooflineStep.from_measured(table, [(8, 0.0080), (12, 0.0150), (16, 0.0130)])
+    assert wide.beyond == ((8, 0.0080), (12, 0.0150), (16, 0.0150))
+    assert wide.seconds(4) == 0.0058 and wide.seconds(6) == pytest.approx(0.0069)
+    assert wide.seconds(10) == pytest.approx(0.0115)
+    assert wide.seconds(32) == pytest.approx(0.030)     # 32 rows x 15 ms / 16
+    policy = SpecPolicy(3, needs_lookahead=False, adaptive=True, roofline=wide)
+    assert policy.has_room(4)
+    assert policy.plan(cands, base_rows=4, base_tokens=4) == {f"r{i}": 1 for i in range(4)}
+    with pytest.raises(ValueError, match="must exceed 4"):
+        RooflineStep.from_measured(table, [(4, 0.006)])
 
 
 def test_draft_model_probes_after_choosing_no_drafts() -> None:
