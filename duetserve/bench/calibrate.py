@@ -20,10 +20,7 @@ measured as they happen in serving; "wide" has a fixed budget of CALIBRATION_BUD
                                                           -> decodes + one prefill chunk
   decode    B prompts of L tokens decoding M tokens together -> decode-only steps of
             exactly B streams (the small batches low-load serving runs most of its steps
-            with, which a ramp passes through in one or two steps; and, on "wide", whose
-            fixed budget prefills B prompts in a few steps, the 16-40 streams of a
-            decode-heavy mix near saturation, which "served" would mostly run as mixed
-            steps: its first requests finish while its small chunks prefill the last)
+            with, which a ramp passes through in one or two steps)
 
 About a minute and a half on the 135M model with 2 threads (--quick: seconds).
 """
@@ -44,7 +41,6 @@ from duetserve.bench.cpu_meter import ForeignCpu, wait_until_quiet
 GRID: tuple[tuple[str, str, tuple[int, ...]], ...] = (
     ("served", "ramp", (24, 512, 2)), ("served", "mixed", (8, 64, 768)),
     *(("served", "decode", (b, 160, 24)) for b in (1, 2, 3, 4, 6, 8, 12)),
-    *(("wide", "decode", (b, 200, 32)) for b in (16, 24, 40)),
     *(("wide", "prefill", (n,)) for n in (8, 32, 128, 512, 768)),
     ("wide", "context", (16, 1024)), ("wide", "context", (256, 512)),
     ("wide", "context", (512, 16)),
