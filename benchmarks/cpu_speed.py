@@ -1,10 +1,14 @@
 """Batch-1 decode and 512-token prefill, duetserve vs llama.cpp (llama-bench) vs
 transformers, on the same GGUF file and the same thread count. Prints a table and writes
 JSON. Each engine runs alone (one after another), warms up, and reports the median of
-`--repeats` runs.
+`--repeats` runs. With `--rounds N` the whole sequence runs N times, its order reversed
+every other round, and each engine's median is over all its runs: this machine's memory
+bandwidth drifts by 10-25% over minutes, and engines measured in separate minutes would
+compare the drift (the rows keep each round's medians).
 
     .venv/bin/python benchmarks/cpu_speed.py --model FILE.gguf --threads 2 \
-        [--llama-bin DIR] [--quantization auto none] [--transformers] [--out out/cpu.json]
+        [--llama-bin DIR] [--quantization auto none] [--transformers] [--rounds 3] \
+        [--out out/cpu.json]
 
 duetserve figures come from the engine itself (`LLM.generate`): decode tok/s is
 (output tokens - 1) / (time after the first token), prefill tok/s is prompt tokens / TTFT
@@ -99,6 +103,35 @@ def bench_transformers(model: str, threads: int, prompt_len: int, gen_len: int,
             "decode_tok_s": _median(decode), "prefill_runs": prefill, "decode_runs": decode}
 
 
+def _duet_process(args, quantization: str) -> dict:
+    """bench_duet in a fresh process (no state or cache shared between configurations)."""
+    res = subprocess.run([sys.executable, "-c", (
+        "import json,sys;sys.argv=['x'];from benchmarks.cpu_speed import bench_duet;"
+        f"print(json.dumps(bench_duet({args.model!r},{quantization!r},{args.threads},"
+        f"{args.prompt_len},{args.gen_len},{args.repeats},{args.dtype!r})))")],
+        capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(
+            os.path.abspath(__file__))))
+    if res.returncode:
+        sys.exit(res.stderr)
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def _merge(results: list[dict]) -> dict:
+    """One engine's rounds as one row: medians over all rounds' runs, and each round's
+    own medians under "rounds" (when there is more than one)."""
+    row = dict(results[0])
+    if len(results) == 1:
+        return row
+    for key in ("prefill", "decode"):
+        runs = [x for r in results for x in (r.get(f"{key}_runs") or [])]
+        if runs:
+            row[f"{key}_runs"] = runs
+            row[f"{key}_tok_s"] = _median(runs)
+    row["rounds"] = [{k: r.get(k) for k in ("prefill_tok_s", "decode_tok_s")}
+                     for r in results]
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True)
@@ -113,33 +146,36 @@ def main() -> None:
     ap.add_argument("--engines", nargs="*", default=None,
                     help="run only these: duet llama transformers (default: all asked for)")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run every engine this many times, alternating the order")
     args = ap.parse_args()
-    rows = []
     want = set(args.engines or ["duet", "llama", "transformers"])
+    jobs = []                      # (name, function returning a row)
     if "duet" in want:
         for q in args.quantization:
-            # a fresh process per configuration: no state or cache shared between them
-            res = subprocess.run([sys.executable, "-c", (
-                "import json,sys;sys.argv=['x'];from benchmarks.cpu_speed import bench_duet;"
-                f"print(json.dumps(bench_duet({args.model!r},{q!r},{args.threads},"
-                f"{args.prompt_len},{args.gen_len},{args.repeats},{args.dtype!r})))")],
-                capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(
-                    os.path.abspath(__file__))))
-            if res.returncode:
-                sys.exit(res.stderr)
-            rows.append(json.loads(res.stdout.strip().splitlines()[-1]))
+            jobs.append((f"duet-{q}", lambda q=q: _duet_process(args, q)))
     if "llama" in want and args.llama_bin:
-        rows.append(bench_llama(args.llama_bin, args.model, args.threads, args.prompt_len,
-                                args.gen_len, args.repeats))
+        jobs.append(("llama", lambda: bench_llama(args.llama_bin, args.model, args.threads,
+                                                  args.prompt_len, args.gen_len,
+                                                  args.repeats)))
     if "transformers" in want and args.transformers:
-        rows.append(bench_transformers(args.model, args.threads, args.prompt_len,
-                                       args.gen_len, args.repeats))
+        jobs.append(("transformers", lambda: bench_transformers(
+            args.model, args.threads, args.prompt_len, args.gen_len, args.repeats)))
+    by_job: dict[str, list[dict]] = {name: [] for name, _ in jobs}
+    for r in range(args.rounds):
+        for name, run in (jobs if r % 2 == 0 else jobs[::-1]):
+            by_job[name].append(run())
+    rows = [_merge(results) for results in by_job.values()]
     print(f"model {os.path.basename(args.model)}, {args.threads} threads, prefill "
           f"{args.prompt_len} tokens, decode {args.gen_len} tokens at batch 1 (medians)")
     print(f"{'engine':44} {'prefill tok/s':>14} {'decode tok/s':>13}")
     for r in rows:
         print(f"{r['engine']:44} {r.get('prefill_tok_s', float('nan')):14.1f} "
               f"{r.get('decode_tok_s', float('nan')):13.1f}")
+    for r in rows:
+        if "rounds" in r:
+            print(f"  {r['engine']} by round, prefill / decode: " + ", ".join(
+                f"{x['prefill_tok_s']:.1f} / {x['decode_tok_s']:.1f}" for x in r["rounds"]))
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
