@@ -39,6 +39,7 @@ propose every draft whose gain stays above min_gain and leave the choice to `pla
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from duetserve.sampling_params import SamplingParams
@@ -59,8 +60,8 @@ class RooflineStep:
     beyond: tuple[tuple[int, float], ...] = ()
 
     @classmethod
-    def from_measured(cls, times: list[float],
-                      beyond: list[tuple[int, float]] = ()) -> "RooflineStep":
+    def from_measured(cls, times: Sequence[float],
+                      beyond: Sequence[tuple[int, float]] = ()) -> "RooflineStep":
         """From T(1..n) and optional (R, T(R)) points with R > n increasing (the whole is
         made non-decreasing: timing noise); mem = T(1), row = T(last) / last, so the
         roofline continues the table past its last point."""
@@ -93,7 +94,7 @@ class RooflineStep:
         return self.mem_seconds / self.row_seconds if self.row_seconds > 0 else float("inf")
 
     def describe(self) -> str:
-        """T(R) as measured, for the start-up log: "4.1/4.4/5.0/5.8 ms; 8: 10.0, 12: ..."."""
+        """T(R) as measured, for the start-up log: "4.1/4.4/5.0/5.8 ms; 8 rows 10.0, ..."."""
         text = "/".join(f"{t * 1e3:.1f}" for t in self.measured) + " ms"
         if self.beyond:
             text += "; " + ", ".join(f"{r} rows {t * 1e3:.1f}" for r, t in self.beyond)
