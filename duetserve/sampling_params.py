@@ -17,7 +17,8 @@ MAX_PENALTY = 2.0
 GUIDED_KINDS = ("json", "json_object", "regex", "choice", "grammar", "tool_calls")
 
 
-# torch.Generator.manual_seed accepts [-2**63, 2**64): seeds outside can never run.
+# The seed range torch.Generator.manual_seed accepts, kept as the API's limit (seeded
+# uniforms are a hash of the seed, worker/seeded.py).
 MIN_SEED = -(2**63)
 MAX_SEED = 2**64 - 1
 

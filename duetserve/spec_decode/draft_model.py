@@ -43,8 +43,9 @@ from duetserve.config import ModelConfig
 from duetserve.worker.batch import SeqWork, build_step_batch
 from duetserve.worker.kv_cache import allocate_kv_cache
 from duetserve.worker.sampler import apply_logit_edits, apply_temperature_and_truncation
+from duetserve.worker.sampling import output_position
 from duetserve.worker.sampling_metadata import SamplingMetadata
-from duetserve.spec_decode.rejection import sample_from
+from duetserve.spec_decode.rejection import sample_at, sample_from
 
 NEG_INF = float("-inf")
 CATCH_UP_DECODE_ROWS = 8     # catch-ups of up to this many tokens run as decode rows
@@ -99,7 +100,7 @@ class DraftModelProposer:
     def propose(self, states: dict, counts: dict[str, int]
                 ) -> tuple[dict[str, list[int]], dict[str, torch.Tensor]]:
         """Up to counts[r] drafts for each request r (states[r]: RunnerRequestState, read;
-        sampled requests' generators advance). Returns (drafts, q rows [n, V] of sampled
+        read). Returns (drafts, q rows [n, V] of sampled
         requests). Mutates: the draft KV cache, self.num_computed."""
         req_ids = [r for r in counts if counts[r] > 0]
         if not req_ids:
@@ -117,7 +118,7 @@ class DraftModelProposer:
             batch = build_step_batch(work, self.block_size, self.device, self.paged_decode)
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
             logits = self.model.compute_logits(hidden[batch.logits_indices], self.num_ids)
-            chosen = self._choose(logits, [states[r] for r in batch.logits_req_ids])
+            chosen = self._choose(logits, [states[r] for r in batch.logits_req_ids], j)
             for r, (token, q) in zip(batch.logits_req_ids, chosen):
                 drafts[r].append(token)
                 if q is not None:
@@ -137,17 +138,20 @@ class DraftModelProposer:
         pad = torch.full((logits.shape[0], self.vocab_size - v), NEG_INF)
         return torch.cat([logits, pad], dim=1)
 
-    def _choose(self, logits: torch.Tensor, states: list
+    def _choose(self, logits: torch.Tensor, states: list, j: int
                 ) -> list[tuple[int, torch.Tensor | None]]:
-        """logits [n, <= V]: the draft's (past its vocabulary or num_ids: -inf). Per row:
-        (draft token, q row [V] or None). Greedy rows: argmax. Sampled rows: one draw
-        from q = softmax(processed logits), with the request's generator."""
+        """logits [n, <= V]: the draft's (past its vocabulary or num_ids: -inf) for draft j
+        of each request in `states`. Per row: (draft token, q row [V] or None). Greedy
+        rows: argmax. Sampled rows: one draw from q = softmax(processed logits): a seeded
+        request's at the seeded uniform of the output position the draft stands for (the
+        verifier couples on it, rejection.py), others from the global RNG."""
         params = [st.sampling_params for st in states]
         if all(p.is_greedy for p in params):
             return [(t, None) for t in logits[:, :self.vocab_size].argmax(dim=-1).tolist()]
         logits = self._target_vocab(logits)
         empty = [[] for _ in params]
-        meta = SamplingMetadata.build(params, empty, empty, [None] * len(params),
+        meta = SamplingMetadata.build(params, empty, empty,
+                                      [output_position(st) + j for st in states],
                                       self.eos_token_ids, self.vocab_size, self.device)
         edited = apply_logit_edits(logits, meta) if meta.needs_logit_edits else logits
         greedy_ids = edited.argmax(dim=-1).tolist()
@@ -156,6 +160,8 @@ class DraftModelProposer:
         for i, (st, p) in enumerate(zip(states, params)):
             if p.is_greedy:
                 out.append((greedy_ids[i], None))
+            elif meta.seeded_u[i] is not None:
+                out.append((sample_at(q[i], meta.seeded_u[i]), q[i]))
             else:
-                out.append((sample_from(q[i], st.generator), q[i]))
+                out.append((sample_from(q[i], None), q[i]))
         return out

@@ -24,8 +24,20 @@ p_j(d_j) and the residual is p_j with d_j removed, renormalised.
 p_j is the target's distribution after the request's full sampling pipeline (bias,
 min_tokens, penalties with the history up to d_{j-1}, temperature, top-k, top-p, min-p),
 so what is preserved is exactly what the sampler would have drawn from. Random numbers
-come from the request's own generator (seeded requests stay reproducible) or the global
-RNG.
+come from the global RNG.
+
+Seeded sampled requests are verified by coupling instead (verify_coupled): the token at
+output position i is the target's own inverse-CDF sample x_i = F_p_i^-1(u_i), with the
+uniform u_i = seeded_uniform(seed, i) the plain sampler would use there, and draft d_i is
+accepted iff d_i == x_i. Every emitted token is x_i, so the output is token for token what
+the request gives without speculation (the same seed, the same distributions), whatever
+number of drafts each step verified; speculation only changes how many come per step.
+- n-gram drafts (q one-hot at d): d is accepted with probability p(d), as above.
+- draft model: the draft proposes F_q_i^-1(u_i) with the same uniform, so it is accepted
+  when both inverse CDFs land on the same token: probability sum_x of the overlap of x's
+  intervals [F(x-), F(x)) under p and q. That equals sum_x min(p(x), q(x)) when the
+  tokens before x carry the same mass in p and q, and falls short by the CDFs' drift
+  otherwise (mass moved between distant ids), which top-k / top-p truncation keeps small.
 """
 from __future__ import annotations
 
@@ -54,9 +66,15 @@ def _uniform(generator: torch.Generator | None) -> float:
 def sample_from(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     """One id from the (unnormalised, non-negative) weights `probs` [V], by inverse CDF
     with one uniform draw (the sampler's method)."""
+    return sample_at(probs, _uniform(generator))
+
+
+def sample_at(probs: torch.Tensor, u: float) -> int:
+    """The id whose inverse-CDF interval of the weights `probs` [V] holds u in [0, 1)
+    (the sampler's rule: the first id whose cumulative mass exceeds u * total)."""
     cdf = probs.double().cumsum(dim=0)
     total = cdf[-1]
-    target = min(_uniform(generator) * float(total), float(torch.nextafter(total, total * 0)))
+    target = min(u * float(total), float(torch.nextafter(total, total * 0)))
     idx = int(torch.searchsorted(cdf, torch.tensor([target], dtype=torch.float64),
                                  right=True))
     return min(idx, probs.shape[0] - 1)
@@ -88,4 +106,20 @@ def verify_sampled(target_probs: torch.Tensor, drafts: list[int],
         out.append(sample_from(residual, generator))
         return out
     out.append(sample_from(target_probs[len(drafts)], generator))
+    return out
+
+
+def verify_coupled(target_probs: torch.Tensor, drafts: list[int],
+                   uniforms: list[float]) -> list[int]:
+    """target_probs: p_0..p_k [k+1, V]; uniforms: u_0..u_k, the seeded uniforms of the k+1
+    output positions. Returns the accepted drafts then the target's own token at the first
+    mismatch (or the bonus p_k token): x_j = sample_at(p_j, u_j) at every position, the
+    plain sampler's token. Mutates nothing."""
+    out: list[int] = []
+    for j, draft in enumerate(drafts):
+        x = sample_at(target_probs[j], uniforms[j])
+        out.append(x)
+        if x != draft:
+            return out
+    out.append(sample_at(target_probs[len(drafts)], uniforms[len(drafts)]))
     return out

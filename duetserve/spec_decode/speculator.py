@@ -9,7 +9,7 @@ The engine builds one (`build_speculator`) and hands it to the ModelRunner, whic
 
 The scheduler decides how many drafts are verified and proposed (core/spec_policy.py);
 this object only computes. It reads the runner's per-request state (token ids, params,
-generator, block table) and never mutates it, except for advancing generators.
+block table) and never mutates it.
 """
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ import torch
 from duetserve.config import SpeculativeConfig
 from duetserve.spec_decode.draft_model import DraftModelProposer
 from duetserve.spec_decode.ngram import NgramProposer
-from duetserve.spec_decode.rejection import verify_greedy, verify_sampled
+from duetserve.spec_decode.rejection import verify_coupled, verify_greedy, verify_sampled
 from duetserve.worker.sampler import apply_logit_edits, apply_temperature_and_truncation
-from duetserve.worker.sampling import needs_history
+from duetserve.worker.sampling import needs_history, output_position
 from duetserve.worker.sampling_metadata import SamplingMetadata
 
 log = logging.getLogger("duetserve")
@@ -60,9 +60,10 @@ class Speculator:
     def verify(self, logits: torch.Tensor, rows: dict[str, list[int]], states: dict,
                drafts: dict[str, list[int]]) -> dict[str, list[int]]:
         """logits [N, V]: the step's logits rows; rows[r]: request r's k+1 rows in
-        position order; states[r]: its RunnerRequestState (read; its generator advances).
-        Returns {r: accepted drafts + one target token}. See rejection.py for the math."""
-        params, prompts, outputs, index = [], [], [], []
+        position order; states[r]: its RunnerRequestState (read). Returns {r: accepted
+        drafts + one target token}. Unseeded sampled requests draw from the global RNG.
+        See rejection.py for the math."""
+        params, prompts, outputs, positions, index = [], [], [], [], []
         for req_id, req_rows in rows.items():
             st, d = states[req_id], drafts[req_id]
             assert len(req_rows) == len(d) + 1, (req_id, len(req_rows), len(d))
@@ -74,8 +75,9 @@ class Speculator:
                 params.append(sp)
                 prompts.append(prompt)
                 outputs.append(done + d[:j] if history else [])
+                positions.append(output_position(st) + j)
             index.extend(req_rows)
-        meta = SamplingMetadata.build(params, prompts, outputs, [None] * len(params),
+        meta = SamplingMetadata.build(params, prompts, outputs, positions,
                                       self.eos_token_ids, self.vocab_size, self.device)
         penalised = logits[torch.tensor(index, dtype=torch.long)].float()
         if meta.needs_logit_edits:
@@ -91,13 +93,15 @@ class Speculator:
             n = len(d) + 1
             if st.sampling_params.is_greedy:
                 out[req_id] = verify_greedy(target_ids[offset:offset + n], d)
+            elif st.sampling_params.seed is not None:
+                out[req_id] = verify_coupled(probs[offset:offset + n], d,
+                                             meta.seeded_u[offset:offset + n])
             else:
                 q = self._draft_probs.get(req_id)
                 if q is not None and q.shape[0] < len(d):
                     q = None   # not the drafts q was recorded for: cannot happen, be safe
                 out[req_id] = verify_sampled(probs[offset:offset + n], d,
-                                             None if q is None else q[:len(d)],
-                                             st.generator)
+                                             None if q is None else q[:len(d)], None)
             self._draft_probs.pop(req_id, None)
             offset += n
         return out

@@ -1,7 +1,7 @@
 """ModelRunner: SchedulerOutput -> tensors -> forward -> sample -> ModelRunnerOutput.
 
 The runner keeps its own copy of each running request (tokens, block table, sampling
-generator); it learns a request once (NewRequestData) and applies diffs afterwards
+parameters); it learns a request once (NewRequestData) and applies diffs afterwards
 (CachedRequestData). It never sees or mutates a Request.
 """
 from __future__ import annotations
@@ -29,7 +29,6 @@ class RunnerRequestState:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
-    generator: torch.Generator | None
     prompt_logprobs: list | None = None    # accumulated over prefill chunks
     grammar: GrammarState | None = None    # constrained decoding: advanced per kept token
 
@@ -71,16 +70,11 @@ class ModelRunner:
             self.speculator.forget(so.finished_req_ids | so.preempted_req_ids
                                    | {new.req_id for new in so.scheduled_new_reqs})
         for new in so.scheduled_new_reqs:
-            gen = None
-            if new.sampling_params.seed is not None:
-                gen = torch.Generator(device=self.device)
-                gen.manual_seed(new.sampling_params.seed)
-            old = self.requests.get(new.req_id)
-            if old is not None and old.generator is not None:
-                gen = old.generator   # resumed after preemption: keep the random stream
+            # NOTE: a request resumed after preemption needs nothing carried over: seeded
+            # randomness is keyed by output position (worker/seeded.py).
             self.requests[new.req_id] = RunnerRequestState(
                 new.req_id, list(new.token_ids), new.num_prompt_tokens, new.sampling_params,
-                list(new.block_ids), new.num_computed_tokens, gen,
+                list(new.block_ids), new.num_computed_tokens,
                 grammar=self._grammar_state(new))
         for diff in so.scheduled_cached_reqs:
             st = self.requests[diff.req_id]
@@ -109,8 +103,7 @@ class ModelRunner:
         Mutates (the runner's own state only; never a Request nor `so`):
           - self.requests: drops finished/preempted ones, learns new ones, applies diffs
             (block ids, num_computed_tokens), appends each sampled token to token_ids,
-            advances num_computed_tokens by the slice, advances seeded generators and
-            grammar states, accumulates prompt logprobs;
+            advances num_computed_tokens by the slice, advances grammar states, accumulates prompt logprobs;
           - self.kv_caches: the K/V of every scheduled position is written (drafts too).
         Speculative decoding: slices carrying drafts (so.scheduled_spec_token_ids) are
         verified by the speculator and keep 1..k+1 tokens (num_computed_tokens advances by

@@ -8,9 +8,9 @@ Pipeline (each stage skipped when no row needs it, see SamplingMetadata):
                    token = inverse CDF of softmax(processed) at u ~ U[0, 1) (one draw per
                    row per step); logprobs = log_softmax(processed)
 
-Seeded rows draw u from their own torch.Generator (owned by the caller, one per request,
-kept across steps, on the logits' device), so a seeded request samples the same tokens
-whatever else is in the batch. Unseeded rows use the global RNG.
+A seeded row's u is keyed by (seed, output position) (worker/seeded.py), so a seeded
+request samples the same tokens whatever else is in the batch and however its steps were
+cut. Unseeded rows use the global RNG.
 
 NOTE: inverse CDF rather than an exponential race (argmax(probs / q), q ~ Exp(1)^V) or
 torch.multinomial: both draw V random numbers per row, which dominated the step on CPU
@@ -54,8 +54,7 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """Sample one token per row of `logits` [B, V]. Does not mutate `logits` nor `meta`;
-        advances the RNG state of `meta.generators[i]` for seeded random rows (and the
-        global RNG when some random row is unseeded)."""
+        advances the global RNG when some random row is unseeded."""
         assert logits.dim() == 2 and logits.shape[0] == meta.num_rows, logits.shape
         logits = logits.float()
         if meta.needs_logit_edits:
@@ -163,18 +162,16 @@ def _nucleus(logits: torch.Tensor, probs: torch.Tensor, top_p: torch.Tensor,
 def _sample_random(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     """Token with probability softmax(logits)[i] per row, by inverse CDF: the first token
     whose cumulative mass exceeds u * total. Zero-probability tokens are never chosen.
-    Seeded rows draw u from their own generator; the rest from the global RNG."""
+    Seeded rows take u from meta.seeded_u; the rest from the global RNG."""
     probs = logits.softmax(dim=-1)
     cdf = probs.double().cumsum(dim=-1)                         # [B, V]
     total = cdf[:, -1:]
     u = torch.zeros_like(total)
-    seeded_rows = [row for row, gen in enumerate(meta.generators)
-                   if gen is not None and not meta.greedy_rows[row]]
+    seeded_rows = [row for row, su in enumerate(meta.seeded_u) if su is not None]
     if len(seeded_rows) < meta.num_rows - sum(meta.greedy_rows):
         u.uniform_()            # global RNG; seeded rows are overwritten below
     for row in seeded_rows:
-        gen = meta.generators[row]
-        u[row] = torch.rand(1, generator=gen, dtype=torch.float64, device=gen.device)
+        u[row] = meta.seeded_u[row]
     # NOTE: u * total must stay < total, else the search runs past the last token.
     target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
     sampled = torch.searchsorted(cdf, target, right=True).squeeze(1)

@@ -23,6 +23,12 @@ def needs_history(sp) -> bool:
 _needs_history = needs_history
 
 
+def output_position(st) -> int:
+    """The output index of the token a RunnerRequestState samples next (what a seeded
+    request's uniform is keyed by)."""
+    return len(st.token_ids) - st.num_prompt_tokens
+
+
 class StepSampler:
     def __init__(self, vocab_size: int, eos_token_ids: tuple[int, ...], device,
                  masker: GrammarMasker | None = None) -> None:
@@ -43,7 +49,7 @@ class StepSampler:
     def sample(self, logits: torch.Tensor, states: list
                ) -> tuple[list[int], list[dict[int, Logprob] | None] | None]:
         """logits [N, V] for the requests in `states` (RunnerRequestState) -> one token id
-        each, plus logprob dicts when any row asked. Advances seeded generators; masks
+        each, plus logprob dicts when any row asked. Masks
         the rows of constrained requests in `logits` in place (their grammar states are
         read, not advanced: the runner advances them with the tokens it keeps)."""
         if not states:
@@ -66,7 +72,7 @@ class StepSampler:
             else:
                 prompts.append([])
                 outputs.append([])
-        meta = SamplingMetadata.build(params, prompts, outputs, [st.generator for st in states],
+        meta = SamplingMetadata.build(params, prompts, outputs, [output_position(st) for st in states],
                                       self.eos_token_ids, self.vocab_size, self.device)
         out = self.sampler(logits, meta)
         lps = out.logprob_dicts() if meta.needs_logprobs else None

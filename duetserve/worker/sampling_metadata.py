@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from duetserve.sampling_params import SamplingParams
+from duetserve.worker.seeded import seeded_uniform
 
 
 @dataclass(slots=True)
@@ -38,7 +39,9 @@ class SamplingMetadata:
     bias_index: tuple[torch.Tensor, torch.Tensor] | None
     bias_values: torch.Tensor | None
     suppress_index: tuple[torch.Tensor, torch.Tensor] | None  # min_tokens: set to -inf
-    generators: list[torch.Generator | None]
+    # per row: the uniform u of a seeded random row (seeded_uniform(seed, its output
+    # position)); None for greedy and unseeded rows (the global RNG draws theirs)
+    seeded_u: list[float | None]
     num_logprobs: list[int | None]          # per row: None = no logprobs
     max_num_logprobs: int | None            # max over rows; None: no row asked
 
@@ -70,16 +73,17 @@ class SamplingMetadata:
 
     @classmethod
     def build(cls, params: list[SamplingParams], prompt_token_ids: list[list[int]],
-              output_token_ids: list[list[int]], generators: list[torch.Generator | None],
+              output_token_ids: list[list[int]], positions: list[int],
               eos_token_ids: tuple[int, ...], vocab_size: int,
               device: torch.device | str = "cpu") -> "SamplingMetadata":
         """Batch the rows' parameters. Row i uses params[i], its prompt and output so far
         (the tokens already generated, NOT including the one about to be sampled) and
-        generators[i] (None = global RNG). Reads its inputs; mutates nothing.
+        positions[i], the output index of the token about to be sampled (what a seeded
+        row's uniform is keyed by, worker/seeded.py). Reads its inputs; mutates nothing.
         Token ids outside [0, vocab_size) are ignored (validate_for_vocab rejects them at
         add-request time)."""
         num_rows = len(params)
-        assert len(prompt_token_ids) == len(output_token_ids) == len(generators) == num_rows
+        assert len(prompt_token_ids) == len(output_token_ids) == len(positions) == num_rows
         greedy = [p.is_greedy for p in params]
         all_greedy, all_random = all(greedy), not any(greedy)
 
@@ -135,7 +139,8 @@ class SamplingMetadata:
             repetition_values=repetition.values(device),
             additive_index=additive.index(device), additive_values=additive.values(device),
             suppress_index=suppress.index(device),
-            generators=list(generators),
+            seeded_u=[None if p.is_greedy or p.seed is None else seeded_uniform(p.seed, pos)
+                      for p, pos in zip(params, positions)],
             num_logprobs=num_logprobs,
             max_num_logprobs=max(asked) if asked else None,
         )

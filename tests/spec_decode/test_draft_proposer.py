@@ -28,7 +28,7 @@ def _proposer(loaded) -> DraftModelProposer:
 
 def _state(tokens: list[int]) -> RunnerRequestState:
     return RunnerRequestState("r", list(tokens), 10, SamplingParams(temperature=0.0),
-                              list(range(16)), 0, None)
+                              list(range(16)), 0)
 
 
 def _kv(p: DraftModelProposer, num: int) -> torch.Tensor:

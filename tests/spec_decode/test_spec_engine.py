@@ -163,7 +163,8 @@ def test_default_model_greedy_identical(pinned_lowbit, default_model_path) -> No
     assert spec.num_accepted_tokens > 0.9 * spec.num_draft_tokens   # its own draft
 
 
-def _joint_counts(llm: LLM, prompt: list[int], seeds: range) -> dict[tuple, int]:
+def _joint_counts(llm: LLM, prompt: list[int], seeds: list) -> dict[tuple, int]:
+    """seeds: one per sample (None: unseeded, the global RNG)."""
     params = [SamplingParams(temperature=1.3, top_k=4, top_p=0.9, max_tokens=4,
                              ignore_eos=True, seed=s) for s in seeds]
     counts: dict[tuple, int] = {}
@@ -180,7 +181,7 @@ CHI_OPTS = dict(max_num_batched_tokens=4096, max_num_seqs=256, max_waiting_reque
 
 @pytest.fixture(scope="module")
 def off_counts(tiny):
-    return _joint_counts(_llm(tiny, **CHI_OPTS), [117], range(CHI_N))
+    return _joint_counts(_llm(tiny, **CHI_OPTS), [117], list(range(CHI_N)))
 
 
 @pytest.mark.parametrize("subset", [False, True])
@@ -188,7 +189,9 @@ def test_sampled_distribution_unchanged_chi_square(tiny, draft_path, off_counts,
                                                    subset) -> None:
     """Two-sample chi-square (homogeneity) on the joint distribution of generated tokens
     (1, 2) and, separately, (2, 3), with and without a draft model whose distribution
-    differs from the target's; 1500 seeded samples each, p = 0.001 per table. A one-token
+    differs from the target's; 1500 samples each (seeded without speculation, unseeded
+    with it: rejection sampling; seeded ones are coupled, tested exactly by
+    test_seeded_tokens_same_with_and_without_speculation), p = 0.001 per table. A one-token
     prompt keeps every step a batch of single-token rows (fast). subset: the draft
     proposes only ids below the median id of the common first tokens (q = 0 for the
     others), and the target's tokens above it still come out as often as without
@@ -202,7 +205,7 @@ def test_sampled_distribution_unchanged_chi_square(tiny, draft_path, off_counts,
     spec_llm = _llm(tiny, {"method": "draft", "model": draft_path,
                            "num_speculative_tokens": 2, "adaptive": False,
                            "draft_vocab_size": draft_vocab_size}, **CHI_OPTS)
-    on = _joint_counts(spec_llm, [117], range(10 ** 6, 10 ** 6 + n))
+    on = _joint_counts(spec_llm, [117], [None] * n)     # unseeded: rejection sampling
     spec = spec_llm.engine.scheduler.make_stats().spec
     assert 0 < spec.num_accepted_tokens < spec.num_draft_tokens     # q != p really bites
     if subset:
@@ -229,14 +232,50 @@ def test_sampled_distribution_unchanged_chi_square(tiny, draft_path, off_counts,
         assert df >= 3 and stat < chi2_critical(df), (table, stat, df)
 
 
-def test_seeded_sampling_with_speculation_is_reproducible(tiny, draft_path) -> None:
-    spec = {"method": "draft", "model": draft_path, "num_speculative_tokens": 2}
-    params = [SamplingParams(temperature=1.0, top_p=0.95, max_tokens=12, seed=s)
-              for s in range(4)]
-    prompts = _prompts(tiny.config.vocab_size)[:4]
-    runs = [[o.outputs[0].token_ids for o in _llm(tiny, spec).generate(prompts, params)]
-            for _ in range(2)]
-    assert runs[0] == runs[1]
+def _seeded(llm: LLM, prompts, temperature: float = 1.0) -> list[list[int]]:
+    params = [SamplingParams(temperature=temperature, top_p=0.95, max_tokens=16,
+                             ignore_eos=True, seed=s) for s in range(len(prompts))]
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+
+def test_seeded_tokens_same_with_and_without_speculation(tiny, draft_path) -> None:
+    """Seeded sampled requests are verified by coupling (rejection.py): their tokens equal
+    the plain run's, whatever number of drafts the adaptive policy (measured step times:
+    not reproducible) verified, and whatever the batch or a preemption did."""
+    prompts = _prompts(tiny.config.vocab_size)[:8]
+    base = _seeded(_llm(tiny), prompts)
+    assert _seeded(_llm(tiny), prompts[:1]) == base[:1]             # alone = in a batch
+    spec = {"method": "draft", "model": draft_path, "num_speculative_tokens": 3}
+    adaptive = _llm(tiny, spec)
+    assert _seeded(adaptive, prompts) == base
+    fixed = _llm(tiny, {**spec, "adaptive": False}, num_gpu_blocks_override=40, block_size=8)
+    assert _seeded(fixed, prompts) == base
+    assert fixed.engine.scheduler.num_preemptions > 0
+    stats = fixed.engine.scheduler.make_stats().spec
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens   # both outcomes happen
+    _check_clean(fixed)
+
+
+def test_default_model_seeded_identical(pinned_lowbit, default_model_path) -> None:
+    """The coupled verifier on a real model: n-gram and (its own checkpoint as) draft
+    model, many drafts accepted, seeded tokens equal to the plain run's."""
+    loaded = pinned_lowbit
+    tok = loaded.tokenizer
+    texts = ["def add(a, b):\n    return a + b\n\ndef sub(a, b):\n", "1, 2, 3, 4, 5,",
+             "Repeat after me: the quick brown fox. The quick", "for i in range(10):\n"]
+    prompts = [tok.encode(t) for t in texts]
+    base = _seeded(_llm(loaded, max_num_batched_tokens=4096), prompts, temperature=0.7)
+    ngram = _llm(loaded, {**NGRAM, "prompt_lookup_min": 2},
+                 max_num_batched_tokens=4096)
+    assert _seeded(ngram, prompts, temperature=0.7) == base
+    assert ngram.engine.scheduler.make_stats().spec.num_accepted_tokens > 0
+    draft = _llm(loaded, {"method": "draft", "model": default_model_path,
+                          "num_speculative_tokens": 3, "adaptive": False,
+                          "quantization": "auto"},
+                 max_num_batched_tokens=4096)
+    assert _seeded(draft, prompts, temperature=0.7) == base
+    spec = draft.engine.scheduler.make_stats().spec
+    assert spec.num_accepted_tokens > 0.9 * spec.num_draft_tokens   # its own draft
 
 
 def test_draft_with_another_vocabulary_is_refused(tiny, draft_path, tmp_path) -> None:

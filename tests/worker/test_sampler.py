@@ -40,12 +40,12 @@ def expected(kept: list[float]) -> torch.Tensor:
 
 
 def build(params: list[SamplingParams], outputs: list[list[int]] | None = None,
-          prompts: list[list[int]] | None = None, generators=None,
-          vocab_size: int = V) -> SamplingMetadata:
+          prompts: list[list[int]] | None = None, vocab_size: int = V) -> SamplingMetadata:
     num = len(params)
+    outputs = outputs or [[] for _ in range(num)]
     return SamplingMetadata.build(
-        params, prompts or [[] for _ in range(num)], outputs or [[] for _ in range(num)],
-        generators or [None] * num, EOS, vocab_size, "cpu")
+        params, prompts or [[] for _ in range(num)], outputs, [len(o) for o in outputs],
+        EOS, vocab_size, "cpu")
 
 
 def chi2_critical(df: int, p_upper: float = 1e-3) -> float:
@@ -97,10 +97,8 @@ def test_sampling_frequencies_match_processed_distribution(name: str) -> None:
 
 def test_seeded_rows_match_distribution() -> None:
     num = 4000
-    params = SamplingParams(temperature=1.0, top_p=0.7, seed=0)
-    gens = [torch.Generator().manual_seed(1000 + i) for i in range(num)]
-    out = Sampler()(base_logits().expand(num, V).contiguous(),
-                    build([params] * num, generators=gens))
+    params = [SamplingParams(temperature=1.0, top_p=0.7, seed=1000 + i) for i in range(num)]
+    out = Sampler()(base_logits().expand(num, V).contiguous(), build(params))
     assert_matches(out.sampled_token_ids, expected(BASE[:3]))
 
 
@@ -154,8 +152,6 @@ def _run_steps(row_params: list[SamplingParams], target: int, num_steps: int,
                seed_of_logits: int, vocab: int = 50) -> list[int]:
     """Run the sampler step by step, feeding back each row's tokens; return the target's
     tokens. Each row's logits depend only on (row's params identity, step)."""
-    gens = [None if p.seed is None else torch.Generator().manual_seed(p.seed)
-            for p in row_params]
     outputs: list[list[int]] = [[] for _ in row_params]
     prompts = [[1, 2, 3] for _ in row_params]
     sampler = Sampler()
@@ -165,7 +161,8 @@ def _run_steps(row_params: list[SamplingParams], target: int, num_steps: int,
             g = torch.Generator().manual_seed(seed_of_logits + 97 * step + (0 if i == target
                                                                              else 1 + i))
             rows.append(torch.randn(vocab, generator=g) * 3)
-        meta = SamplingMetadata.build(row_params, prompts, outputs, gens, EOS, vocab, "cpu")
+        meta = SamplingMetadata.build(row_params, prompts, outputs,
+                                      [len(o) for o in outputs], EOS, vocab, "cpu")
         sampled = sampler(torch.stack(rows), meta).sampled_token_ids.tolist()
         for i, tok in enumerate(sampled):
             outputs[i].append(tok)
@@ -207,8 +204,8 @@ def test_logprobs_of_processed_distribution() -> None:
               SamplingParams(temperature=1.0),                       # no logprobs
               SamplingParams(temperature=1.2, top_p=0.8, logprobs=0, seed=4)]
     outputs = [[1, 2], [1, 2, 2], [], [5]]
-    gens = [None, None, None, torch.Generator().manual_seed(4)]
-    meta = SamplingMetadata.build(params, [[0]] * 4, outputs, gens, EOS, vocab, "cpu")
+    meta = SamplingMetadata.build(params, [[0]] * 4, outputs, [len(o) for o in outputs], EOS,
+                                  vocab, "cpu")
     out = Sampler()(logits, meta)
     dicts = out.logprob_dicts()
     penalised = apply_logit_edits(logits, meta)
