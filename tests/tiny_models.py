@@ -45,13 +45,14 @@ TINY_VARIANTS = {
 }
 
 
-def make_tiny_checkpoint(path: str, variant: str, seed: int = 0) -> str:
-    """Save a random-weight transformers model of `variant` as a HF folder at `path`."""
+def make_tiny_checkpoint(path: str, variant: str, seed: int = 0, **sizes) -> str:
+    """Save a random-weight transformers model of `variant` as a HF folder at `path`
+    (`sizes` override TINY's, e.g. hidden_size)."""
     from transformers import (AutoModelForCausalLM, LlamaConfig, MistralConfig,
                               Qwen2Config)
     arch, extra = TINY_VARIANTS[variant]
     cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[arch]
-    cfg = cls(**TINY, **extra)
+    cfg = cls(**{**TINY, **sizes}, **extra)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():   # random init is tiny; make logits spread so greedy is stable

@@ -20,6 +20,18 @@
 //   A 64-byte row chunk is one 512-bit load: lane i of the low/high nibble vectors is
 //   group i's elements 0-15 / 16-31, so the activation is stored in that order
 //   (chunk c: 64 bytes of "low" elements, then 64 bytes of "high" elements).
+// q6 weights (GGUF Q6_K, kept exactly): w = d * sc * (q - 32), q in 0..63, an int8 scale sc
+//   per 16 weights along K and a float16 d per row and 256 (stored once per 128 here):
+//   packed [ceil(N/4), K/128, 424] uint8. Per block of 4 rows and 128 weights of each: the
+//   rows' low nibbles (64 bytes each, q4's order), the rows' top two bits (32 bytes each),
+//   sc as int8 [half][group][row] (32 bytes; half 0 = elements 0-15 of a group of 32, half
+//   1 = 16-31: lane 4g + r of a 16-lane vector, as the dot sums come out), then d [4 rows]
+//   as float16 (8 bytes). Top bits: in "vector order" (the nibbles' low vector, element
+//   p = 16 i + j is group i's element j; the high vector the same for elements 16 + j),
+//   byte b holds low p = b in bits 4-5, low b + 32 in bits 6-7, high b in bits 0-1 and
+//   high b + 32 in bits 2-3, so one 32-byte load broadcast to both halves of a register
+//   and shifted by per-half counts puts every weight's top bits at bits 4-5 of its byte.
+//   Per half-group: sum_k w_k x_k = d sc dx (sum_k q_k xq_k - 32 sum_k xq_k).
 // q8 weights, one float32 scale per row: w = s_n * q, packed like q4 for streaming:
 //   packed [ceil(N/4), ceil(K/64), 256] int8: per block of 4 rows, 64 columns of each row
 //   in turn; rows and columns past N and K are zero.
@@ -47,6 +59,8 @@ constexpr int64_t G = 32;       // group size along K
 constexpr int64_t CH = 4;       // q4: groups per 512-bit chunk
 constexpr int64_t Q4_BLOCK = 4 * 64 + 2 * 32;   // q4: bytes per block of 4 rows x 4 groups
 constexpr int64_t Q8_BLOCK = 4 * 64;            // q8: bytes per block of 4 rows x 64 columns
+constexpr int64_t Q6_TOP = 4 * 64, Q6_SC = Q6_TOP + 4 * 32, Q6_D = Q6_SC + 32;
+constexpr int64_t Q6_BLOCK = Q6_D + 8;          // q6: bytes per block of 4 rows x 128 columns
 // q4/q8 blocks prefetch two chunks ahead in their one stream.
 
 inline float half_to_float(uint16_t h) {
@@ -88,10 +102,12 @@ struct QuantizedX {
   std::vector<float> d, s;
   std::vector<float> d16;  // q4: per row and chunk, dx of its 4 groups, each 4 times
   std::vector<float> s16;  // q4: the same for xs (dx * sum of the group's xq)
+  std::vector<float> l16, h16;  // q6: 32 * dx * sum of xq over elements 0-15 / 16-31, as d16
   int64_t gp;  // padded groups per row
 };
 
-QuantizedX quantize_x(const float* x, int64_t M, int64_t K, bool q4_order, int64_t pad_to) {
+QuantizedX quantize_x(const float* x, int64_t M, int64_t K, bool q4_order, int64_t pad_to,
+                      bool halves = false) {
   QuantizedX out;
   const int64_t ng = K / G;
   out.gp = (ng + pad_to - 1) / pad_to * pad_to;
@@ -111,6 +127,21 @@ QuantizedX quantize_x(const float* x, int64_t M, int64_t K, bool q4_order, int64
           out.s16[(m * out.gp + g) * 4 + r] = out.s[m * out.gp + g];
         }
   }
+  if (halves) {     // q4 order: group g's elements 0-15 at c*128 + i*16, 16-31 at +64
+    out.l16.resize(M * out.gp * 4);
+    out.h16.resize(M * out.gp * 4);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t g = 0; g < out.gp; ++g) {
+        const int8_t* q = out.q.data() + m * out.gp * G + (g / CH) * CH * G + (g % CH) * 16;
+        int32_t lo = 0, hi = 0;
+        for (int j = 0; j < 16; ++j) { lo += q[j]; hi += q[64 + j]; }
+        const float d = out.d[m * out.gp + g];
+        for (int r = 0; r < 4; ++r) {
+          out.l16[(m * out.gp + g) * 4 + r] = 32.f * d * static_cast<float>(lo);
+          out.h16[(m * out.gp + g) * 4 + r] = 32.f * d * static_cast<float>(hi);
+        }
+      }
+  }
   return out;
 }
 
@@ -124,6 +155,16 @@ inline void dispatch(int64_t mm, F&& f) {
     case 3: f(std::integral_constant<int, 3>{}); break;
     default: f(std::integral_constant<int, 4>{}); break;
   }
+}
+
+// Per 128-bit lane (one group): the 4 weight rows' dots d[0..3], each summed over its 4
+// int32 lanes, into lanes 4g + r (row r, group g).
+inline __m512i reduce_4x4(const __m512i* d) {
+  const __m512i u0 = _mm512_add_epi32(_mm512_unpacklo_epi32(d[0], d[1]),
+                                      _mm512_unpackhi_epi32(d[0], d[1]));
+  const __m512i u1 = _mm512_add_epi32(_mm512_unpacklo_epi32(d[2], d[3]),
+                                      _mm512_unpackhi_epi32(d[2], d[3]));
+  return _mm512_add_epi32(_mm512_unpacklo_epi64(u0, u1), _mm512_unpackhi_epi64(u0, u1));
 }
 
 // Weight rows 4 nb .. 4 nb + 3 (one packed block) against activation rows m0 .. m0 + MM - 1.
@@ -164,17 +205,72 @@ void q4_block(const uint8_t* pk, const QuantizedX& X, float* y, int64_t nch, int
       for (int r = 0; r < 4; ++r)
         d[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[r], xlo),
                                    hi[r], xhi);
-      // per 128-bit lane (one group): [d0 d1 d2 d3] summed over their 4 lanes each
-      const __m512i u0 = _mm512_add_epi32(_mm512_unpacklo_epi32(d[0], d[1]),
-                                          _mm512_unpackhi_epi32(d[0], d[1]));
-      const __m512i u1 = _mm512_add_epi32(_mm512_unpacklo_epi32(d[2], d[3]),
-                                          _mm512_unpackhi_epi32(d[2], d[3]));
-      const __m512i e = _mm512_add_epi32(_mm512_unpacklo_epi64(u0, u1),
-                                         _mm512_unpackhi_epi64(u0, u1));
+      const __m512i e = reduce_4x4(d);
       const int64_t off = ((m0 + i) * gp + c * CH) * 4;
       acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(e),
                                              _mm512_loadu_ps(X.d16.data() + off)), dv, acc[i]);
       acc[i] = _mm512_fmadd_ps(mv, _mm512_loadu_ps(X.s16.data() + off), acc[i]);
+    }
+  }
+  for (int i = 0; i < MM; ++i) {
+    alignas(64) float a[16];
+    _mm512_store_ps(a, acc[i]);
+    for (int r = 0; r < 4 && nb * 4 + r < N; ++r)
+      y[(m0 + i) * N + nb * 4 + r] = (a[r] + a[4 + r]) + (a[8 + r] + a[12 + r]);
+  }
+}
+
+// The same for a q6 weight: the low and high halves of each group have their own scale, so
+// their dots are reduced and scaled separately.
+template <int MM>
+void q6_block(const uint8_t* pk, const QuantizedX& X, float* y, int64_t nch, int64_t N,
+              int64_t nb, int64_t m0) {
+  const int64_t gp = X.gp;
+  const uint8_t* base = pk + nb * nch * Q6_BLOCK;
+  const __m512i low4 = _mm512_set1_epi8(0x0F), top2 = _mm512_set1_epi8(0x30);
+  // per 16-bit word: the low vector's bytes 0-31 keep bits 4-5, bytes 32-63 shift 6-7 down;
+  // the high vector's shift 0-1 / 2-3 up to 4-5
+  const __m512i cnt_lo = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+  const __m512i cnt_hi = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16(4)),
+                                            _mm256_set1_epi16(2), 1);
+  const __m512i rows = _mm512_setr_epi32(0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3);
+  __m512 acc[MM];
+  for (int i = 0; i < MM; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < nch; ++c) {
+    const uint8_t* blk = base + c * Q6_BLOCK;
+    for (int l = 0; l < (Q6_BLOCK + 63) / 64; ++l)
+      _mm_prefetch(reinterpret_cast<const char*>(blk + 2 * Q6_BLOCK + l * 64), _MM_HINT_T0);
+    const __m512 dv = _mm512_permutexvar_ps(rows, _mm512_cvtph_ps(_mm256_castsi128_si256(
+        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + Q6_D)))));
+    const __m512 slo = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + Q6_SC)))));
+    const __m512 shi = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + Q6_SC + 16)))));
+    __m512i lo[4], hi[4];
+    for (int r = 0; r < 4; ++r) {
+      const __m512i w = _mm512_loadu_si512(blk + r * 64);
+      const __m512i t = _mm512_broadcast_i64x4(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + Q6_TOP + r * 32)));
+      lo[r] = _mm512_or_si512(_mm512_and_si512(w, low4),
+                              _mm512_and_si512(_mm512_srlv_epi16(t, cnt_lo), top2));
+      hi[r] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(w, 4), low4),
+                              _mm512_and_si512(_mm512_sllv_epi16(t, cnt_hi), top2));
+    }
+    for (int i = 0; i < MM; ++i) {
+      const int8_t* xq = X.q.data() + (m0 + i) * gp * G + c * CH * G;
+      const __m512i xlo = _mm512_loadu_si512(xq), xhi = _mm512_loadu_si512(xq + 64);
+      __m512i dl[4], dh[4];
+      for (int r = 0; r < 4; ++r) {
+        dl[r] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[r], xlo);
+        dh[r] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi[r], xhi);
+      }
+      const int64_t off = ((m0 + i) * gp + c * CH) * 4;
+      const __m512 dx = _mm512_loadu_ps(X.d16.data() + off);
+      const __m512 tl = _mm512_fmsub_ps(_mm512_cvtepi32_ps(reduce_4x4(dl)), dx,
+                                        _mm512_loadu_ps(X.l16.data() + off));
+      const __m512 th = _mm512_fmsub_ps(_mm512_cvtepi32_ps(reduce_4x4(dh)), dx,
+                                        _mm512_loadu_ps(X.h16.data() + off));
+      acc[i] = _mm512_fmadd_ps(tl, slo, _mm512_fmadd_ps(th, shi, acc[i]));
     }
   }
   for (int i = 0; i < MM; ++i) {
@@ -297,6 +393,56 @@ void q4_rows(const uint8_t* pk, const QuantizedX& X, float* y, int64_t nch, int6
 #endif
 }
 
+// Weight element (row r of the block, group i of the chunk, element k of the group) of a q6
+// block: its 6-bit q (0..63) and its scale d * sc.
+inline int q6_q(const uint8_t* blk, int r, int i, int k) {
+  const int j = k % 16, p = i * 16 + j;
+  const uint8_t nib = k < 16 ? (blk[r * 64 + i * 16 + j] & 15) : (blk[r * 64 + i * 16 + j] >> 4);
+  const int shift = k < 16 ? (p < 32 ? 4 : 6) : (p < 32 ? 0 : 2);
+  return nib | (((blk[Q6_TOP + r * 32 + p % 32] >> shift) & 3) << 4);
+}
+
+inline float q6_scale(const uint8_t* blk, int r, int i, int k) {
+  const int8_t sc = static_cast<int8_t>(blk[Q6_SC + (k < 16 ? 0 : 16) + i * 4 + r]);
+  return half_to_float(reinterpret_cast<const uint16_t*>(blk + Q6_D)[r]) * float(sc);
+}
+
+void q6_rows(const uint8_t* pk, const QuantizedX& X, float* y, int64_t nch, int64_t N,
+             int64_t b0, int64_t b1, int64_t m0, int64_t mm) {
+#if defined(DUET_VNNI)
+  dispatch(mm, [&](auto MM) {
+    for (int64_t nb = b0; nb < b1; ++nb) q6_block<MM.value>(pk, X, y, nch, N, nb, m0);
+  });
+#else
+  const int64_t gp = X.gp;
+  for (int64_t n = b0 * 4; n < std::min(N, b1 * 4); ++n) {
+    const uint8_t* base = pk + (n / 4) * nch * Q6_BLOCK;
+    const int r = static_cast<int>(n % 4);
+    for (int64_t i = 0; i < mm; ++i) {
+      const int8_t* xq = X.q.data() + (m0 + i) * gp * G;
+      float total = 0.f;
+      for (int64_t c = 0; c < nch; ++c) {
+        const uint8_t* blk = base + c * Q6_BLOCK;
+        for (int lane = 0; lane < CH; ++lane) {
+          const int64_t g = c * CH + lane;
+          for (int half = 0; half < 2; ++half) {
+            int32_t dot = 0, xsum = 0;
+            for (int j = 0; j < 16; ++j) {
+              const int8_t xv = xq[c * CH * G + half * 64 + lane * 16 + j];
+              dot += q6_q(blk, r, lane, half * 16 + j) * xv;
+              xsum += xv;
+            }
+            total += q6_scale(blk, r, lane, half * 16) * X.d[(m0 + i) * gp + g] *
+                     float(dot - 32 * xsum);
+          }
+        }
+      }
+      y[(m0 + i) * N + n] = total;
+    }
+  }
+#endif
+}
+
 void q8_rows(const int8_t* pk, const float* ws, const QuantizedX& X, float* y, int64_t npairs,
              int64_t N, int64_t b0, int64_t b1, int64_t m0, int64_t mm) {
 #if defined(DUET_VNNI)
@@ -358,6 +504,28 @@ torch::Tensor q4_gemv(torch::Tensor x, torch::Tensor packed, int64_t N) {
   at::parallel_for(0, packed.size(0), ROWS_PER_TASK / 4, [&](int64_t b0, int64_t b1) {
     tiled_passes(b0, b1, nch * Q4_BLOCK, M, [&](int64_t t0, int64_t t1, int64_t m0, int64_t mm) {
       q4_rows(pp, X, yp, nch, N, t0, t1, m0, mm);
+    });
+  });
+  return y;
+}
+
+torch::Tensor q6_gemv(torch::Tensor x, torch::Tensor packed, int64_t N) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be float32 [M, K]");
+  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() &&
+              packed.dim() == 3 && packed.size(2) == Q6_BLOCK,
+              "packed: uint8 [ceil(N/4), K/128, 424]");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), nch = packed.size(1);
+  TORCH_CHECK(K % 128 == 0 && nch == K / 128 && packed.size(0) == (N + 3) / 4,
+              "shape mismatch");
+  auto y = torch::empty({M, N}, x.options());
+  const QuantizedX X = quantize_x(x.data_ptr<float>(), M, K, /*q4_order=*/true, CH,
+                                  /*halves=*/true);
+  const uint8_t* pp = packed.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, packed.size(0), ROWS_PER_TASK / 4, [&](int64_t b0, int64_t b1) {
+    tiled_passes(b0, b1, nch * Q6_BLOCK, M, [&](int64_t t0, int64_t t1, int64_t m0, int64_t mm) {
+      q6_rows(pp, X, yp, nch, N, t0, t1, m0, mm);
     });
   });
   return y;
@@ -443,6 +611,52 @@ torch::Tensor q4_dequant_bf16(torch::Tensor packed, int64_t K, int64_t a, int64_
           orow[g * G + 16 + j] = at::BFloat16(dv * float(blk[j] >> 4) + mv);
         }
 #endif
+      }
+    }
+  });
+  return out;
+}
+
+// Rows [a, b) of a packed q6 weight as dense bfloat16 [b - a, K] (the many-row path).
+torch::Tensor q6_dequant_bf16(torch::Tensor packed, int64_t K, int64_t a, int64_t b) {
+  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() &&
+              packed.dim() == 3 && packed.size(2) == Q6_BLOCK, "packed: uint8 [.., .., 424]");
+  const int64_t nch = packed.size(1);
+  TORCH_CHECK(K % 128 == 0 && nch == K / 128, "K does not match the packed weight");
+  TORCH_CHECK(0 <= a && a < b && b <= packed.size(0) * 4, "row range out of bounds");
+  auto out = torch::empty({b - a, K}, packed.options().dtype(torch::kBFloat16));
+  const uint8_t* pp = packed.data_ptr<uint8_t>();
+  at::BFloat16* op = out.data_ptr<at::BFloat16>();
+  at::parallel_for(a, b, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t n = r0; n < r1; ++n) {
+      at::BFloat16* orow = op + (n - a) * K;
+      const uint8_t* base = pp + (n / 4) * nch * Q6_BLOCK;
+      const int r = static_cast<int>(n % 4);
+      for (int64_t c = 0; c < nch; ++c) {
+        const uint8_t* blk = base + c * Q6_BLOCK;
+        for (int i = 0; i < CH; ++i) {
+          at::BFloat16* o = orow + (c * CH + i) * G;
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+          const __m512i nib = _mm512_cvtepu8_epi32(
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + r * 64 + i * 16)));
+          const __m512i top = _mm512_cvtepu8_epi32(_mm_loadu_si128(
+              reinterpret_cast<const __m128i*>(blk + Q6_TOP + r * 32 + (i % 2) * 16)));
+          const __m512i three = _mm512_set1_epi32(3), off = _mm512_set1_epi32(32);
+          const __m512i qlo = _mm512_or_si512(_mm512_and_si512(nib, _mm512_set1_epi32(15)),
+              _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(top, i < 2 ? 4 : 6), three), 4));
+          const __m512i qhi = _mm512_or_si512(_mm512_srli_epi32(nib, 4),
+              _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(top, i < 2 ? 0 : 2), three), 4));
+          const __m512 slo = _mm512_set1_ps(q6_scale(blk, r, i, 0));
+          const __m512 shi = _mm512_set1_ps(q6_scale(blk, r, i, 16));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), (__m256i)_mm512_cvtneps_pbh(
+              _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(qlo, off)), slo)));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16), (__m256i)_mm512_cvtneps_pbh(
+              _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(qhi, off)), shi)));
+#else
+          for (int k = 0; k < 32; ++k)
+            o[k] = at::BFloat16(q6_scale(blk, r, i, k) * float(q6_q(blk, r, i, k) - 32));
+#endif
+        }
       }
     }
   });

@@ -117,6 +117,13 @@ class GGUFTensor:
         b = self.shape[0] if b is None else b
         return _DECODERS[self.type](self._raw(a, b), self.shape[1])
 
+    def q6_k_parts(self, a: int = 0, b: int | None = None):
+        """For a Q6_K tensor, rows [a, b) as (q uint8 [n, K] in 0..63, sc int8 [n, K/16],
+        d float16 [n, K/256]) with w = d * sc * (q - 32) exactly (the file's own numbers)."""
+        assert self.type == "Q6_K", self.type
+        b = self.shape[0] if b is None else b
+        return _q6_k(self._raw(a, b), self.shape[1])
+
 
 def _f16(raw: np.ndarray, off: int, n: int = 1) -> np.ndarray:
     return raw[:, off:off + 2 * n].copy().view(np.float16).astype(np.float32)
@@ -165,3 +172,20 @@ def _q4_k(raw: np.ndarray, cols: int):
 
 
 _DECODERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k}
+
+
+def _q6_k(raw: np.ndarray, cols: int):
+    """Q6_K blocks of 256 [ql 128 | qh 64 | sc 16 int8 | d f16]: per half of 128, element
+    l + 32 s (s = 0..3) has its low 4 bits in ql (byte l or l + 32 of the half, low nibble
+    for s < 2) and its top 2 bits in bits 2 s of qh byte l."""
+    n = raw.shape[0]
+    nb = cols // 256
+    blocks = raw.reshape(n, nb, 210)
+    ql = blocks[..., :128].reshape(n, nb, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(2, 1)
+    ql = (ql & 15).reshape(n, nb, 2, 4, 32)
+    qh = blocks[..., 128:192].reshape(n, nb, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)
+    qh = (qh & 3).reshape(n, nb, 2, 4, 32)
+    q = (ql | (qh << 4)).reshape(n, cols)
+    sc = blocks[..., 192:208].copy().view(np.int8).reshape(n, nb * 16)
+    d = blocks[..., 208:210].copy().view(np.float16).reshape(n, nb)
+    return q, sc, d

@@ -10,8 +10,11 @@ AVX512-VNNI, one float scale per group), else plain torch:
   csrc/lowbit_gemv.cpp). GGUF Q4_0 and
   Q4_1 map onto it losslessly; Q4_K's per-sub-block `d * sc` and `-dmin * mn` are rounded
   to float16: |error| <= 2^-11 (|d q| + |m|) per weight (+ 2^-25 for float16 subnormals).
-- `Int8Weight`: one scale per output row, symmetric. Formats that are not 4-bit (Q5_x,
-  Q6_K, Q8_0, and float checkpoints) are requantized into it: |error| <= scale / 2 =
+- `Int6Weight`: GGUF Q6_K kept exactly, `w = d * sc * (q - 32)`, q in 0..63, an int8 sc
+  per 16 weights and a float16 d per 128 (0.828 bytes per weight against the file's
+  0.820), in blocks of 4 rows x 128 columns (layout in csrc/lowbit_gemv.cpp).
+- `Int8Weight`: one scale per output row, symmetric. Formats that are neither 4-bit nor
+  Q6_K (Q5_x, Q8_0, and float checkpoints) are requantized into it: |error| <= scale / 2 =
   max|w_row| / 254 per weight (+ the bfloat16 rounding of the scale, 2^-8 relative).
 
 The int8 activations add their own error to a product: per group, |x - dx xq| <= dx / 2
@@ -130,6 +133,104 @@ class Int4Weight:
         return self.packed.numel()
 
 
+class Int6Weight:
+    """`packed` [ceil(N/4), K/128, 424] uint8: per block of 4 rows and 128 columns, the
+    rows' low nibbles (64 bytes each, Int4Weight's order), their top two bits (32 bytes
+    each), sc int8 [half][group][row] (32 bytes) and d [4 rows] float16;
+    w = d * sc * (q - 32). Padding rows are zero (sc = 0)."""
+
+    bits = 6
+    BLOCK = 4 * 64 + 4 * 32 + 32 + 8
+
+    def __init__(self, q: torch.Tensor, sc: torch.Tensor, d: torch.Tensor) -> None:
+        """q: [N, K] uint8 in 0..63; sc: [N, K/16] int8; d: [N, K/128] float16."""
+        n, k = q.shape
+        if k % 128:
+            raise ValueError(f"6-bit blocks need K % 128 == 0, got K = {k}")
+        self.shape = (n, k)
+        nb, nch = -(-n // 4), k // 128
+        rows = nb * 4
+        qp = torch.zeros(rows, k, dtype=torch.uint8)
+        qp[:n] = q
+        g = qp.view(rows, nch, 4, 32)
+        nib = (g[..., :16] & 15) | ((g[..., 16:] & 15) << 4)                 # [R, nch, 4, 16]
+        top = g >> 4
+        lo, hi = top[..., :16].reshape(rows, nch, 64), top[..., 16:].reshape(rows, nch, 64)
+        tb = (lo[..., :32] << 4) | (lo[..., 32:] << 6) | hi[..., :32] | (hi[..., 32:] << 2)
+        scp = torch.zeros(rows, k // 16, dtype=torch.int8)
+        scp[:n] = sc
+        dp = torch.zeros(rows, nch, dtype=torch.float16)
+        dp[:n] = d
+        self.packed = torch.cat([
+            nib.reshape(nb, 4, nch, 64).permute(0, 2, 1, 3).reshape(nb, nch, 256),
+            tb.reshape(nb, 4, nch, 32).permute(0, 2, 1, 3).reshape(nb, nch, 128),
+            scp.view(nb, 4, nch, 4, 2).permute(0, 2, 4, 3, 1).reshape(nb, nch, 32)
+               .contiguous().view(torch.uint8),
+            dp.view(nb, 4, nch).permute(0, 2, 1).contiguous().view(torch.uint8),
+        ], dim=-1).contiguous()
+
+    @classmethod
+    def from_q6_k(cls, q, sc, d) -> "Int6Weight":
+        """From GGUF Q6_K's numbers (GGUFTensor.q6_k_parts: d per 256, here per 128)."""
+        return cls(torch.as_tensor(q), torch.as_tensor(sc),
+                   torch.as_tensor(d).repeat_interleave(2, dim=1))
+
+    def parts(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rows `ids` [n] unpacked: (q [n, K] uint8, sc [n, K/16] int8, d [n, K/128] f16)."""
+        nb, nch, _ = self.packed.shape
+        n = len(ids)
+        nib = _block_rows(self.packed[..., :256].view(nb, nch, 4, 64), ids).view(n, nch, 4, 16)
+        tb = _block_rows(self.packed[..., 256:384].view(nb, nch, 4, 32), ids)   # [n, nch, 32]
+        lo = torch.cat([(tb >> 4) & 3, (tb >> 6) & 3], dim=-1).view(n, nch, 4, 16)
+        hi = torch.cat([tb & 3, (tb >> 2) & 3], dim=-1).view(n, nch, 4, 16)
+        q = torch.cat([(nib & 15) | (lo << 4), (nib >> 4) | (hi << 4)], dim=-1)
+        sc = self.packed[..., 384:416].view(torch.int8).view(nb, nch, 2, 4, 4)
+        sc = sc[ids // 4, :, :, :, ids % 4].permute(0, 1, 3, 2)              # [n, nch, 4, 2]
+        d = self.packed[..., 416:].view(torch.float16).view(nb, nch, 4)[ids // 4, :, ids % 4]
+        return q.reshape(n, -1), sc.reshape(n, -1), d
+
+    @staticmethod
+    def _decode(q: torch.Tensor, sc: torch.Tensor, d: torch.Tensor,
+                dtype: torch.dtype) -> torch.Tensor:
+        """Unpacked rows -> dense [rows, K] in dtype: (d * sc) * (q - 32) in float32, as
+        GGUF's own dequantization computes it."""
+        n = q.shape[0]
+        scale = d.float().repeat_interleave(8, dim=1) * sc.float()             # [n, K/16]
+        w = scale[..., None] * (q.view(n, -1, 16).float() - 32.0)
+        return w.reshape(n, -1).to(dtype)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] -> [M, N] float32 (see Int4Weight.matmul)."""
+        if _NATIVE is not None:
+            return _NATIVE.q6_gemv(x.float(), self.packed, self.shape[0])
+        return F.linear(x.float(), self.dequantize())
+
+    def dequantize(self, dtype: torch.dtype = torch.float32, a: int = 0,
+                   b: int | None = None) -> torch.Tensor:
+        """Rows [a, b) as a dense [b - a, K] tensor."""
+        b = self.shape[0] if b is None else b
+        if _NATIVE is not None and dtype == torch.bfloat16:
+            return _NATIVE.q6_dequant_bf16(self.packed, self.shape[1], a, b)
+        return self._decode(*self.parts(torch.arange(a, b)), dtype)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Dequantized rows `ids` [n] -> [n, K] float32 (embedding lookup)."""
+        return self._decode(*self.parts(ids.reshape(-1)), torch.float32).view(*ids.shape, -1)
+
+    def prefix(self, n: int) -> "Int6Weight":
+        """Rows [0, n) as a weight sharing this one's storage (see Int4Weight.prefix)."""
+        if not 0 < n <= self.shape[0]:
+            raise ValueError(f"row prefix {n} outside 1..{self.shape[0]}")
+        out = object.__new__(Int6Weight)
+        out.shape = (n, self.shape[1])
+        out.packed = self.packed[:-(-n // 4)]
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel()
+
+
 class Int8Weight:
     """int8 [N, K] + one bfloat16 scale per row, packed like `Int4Weight` for streaming:
     `packed` [ceil(N/4), ceil(K/64), 256] int8, per block of 4 rows 64 columns of each row
@@ -191,7 +292,7 @@ class Int8Weight:
         return self.packed.numel() + self.scale.numel() * 2
 
 
-QuantWeight = Int4Weight | Int8Weight
+QuantWeight = Int4Weight | Int6Weight | Int8Weight
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,8 +15,8 @@ from gguf_helpers import k_quant_blocks
 from duetserve.loader import load_model
 from duetserve.loader.gguf_blocks import GGUFTensor
 from duetserve.loader.gguf_file import open_gguf
-from duetserve.models.quant import (Int4Weight, Int8Weight, QuantEmbedding, QuantLinear,
-                                    int4_groups_from_float, quantize_int8)
+from duetserve.models.quant import (Int4Weight, Int6Weight, Int8Weight, QuantEmbedding,
+                                    QuantLinear, int4_groups_from_float, quantize_int8)
 
 ROWS, COLS = 64, 512      # int4 packing works in blocks of 64 rows
 
@@ -72,8 +72,25 @@ def test_packed_int4_within_f16_scale_bound(quant_file, name):
     assert torch.equal(packed.rows(ids), packed.dequantize()[ids])
 
 
+def test_q6_k_packs_exactly(quant_file):
+    """Q6_K's own numbers (q, sc, d) survive packing: the dequantization is gguf's, bit
+    for bit, through the packed form, whole and by rows."""
+    src = GGUFTensor("Q6_K", quant_file["Q6_K"])
+    q, sc, d = src.q6_k_parts()
+    assert q.dtype == np.uint8 and q.max() <= 63 and sc.dtype == np.int8
+    packed = Int6Weight.from_q6_k(q, sc, d)
+    back = packed.parts(torch.arange(ROWS))
+    assert torch.equal(back[0], torch.from_numpy(q)) and torch.equal(back[1], torch.from_numpy(sc))
+    np.testing.assert_array_equal(packed.dequantize().numpy(), _reference(quant_file["Q6_K"]))
+    ids = torch.tensor([0, 1, 31, 32, 33, 63])
+    assert torch.equal(packed.rows(ids), packed.dequantize()[ids])
+    assert packed.nbytes == ROWS * COLS * 53 // 64      # 6.625 bits a weight
+
+
 @pytest.mark.parametrize("name", ["Q8_0", "Q5_0", "Q6_K"])
 def test_int8_requantization_bound(quant_file, name):
+    """What int8 keeps of formats it repacks (Q6_K only in a stacked target whose parts
+    differ)."""
     ref = _reference(quant_file[name])
     packed = Int8Weight(*quantize_int8(torch.from_numpy(ref)))
     got = packed.dequantize().double().numpy()
@@ -128,7 +145,10 @@ def test_kernel_paths_agree():
     product, up to bfloat16 activations."""
     from duetserve.models.quant import KernelPolicy
     w = torch.randn(128, 256)
-    for qw in (Int4Weight(*int4_groups_from_float(w)), Int8Weight(*quantize_int8(w))):
+    q6 = Int6Weight(torch.randint(0, 64, (128, 256), dtype=torch.uint8),
+                    torch.randint(-128, 128, (128, 16), dtype=torch.int8),
+                    torch.full((128, 2), 1e-3, dtype=torch.float16))
+    for qw in (Int4Weight(*int4_groups_from_float(w)), Int8Weight(*quantize_int8(w)), q6):
         for dense in (None, qw.dequantize(torch.bfloat16)):
             policy = KernelPolicy(lowbit_max_rows=4, dense_dtype=torch.bfloat16)
             lin = QuantLinear(qw, torch.randn(128), policy, dense)

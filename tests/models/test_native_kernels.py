@@ -182,6 +182,36 @@ def test_q8_gemv_equals_dequantized(rows, k):
     torch.testing.assert_close(got.double(), ref, atol=1e-4, rtol=1e-5)
 
 
+def _random_q6(n: int, k: int, gen: torch.Generator):
+    from duetserve.models.quant import Int6Weight
+    return Int6Weight(torch.randint(0, 64, (n, k), dtype=torch.uint8, generator=gen),
+                      torch.randint(-128, 128, (n, k // 16), dtype=torch.int8, generator=gen),
+                      (torch.rand(n, k // 128, generator=gen) * 1e-2).half())
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9])
+@pytest.mark.parametrize("n,k", [(99, 384), (8, 128)])    # the last block padded; 3 / 1 chunks
+def test_q6_gemv_equals_dequantized(rows, n, k):
+    """As for q4: the float64 product of the int8-quantized activation and the exact
+    dequantized weight (each half-group's scale applied to its own dot)."""
+    gen = torch.Generator().manual_seed(rows)
+    qw = _random_q6(n, k, gen)
+    x = torch.randn(rows, k, generator=gen)
+    got = native.q6_gemv(x, qw.packed, n).double()
+    w = qw.dequantize().double()
+    torch.testing.assert_close(got, _int8_activations(x) @ w.t(), atol=1e-4, rtol=1e-5)
+
+
+def test_q6_dequant_slices():
+    gen = torch.Generator().manual_seed(0)
+    qw = _random_q6(254, 256, gen)
+    ref = qw.dequantize(torch.float32)                 # plain-torch path, exact
+    for a, b in ((0, 254), (64, 192), (5, 6), (253, 254)):
+        got = native.q6_dequant_bf16(qw.packed, 256, a, b)
+        assert got.dtype == torch.bfloat16 and got.shape == (b - a, 256)
+        assert torch.equal(got, ref[a:b].to(torch.bfloat16))
+
+
 def test_fused_row_ops():
     x, w = torch.randn(7, 96), torch.randn(96)
     torch.testing.assert_close(native.rms_norm(x, w, 1e-6),
@@ -208,22 +238,46 @@ def test_q4_dequant_slices():
         torch.testing.assert_close(got.float(), ref[a:b], atol=0, rtol=2 ** -8)
 
 
+def _as_q6(qw):
+    """Any 6-bit weight near qw's values (the stack test needs q6 linears; Q6_K files are
+    too big for tests): per 16 symmetric, q in 0..63, d per 128."""
+    from duetserve.models.quant import Int6Weight
+    w = qw.dequantize()
+    n, k = w.shape
+    amax = w.view(n, k // 16, 16).abs().amax(-1)                         # [n, K/16]
+    d = (amax.view(n, k // 128, 8).amax(-1) / (127 * 31)).clamp_min(1e-6).half()
+    scale = d.float().repeat_interleave(8, 1)
+    sc = torch.round(amax / (31 * scale)).clamp(1, 127)
+    q = torch.round(w.view(n, k // 16, 16) / (scale * sc)[..., None]).clamp(-32, 31) + 32
+    return Int6Weight(q.to(torch.uint8).view(n, k), sc.to(torch.int8), d)
+
+
 @pytest.mark.parametrize("variant,quant", [("qwen2-qkv-bias", "int4"), ("llama-gqa-untied", "int8"),
-                                           ("llama-gqa-tied", "none")])
-def test_native_decode_stack_equals_module_path(tiny_checkpoints, variant, quant):
+                                           ("llama-gqa-tied", "none"), ("wide", "int6")])
+def test_native_decode_stack_equals_module_path(tiny_checkpoints, tmp_path, variant, quant):
     """Decode-only steps through the one-call native stack give the module path's logprobs
-    exactly for q4 (with QKV bias) and q8 linears (same kernels, same order), at 1 and 3
+    exactly for q4 (with QKV bias), q6 and q8 linears (same kernels, same order), at 1 and 3
     sequences, and the KV cache ends up identical; float32 linears run the native GEMV
-    there (oneDNN's GEMM in the modules): same tokens, float32 rounding apart."""
+    there (oneDNN's GEMM in the modules): same tokens, float32 rounding apart. "wide": a
+    qwen2 of hidden size 256 (q6 blocks are 128 columns) with every linear made q6."""
+    from duetserve.models.quant import QuantLinear
+    from tiny_models import make_tiny_checkpoint
+    path = make_tiny_checkpoint(str(tmp_path / "wide"), "qwen2-qkv-bias", hidden_size=256,
+                                intermediate_size=512) if variant == "wide" \
+        else tiny_checkpoints[variant]
     from duetserve.config import EngineConfig
     from duetserve.engine.engine_core import EngineCore
     from duetserve.sampling_params import SamplingParams
     runs = {}
     for use_stack in (True, False):
-        eng = EngineCore(EngineConfig(model=tiny_checkpoints[variant], num_threads=2,
-                                      kv_cache_memory=0.01, quantization=quant,
+        eng = EngineCore(EngineConfig(model=path, num_threads=2, kv_cache_memory=0.01,
+                                      quantization="int8" if quant == "int6" else quant,
                                       enable_prefix_caching=False))
         model = eng.runner.model
+        if quant == "int6":
+            for m in model.modules():
+                if isinstance(m, QuantLinear):
+                    m.qweight, m.dense = _as_q6(m.qweight), None
         for m in model.modules():     # tiny shapes calibrate to the dense path: force low-bit
             if hasattr(m, "policy"):
                 m.policy.lowbit_max_rows = 8
@@ -311,7 +365,7 @@ def test_gemv_rows_equal_alone(rows):
     """The GEMVs compute up to 4 activation rows in one pass over the weights; more rows
     run in passes of 4 over tiles of the weight (so later passes read it from cache). Every row equals
     the same row run as a step of its own, bit for bit, for weights spanning many tiles
-    (q4, q8 and float32): a verify step's rows are what decodes of them would compute."""
+    (q4, q6, q8 and float32): a verify step's rows are what decodes of them would compute."""
     from duetserve.models.quant import Int4Weight, Int8Weight, int4_groups_from_float, \
         quantize_int8
     native = ops()
@@ -323,7 +377,9 @@ def test_gemv_rows_equal_alone(rows):
     x = torch.randn(rows, k, generator=g)
     q4 = Int4Weight(*int4_groups_from_float(w))
     q8 = Int8Weight(*quantize_int8(w))
+    q6 = _random_q6(n, k, g)
     for run in (lambda a: native.q4_gemv(a, q4.packed, n),
+                lambda a: native.q6_gemv(a, q6.packed, n),
                 lambda a: native.q8_gemv(a, q8.packed, q8.scale32),
                 lambda a: native.f32_gemv(a, w)):
         whole = run(x)
