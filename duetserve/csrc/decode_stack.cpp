@@ -8,7 +8,7 @@
 //   o = paged_decode_attention(q); x += linear(o);
 //   h = rms_norm(x); x += linear(silu(gate) * up of linear(h)).
 // so the result equals the module path's bit for bit for low-bit linears (a test checks
-// it). A linear is q4 or q6 (packed, N), q8 (q, scale) or dense float32 (weight), each with an
+// it). A linear is q4, q4k or q6 (packed, N), q8 (q, scale) or dense float32 (weight), each with an
 // optional bias; dense ones run f32_gemv up to the row count the loader measured it faster
 // than oneDNN's GEMM (models/kernels.py: calibrate_dense_gemv_rows; the module path uses the
 // same bound and the stack runs no bigger dense steps).
@@ -22,7 +22,8 @@ namespace {
 // modules use the same bound, so both paths compute the same activations).
 constexpr int64_t kSiluMulRows = 16;
 
-// One linear: kind 4 / 6 -> a = packed, n = output rows; kind 8 -> (a, b) = (packed, scale32);
+// One linear: kind 4 / 5 (q4k) / 6 -> a = packed, n = output rows; kind 8 -> (a, b) =
+// (packed, scale32);
 // kind 0 -> dense a.
 struct Linear {
   int kind = 0;
@@ -33,6 +34,7 @@ struct Linear {
   torch::Tensor operator()(const torch::Tensor& x) const {
     torch::Tensor y;
     if (kind == 4) y = q4_gemv(x, a, n);
+    else if (kind == 5) y = q4k_gemv(x, a, n);
     else if (kind == 6) y = q6_gemv(x, a, n);
     else if (kind == 8) y = q8_gemv(x, a, b);
     else if (x.size(0) <= gemv_rows) y = f32_gemv(x, a);
@@ -47,9 +49,11 @@ Linear make_linear(const std::vector<torch::Tensor>& t, size_t i, int64_t gemv_r
   l.gemv_rows = gemv_rows;
   l.a = t.at(i);
   if (l.a.scalar_type() == torch::kUInt8) {
-    TORCH_CHECK(l.a.dim() == 3 && (l.a.size(2) == 320 || l.a.size(2) == 424),
-                "q4 / q6 weight: packed [ceil(N/4), ceil(K/128), 320 or 424]");
-    l.kind = l.a.size(2) == 320 ? 4 : 6;
+    // the block size tells the packed forms apart (csrc/lowbit_gemv.cpp)
+    TORCH_CHECK(l.a.dim() == 3 && (l.a.size(2) == 320 || l.a.size(2) == 424 ||
+                                   l.a.size(2) == 592),
+                "q4 / q6 / q4k weight: packed [ceil(N/4), chunks, 320 / 424 / 592]");
+    l.kind = l.a.size(2) == 320 ? 4 : l.a.size(2) == 424 ? 6 : 5;
     l.n = t.at(i + 1).item<int64_t>();   // a one-element int64 tensor
   } else if (l.a.scalar_type() == torch::kInt8) {
     l.kind = 8;

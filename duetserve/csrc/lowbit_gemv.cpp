@@ -20,6 +20,13 @@
 //   A 64-byte row chunk is one 512-bit load: lane i of the low/high nibble vectors is
 //   group i's elements 0-15 / 16-31, so the activation is stored in that order
 //   (chunk c: 64 bytes of "low" elements, then 64 bytes of "high" elements).
+// q4k weights (GGUF Q4_K, kept exactly): w = d * sc * q - dmin * mn, q in 0..15, the
+//   file's 6-bit sc and mn per group of 32 (a byte each) and float16 d, dmin per 256:
+//   packed [ceil(N/4), K/256, 592] uint8. Per block of 4 rows and 256 weights of each: the
+//   nibbles of columns 0-127 (q4's 4 x 64 bytes), of 128-255, then sc as uint8
+//   [half][group][row] (32 bytes: lane 4g + r for each half of 128), mn the same, then d
+//   [4 rows] and dmin [4] as float16. Each half is q4's chunk with d * sc and -dmin * mn
+//   (exact in float32) as its d and m.
 // q6 weights (GGUF Q6_K, kept exactly): w = d * sc * (q - 32), q in 0..63, an int8 scale sc
 //   per 16 weights along K and a float16 d per row and 256 (stored once per 128 here):
 //   packed [ceil(N/4), K/128, 424] uint8. Per block of 4 rows and 128 weights of each: the
@@ -59,6 +66,8 @@ constexpr int64_t G = 32;       // group size along K
 constexpr int64_t CH = 4;       // q4: groups per 512-bit chunk
 constexpr int64_t Q4_BLOCK = 4 * 64 + 2 * 32;   // q4: bytes per block of 4 rows x 4 groups
 constexpr int64_t Q8_BLOCK = 4 * 64;            // q8: bytes per block of 4 rows x 64 columns
+constexpr int64_t Q4K_SC = 2 * 4 * 64, Q4K_MN = Q4K_SC + 32, Q4K_D = Q4K_MN + 32;
+constexpr int64_t Q4K_BLOCK = Q4K_D + 16;       // q4k: bytes per block of 4 rows x 256 columns
 constexpr int64_t Q6_TOP = 4 * 64, Q6_SC = Q6_TOP + 4 * 32, Q6_D = Q6_SC + 32;
 constexpr int64_t Q6_BLOCK = Q6_D + 8;          // q6: bytes per block of 4 rows x 128 columns
 // q4/q8 blocks prefetch two chunks ahead in their one stream.
@@ -174,12 +183,49 @@ inline __m512i reduce_4x4(const __m512i* d) {
 // m term) then runs once for 4 weight rows instead of once per row. From 2 activation rows
 // on these kernels are bound by the vector pipes that do the dots and the float math; the
 // lane sums run as shuffles and integer adds instead (docs/performance.md has the timings).
+// One q4 chunk (nibbles of 4 weight rows x 4 groups at `nib`, their d and m in lanes
+// 4g + r) against activation rows m0 .. m0 + MM - 1 (chunk c of their quantized groups).
+template <int MM>
+inline void q4_chunk(const uint8_t* nib, __m512 dv, __m512 mv, const QuantizedX& X,
+                     int64_t c, int64_t m0, __m512* acc) {
+  const int64_t gp = X.gp;
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  __m512i lo[4], hi[4];
+  for (int r = 0; r < 4; ++r) {
+    const __m512i w = _mm512_loadu_si512(nib + r * 64);
+    lo[r] = _mm512_and_si512(w, low4);
+    hi[r] = _mm512_and_si512(_mm512_srli_epi16(w, 4), low4);
+  }
+  for (int i = 0; i < MM; ++i) {
+    const int8_t* xq = X.q.data() + (m0 + i) * gp * G + c * CH * G;
+    const __m512i xlo = _mm512_loadu_si512(xq), xhi = _mm512_loadu_si512(xq + 64);
+    __m512i d[4];
+    for (int r = 0; r < 4; ++r)
+      d[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[r], xlo),
+                                 hi[r], xhi);
+    const __m512i e = reduce_4x4(d);
+    const int64_t off = ((m0 + i) * gp + c * CH) * 4;
+    acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(e),
+                                           _mm512_loadu_ps(X.d16.data() + off)), dv, acc[i]);
+    acc[i] = _mm512_fmadd_ps(mv, _mm512_loadu_ps(X.s16.data() + off), acc[i]);
+  }
+}
+
+// Lanes 4g + r of `acc` summed over g into y[m0 + i, 4 nb + r].
+template <int MM>
+inline void store_rows(const __m512* acc, float* y, int64_t N, int64_t nb, int64_t m0) {
+  for (int i = 0; i < MM; ++i) {
+    alignas(64) float a[16];
+    _mm512_store_ps(a, acc[i]);
+    for (int r = 0; r < 4 && nb * 4 + r < N; ++r)
+      y[(m0 + i) * N + nb * 4 + r] = (a[r] + a[4 + r]) + (a[8 + r] + a[12 + r]);
+  }
+}
+
 template <int MM>
 void q4_block(const uint8_t* pk, const QuantizedX& X, float* y, int64_t nch, int64_t N,
               int64_t nb, int64_t m0) {
-  const int64_t gp = X.gp;
   const uint8_t* base = pk + nb * nch * Q4_BLOCK;
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
   // lane 4g + r <- lane 4r + g (the packed d and m are row-major)
   const __m512i tr = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
   __m512 acc[MM];
@@ -192,32 +238,37 @@ void q4_block(const uint8_t* pk, const QuantizedX& X, float* y, int64_t nch, int
         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 256))));
     const __m512 mv = _mm512_permutexvar_ps(tr, _mm512_cvtph_ps(
         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 288))));
-    __m512i lo[4], hi[4];
-    for (int r = 0; r < 4; ++r) {
-      const __m512i w = _mm512_loadu_si512(blk + r * 64);
-      lo[r] = _mm512_and_si512(w, low4);
-      hi[r] = _mm512_and_si512(_mm512_srli_epi16(w, 4), low4);
-    }
-    for (int i = 0; i < MM; ++i) {
-      const int8_t* xq = X.q.data() + (m0 + i) * gp * G + c * CH * G;
-      const __m512i xlo = _mm512_loadu_si512(xq), xhi = _mm512_loadu_si512(xq + 64);
-      __m512i d[4];
-      for (int r = 0; r < 4; ++r)
-        d[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[r], xlo),
-                                   hi[r], xhi);
-      const __m512i e = reduce_4x4(d);
-      const int64_t off = ((m0 + i) * gp + c * CH) * 4;
-      acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(e),
-                                             _mm512_loadu_ps(X.d16.data() + off)), dv, acc[i]);
-      acc[i] = _mm512_fmadd_ps(mv, _mm512_loadu_ps(X.s16.data() + off), acc[i]);
+    q4_chunk<MM>(blk, dv, mv, X, c, m0, acc);
+  }
+  store_rows<MM>(acc, y, N, nb, m0);
+}
+
+// The same for a q4k weight: two chunks a block, their d and m computed from the codes.
+template <int MM>
+void q4k_block(const uint8_t* pk, const QuantizedX& X, float* y, int64_t nsup, int64_t N,
+               int64_t nb, int64_t m0) {
+  const uint8_t* base = pk + nb * nsup * Q4K_BLOCK;
+  const __m512i rows = _mm512_setr_epi32(0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3);
+  __m512 acc[MM];
+  for (int i = 0; i < MM; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < nsup; ++s) {
+    const uint8_t* blk = base + s * Q4K_BLOCK;
+    for (int l = 0; l < (Q4K_BLOCK + 63) / 64; ++l)
+      _mm_prefetch(reinterpret_cast<const char*>(blk + 2 * Q4K_BLOCK + l * 64), _MM_HINT_T0);
+    const __m512 ds = _mm512_permutexvar_ps(rows, _mm512_cvtph_ps(_mm256_castsi128_si256(
+        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + Q4K_D)))));
+    const __m512 dm = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_permutexvar_ps(rows,
+        _mm512_cvtph_ps(_mm256_castsi128_si256(
+            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + Q4K_D + 8))))));
+    for (int h = 0; h < 2; ++h) {
+      const __m512 dv = _mm512_mul_ps(ds, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + Q4K_SC + 16 * h)))));
+      const __m512 mv = _mm512_mul_ps(dm, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + Q4K_MN + 16 * h)))));
+      q4_chunk<MM>(blk + h * 256, dv, mv, X, 2 * s + h, m0, acc);
     }
   }
-  for (int i = 0; i < MM; ++i) {
-    alignas(64) float a[16];
-    _mm512_store_ps(a, acc[i]);
-    for (int r = 0; r < 4 && nb * 4 + r < N; ++r)
-      y[(m0 + i) * N + nb * 4 + r] = (a[r] + a[4 + r]) + (a[8 + r] + a[12 + r]);
-  }
+  store_rows<MM>(acc, y, N, nb, m0);
 }
 
 // The same for a q6 weight: the low and high halves of each group have their own scale, so
@@ -273,12 +324,7 @@ void q6_block(const uint8_t* pk, const QuantizedX& X, float* y, int64_t nch, int
       acc[i] = _mm512_fmadd_ps(tl, slo, _mm512_fmadd_ps(th, shi, acc[i]));
     }
   }
-  for (int i = 0; i < MM; ++i) {
-    alignas(64) float a[16];
-    _mm512_store_ps(a, acc[i]);
-    for (int r = 0; r < 4 && nb * 4 + r < N; ++r)
-      y[(m0 + i) * N + nb * 4 + r] = (a[r] + a[4 + r]) + (a[8 + r] + a[12 + r]);
-  }
+  store_rows<MM>(acc, y, N, nb, m0);
 }
 
 // Weight rows 4 nb .. 4 nb + 3 (one packed block) against activation rows m0 .. m0 + MM - 1.
@@ -385,6 +431,49 @@ void q4_rows(const uint8_t* pk, const QuantizedX& X, float* y, int64_t nch, int6
           }
           total += half_to_float(dh[lane]) * X.d[(m0 + i) * gp + g] * float(dot)
                  + half_to_float(mh[lane]) * X.s[(m0 + i) * gp + g];
+        }
+      }
+      y[(m0 + i) * N + n] = total;
+    }
+  }
+#endif
+}
+
+// Group g's d and m of row r of a q4k block (g in 0..7 over the block's 256 columns).
+inline void q4k_dm(const uint8_t* blk, int r, int g, float* d, float* m) {
+  const uint16_t* dd = reinterpret_cast<const uint16_t*>(blk + Q4K_D);
+  const int lane = (g / 4) * 16 + (g % 4) * 4 + r;
+  *d = half_to_float(dd[r]) * float(blk[Q4K_SC + lane]);
+  *m = -(half_to_float(dd[4 + r]) * float(blk[Q4K_MN + lane]));
+}
+
+void q4k_rows(const uint8_t* pk, const QuantizedX& X, float* y, int64_t nsup, int64_t N,
+              int64_t b0, int64_t b1, int64_t m0, int64_t mm) {
+#if defined(DUET_VNNI)
+  dispatch(mm, [&](auto MM) {
+    for (int64_t nb = b0; nb < b1; ++nb) q4k_block<MM.value>(pk, X, y, nsup, N, nb, m0);
+  });
+#else
+  const int64_t gp = X.gp;
+  for (int64_t n = b0 * 4; n < std::min(N, b1 * 4); ++n) {
+    const uint8_t* base = pk + (n / 4) * nsup * Q4K_BLOCK;
+    const int r = static_cast<int>(n % 4);
+    for (int64_t i = 0; i < mm; ++i) {
+      const int8_t* xq = X.q.data() + (m0 + i) * gp * G;
+      float total = 0.f;
+      for (int64_t s = 0; s < nsup; ++s) {
+        const uint8_t* blk = base + s * Q4K_BLOCK;
+        for (int gl = 0; gl < 8; ++gl) {
+          const int64_t c = 2 * s + gl / 4, lane = gl % 4, g = c * CH + lane;
+          const uint8_t* b = blk + (gl / 4) * 256 + r * 64 + lane * 16;
+          int32_t dot = 0;
+          for (int j = 0; j < 16; ++j) {
+            dot += int32_t(b[j] & 15) * xq[c * CH * G + lane * 16 + j];
+            dot += int32_t(b[j] >> 4) * xq[c * CH * G + 64 + lane * 16 + j];
+          }
+          float dv, mv;
+          q4k_dm(blk, r, gl, &dv, &mv);
+          total += dv * X.d[(m0 + i) * gp + g] * float(dot) + mv * X.s[(m0 + i) * gp + g];
         }
       }
       y[(m0 + i) * N + n] = total;
@@ -509,6 +598,27 @@ torch::Tensor q4_gemv(torch::Tensor x, torch::Tensor packed, int64_t N) {
   return y;
 }
 
+torch::Tensor q4k_gemv(torch::Tensor x, torch::Tensor packed, int64_t N) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be float32 [M, K]");
+  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() &&
+              packed.dim() == 3 && packed.size(2) == Q4K_BLOCK,
+              "packed: uint8 [ceil(N/4), K/256, 592]");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), nsup = packed.size(1);
+  TORCH_CHECK(K % 256 == 0 && nsup == K / 256 && packed.size(0) == (N + 3) / 4,
+              "shape mismatch");
+  auto y = torch::empty({M, N}, x.options());
+  const QuantizedX X = quantize_x(x.data_ptr<float>(), M, K, /*q4_order=*/true, CH);
+  const uint8_t* pp = packed.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, packed.size(0), ROWS_PER_TASK / 4, [&](int64_t b0, int64_t b1) {
+    tiled_passes(b0, b1, nsup * Q4K_BLOCK, M, [&](int64_t t0, int64_t t1, int64_t m0, int64_t mm) {
+      q4k_rows(pp, X, yp, nsup, N, t0, t1, m0, mm);
+    });
+  });
+  return y;
+}
+
 torch::Tensor q6_gemv(torch::Tensor x, torch::Tensor packed, int64_t N) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be float32 [M, K]");
   TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() &&
@@ -575,6 +685,25 @@ torch::Tensor f32_gemv(torch::Tensor x, torch::Tensor w) {
   return y;
 }
 
+// One group of 32: 16 bytes of nibbles (element j low, j + 16 high) -> d * q + m as bf16.
+inline void group_to_bf16(const uint8_t* blk, float dv, float mv, at::BFloat16* o) {
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+  const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(15)));
+  const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4));
+  const __m512 dv16 = _mm512_set1_ps(dv), mv16 = _mm512_set1_ps(mv);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(o),
+                      (__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(lo, dv16, mv16)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16),
+                      (__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(hi, dv16, mv16)));
+#else
+  for (int j = 0; j < 16; ++j) {
+    o[j] = at::BFloat16(dv * float(blk[j] & 15) + mv);
+    o[16 + j] = at::BFloat16(dv * float(blk[j] >> 4) + mv);
+  }
+#endif
+}
+
 // Rows [a, b) of a packed q4 weight as dense bfloat16 [b - a, K]: the many-row path
 // without a resident dense copy dequantizes a slice, then runs a bf16 GEMM.
 torch::Tensor q4_dequant_bf16(torch::Tensor packed, int64_t K, int64_t a, int64_t b) {
@@ -596,21 +725,35 @@ torch::Tensor q4_dequant_bf16(torch::Tensor packed, int64_t K, int64_t a, int64_
         const uint8_t* blk = cb + r * 64 + (g % CH) * 16;
         const float dv = half_to_float(reinterpret_cast<const uint16_t*>(cb + 256)[r * 4 + g % CH]);
         const float mv = half_to_float(reinterpret_cast<const uint16_t*>(cb + 288)[r * 4 + g % CH]);
-#if defined(__AVX512BF16__) && defined(__AVX512VL__)
-        const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
-        const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(15)));
-        const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4));
-        const __m512 dv16 = _mm512_set1_ps(dv), mv16 = _mm512_set1_ps(mv);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(orow + g * G),
-                            (__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(lo, dv16, mv16)));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(orow + g * G + 16),
-                            (__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(hi, dv16, mv16)));
-#else
-        for (int j = 0; j < 16; ++j) {
-          orow[g * G + j] = at::BFloat16(dv * float(blk[j] & 15) + mv);
-          orow[g * G + 16 + j] = at::BFloat16(dv * float(blk[j] >> 4) + mv);
+        group_to_bf16(blk, dv, mv, orow + g * G);
+      }
+    }
+  });
+  return out;
+}
+
+// Rows [a, b) of a packed q4k weight as dense bfloat16 [b - a, K] (the many-row path).
+torch::Tensor q4k_dequant_bf16(torch::Tensor packed, int64_t K, int64_t a, int64_t b) {
+  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() &&
+              packed.dim() == 3 && packed.size(2) == Q4K_BLOCK, "packed: uint8 [.., .., 592]");
+  const int64_t nsup = packed.size(1);
+  TORCH_CHECK(K % 256 == 0 && nsup == K / 256, "K does not match the packed weight");
+  TORCH_CHECK(0 <= a && a < b && b <= packed.size(0) * 4, "row range out of bounds");
+  auto out = torch::empty({b - a, K}, packed.options().dtype(torch::kBFloat16));
+  const uint8_t* pp = packed.data_ptr<uint8_t>();
+  at::BFloat16* op = out.data_ptr<at::BFloat16>();
+  at::parallel_for(a, b, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t n = r0; n < r1; ++n) {
+      const uint8_t* base = pp + (n / 4) * nsup * Q4K_BLOCK;
+      const int r = static_cast<int>(n % 4);
+      for (int64_t s = 0; s < nsup; ++s) {
+        const uint8_t* blk = base + s * Q4K_BLOCK;
+        for (int gl = 0; gl < 8; ++gl) {
+          float dv, mv;
+          q4k_dm(blk, r, gl, &dv, &mv);
+          group_to_bf16(blk + (gl / 4) * 256 + r * 64 + (gl % 4) * 16, dv, mv,
+                        op + (n - a) * K + (s * 8 + gl) * G);
         }
-#endif
       }
     }
   });

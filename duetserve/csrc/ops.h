@@ -9,6 +9,8 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
 torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
                                 double scale);
 torch::Tensor q4_gemv(torch::Tensor x, torch::Tensor packed, int64_t N);
+torch::Tensor q4k_gemv(torch::Tensor x, torch::Tensor packed, int64_t N);
+torch::Tensor q4k_dequant_bf16(torch::Tensor packed, int64_t K, int64_t a, int64_t b);
 torch::Tensor q6_gemv(torch::Tensor x, torch::Tensor packed, int64_t N);
 torch::Tensor q6_dequant_bf16(torch::Tensor packed, int64_t K, int64_t a, int64_t b);
 torch::Tensor q8_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor scale);

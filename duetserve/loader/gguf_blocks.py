@@ -117,6 +117,13 @@ class GGUFTensor:
         b = self.shape[0] if b is None else b
         return _DECODERS[self.type](self._raw(a, b), self.shape[1])
 
+    def q4_k_parts(self, a: int = 0, b: int | None = None):
+        """For a Q4_K tensor, rows [a, b) as the file's own numbers (q, sc, mn, d, dmin),
+        see _q4_k_parts."""
+        assert self.type == "Q4_K", self.type
+        b = self.shape[0] if b is None else b
+        return _q4_k_parts(self._raw(a, b), self.shape[1])
+
     def q6_k_parts(self, a: int = 0, b: int | None = None):
         """For a Q6_K tensor, rows [a, b) as (q uint8 [n, K] in 0..63, sc int8 [n, K/16],
         d float16 [n, K/256]) with w = d * sc * (q - 32) exactly (the file's own numbers)."""
@@ -151,24 +158,33 @@ def _q4_1(raw: np.ndarray, cols: int):
     return q, d, m
 
 
-def _q4_k(raw: np.ndarray, cols: int):
+def _q4_k_parts(raw: np.ndarray, cols: int):
+    """Q4_K blocks of 256 [d f16 | dmin f16 | 12 bytes of 6-bit (sc, mn) x 8 | 128 bytes of
+    nibbles] -> (q uint8 [n, cols], sc, mn uint8 [n, cols/32], d, dmin float16
+    [n, cols/256]): w = d * sc * q - dmin * mn."""
     n = raw.shape[0]
     nb = cols // 256
     blocks = raw.reshape(n, nb, 144)
-    d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)[..., 0]      # [n, nb]
-    dmin = blocks[..., 2:4].copy().view(np.float16).astype(np.float32)[..., 0]
-    s = blocks[..., 4:16].astype(np.int32)                                        # [n, nb, 12]
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0]                          # [n, nb]
+    dmin = blocks[..., 2:4].copy().view(np.float16)[..., 0]
+    s = blocks[..., 4:16]                                                         # [n, nb, 12]
     # 6-bit scales and mins of the 8 sub-blocks, packed in 12 bytes.
-    sc = np.empty((n, nb, 8), np.int32)
-    mn = np.empty((n, nb, 8), np.int32)
+    sc = np.empty((n, nb, 8), np.uint8)
+    mn = np.empty((n, nb, 8), np.uint8)
     sc[..., :4] = s[..., 0:4] & 63
     mn[..., :4] = s[..., 4:8] & 63
     sc[..., 4:] = (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)
     mn[..., 4:] = (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)
     qs = blocks[..., 16:144].reshape(n, nb, 4, 32)
     q = np.stack([qs & 15, qs >> 4], axis=3).reshape(n, cols)    # sub-blocks 2i, 2i+1
-    scale = (d[..., None] * sc).reshape(n, nb * 8)
-    return q, scale, (-dmin[..., None] * mn).reshape(n, nb * 8)
+    return q, sc.reshape(n, nb * 8), mn.reshape(n, nb * 8), d, dmin
+
+
+def _q4_k(raw: np.ndarray, cols: int):
+    q, sc, mn, d, dmin = _q4_k_parts(raw, cols)
+    d32 = np.repeat(d.astype(np.float32), 8, axis=1)
+    dmin32 = np.repeat(dmin.astype(np.float32), 8, axis=1)
+    return q, d32 * sc, -dmin32 * mn
 
 
 _DECODERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k}

@@ -1,7 +1,7 @@
 """`--quantization auto|none|int8|int4`: which weights are packed low-bit, and how.
 
-- auto: keep what the file has, at the nearest packed form. GGUF Q4_0/Q4_1/Q4_K -> int4
-  (exact groups of 32); Q6_K -> int6 (exact); other quantized GGUF types (Q5_x, Q8_0), and
+- auto: keep what the file has, at the nearest packed form. GGUF Q4_0/Q4_1 -> int4
+  (exact groups of 32); Q4_K -> int4 with its own 6-bit codes (exact); Q6_K -> int6 (exact); other quantized GGUF types (Q5_x, Q8_0), and
   stacked targets whose parts differ (a Q6_K v beside Q4_K q and k) -> int8 per row;
   float tensors (F32/F16/BF16 GGUF, HF folders) stay dense.
 - int8 / int4: every linear weight (and the embedding) is packed so, quantizing float
@@ -26,8 +26,8 @@ from torch import nn
 
 from duetserve.config import QUANTIZATIONS, ModelConfig  # noqa: F401 (re-exported)
 from duetserve.loader.gguf_blocks import GGUFTensor
-from duetserve.models.quant import (FileEmbedding, Int4Weight, Int6Weight, Int8Weight,
-                                    KernelPolicy,
+from duetserve.models.quant import (FileEmbedding, Int4KWeight, Int4Weight, Int6Weight,
+                                    Int8Weight, KernelPolicy,
                                     QuantEmbedding, QuantLinear, int4_groups_from_float,
                                     quantize_int8)
 
@@ -76,6 +76,10 @@ class QuantPlan:
 
     def _form(self, parts) -> str:
         all4 = all(isinstance(a, GGUFTensor) and a.is_int4 for _, a in parts)
+        if self.mode in ("auto", "int4") and all(
+                isinstance(a, GGUFTensor) and a.type == "Q4_K" and a.shape[1] % 256 == 0
+                for _, a in parts):
+            return "int4k"
         if self.mode == "int4" or (self.mode == "auto" and all4):
             return "int4"
         if self.mode == "auto" and all(isinstance(a, GGUFTensor) and a.type == "Q6_K"
@@ -83,12 +87,16 @@ class QuantPlan:
             return "int6"
         return "int8"
 
-    def build(self, parts, shape) -> Int4Weight | Int6Weight | Int8Weight:
+    def build(self, parts, shape) -> Int4Weight | Int4KWeight | Int6Weight | Int8Weight:
         form = self._form(parts)
         self.summary[form] = self.summary.get(form, 0) + 1
         if form == "int4":
             q, d, m = zip(*(_int4_rows(arr, a, b) for arr, a, b in _chunks(parts)))
             return Int4Weight(torch.cat(q), torch.cat(d), torch.cat(m))
+        if form == "int4k":
+            q, sc, mn, d, dmin = (np.concatenate(p) for p in zip(
+                *(arr.q4_k_parts(a, b) for arr, a, b in _chunks(parts))))
+            return Int4KWeight(q, sc, mn, d, dmin)
         if form == "int6":
             q, sc, d = zip(*(arr.q6_k_parts(a, b) for arr, a, b in _chunks(parts)))
             return Int6Weight.from_q6_k(np.concatenate(q), np.concatenate(sc),

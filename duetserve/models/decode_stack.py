@@ -18,7 +18,7 @@ from torch import nn
 from duetserve.models.attention import AttentionMetadata, TorchAttention
 from duetserve.models.layers import DenseLinear
 from duetserve.models.native import ops
-from duetserve.models.quant import Int4Weight, Int6Weight, Int8Weight, QuantLinear
+from duetserve.models.quant import Int4KWeight, Int4Weight, Int6Weight, Int8Weight, QuantLinear
 
 _EMPTY = torch.empty(0)
 
@@ -29,7 +29,7 @@ def _linear_slots(mod: nn.Module) -> list[torch.Tensor] | None:
     if isinstance(mod, QuantLinear):
         w = mod.qweight
         bias = _EMPTY if mod.bias is None else mod.bias
-        if isinstance(w, Int4Weight | Int6Weight):
+        if isinstance(w, Int4Weight | Int4KWeight | Int6Weight):
             return [w.packed, torch.tensor([w.shape[0]]), _EMPTY, bias]
         if isinstance(w, Int8Weight):
             return [w.packed, w.scale32, _EMPTY, bias]

@@ -8,8 +8,11 @@ AVX512-VNNI, one float scale per group), else plain torch:
   of nibbles + float16 d and m per group (0.625 bytes per weight), packed in blocks of 4
   rows x 4 groups so the decode kernel reads one sequential stream (layout in
   csrc/lowbit_gemv.cpp). GGUF Q4_0 and
-  Q4_1 map onto it losslessly; Q4_K's per-sub-block `d * sc` and `-dmin * mn` are rounded
-  to float16: |error| <= 2^-11 (|d q| + |m|) per weight (+ 2^-25 for float16 subnormals).
+  Q4_1 map onto it losslessly; so does a float checkpoint under `--quantization int4`.
+- `Int4KWeight`: GGUF Q4_K kept exactly, `w = d * sc * q - dmin * mn` with the file's
+  6-bit sc and mn per 32 (a byte each here) and float16 d, dmin per 256: 0.578 bytes per
+  weight against the file's 0.5625 (Int4Weight's float16 scale and minimum per group,
+  which Q4_K used to be widened to, took 0.625 and rounded them).
 - `Int6Weight`: GGUF Q6_K kept exactly, `w = d * sc * (q - 32)`, q in 0..63, an int8 sc
   per 16 weights and a float16 d per 128 (0.828 bytes per weight against the file's
   0.820), in blocks of 4 rows x 128 columns (layout in csrc/lowbit_gemv.cpp).
@@ -124,6 +127,90 @@ class Int4Weight:
         if not 0 < n <= self.shape[0]:
             raise ValueError(f"row prefix {n} outside 1..{self.shape[0]}")
         out = object.__new__(Int4Weight)
+        out.shape = (n, self.shape[1])
+        out.packed = self.packed[:-(-n // 4)]
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel()
+
+
+class Int4KWeight:
+    """`packed` [ceil(N/4), K/256, 592] uint8: per block of 4 rows and 256 columns, the
+    rows' nibbles of columns 0-127 (4 x 64 bytes, Int4Weight's order), then of 128-255,
+    then sc uint8 [half][group][row] (32 bytes), mn the same (32), d [4 rows] and dmin [4]
+    as float16 (8 + 8); w = d * sc * q - dmin * mn. Padding rows are zero."""
+
+    bits = 4
+    BLOCK = 2 * 4 * 64 + 2 * 32 + 2 * 8
+
+    def __init__(self, q: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor,
+                 d: torch.Tensor, dmin: torch.Tensor) -> None:
+        """q: [N, K] uint8 in 0..15; sc, mn: [N, K/32] uint8 in 0..63; d, dmin: [N, K/256]
+        float16 (GGUFTensor.q4_k_parts)."""
+        q, sc, mn, d, dmin = (torch.as_tensor(t) for t in (q, sc, mn, d, dmin))
+        n, k = q.shape
+        if k % 256:
+            raise ValueError(f"Q4_K blocks need K % 256 == 0, got K = {k}")
+        self.shape = (n, k)
+        nb, ns = -(-n // 4), k // 256
+        rows = nb * 4
+
+        def padded(t: torch.Tensor) -> torch.Tensor:
+            out = torch.zeros(rows, *t.shape[1:], dtype=t.dtype)
+            out[:n] = t
+            return out
+        g = padded(q).view(rows, k // GROUP, GROUP)
+        nib = (g[..., :16] | (g[..., 16:] << 4)).reshape(nb, 4, ns, 2, 64)
+
+        def per_group(t: torch.Tensor) -> torch.Tensor:     # [half][group][row] bytes
+            return padded(t).view(nb, 4, ns, 2, 4).permute(0, 2, 3, 4, 1).reshape(nb, ns, 32)
+
+        def per_row(t: torch.Tensor) -> torch.Tensor:       # [row] float16 -> 8 bytes
+            return padded(t).view(nb, 4, ns).permute(0, 2, 1).contiguous().view(torch.uint8)
+        self.packed = torch.cat([nib.permute(0, 2, 3, 1, 4).reshape(nb, ns, 512),
+                                 per_group(sc), per_group(mn), per_row(d), per_row(dmin)],
+                                dim=-1).contiguous()
+
+    def groups(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rows `ids` [n] unpacked as Int4Weight.groups: (qs [n, K/32, 16] uint8, d, m
+        [n, K/32] float32 with d = d * sc and m = -dmin * mn, exact)."""
+        nb, ns, _ = self.packed.shape
+        n, ng = len(ids), self.shape[1] // GROUP
+        qs = _block_rows(self.packed[..., :512].reshape(nb, ns * 2, 4, 64), ids)
+        codes = self.packed[..., 512:576].view(nb, ns, 2, 2, 4, 4)     # [.., sc|mn, h, g, r]
+        codes = codes[ids // 4, :, :, :, :, ids % 4].float()           # [n, ns, 2, 2, 4]
+        scales = self.packed[..., 576:].view(torch.float16).view(nb, ns, 2, 4)
+        scales = scales[ids // 4, :, :, ids % 4].float()               # [n, ns, 2]
+        d = scales[:, :, 0, None, None] * codes[:, :, 0]
+        m = -scales[:, :, 1, None, None] * codes[:, :, 1]
+        return qs.reshape(n, ng, 16), d.reshape(n, ng), m.reshape(n, ng)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] -> [M, N] float32 (see Int4Weight.matmul)."""
+        if _NATIVE is not None:
+            return _NATIVE.q4k_gemv(x.float(), self.packed, self.shape[0])
+        return F.linear(x.float(), self.dequantize())
+
+    def dequantize(self, dtype: torch.dtype = torch.float32, a: int = 0,
+                   b: int | None = None) -> torch.Tensor:
+        """Rows [a, b) as a dense [b - a, K] tensor (float32: gguf's own values, exactly)."""
+        b = self.shape[0] if b is None else b
+        if _NATIVE is not None and dtype == torch.bfloat16:
+            return _NATIVE.q4k_dequant_bf16(self.packed, self.shape[1], a, b)
+        return Int4Weight._decode(*self.groups(torch.arange(a, b)), dtype)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Dequantized rows `ids` [n] -> [n, K] float32 (embedding lookup)."""
+        flat = ids.reshape(-1)
+        return Int4Weight._decode(*self.groups(flat), torch.float32).view(*ids.shape, -1)
+
+    def prefix(self, n: int) -> "Int4KWeight":
+        """Rows [0, n) as a weight sharing this one's storage (see Int4Weight.prefix)."""
+        if not 0 < n <= self.shape[0]:
+            raise ValueError(f"row prefix {n} outside 1..{self.shape[0]}")
+        out = object.__new__(Int4KWeight)
         out.shape = (n, self.shape[1])
         out.packed = self.packed[:-(-n // 4)]
         return out
@@ -292,7 +379,7 @@ class Int8Weight:
         return self.packed.numel() + self.scale.numel() * 2
 
 
-QuantWeight = Int4Weight | Int6Weight | Int8Weight
+QuantWeight = Int4Weight | Int4KWeight | Int6Weight | Int8Weight
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,8 +15,9 @@ from gguf_helpers import k_quant_blocks
 from duetserve.loader import load_model
 from duetserve.loader.gguf_blocks import GGUFTensor
 from duetserve.loader.gguf_file import open_gguf
-from duetserve.models.quant import (Int4Weight, Int6Weight, Int8Weight, QuantEmbedding,
-                                    QuantLinear, int4_groups_from_float, quantize_int8)
+from duetserve.models.quant import (Int4KWeight, Int4Weight, Int6Weight, Int8Weight,
+                                    QuantEmbedding, QuantLinear, int4_groups_from_float,
+                                    quantize_int8)
 
 ROWS, COLS = 64, 512      # int4 packing works in blocks of 64 rows
 
@@ -70,6 +71,19 @@ def test_packed_int4_within_f16_scale_bound(quant_file, name):
         assert np.all(np.abs(got.astype(np.float64) - ref) <= bound)
     ids = torch.tensor([0, 1, 31, 32, 33, 63])
     assert torch.equal(packed.rows(ids), packed.dequantize()[ids])
+
+
+def test_q4_k_packs_exactly(quant_file):
+    """Q4_K's own codes and scales survive packing: gguf's dequantization, bit for bit."""
+    src = GGUFTensor("Q4_K", quant_file["Q4_K"])
+    q, sc, mn, d, dmin = src.q4_k_parts()
+    assert sc.max() <= 63 and mn.max() <= 63
+    packed = Int4KWeight(q, sc, mn, d, dmin)
+    np.testing.assert_array_equal(packed.dequantize().numpy(), _reference(quant_file["Q4_K"]))
+    ids = torch.tensor([0, 1, 31, 32, 33, 63])
+    assert torch.equal(packed.rows(ids), packed.dequantize()[ids])
+    assert packed.nbytes == ROWS * COLS * 37 // 64      # 4.625 bits a weight
+    assert torch.equal(packed.prefix(33).dequantize(), packed.dequantize()[:33])
 
 
 def test_q6_k_packs_exactly(quant_file):
@@ -148,7 +162,12 @@ def test_kernel_paths_agree():
     q6 = Int6Weight(torch.randint(0, 64, (128, 256), dtype=torch.uint8),
                     torch.randint(-128, 128, (128, 16), dtype=torch.int8),
                     torch.full((128, 2), 1e-3, dtype=torch.float16))
-    for qw in (Int4Weight(*int4_groups_from_float(w)), Int8Weight(*quantize_int8(w)), q6):
+    q4k = Int4KWeight(torch.randint(0, 16, (128, 256), dtype=torch.uint8),
+                      torch.randint(0, 64, (128, 8), dtype=torch.uint8),
+                      torch.randint(0, 64, (128, 8), dtype=torch.uint8),
+                      torch.full((128, 1), 1e-2, dtype=torch.float16),
+                      torch.full((128, 1), 1e-2, dtype=torch.float16))
+    for qw in (Int4Weight(*int4_groups_from_float(w)), Int8Weight(*quantize_int8(w)), q6, q4k):
         for dense in (None, qw.dequantize(torch.bfloat16)):
             policy = KernelPolicy(lowbit_max_rows=4, dense_dtype=torch.bfloat16)
             lin = QuantLinear(qw, torch.randn(128), policy, dense)

@@ -189,6 +189,36 @@ def _random_q6(n: int, k: int, gen: torch.Generator):
                       (torch.rand(n, k // 128, generator=gen) * 1e-2).half())
 
 
+def _random_q4k(n: int, k: int, gen: torch.Generator):
+    from duetserve.models.quant import Int4KWeight
+    codes = lambda: torch.randint(0, 64, (n, k // 32), dtype=torch.uint8, generator=gen)  # noqa: E731
+    scales = lambda: (torch.rand(n, k // 256, generator=gen) * 1e-2).half()              # noqa: E731
+    return Int4KWeight(torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen),
+                       codes(), codes(), scales(), scales())
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9])
+@pytest.mark.parametrize("n,k", [(99, 512), (8, 256)])    # the last block padded; 2 / 1 blocks
+def test_q4k_gemv_equals_dequantized(rows, n, k):
+    """As for q4, with each group's d and m computed from Q4_K's codes."""
+    gen = torch.Generator().manual_seed(rows)
+    qw = _random_q4k(n, k, gen)
+    x = torch.randn(rows, k, generator=gen)
+    got = native.q4k_gemv(x, qw.packed, n).double()
+    w = qw.dequantize().double()
+    torch.testing.assert_close(got, _int8_activations(x) @ w.t(), atol=1e-4, rtol=1e-5)
+
+
+def test_q4k_dequant_slices():
+    gen = torch.Generator().manual_seed(0)
+    qw = _random_q4k(254, 512, gen)
+    ref = qw.dequantize(torch.float32)                 # plain-torch path, exact
+    for a, b in ((0, 254), (64, 192), (5, 6), (253, 254)):
+        got = native.q4k_dequant_bf16(qw.packed, 512, a, b)
+        assert got.dtype == torch.bfloat16 and got.shape == (b - a, 512)
+        torch.testing.assert_close(got.float(), ref[a:b], atol=0, rtol=2 ** -8)
+
+
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 9])
 @pytest.mark.parametrize("n,k", [(99, 384), (8, 128)])    # the last block padded; 3 / 1 chunks
 def test_q6_gemv_equals_dequantized(rows, n, k):
@@ -238,6 +268,25 @@ def test_q4_dequant_slices():
         torch.testing.assert_close(got.float(), ref[a:b], atol=0, rtol=2 ** -8)
 
 
+def _as_q4k(qw):
+    """Any Q4_K-form weight near qw's values (see _as_q6): asymmetric per 32, codes 0..63."""
+    from duetserve.models.quant import Int4KWeight
+    w = qw.dequantize()
+    n, k = w.shape
+    g = w.view(n, k // 32, 32)
+    lo, hi = g.amin(-1).clamp(max=0), g.amax(-1)
+    step = (hi - lo) / 15
+    d = (step.view(n, k // 256, 8).amax(-1) / 63).clamp_min(1e-6).half()
+    dmin = ((-lo).view(n, k // 256, 8).amax(-1) / 63).clamp_min(1e-6).half()
+    sc = torch.round(step / d.float().repeat_interleave(8, 1)).clamp(1, 63)
+    mn = torch.round(-lo / dmin.float().repeat_interleave(8, 1)).clamp(0, 63)
+    dq = (d.float().repeat_interleave(8, 1) * sc)[..., None]
+    mq = (dmin.float().repeat_interleave(8, 1) * mn)[..., None]
+    q = torch.round((g + mq) / dq).clamp(0, 15)
+    return Int4KWeight(q.to(torch.uint8).view(n, k), sc.to(torch.uint8), mn.to(torch.uint8),
+                       d, dmin)
+
+
 def _as_q6(qw):
     """Any 6-bit weight near qw's values (the stack test needs q6 linears; Q6_K files are
     too big for tests): per 16 symmetric, q in 0..63, d per 128."""
@@ -253,13 +302,14 @@ def _as_q6(qw):
 
 
 @pytest.mark.parametrize("variant,quant", [("qwen2-qkv-bias", "int4"), ("llama-gqa-untied", "int8"),
-                                           ("llama-gqa-tied", "none"), ("wide", "int6")])
+                                           ("llama-gqa-tied", "none"), ("wide", "int6"),
+                                           ("wide", "int4k")])
 def test_native_decode_stack_equals_module_path(tiny_checkpoints, tmp_path, variant, quant):
     """Decode-only steps through the one-call native stack give the module path's logprobs
-    exactly for q4 (with QKV bias), q6 and q8 linears (same kernels, same order), at 1 and 3
+    exactly for q4 (with QKV bias), q4k, q6 and q8 linears (same kernels, same order), at 1 and 3
     sequences, and the KV cache ends up identical; float32 linears run the native GEMV
     there (oneDNN's GEMM in the modules): same tokens, float32 rounding apart. "wide": a
-    qwen2 of hidden size 256 (q6 blocks are 128 columns) with every linear made q6."""
+    qwen2 of hidden size 256 (q4k blocks are 256 columns) with every linear made q6 / q4k."""
     from duetserve.models.quant import QuantLinear
     from tiny_models import make_tiny_checkpoint
     path = make_tiny_checkpoint(str(tmp_path / "wide"), "qwen2-qkv-bias", hidden_size=256,
@@ -271,13 +321,14 @@ def test_native_decode_stack_equals_module_path(tiny_checkpoints, tmp_path, vari
     runs = {}
     for use_stack in (True, False):
         eng = EngineCore(EngineConfig(model=path, num_threads=2, kv_cache_memory=0.01,
-                                      quantization="int8" if quant == "int6" else quant,
+                                      quantization="int8" if variant == "wide" else quant,
                                       enable_prefix_caching=False))
         model = eng.runner.model
-        if quant == "int6":
+        if variant == "wide":
             for m in model.modules():
                 if isinstance(m, QuantLinear):
-                    m.qweight, m.dense = _as_q6(m.qweight), None
+                    m.qweight = (_as_q6 if quant == "int6" else _as_q4k)(m.qweight)
+                    m.dense = None
         for m in model.modules():     # tiny shapes calibrate to the dense path: force low-bit
             if hasattr(m, "policy"):
                 m.policy.lowbit_max_rows = 8
@@ -365,7 +416,7 @@ def test_gemv_rows_equal_alone(rows):
     """The GEMVs compute up to 4 activation rows in one pass over the weights; more rows
     run in passes of 4 over tiles of the weight (so later passes read it from cache). Every row equals
     the same row run as a step of its own, bit for bit, for weights spanning many tiles
-    (q4, q6, q8 and float32): a verify step's rows are what decodes of them would compute."""
+    (q4, q4k, q6, q8 and float32): a verify step's rows are what decodes of them would compute."""
     from duetserve.models.quant import Int4Weight, Int8Weight, int4_groups_from_float, \
         quantize_int8
     native = ops()
@@ -377,8 +428,9 @@ def test_gemv_rows_equal_alone(rows):
     x = torch.randn(rows, k, generator=g)
     q4 = Int4Weight(*int4_groups_from_float(w))
     q8 = Int8Weight(*quantize_int8(w))
-    q6 = _random_q6(n, k, g)
+    q6, q4k = _random_q6(n, k, g), _random_q4k(n, k, g)
     for run in (lambda a: native.q4_gemv(a, q4.packed, n),
+                lambda a: native.q4k_gemv(a, q4k.packed, n),
                 lambda a: native.q6_gemv(a, q6.packed, n),
                 lambda a: native.q8_gemv(a, q8.packed, q8.scale32),
                 lambda a: native.f32_gemv(a, w)):
