@@ -82,9 +82,10 @@ class LoadedModel:
         forms = ", ".join(f"{v} {k}" for k, v in self.quant_summary.items()
                           if k.startswith("int"))
         emb = self.quant_summary.get("embedding")
+        kq = self.quant_summary.get("k_quants")
         return (f"weights {forms} tensors ({self.weight_bytes / 2**20:.0f} MiB packed, "
                 f"{self.resident_bytes / 2**20:.0f} MiB resident"
-                f"{f'; embedding {emb}' if emb else ''}); "
+                f"{f'; embedding {emb}' if emb else ''}{f'; {kq}' if kq else ''}); "
                 f"many-row GEMMs in {str(self.kernel_policy.dense_dtype).replace('torch.', '')}"
                 f" ({self.kernel_policy.reason}){pages}")
 

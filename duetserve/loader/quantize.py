@@ -1,7 +1,10 @@
 """`--quantization auto|none|int8|int4`: which weights are packed low-bit, and how.
 
 - auto: keep what the file has, at the nearest packed form. GGUF Q4_0/Q4_1 -> int4
-  (exact groups of 32); Q4_K -> int4 with its own 6-bit codes (exact); Q6_K -> int6 (exact); other quantized GGUF types (Q5_x, Q8_0), and
+  (exact groups of 32). Q4_K -> int4k (its own 6-bit codes, exact) and Q6_K -> int6
+  (exact) where their kernels are measured faster on this CPU than the widened forms
+  (Q4_K -> int4 with float16 d and m per group, Q6_K -> int8 per row;
+  models/kernels.py: exact_kquant_forms), else widened; other quantized GGUF types (Q5_x, Q8_0), and
   stacked targets whose parts differ (a Q6_K v beside Q4_K q and k) -> int8 per row;
   float tensors (F32/F16/BF16 GGUF, HF folders) stay dense.
 - int8 / int4: every linear weight (and the embedding) is packed so, quantizing float
@@ -65,6 +68,9 @@ class QuantPlan:
     # Resident dense copies (for many-row steps) are kept when all of them fit this.
     dense_budget_bytes: int = 512 * 2**20
     summary: dict = field(default_factory=dict)   # form -> number of tensors (for logs)
+    # {"Q4_K": t(exact) / t(widened), "Q6_K": ...} (kernels.exact_kquant_forms), measured
+    # when a Q4_K or Q6_K tensor first needs a form; an exact form is used below 1.
+    exact_ratio: dict | None = None
 
     def wants(self, target: str, arr) -> bool:
         """Is this part of `target` to be packed?"""
@@ -76,16 +82,29 @@ class QuantPlan:
 
     def _form(self, parts) -> str:
         all4 = all(isinstance(a, GGUFTensor) and a.is_int4 for _, a in parts)
-        if self.mode in ("auto", "int4") and all(
-                isinstance(a, GGUFTensor) and a.type == "Q4_K" and a.shape[1] % 256 == 0
-                for _, a in parts):
+        if self.mode in ("auto", "int4") and self._exact(parts, "Q4_K"):
             return "int4k"
         if self.mode == "int4" or (self.mode == "auto" and all4):
             return "int4"
-        if self.mode == "auto" and all(isinstance(a, GGUFTensor) and a.type == "Q6_K"
-                                       and a.shape[1] % 256 == 0 for _, a in parts):
+        if self.mode == "auto" and self._exact(parts, "Q6_K"):
             return "int6"
         return "int8"
+
+    def _exact(self, parts, qtype: str) -> bool:
+        """Are all parts `qtype` (rows of whole 256-blocks) and is its exact form the
+        faster one here? Mutates: exact_ratio (measured on first need)."""
+        if not all(isinstance(a, GGUFTensor) and a.type == qtype and a.shape[1] % 256 == 0
+                   for _, a in parts):
+            return False
+        if self.exact_ratio is None:
+            from duetserve.models.kernels import exact_kquant_forms
+            self.exact_ratio = r = exact_kquant_forms()
+            self.summary["k_quants"] = (
+                f"Q4_K as {'int4k' if r['Q4_K'] < 1 else 'int4'}, Q6_K as "
+                f"{'int6' if r['Q6_K'] < 1 else 'int8'}"
+                + (f": exact-form GEMVs took {r['Q4_K']:.2f}x / {r['Q6_K']:.2f}x the "
+                   "widened forms' time here" if 0 < r["Q4_K"] < 2 else ""))
+        return self.exact_ratio[qtype] < 1.0
 
     def build(self, parts, shape) -> Int4Weight | Int4KWeight | Int6Weight | Int8Weight:
         form = self._form(parts)

@@ -7,6 +7,12 @@
 - `calibrate_lowbit_rows(layer)`: for one of the model's own linears, the largest row
   count at which the low-bit kernel beats the dense path; decode steps up to that many
   rows use low-bit weights, bigger steps the dense GEMM.
+- `exact_kquant_forms()`: whether GGUF Q4_K and Q6_K weights run faster in their exact
+  packed forms (int4k, int6: fewer bytes, more instructions a byte) than widened to int4
+  with float16 scales and int8 per row: one-row GEMVs of each pair over weights read from
+  DRAM. On the 2-core EPYC the widened forms won (the exact kernels run out of
+  instructions before memory runs out of bytes); where compute per byte is cheaper, the
+  exact ones.
 - `calibrate_dense_gemv_rows(model)`: for a model's float32 linears, the largest row count
   at which the native GEMV beats oneDNN's GEMM over its own layers' weights (read from
   DRAM, as in a step); `finish_dense` sets that bound on the model.
@@ -24,7 +30,8 @@ import time
 import torch
 
 from duetserve.models.native import cache_dir, cpu_flags, cpu_name, ops
-from duetserve.models.quant import KernelPolicy, QuantLinear
+from duetserve.models.quant import (Int4KWeight, Int4Weight, Int6Weight, Int8Weight,
+                                    KernelPolicy, QuantLinear)
 
 log = logging.getLogger("duetserve")
 
@@ -121,6 +128,68 @@ def choose_dense_dtype(dtype: str) -> tuple[torch.dtype, str]:
     if speedup >= BF16_MIN_SPEEDUP:
         return torch.bfloat16, f"bf16 GEMM {speedup:.2f}x fp32 ({', '.join(has)})"
     return torch.float32, f"bf16 GEMM only {speedup:.2f}x fp32 ({', '.join(has)}): fp32"
+
+
+# The exact-form probe: copies of one 4096 x 2048 weight (fresh memory each) until the
+# widened form holds this many bytes, more than any L3 here.
+_FORM_PROBE_BYTES = 96 * 2**20
+
+
+def _form_probe_seconds(weights: dict[str, object]) -> dict[str, float]:
+    """Best-of-5 time of one-row GEMVs over each form's copies, the forms timed in turn
+    per repeat (a load that comes and goes slows them alike)."""
+    x = torch.randn(1, 2048)
+    best = {name: float("inf") for name in weights}
+    for _ in range(6):
+        for name, copies in weights.items():
+            t = time.perf_counter()
+            for w in copies:
+                w.matmul(x)
+            best[name] = min(best[name], time.perf_counter() - t)
+    return best
+
+
+def exact_kquant_forms() -> dict[str, float]:
+    """{"Q4_K": t(int4k) / t(int4), "Q6_K": t(int6) / t(int8)} for the same weights
+    (below 1: the exact form is faster here). Measured once per CPU and thread count;
+    0 for both without the native kernels (plain torch dequantizes either way: the exact
+    form is the nearer one). DUET_KQUANT_FORMS=exact / widened overrides the measurement
+    (0 / 2)."""
+    def measure() -> dict[str, float]:
+        g = torch.Generator().manual_seed(0)
+        n, k = 4096, 2048
+        q4 = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
+        codes = torch.randint(0, 64, (n, k // 32), dtype=torch.uint8, generator=g)
+        half = torch.full((n, k // 256), 1e-3, dtype=torch.float16)
+        forms = {
+            "int4": Int4Weight(q4, torch.rand(n, k // 32, generator=g),
+                               torch.rand(n, k // 32, generator=g)),
+            "int4k": Int4KWeight(q4, codes, codes, half, half),
+            "int6": Int6Weight(torch.randint(0, 64, (n, k), dtype=torch.uint8, generator=g),
+                               torch.randint(-127, 128, (n, k // 16), dtype=torch.int8,
+                                             generator=g), half.repeat_interleave(2, 1)),
+            "int8": Int8Weight(torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g),
+                               torch.rand(n, generator=g)),
+        }
+        copies = max(2, -(-_FORM_PROBE_BYTES // forms["int8"].nbytes))
+        t = _form_probe_seconds({name: [w] + [_clone(w) for _ in range(copies - 1)]
+                                 for name, w in forms.items()})
+        return {"Q4_K": round(t["int4k"] / t["int4"], 3), "Q6_K": round(t["int6"] / t["int8"], 3)}
+    forced = os.environ.get("DUET_KQUANT_FORMS", "measure")
+    if forced in ("exact", "widened"):     # an override (benchmarks compare the two)
+        r = 0.0 if forced == "exact" else 2.0
+        return {"Q4_K": r, "Q6_K": r}
+    if ops() is None:
+        return {"Q4_K": 0.0, "Q6_K": 0.0}
+    return _cached(_key("exact_kquant_forms", "native-v1"), measure)
+
+
+def _clone(w):
+    """The same weight in fresh memory (the probe's copies must not share cache lines)."""
+    out = object.__new__(type(w))
+    out.__dict__.update({k: (v.clone() if isinstance(v, torch.Tensor) else v)
+                         for k, v in vars(w).items()})
+    return out
 
 
 def calibrate_lowbit_rows(layer: QuantLinear) -> int:

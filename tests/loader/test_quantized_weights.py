@@ -101,6 +101,24 @@ def test_q6_k_packs_exactly(quant_file):
     assert packed.nbytes == ROWS * COLS * 53 // 64      # 6.625 bits a weight
 
 
+@pytest.mark.parametrize("forms", ["exact", "widened"])
+def test_k_quant_forms_follow_the_measured_choice(quant_file, monkeypatch, forms):
+    """auto packs Q4_K / Q6_K exactly (int4k / int6) when their kernels measured faster,
+    else widened (int4 / int8); the choice is in the load summary. Other types and
+    stacked parts that differ are not affected."""
+    from duetserve.loader.quantize import QuantPlan
+    monkeypatch.setenv("DUET_KQUANT_FORMS", forms)
+    plan = QuantPlan("auto")
+    part = {name: [(0, GGUFTensor(name, quant_file[name]))] for name in ("Q4_K", "Q6_K", "Q4_0")}
+    want = {"exact": ("int4k", "int6"), "widened": ("int4", "int8")}[forms]
+    assert (plan._form(part["Q4_K"]), plan._form(part["Q6_K"])) == want
+    assert plan._form(part["Q4_0"]) == "int4"
+    assert plan._form(part["Q4_K"] + part["Q6_K"]) == "int8"       # a mixed stacked target
+    assert plan.summary["k_quants"].startswith(f"Q4_K as {want[0]}, Q6_K as {want[1]}")
+    w = plan.build(part["Q6_K"], (ROWS, COLS))
+    assert isinstance(w, Int6Weight if forms == "exact" else Int8Weight)
+
+
 @pytest.mark.parametrize("name", ["Q8_0", "Q5_0", "Q6_K"])
 def test_int8_requantization_bound(quant_file, name):
     """What int8 keeps of formats it repacks (Q6_K only in a stacked target whose parts
