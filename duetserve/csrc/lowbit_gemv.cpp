@@ -10,24 +10,24 @@
 //
 // q4 weights ("Q4_1 layout", groups of 32 along K, w = d * q + m), packed for streaming:
 //   packed [ceil(N/4), ceil(K/128), 320] uint8. Per block of 4 weight rows and chunk of 4
-//   groups (128 weights of each row): the 4 rows' nibbles (64 bytes each; byte j of a group
-//   holds element j in the low nibble and j + 16 in the high one, GGUF's own order), then
-//   d [4 rows][4 groups] and m [4][4] as float16 (32 bytes each). Rows and groups past N
-//   and K are zero. One block is one sequential stream: with the rows, d and m in separate
-//   arrays (six streams a block) the 1.5B model's GEMVs read DRAM at 12-15 GB/s, with this
-//   layout at 18-21 GB/s (2 threads).
+//   groups (128 weights of each row): 4 vectors of 64 bytes, then d [4 rows][4 groups] and
+//   m [4][4] as float16 (32 bytes each). Vector v, 128-bit lane r, dword g, byte j: element
+//   8v + j of row r's group g in the low nibble, 8v + 4 + j in the high one. So each int32
+//   lane of a vpdpbusd belongs to one (row, group), lane 4r + g, and a chunk's 8 dots add
+//   up in the lanes: no reduction across lanes. The activation side is the same 16 bytes
+//   (dword g = 4 elements of group g) for every row: one 128-bit broadcast load (QUADS
+//   order below). Rows and groups past N and K are zero. One block is one sequential
+//   stream: with the rows, d and m in separate arrays (six streams a block) the 1.5B
+//   model's GEMVs read DRAM at 12-15 GB/s, with a block layout at 18-21 GB/s (2 threads).
 //   Per group: sum_k w_k x_k = d * dx * sum_k q_k xq_k + m * (dx * sum_k xq_k).
-//   A 64-byte row chunk is one 512-bit load: lane i of the low/high nibble vectors is
-//   group i's elements 0-15 / 16-31, so the activation is stored in that order
-//   (chunk c: 64 bytes of "low" elements, then 64 bytes of "high" elements).
 // q4k weights (GGUF Q4_K, kept exactly): w = d * sc * q - dmin * mn, q in 0..15, the
 //   file's 6-bit sc and mn per group of 32 (a byte each) and float16 d, dmin per 256:
 //   packed [ceil(N/4), K/256, 592] uint8. Per block of 4 rows and 256 weights of each: the
 //   nibbles of columns 0-127 (q4's 4 x 64 bytes), of 128-255, then sc as uint8
-//   [half][group][row] (32 bytes: lane 4g + r for each half of 128), mn the same, then d
+//   [half][row][group] (32 bytes: lane 4r + g for each half of 128), mn the same, then d
 //   [4 rows] and dmin [4] as float16. Each half is q4's chunk with d * sc and -dmin * mn
 //   (exact in float32) as its d and m.
-// q6 weights (GGUF Q6_K, kept exactly): w = d * sc * (q - 32), q in 0..63, an int8 scale sc
+// q6 weights (GGUF Q6_K, kept exactly; lanes 4g + r, the HALVES activation order): w = d * sc * (q - 32), q in 0..63, an int8 scale sc
 //   per 16 weights along K and a float16 d per row and 256 (stored once per 128 here):
 //   packed [ceil(N/4), K/128, 424] uint8. Per block of 4 rows and 128 weights of each: the
 //   rows' low nibbles (64 bytes each, q4's order), the rows' top two bits (32 bytes each),
@@ -77,9 +77,14 @@ inline float half_to_float(uint16_t h) {
 }
 
 // Per-call activation quantization, one row of x.
-//   xq: q4 order (see above) when q4_order, else plain; padded groups are zero.
+//   xq: in `order`; padded groups are zero.
 //   dx[g] = scale of group g (0 for padding); xs[g] = dx[g] * sum(xq of g).
-void quantize_row(const float* x, int64_t K, int64_t ngroups_padded, bool q4_order,
+// Activation orders: PLAIN (element order; q8), HALVES (per chunk of 4 groups, 64 bytes of
+// the groups' elements 0-15, 16 a group, then 64 of elements 16-31; q6), QUADS (q4, q4k:
+// per chunk 8 runs of 16 bytes, run 2v + h holding elements 8v + 4h .. + 3 of each group).
+enum Order { PLAIN = 0, HALVES = 1, QUADS = 2 };
+
+void quantize_row(const float* x, int64_t K, int64_t ngroups_padded, int order,
                   int8_t* xq, float* dx, float* xs) {
   const int64_t ngroups = K / G;
   std::memset(xq, 0, ngroups_padded * G);
@@ -94,11 +99,10 @@ void quantize_row(const float* x, int64_t K, int64_t ngroups_padded, bool q4_ord
     for (int64_t k = 0; k < G; ++k) {
       const int v = static_cast<int>(std::nearbyint(xg[k] * inv));
       sum += v;
+      const int64_t c = g / CH, i = g % CH;
       int64_t pos = g * G + k;
-      if (q4_order) {   // chunk c = g / 4, lane i = g % 4; element k < 16 -> low half
-        const int64_t c = g / CH, i = g % CH;
-        pos = c * CH * G + (k < 16 ? 0 : 64) + i * 16 + (k % 16);
-      }
+      if (order == HALVES) pos = c * CH * G + (k < 16 ? 0 : 64) + i * 16 + (k % 16);
+      else if (order == QUADS) pos = c * CH * G + (2 * (k / 8) + (k % 8) / 4) * 16 + i * 4 + k % 4;
       xq[pos] = static_cast<int8_t>(v);
     }
     dx[g] = d;
@@ -109,14 +113,13 @@ void quantize_row(const float* x, int64_t K, int64_t ngroups_padded, bool q4_ord
 struct QuantizedX {
   std::vector<int8_t> q;
   std::vector<float> d, s;
-  std::vector<float> d16;  // q4: per row and chunk, dx of its 4 groups, each 4 times
-  std::vector<float> s16;  // q4: the same for xs (dx * sum of the group's xq)
+  std::vector<float> d16;  // q6: per row and chunk, dx of its 4 groups, each 4 times
+  std::vector<float> s16;  // q6: the same for xs (dx * sum of the group's xq)
   std::vector<float> l16, h16;  // q6: 32 * dx * sum of xq over elements 0-15 / 16-31, as d16
   int64_t gp;  // padded groups per row
 };
 
-QuantizedX quantize_x(const float* x, int64_t M, int64_t K, bool q4_order, int64_t pad_to,
-                      bool halves = false) {
+QuantizedX quantize_x(const float* x, int64_t M, int64_t K, int order, int64_t pad_to) {
   QuantizedX out;
   const int64_t ng = K / G;
   out.gp = (ng + pad_to - 1) / pad_to * pad_to;
@@ -124,9 +127,9 @@ QuantizedX quantize_x(const float* x, int64_t M, int64_t K, bool q4_order, int64
   out.d.resize(M * out.gp);
   out.s.resize(M * out.gp);
   for (int64_t m = 0; m < M; ++m)
-    quantize_row(x + m * K, K, out.gp, q4_order, out.q.data() + m * out.gp * G,
+    quantize_row(x + m * K, K, out.gp, order, out.q.data() + m * out.gp * G,
                  out.d.data() + m * out.gp, out.s.data() + m * out.gp);
-  if (q4_order) {   // one 16-float vector per chunk: lanes 4i..4i+3 = dx of group i
+  if (order == HALVES) {   // one 16-float vector per chunk: lanes 4i..4i+3 = dx of group i
     out.d16.resize(M * out.gp * 4);
     out.s16.resize(M * out.gp * 4);
     for (int64_t m = 0; m < M; ++m)
@@ -136,7 +139,7 @@ QuantizedX quantize_x(const float* x, int64_t M, int64_t K, bool q4_order, int64
           out.s16[(m * out.gp + g) * 4 + r] = out.s[m * out.gp + g];
         }
   }
-  if (halves) {     // q4 order: group g's elements 0-15 at c*128 + i*16, 16-31 at +64
+  if (order == HALVES) {   // group g's elements 0-15 at c*128 + i*16, 16-31 at +64
     out.l16.resize(M * out.gp * 4);
     out.h16.resize(M * out.gp * 4);
     for (int64_t m = 0; m < M; ++m)
@@ -183,31 +186,48 @@ inline __m512i reduce_4x4(const __m512i* d) {
 // m term) then runs once for 4 weight rows instead of once per row. From 2 activation rows
 // on these kernels are bound by the vector pipes that do the dots and the float math; the
 // lane sums run as shuffles and integer adds instead (docs/performance.md has the timings).
-// One q4 chunk (nibbles of 4 weight rows x 4 groups at `nib`, their d and m in lanes
-// 4g + r) against activation rows m0 .. m0 + MM - 1 (chunk c of their quantized groups).
+// One q4 chunk (the 4 nibble vectors of 4 weight rows x 4 groups at `nib`, their d and m
+// in lanes 4r + g) against activation rows m0 .. m0 + MM - 1 (chunk c, QUADS order). Two
+// accumulators keep the dot chains short; their lanes are whole (row, group) sums.
 template <int MM>
 inline void q4_chunk(const uint8_t* nib, __m512 dv, __m512 mv, const QuantizedX& X,
                      int64_t c, int64_t m0, __m512* acc) {
   const int64_t gp = X.gp;
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   __m512i lo[4], hi[4];
-  for (int r = 0; r < 4; ++r) {
-    const __m512i w = _mm512_loadu_si512(nib + r * 64);
-    lo[r] = _mm512_and_si512(w, low4);
-    hi[r] = _mm512_and_si512(_mm512_srli_epi16(w, 4), low4);
+  for (int v = 0; v < 4; ++v) {
+    const __m512i w = _mm512_loadu_si512(nib + v * 64);
+    lo[v] = _mm512_and_si512(w, low4);
+    hi[v] = _mm512_and_si512(_mm512_srli_epi16(w, 4), low4);
   }
+  auto quad = [](const int8_t* p) {
+    return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  };
   for (int i = 0; i < MM; ++i) {
     const int8_t* xq = X.q.data() + (m0 + i) * gp * G + c * CH * G;
-    const __m512i xlo = _mm512_loadu_si512(xq), xhi = _mm512_loadu_si512(xq + 64);
-    __m512i d[4];
-    for (int r = 0; r < 4; ++r)
-      d[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[r], xlo),
-                                 hi[r], xhi);
-    const __m512i e = reduce_4x4(d);
-    const int64_t off = ((m0 + i) * gp + c * CH) * 4;
-    acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(e),
-                                           _mm512_loadu_ps(X.d16.data() + off)), dv, acc[i]);
-    acc[i] = _mm512_fmadd_ps(mv, _mm512_loadu_ps(X.s16.data() + off), acc[i]);
+    __m512i a = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[0], quad(xq));
+    __m512i b = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi[0], quad(xq + 16));
+    for (int v = 1; v < 4; ++v) {
+      a = _mm512_dpbusd_epi32(a, lo[v], quad(xq + 32 * v));
+      b = _mm512_dpbusd_epi32(b, hi[v], quad(xq + 32 * v + 16));
+    }
+    const __m512i e = _mm512_add_epi32(a, b);
+    const int64_t off = (m0 + i) * gp + c * CH;
+    const __m512 dx = _mm512_broadcast_f32x4(_mm_loadu_ps(X.d.data() + off));
+    const __m512 xs = _mm512_broadcast_f32x4(_mm_loadu_ps(X.s.data() + off));
+    acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(e), dx), dv, acc[i]);
+    acc[i] = _mm512_fmadd_ps(mv, xs, acc[i]);
+  }
+}
+
+// Lanes 4r + g of `acc` summed over g into y[m0 + i, 4 nb + r].
+template <int MM>
+inline void store_rows_rg(const __m512* acc, float* y, int64_t N, int64_t nb, int64_t m0) {
+  for (int i = 0; i < MM; ++i) {
+    alignas(64) float a[16];
+    _mm512_store_ps(a, acc[i]);
+    for (int r = 0; r < 4 && nb * 4 + r < N; ++r)
+      y[(m0 + i) * N + nb * 4 + r] = (a[4 * r] + a[4 * r + 1]) + (a[4 * r + 2] + a[4 * r + 3]);
   }
 }
 
@@ -226,21 +246,19 @@ template <int MM>
 void q4_block(const uint8_t* pk, const QuantizedX& X, float* y, int64_t nch, int64_t N,
               int64_t nb, int64_t m0) {
   const uint8_t* base = pk + nb * nch * Q4_BLOCK;
-  // lane 4g + r <- lane 4r + g (the packed d and m are row-major)
-  const __m512i tr = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
   __m512 acc[MM];
   for (int i = 0; i < MM; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t c = 0; c < nch; ++c) {
     const uint8_t* blk = base + c * Q4_BLOCK;
     for (int l = 0; l < Q4_BLOCK / 64; ++l)   // two chunks ahead (runs into the next block)
       _mm_prefetch(reinterpret_cast<const char*>(blk + 2 * Q4_BLOCK + l * 64), _MM_HINT_T0);
-    const __m512 dv = _mm512_permutexvar_ps(tr, _mm512_cvtph_ps(
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 256))));
-    const __m512 mv = _mm512_permutexvar_ps(tr, _mm512_cvtph_ps(
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 288))));
+    const __m512 dv = _mm512_cvtph_ps(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 256)));
+    const __m512 mv = _mm512_cvtph_ps(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 288)));
     q4_chunk<MM>(blk, dv, mv, X, c, m0, acc);
   }
-  store_rows<MM>(acc, y, N, nb, m0);
+  store_rows_rg<MM>(acc, y, N, nb, m0);
 }
 
 // The same for a q4k weight: two chunks a block, their d and m computed from the codes.
@@ -248,7 +266,7 @@ template <int MM>
 void q4k_block(const uint8_t* pk, const QuantizedX& X, float* y, int64_t nsup, int64_t N,
                int64_t nb, int64_t m0) {
   const uint8_t* base = pk + nb * nsup * Q4K_BLOCK;
-  const __m512i rows = _mm512_setr_epi32(0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3);
+  const __m512i rows = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
   __m512 acc[MM];
   for (int i = 0; i < MM; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t s = 0; s < nsup; ++s) {
@@ -268,7 +286,7 @@ void q4k_block(const uint8_t* pk, const QuantizedX& X, float* y, int64_t nsup, i
       q4_chunk<MM>(blk + h * 256, dv, mv, X, 2 * s + h, m0, acc);
     }
   }
-  store_rows<MM>(acc, y, N, nb, m0);
+  store_rows_rg<MM>(acc, y, N, nb, m0);
 }
 
 // The same for a q6 weight: the low and high halves of each group have their own scale, so
@@ -402,6 +420,17 @@ void f32_rows(const float* w, const float* x, float* y, int64_t K, int64_t N, in
 #endif
 }
 
+// Element k of row r's group `lane` in a q4 chunk's nibble vectors, and the position of
+// element k of group `lane` of chunk c in QUADS activations.
+inline int q4_nib(const uint8_t* nib, int r, int lane, int k) {
+  const uint8_t b = nib[(k / 8) * 64 + (4 * r + lane) * 4 + k % 4];
+  return (k % 8) < 4 ? (b & 15) : (b >> 4);
+}
+
+inline int64_t quads_pos(int64_t c, int lane, int k) {
+  return c * CH * G + (2 * (k / 8) + (k % 8) / 4) * 16 + lane * 4 + k % 4;
+}
+
 // y[m, n] for packed blocks [b0, b1) of a q4 weight, activation rows m0 .. m0 + mm - 1.
 void q4_rows(const uint8_t* pk, const QuantizedX& X, float* y, int64_t nch, int64_t N,
              int64_t b0, int64_t b1, int64_t m0, int64_t mm) {
@@ -421,14 +450,11 @@ void q4_rows(const uint8_t* pk, const QuantizedX& X, float* y, int64_t nch, int6
         const uint8_t* blk = base + c * Q4_BLOCK;
         const uint16_t* dh = reinterpret_cast<const uint16_t*>(blk + 256) + r * 4;
         const uint16_t* mh = reinterpret_cast<const uint16_t*>(blk + 288) + r * 4;
-        for (int64_t lane = 0; lane < CH; ++lane) {
-          const uint8_t* b = blk + r * 64 + lane * 16;
+        for (int lane = 0; lane < CH; ++lane) {
           const int64_t g = c * CH + lane;
           int32_t dot = 0;
-          for (int j = 0; j < 16; ++j) {
-            dot += int32_t(b[j] & 15) * xq[c * CH * G + lane * 16 + j];
-            dot += int32_t(b[j] >> 4) * xq[c * CH * G + 64 + lane * 16 + j];
-          }
+          for (int k = 0; k < G; ++k)
+            dot += q4_nib(blk, static_cast<int>(r), lane, k) * xq[quads_pos(c, lane, k)];
           total += half_to_float(dh[lane]) * X.d[(m0 + i) * gp + g] * float(dot)
                  + half_to_float(mh[lane]) * X.s[(m0 + i) * gp + g];
         }
@@ -442,7 +468,7 @@ void q4_rows(const uint8_t* pk, const QuantizedX& X, float* y, int64_t nch, int6
 // Group g's d and m of row r of a q4k block (g in 0..7 over the block's 256 columns).
 inline void q4k_dm(const uint8_t* blk, int r, int g, float* d, float* m) {
   const uint16_t* dd = reinterpret_cast<const uint16_t*>(blk + Q4K_D);
-  const int lane = (g / 4) * 16 + (g % 4) * 4 + r;
+  const int lane = (g / 4) * 16 + r * 4 + g % 4;
   *d = half_to_float(dd[r]) * float(blk[Q4K_SC + lane]);
   *m = -(half_to_float(dd[4 + r]) * float(blk[Q4K_MN + lane]));
 }
@@ -464,13 +490,10 @@ void q4k_rows(const uint8_t* pk, const QuantizedX& X, float* y, int64_t nsup, in
       for (int64_t s = 0; s < nsup; ++s) {
         const uint8_t* blk = base + s * Q4K_BLOCK;
         for (int gl = 0; gl < 8; ++gl) {
-          const int64_t c = 2 * s + gl / 4, lane = gl % 4, g = c * CH + lane;
-          const uint8_t* b = blk + (gl / 4) * 256 + r * 64 + lane * 16;
+          const int64_t c = 2 * s + gl / 4, g = c * CH + gl % 4;
           int32_t dot = 0;
-          for (int j = 0; j < 16; ++j) {
-            dot += int32_t(b[j] & 15) * xq[c * CH * G + lane * 16 + j];
-            dot += int32_t(b[j] >> 4) * xq[c * CH * G + 64 + lane * 16 + j];
-          }
+          for (int k = 0; k < G; ++k)
+            dot += q4_nib(blk + (gl / 4) * 256, r, gl % 4, k) * xq[quads_pos(c, gl % 4, k)];
           float dv, mv;
           q4k_dm(blk, r, gl, &dv, &mv);
           total += dv * X.d[(m0 + i) * gp + g] * float(dot) + mv * X.s[(m0 + i) * gp + g];
@@ -587,7 +610,7 @@ torch::Tensor q4_gemv(torch::Tensor x, torch::Tensor packed, int64_t N) {
   TORCH_CHECK(K % G == 0 && nch == (K / G + CH - 1) / CH && packed.size(0) == (N + 3) / 4,
               "shape mismatch");
   auto y = torch::empty({M, N}, x.options());
-  const QuantizedX X = quantize_x(x.data_ptr<float>(), M, K, /*q4_order=*/true, CH);
+  const QuantizedX X = quantize_x(x.data_ptr<float>(), M, K, QUADS, CH);
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, packed.size(0), ROWS_PER_TASK / 4, [&](int64_t b0, int64_t b1) {
@@ -608,7 +631,7 @@ torch::Tensor q4k_gemv(torch::Tensor x, torch::Tensor packed, int64_t N) {
   TORCH_CHECK(K % 256 == 0 && nsup == K / 256 && packed.size(0) == (N + 3) / 4,
               "shape mismatch");
   auto y = torch::empty({M, N}, x.options());
-  const QuantizedX X = quantize_x(x.data_ptr<float>(), M, K, /*q4_order=*/true, CH);
+  const QuantizedX X = quantize_x(x.data_ptr<float>(), M, K, QUADS, CH);
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, packed.size(0), ROWS_PER_TASK / 4, [&](int64_t b0, int64_t b1) {
@@ -629,8 +652,7 @@ torch::Tensor q6_gemv(torch::Tensor x, torch::Tensor packed, int64_t N) {
   TORCH_CHECK(K % 128 == 0 && nch == K / 128 && packed.size(0) == (N + 3) / 4,
               "shape mismatch");
   auto y = torch::empty({M, N}, x.options());
-  const QuantizedX X = quantize_x(x.data_ptr<float>(), M, K, /*q4_order=*/true, CH,
-                                  /*halves=*/true);
+  const QuantizedX X = quantize_x(x.data_ptr<float>(), M, K, HALVES, CH);
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, packed.size(0), ROWS_PER_TASK / 4, [&](int64_t b0, int64_t b1) {
@@ -652,7 +674,7 @@ torch::Tensor q8_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor scale
   TORCH_CHECK(K % G == 0 && npairs == (K + 63) / 64 && packed.size(0) == (N + 3) / 4,
               "shape mismatch (K must be a multiple of 32)");
   auto y = torch::empty({M, N}, x.options());
-  const QuantizedX X = quantize_x(x.data_ptr<float>(), M, K, /*q4_order=*/false, 2);
+  const QuantizedX X = quantize_x(x.data_ptr<float>(), M, K, PLAIN, 2);
   const int8_t* pp = packed.data_ptr<int8_t>();
   const float* sp = scale.data_ptr<float>();
   float* yp = y.data_ptr<float>();
@@ -685,22 +707,25 @@ torch::Tensor f32_gemv(torch::Tensor x, torch::Tensor w) {
   return y;
 }
 
-// One group of 32: 16 bytes of nibbles (element j low, j + 16 high) -> d * q + m as bf16.
-inline void group_to_bf16(const uint8_t* blk, float dv, float mv, at::BFloat16* o) {
+// Row r's group `lane` of a q4 chunk (its nibble vectors at `nib`) -> d * q + m as bf16.
+inline void group_to_bf16(const uint8_t* nib, int r, int lane, float dv, float mv,
+                          at::BFloat16* o) {
 #if defined(__AVX512BF16__) && defined(__AVX512VL__)
-  const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
-  const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(15)));
-  const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4));
+  int32_t w[4];   // byte 4v + j: element 8v + j (low nibble), 8v + 4 + j (high)
+  for (int v = 0; v < 4; ++v) std::memcpy(&w[v], nib + v * 64 + (4 * r + lane) * 4, 4);
+  const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
   const __m512 dv16 = _mm512_set1_ps(dv), mv16 = _mm512_set1_ps(mv);
+  const __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(15))),
+                                    dv16, mv16);
+  const __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), dv16, mv16);
+  const __m512i i0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i i1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(o),
-                      (__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(lo, dv16, mv16)));
+                      (__m256i)_mm512_cvtneps_pbh(_mm512_permutex2var_ps(lo, i0, hi)));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16),
-                      (__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(hi, dv16, mv16)));
+                      (__m256i)_mm512_cvtneps_pbh(_mm512_permutex2var_ps(lo, i1, hi)));
 #else
-  for (int j = 0; j < 16; ++j) {
-    o[j] = at::BFloat16(dv * float(blk[j] & 15) + mv);
-    o[16 + j] = at::BFloat16(dv * float(blk[j] >> 4) + mv);
-  }
+  for (int k = 0; k < G; ++k) o[k] = at::BFloat16(dv * float(q4_nib(nib, r, lane, k)) + mv);
 #endif
 }
 
@@ -719,13 +744,13 @@ torch::Tensor q4_dequant_bf16(torch::Tensor packed, int64_t K, int64_t a, int64_
     for (int64_t n = r0; n < r1; ++n) {
       at::BFloat16* orow = op + (n - a) * K;
       const uint8_t* base = pp + (n / 4) * nch * Q4_BLOCK;
-      const int64_t r = n % 4;
+      const int r = static_cast<int>(n % 4);
       for (int64_t g = 0; g < ng; ++g) {
         const uint8_t* cb = base + (g / CH) * Q4_BLOCK;
-        const uint8_t* blk = cb + r * 64 + (g % CH) * 16;
-        const float dv = half_to_float(reinterpret_cast<const uint16_t*>(cb + 256)[r * 4 + g % CH]);
-        const float mv = half_to_float(reinterpret_cast<const uint16_t*>(cb + 288)[r * 4 + g % CH]);
-        group_to_bf16(blk, dv, mv, orow + g * G);
+        const int lane = static_cast<int>(g % CH);
+        const float dv = half_to_float(reinterpret_cast<const uint16_t*>(cb + 256)[r * 4 + lane]);
+        const float mv = half_to_float(reinterpret_cast<const uint16_t*>(cb + 288)[r * 4 + lane]);
+        group_to_bf16(cb, r, lane, dv, mv, orow + g * G);
       }
     }
   });
@@ -751,7 +776,7 @@ torch::Tensor q4k_dequant_bf16(torch::Tensor packed, int64_t K, int64_t a, int64
         for (int gl = 0; gl < 8; ++gl) {
           float dv, mv;
           q4k_dm(blk, r, gl, &dv, &mv);
-          group_to_bf16(blk + (gl / 4) * 256 + r * 64 + (gl % 4) * 16, dv, mv,
+          group_to_bf16(blk + (gl / 4) * 256, r, gl % 4, dv, mv,
                         op + (n - a) * K + (s * 8 + gl) * G);
         }
       }

@@ -59,10 +59,26 @@ def _block_rows(blocks: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return blocks[ids // 4, :, ids % 4]
 
 
+def _pack_nibbles(q: torch.Tensor, nb: int, chunks: int) -> torch.Tensor:
+    """q [nb * 4, chunks * 128] values 0..15 -> [nb, chunks, 256] bytes in the q4 kernels'
+    order: per chunk 4 vectors of 64 bytes; vector v, 16-byte lane r, dword g, byte j holds
+    element 8v + j of row r's group g low and 8v + 4 + j high (csrc/lowbit_gemv.cpp)."""
+    v = q.to(torch.uint8).view(nb, 4, chunks, 4, 4, 2, 4)        # b, r, c, g, v, half, j
+    b = v[..., 0, :] | (v[..., 1, :] << 4)                        # b, r, c, g, v, j
+    return b.permute(0, 2, 4, 1, 3, 5).reshape(nb, chunks, 256)
+
+
+def _unpack_nibbles(vec: torch.Tensor) -> torch.Tensor:
+    """One row's nibble dwords [n, chunks, 4 (v), 4 (g), 4 (j)] -> q [n, chunks * 4, 32]."""
+    b = vec.permute(0, 1, 3, 2, 4)                                # n, c, g, v, j
+    q = torch.stack([b & 15, b >> 4], dim=-2)                     # n, c, g, v, half, j
+    return q.reshape(vec.shape[0], -1, GROUP)
+
+
 class Int4Weight:
     """`packed` [ceil(N/4), ceil(K/128), 320] uint8: per block of 4 rows and 4 groups, the
-    rows' nibbles (64 bytes each; byte j of a group: element j low nibble, j + 16 high),
-    then d [4 rows][4 groups] and m [4][4] as float16; w = d * q + m. Padding is zero."""
+    rows' nibbles (256 bytes, `_pack_nibbles` order), then d [4 rows][4 groups] and m
+    [4][4] as float16; w = d * q + m. Padding is zero."""
 
     bits = 4
     BLOCK = 4 * 64 + 2 * 32
@@ -75,23 +91,22 @@ class Int4Weight:
         self.shape = (n, k)
         ng = k // GROUP
         nb, nch = -(-n // 4), -(-ng // 4)
-        g = q.view(n, ng, GROUP).to(torch.uint8)
-        qs = torch.zeros(nb * 4, nch * 4, 16, dtype=torch.uint8)
-        qs[:n, :ng] = g[..., :16] | (g[..., 16:] << 4)
+        qp = torch.zeros(nb * 4, nch * 128, dtype=torch.uint8)
+        qp[:n, :k] = q
         dm = torch.zeros(2, nb * 4, nch * 4, dtype=torch.float16)
         dm[0, :n, :ng], dm[1, :n, :ng] = d, m
         dm = dm.view(2, nb, 4, nch, 4).permute(1, 3, 0, 2, 4).reshape(nb, nch, 32)
-        self.packed = torch.cat([qs.view(nb, 4, nch, 64).permute(0, 2, 1, 3).reshape(nb, nch, 256),
+        self.packed = torch.cat([_pack_nibbles(qp, nb, nch),
                                  dm.contiguous().view(torch.uint8)], dim=-1).contiguous()
 
     def groups(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Rows `ids` [n] unpacked: (qs [n, K/32, 16] uint8, d, m [n, K/32] float16)."""
+        """Rows `ids` [n] unpacked: (q [n, K/32, 32] uint8 values, d, m [n, K/32] float16)."""
         nb, nch, _ = self.packed.shape
         ng = self.shape[1] // GROUP
-        qs = _block_rows(self.packed[..., :256].view(nb, nch, 4, 64), ids)   # [n, nch, 64]
+        vec = self.packed[..., :256].view(nb, nch, 4, 4, 4, 4)[ids // 4, :, :, ids % 4]
         dm = self.packed[..., 256:].view(torch.float16).view(nb, nch, 2, 4, 4)
         dm = dm[ids // 4, :, :, ids % 4]                                     # [n, nch, 2, 4]
-        return (qs.reshape(len(ids), nch * 4, 16)[:, :ng],
+        return (_unpack_nibbles(vec)[:, :ng],
                 dm[:, :, 0].reshape(len(ids), -1)[:, :ng], dm[:, :, 1].reshape(len(ids), -1)[:, :ng])
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -102,12 +117,11 @@ class Int4Weight:
         return F.linear(x.float(), self.dequantize())
 
     @staticmethod
-    def _decode(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
+    def _decode(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
                 dtype: torch.dtype) -> torch.Tensor:
-        """Unpacked rows -> dense [rows, K] in dtype (plain torch)."""
-        q = torch.cat([qs & 15, qs >> 4], dim=-1).to(dtype)         # [rows, K/32, 32]
-        w = q * d.to(dtype)[..., None] + m.to(dtype)[..., None]
-        return w.reshape(qs.shape[0], -1)
+        """Unpacked rows (q [rows, K/32, 32] values) -> dense [rows, K] in dtype."""
+        w = q.to(dtype) * d.to(dtype)[..., None] + m.to(dtype)[..., None]
+        return w.reshape(q.shape[0], -1)
 
     def dequantize(self, dtype: torch.dtype = torch.float32, a: int = 0,
                    b: int | None = None) -> torch.Tensor:
@@ -138,8 +152,8 @@ class Int4Weight:
 
 class Int4KWeight:
     """`packed` [ceil(N/4), K/256, 592] uint8: per block of 4 rows and 256 columns, the
-    rows' nibbles of columns 0-127 (4 x 64 bytes, Int4Weight's order), then of 128-255,
-    then sc uint8 [half][group][row] (32 bytes), mn the same (32), d [4 rows] and dmin [4]
+    rows' nibbles of columns 0-127 (256 bytes, `_pack_nibbles` order), then of 128-255,
+    then sc uint8 [half][row][group] (32 bytes), mn the same (32), d [4 rows] and dmin [4]
     as float16 (8 + 8); w = d * sc * q - dmin * mn. Padding rows are zero."""
 
     bits = 4
@@ -161,31 +175,29 @@ class Int4KWeight:
             out = torch.zeros(rows, *t.shape[1:], dtype=t.dtype)
             out[:n] = t
             return out
-        g = padded(q).view(rows, k // GROUP, GROUP)
-        nib = (g[..., :16] | (g[..., 16:] << 4)).reshape(nb, 4, ns, 2, 64)
 
-        def per_group(t: torch.Tensor) -> torch.Tensor:     # [half][group][row] bytes
-            return padded(t).view(nb, 4, ns, 2, 4).permute(0, 2, 3, 4, 1).reshape(nb, ns, 32)
+        def per_group(t: torch.Tensor) -> torch.Tensor:     # [half][row][group] bytes
+            return padded(t).view(nb, 4, ns, 2, 4).permute(0, 2, 3, 1, 4).reshape(nb, ns, 32)
 
         def per_row(t: torch.Tensor) -> torch.Tensor:       # [row] float16 -> 8 bytes
             return padded(t).view(nb, 4, ns).permute(0, 2, 1).contiguous().view(torch.uint8)
-        self.packed = torch.cat([nib.permute(0, 2, 3, 1, 4).reshape(nb, ns, 512),
+        self.packed = torch.cat([_pack_nibbles(padded(q), nb, 2 * ns).view(nb, ns, 512),
                                  per_group(sc), per_group(mn), per_row(d), per_row(dmin)],
                                 dim=-1).contiguous()
 
     def groups(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Rows `ids` [n] unpacked as Int4Weight.groups: (qs [n, K/32, 16] uint8, d, m
+        """Rows `ids` [n] unpacked as Int4Weight.groups: (q [n, K/32, 32] uint8, d, m
         [n, K/32] float32 with d = d * sc and m = -dmin * mn, exact)."""
         nb, ns, _ = self.packed.shape
         n, ng = len(ids), self.shape[1] // GROUP
-        qs = _block_rows(self.packed[..., :512].reshape(nb, ns * 2, 4, 64), ids)
-        codes = self.packed[..., 512:576].view(nb, ns, 2, 2, 4, 4)     # [.., sc|mn, h, g, r]
-        codes = codes[ids // 4, :, :, :, :, ids % 4].float()           # [n, ns, 2, 2, 4]
+        vec = self.packed[..., :512].reshape(nb, ns * 2, 4, 4, 4, 4)[ids // 4, :, :, ids % 4]
+        codes = self.packed[..., 512:576].view(nb, ns, 2, 2, 4, 4)     # [.., sc|mn, h, r, g]
+        codes = codes[ids // 4, :, :, :, ids % 4].float()              # [n, ns, 2, 2, 4]
         scales = self.packed[..., 576:].view(torch.float16).view(nb, ns, 2, 4)
         scales = scales[ids // 4, :, :, ids % 4].float()               # [n, ns, 2]
         d = scales[:, :, 0, None, None] * codes[:, :, 0]
         m = -scales[:, :, 1, None, None] * codes[:, :, 1]
-        return qs.reshape(n, ng, 16), d.reshape(n, ng), m.reshape(n, ng)
+        return _unpack_nibbles(vec), d.reshape(n, ng), m.reshape(n, ng)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] -> [M, N] float32 (see Int4Weight.matmul)."""
