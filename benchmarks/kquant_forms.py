@@ -17,25 +17,10 @@ import time
 
 import torch
 
-from duetserve.models.kernels import _clone
-from duetserve.models.quant import Int4KWeight, Int4Weight, Int6Weight, Int8Weight
+from duetserve.models.kernels import _clone, probe_forms
 
 SHAPES = [(2048, 1536), (1536, 1536), (17920, 1536), (1536, 8960), (151936, 1536)]
 PROBE_BYTES = 96 * 2**20
-
-
-def forms(n: int, k: int, g: torch.Generator) -> dict:
-    q4 = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
-    codes = torch.randint(0, 64, (n, k // 32), dtype=torch.uint8, generator=g)
-    half = torch.full((n, k // 256), 1e-3, dtype=torch.float16)
-    return {"int4": Int4Weight(q4, torch.rand(n, k // 32, generator=g),
-                               torch.rand(n, k // 32, generator=g)),
-            "int4k": Int4KWeight(q4, codes, codes, half, half),
-            "int6": Int6Weight(torch.randint(0, 64, (n, k), dtype=torch.uint8, generator=g),
-                               torch.randint(-127, 128, (n, k // 16), dtype=torch.int8,
-                                             generator=g), half.repeat_interleave(2, 1)),
-            "int8": Int8Weight(torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g),
-                               torch.rand(n, generator=g))}
 
 
 def main() -> None:
@@ -50,7 +35,7 @@ def main() -> None:
     print(f"{'N x K':>14} {'copies':>6} " + " ".join(f"{f:>16}" for f in
           ("int4", "int4k", "int8", "int6")) + "  int4k/int4  int6/int8")
     for n, k in SHAPES:
-        f = forms(n, k, g)
+        f = probe_forms(n, k, g)
         copies = max(1, -(-PROBE_BYTES // f["int8"].nbytes))
         ws = {name: [w] + [_clone(w) for _ in range(copies - 1)] for name, w in f.items()}
         x = torch.randn(1, k)

@@ -600,67 +600,45 @@ inline void tiled_passes(int64_t b0, int64_t b1, int64_t unit_bytes, int64_t M, 
 
 }  // namespace
 
-torch::Tensor q4_gemv(torch::Tensor x, torch::Tensor packed, int64_t N) {
+// x [M, K] float32 against a weight packed in blocks of 4 rows: packed [ceil(N/4), units,
+// block] uint8, `units` column units of `cols` each (K padded up to them), activations
+// quantized in `order`; rows(pp, X, y, units, N, b0, b1, m0, mm) computes blocks [b0, b1).
+template <typename Rows>
+torch::Tensor packed_gemv(torch::Tensor x, const torch::Tensor& packed, int64_t N,
+                          int64_t cols, int64_t block, int order, Rows rows) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be float32 [M, K]");
   TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() &&
-              packed.dim() == 3 && packed.size(2) == Q4_BLOCK,
-              "packed: uint8 [ceil(N/4), ceil(K/128), 320]");
+              packed.dim() == 3 && packed.size(2) == block,
+              "packed: uint8 [ceil(N/4), ceil(K/", cols, "), ", block, "]");
   x = x.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), nch = packed.size(1);
-  TORCH_CHECK(K % G == 0 && nch == (K / G + CH - 1) / CH && packed.size(0) == (N + 3) / 4,
+  const int64_t M = x.size(0), K = x.size(1), units = packed.size(1);
+  TORCH_CHECK(K % G == 0 && units == (K + cols - 1) / cols && packed.size(0) == (N + 3) / 4,
               "shape mismatch");
   auto y = torch::empty({M, N}, x.options());
-  const QuantizedX X = quantize_x(x.data_ptr<float>(), M, K, QUADS, CH);
+  const QuantizedX X = quantize_x(x.data_ptr<float>(), M, K, order, CH);
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, packed.size(0), ROWS_PER_TASK / 4, [&](int64_t b0, int64_t b1) {
-    tiled_passes(b0, b1, nch * Q4_BLOCK, M, [&](int64_t t0, int64_t t1, int64_t m0, int64_t mm) {
-      q4_rows(pp, X, yp, nch, N, t0, t1, m0, mm);
+    tiled_passes(b0, b1, units * block, M, [&](int64_t t0, int64_t t1, int64_t m0, int64_t mm) {
+      rows(pp, X, yp, units, N, t0, t1, m0, mm);
     });
   });
   return y;
 }
 
+torch::Tensor q4_gemv(torch::Tensor x, torch::Tensor packed, int64_t N) {
+  return packed_gemv(x, packed, N, CH * G, Q4_BLOCK, QUADS, q4_rows);
+}
+
+// Q4_K and Q6_K rows are whole blocks of 256: K % 256 == 0 (the loader packs no others).
 torch::Tensor q4k_gemv(torch::Tensor x, torch::Tensor packed, int64_t N) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be float32 [M, K]");
-  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() &&
-              packed.dim() == 3 && packed.size(2) == Q4K_BLOCK,
-              "packed: uint8 [ceil(N/4), K/256, 592]");
-  x = x.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), nsup = packed.size(1);
-  TORCH_CHECK(K % 256 == 0 && nsup == K / 256 && packed.size(0) == (N + 3) / 4,
-              "shape mismatch");
-  auto y = torch::empty({M, N}, x.options());
-  const QuantizedX X = quantize_x(x.data_ptr<float>(), M, K, QUADS, CH);
-  const uint8_t* pp = packed.data_ptr<uint8_t>();
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, packed.size(0), ROWS_PER_TASK / 4, [&](int64_t b0, int64_t b1) {
-    tiled_passes(b0, b1, nsup * Q4K_BLOCK, M, [&](int64_t t0, int64_t t1, int64_t m0, int64_t mm) {
-      q4k_rows(pp, X, yp, nsup, N, t0, t1, m0, mm);
-    });
-  });
-  return y;
+  TORCH_CHECK(x.size(-1) % 256 == 0, "q4k: K must be a multiple of 256");
+  return packed_gemv(x, packed, N, 256, Q4K_BLOCK, QUADS, q4k_rows);
 }
 
 torch::Tensor q6_gemv(torch::Tensor x, torch::Tensor packed, int64_t N) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be float32 [M, K]");
-  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() &&
-              packed.dim() == 3 && packed.size(2) == Q6_BLOCK,
-              "packed: uint8 [ceil(N/4), K/128, 424]");
-  x = x.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), nch = packed.size(1);
-  TORCH_CHECK(K % 128 == 0 && nch == K / 128 && packed.size(0) == (N + 3) / 4,
-              "shape mismatch");
-  auto y = torch::empty({M, N}, x.options());
-  const QuantizedX X = quantize_x(x.data_ptr<float>(), M, K, HALVES, CH);
-  const uint8_t* pp = packed.data_ptr<uint8_t>();
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, packed.size(0), ROWS_PER_TASK / 4, [&](int64_t b0, int64_t b1) {
-    tiled_passes(b0, b1, nch * Q6_BLOCK, M, [&](int64_t t0, int64_t t1, int64_t m0, int64_t mm) {
-      q6_rows(pp, X, yp, nch, N, t0, t1, m0, mm);
-    });
-  });
-  return y;
+  TORCH_CHECK(x.size(-1) % 128 == 0, "q6: K must be a multiple of 128");
+  return packed_gemv(x, packed, N, CH * G, Q6_BLOCK, HALVES, q6_rows);
 }
 
 torch::Tensor q8_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor scale) {

@@ -149,6 +149,24 @@ def _form_probe_seconds(weights: dict[str, object]) -> dict[str, float]:
     return best
 
 
+def probe_forms(n: int, k: int, g: torch.Generator) -> dict[str, object]:
+    """One random n x k weight in each low-bit form (int4, int4k, int6, int8; values do
+    not matter to the kernels' speed)."""
+    q4 = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
+    codes = torch.randint(0, 64, (n, k // 32), dtype=torch.uint8, generator=g)
+    half = torch.full((n, k // 256), 1e-3, dtype=torch.float16)
+    return {
+        "int4": Int4Weight(q4, torch.rand(n, k // 32, generator=g),
+                           torch.rand(n, k // 32, generator=g)),
+        "int4k": Int4KWeight(q4, codes, codes, half, half),
+        "int6": Int6Weight(torch.randint(0, 64, (n, k), dtype=torch.uint8, generator=g),
+                           torch.randint(-127, 128, (n, k // 16), dtype=torch.int8,
+                                         generator=g), half.repeat_interleave(2, 1)),
+        "int8": Int8Weight(torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g),
+                           torch.rand(n, generator=g)),
+    }
+
+
 def exact_kquant_forms() -> dict[str, float]:
     """{"Q4_K": t(int4k) / t(int4), "Q6_K": t(int6) / t(int8)} for the same weights
     (below 1: the exact form is faster here). Measured once per CPU and thread count;
@@ -156,21 +174,7 @@ def exact_kquant_forms() -> dict[str, float]:
     form is the nearer one). DUET_KQUANT_FORMS=exact / widened overrides the measurement
     (0 / 2)."""
     def measure() -> dict[str, float]:
-        g = torch.Generator().manual_seed(0)
-        n, k = 4096, 2048
-        q4 = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
-        codes = torch.randint(0, 64, (n, k // 32), dtype=torch.uint8, generator=g)
-        half = torch.full((n, k // 256), 1e-3, dtype=torch.float16)
-        forms = {
-            "int4": Int4Weight(q4, torch.rand(n, k // 32, generator=g),
-                               torch.rand(n, k // 32, generator=g)),
-            "int4k": Int4KWeight(q4, codes, codes, half, half),
-            "int6": Int6Weight(torch.randint(0, 64, (n, k), dtype=torch.uint8, generator=g),
-                               torch.randint(-127, 128, (n, k // 16), dtype=torch.int8,
-                                             generator=g), half.repeat_interleave(2, 1)),
-            "int8": Int8Weight(torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g),
-                               torch.rand(n, generator=g)),
-        }
+        forms = probe_forms(4096, 2048, torch.Generator().manual_seed(0))
         copies = max(2, -(-_FORM_PROBE_BYTES // forms["int8"].nbytes))
         t = _form_probe_seconds({name: [w] + [_clone(w) for _ in range(copies - 1)]
                                  for name, w in forms.items()})
@@ -181,7 +185,7 @@ def exact_kquant_forms() -> dict[str, float]:
         return {"Q4_K": r, "Q6_K": r}
     if ops() is None:
         return {"Q4_K": 0.0, "Q6_K": 0.0}
-    return _cached(_key("exact_kquant_forms", "native-v1"), measure)
+    return _cached(_key("exact_kquant_forms", "native-v2"), measure)
 
 
 def _clone(w):
@@ -212,7 +216,7 @@ def calibrate_lowbit_rows(layer: QuantLinear) -> int:
             return _crossover(_ROWS, lambda m: torch.randn(m, layer.in_features), run, reps=5)
         finally:
             policy.lowbit_max_rows = saved
-    gemv = "native-v5" if ops() is not None else "torch"   # bump when kernels change
+    gemv = "native-v6" if ops() is not None else "torch"   # bump when kernels change
     return int(_cached(_key("lowbit_rows", layer.out_features, layer.in_features,
                             f"int{layer.qweight.bits}", kind, policy.dense_dtype, gemv),
                        measure))

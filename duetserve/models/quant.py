@@ -75,13 +75,65 @@ def _unpack_nibbles(vec: torch.Tensor) -> torch.Tensor:
     return q.reshape(vec.shape[0], -1, GROUP)
 
 
-class Int4Weight:
+class _BlockWeight:
+    """A weight packed in blocks of 4 rows in one uint8 tensor `packed` [ceil(N/4), units,
+    BLOCK], with a native GEMV and bf16 dequantization (csrc/lowbit_gemv.cpp, named by
+    _GEMV and _DEQUANT) and plain-torch fallbacks. Subclasses define _unpack(ids) (rows
+    `ids` unpacked) and _decode(*unpacked, dtype) (-> dense rows)."""
+
+    _GEMV = _DEQUANT = ""
+    shape: tuple[int, int]
+    packed: torch.Tensor
+
+    def _unpack(self, ids: torch.Tensor) -> tuple:
+        raise NotImplementedError
+
+    @staticmethod
+    def _decode(*parts) -> torch.Tensor:
+        raise NotImplementedError
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] -> [M, N] float32: the native int8-activation kernel when built, else
+        a float32 product on the dequantized weight."""
+        if _NATIVE is not None:
+            return getattr(_NATIVE, self._GEMV)(x.float(), self.packed, self.shape[0])
+        return F.linear(x.float(), self.dequantize())
+
+    def dequantize(self, dtype: torch.dtype = torch.float32, a: int = 0,
+                   b: int | None = None) -> torch.Tensor:
+        """Rows [a, b) as a dense [b - a, K] tensor."""
+        b = self.shape[0] if b is None else b
+        if _NATIVE is not None and dtype == torch.bfloat16:
+            return getattr(_NATIVE, self._DEQUANT)(self.packed, self.shape[1], a, b)
+        return self._decode(*self._unpack(torch.arange(a, b)), dtype)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Dequantized rows `ids` [n] -> [n, K] float32 (embedding lookup)."""
+        return self._decode(*self._unpack(ids.reshape(-1)), torch.float32).view(*ids.shape, -1)
+
+    def prefix(self, n: int):
+        """Rows [0, n) as a weight sharing this one's storage (the packed blocks up to
+        row n; a last partial block's other rows are computed and dropped)."""
+        if not 0 < n <= self.shape[0]:
+            raise ValueError(f"row prefix {n} outside 1..{self.shape[0]}")
+        out = object.__new__(type(self))
+        out.shape = (n, self.shape[1])
+        out.packed = self.packed[:-(-n // 4)]
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel()
+
+
+class Int4Weight(_BlockWeight):
     """`packed` [ceil(N/4), ceil(K/128), 320] uint8: per block of 4 rows and 4 groups, the
     rows' nibbles (256 bytes, `_pack_nibbles` order), then d [4 rows][4 groups] and m
     [4][4] as float16; w = d * q + m. Padding is zero."""
 
     bits = 4
     BLOCK = 4 * 64 + 2 * 32
+    _GEMV, _DEQUANT = "q4_gemv", "q4_dequant_bf16"
 
     def __init__(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> None:
         """q: [N, K] uint8 in 0..15; d, m: [N, K/32] float (w = d * q + m)."""
@@ -109,13 +161,6 @@ class Int4Weight:
         return (_unpack_nibbles(vec)[:, :ng],
                 dm[:, :, 0].reshape(len(ids), -1)[:, :ng], dm[:, :, 1].reshape(len(ids), -1)[:, :ng])
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [M, K] -> [M, N] float32: the native int8-activation kernel when built, else
-        a float32 product on the dequantized weight."""
-        if _NATIVE is not None:
-            return _NATIVE.q4_gemv(x.float(), self.packed, self.shape[0])
-        return F.linear(x.float(), self.dequantize())
-
     @staticmethod
     def _decode(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
                 dtype: torch.dtype) -> torch.Tensor:
@@ -123,34 +168,10 @@ class Int4Weight:
         w = q.to(dtype) * d.to(dtype)[..., None] + m.to(dtype)[..., None]
         return w.reshape(q.shape[0], -1)
 
-    def dequantize(self, dtype: torch.dtype = torch.float32, a: int = 0,
-                   b: int | None = None) -> torch.Tensor:
-        """Rows [a, b) as a dense [b - a, K] tensor."""
-        b = self.shape[0] if b is None else b
-        if _NATIVE is not None and dtype == torch.bfloat16:
-            return _NATIVE.q4_dequant_bf16(self.packed, self.shape[1], a, b)
-        return self._decode(*self.groups(torch.arange(a, b)), dtype)
-
-    def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Dequantized rows `ids` [n] -> [n, K] float32 (embedding lookup)."""
-        return self._decode(*self.groups(ids.reshape(-1)), torch.float32).view(*ids.shape, -1)
-
-    def prefix(self, n: int) -> "Int4Weight":
-        """Rows [0, n) as a weight sharing this one's storage (the packed blocks up to
-        row n; a last partial block's other rows are computed and dropped)."""
-        if not 0 < n <= self.shape[0]:
-            raise ValueError(f"row prefix {n} outside 1..{self.shape[0]}")
-        out = object.__new__(Int4Weight)
-        out.shape = (n, self.shape[1])
-        out.packed = self.packed[:-(-n // 4)]
-        return out
-
-    @property
-    def nbytes(self) -> int:
-        return self.packed.numel()
+    _unpack = groups
 
 
-class Int4KWeight:
+class Int4KWeight(_BlockWeight):
     """`packed` [ceil(N/4), K/256, 592] uint8: per block of 4 rows and 256 columns, the
     rows' nibbles of columns 0-127 (256 bytes, `_pack_nibbles` order), then of 128-255,
     then sc uint8 [half][row][group] (32 bytes), mn the same (32), d [4 rows] and dmin [4]
@@ -158,6 +179,7 @@ class Int4KWeight:
 
     bits = 4
     BLOCK = 2 * 4 * 64 + 2 * 32 + 2 * 8
+    _GEMV, _DEQUANT = "q4k_gemv", "q4k_dequant_bf16"
 
     def __init__(self, q: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor,
                  d: torch.Tensor, dmin: torch.Tensor) -> None:
@@ -199,40 +221,11 @@ class Int4KWeight:
         m = -scales[:, :, 1, None, None] * codes[:, :, 1]
         return _unpack_nibbles(vec), d.reshape(n, ng), m.reshape(n, ng)
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [M, K] -> [M, N] float32 (see Int4Weight.matmul)."""
-        if _NATIVE is not None:
-            return _NATIVE.q4k_gemv(x.float(), self.packed, self.shape[0])
-        return F.linear(x.float(), self.dequantize())
-
-    def dequantize(self, dtype: torch.dtype = torch.float32, a: int = 0,
-                   b: int | None = None) -> torch.Tensor:
-        """Rows [a, b) as a dense [b - a, K] tensor (float32: gguf's own values, exactly)."""
-        b = self.shape[0] if b is None else b
-        if _NATIVE is not None and dtype == torch.bfloat16:
-            return _NATIVE.q4k_dequant_bf16(self.packed, self.shape[1], a, b)
-        return Int4Weight._decode(*self.groups(torch.arange(a, b)), dtype)
-
-    def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Dequantized rows `ids` [n] -> [n, K] float32 (embedding lookup)."""
-        flat = ids.reshape(-1)
-        return Int4Weight._decode(*self.groups(flat), torch.float32).view(*ids.shape, -1)
-
-    def prefix(self, n: int) -> "Int4KWeight":
-        """Rows [0, n) as a weight sharing this one's storage (see Int4Weight.prefix)."""
-        if not 0 < n <= self.shape[0]:
-            raise ValueError(f"row prefix {n} outside 1..{self.shape[0]}")
-        out = object.__new__(Int4KWeight)
-        out.shape = (n, self.shape[1])
-        out.packed = self.packed[:-(-n // 4)]
-        return out
-
-    @property
-    def nbytes(self) -> int:
-        return self.packed.numel()
+    _unpack = groups
+    _decode = staticmethod(Int4Weight._decode)
 
 
-class Int6Weight:
+class Int6Weight(_BlockWeight):
     """`packed` [ceil(N/4), K/128, 424] uint8: per block of 4 rows and 128 columns, the
     rows' low nibbles (64 bytes each, Int4Weight's order), their top two bits (32 bytes
     each), sc int8 [half][group][row] (32 bytes) and d [4 rows] float16;
@@ -240,6 +233,7 @@ class Int6Weight:
 
     bits = 6
     BLOCK = 4 * 64 + 4 * 32 + 32 + 8
+    _GEMV, _DEQUANT = "q6_gemv", "q6_dequant_bf16"
 
     def __init__(self, q: torch.Tensor, sc: torch.Tensor, d: torch.Tensor) -> None:
         """q: [N, K] uint8 in 0..63; sc: [N, K/16] int8; d: [N, K/128] float16."""
@@ -298,36 +292,7 @@ class Int6Weight:
         w = scale[..., None] * (q.view(n, -1, 16).float() - 32.0)
         return w.reshape(n, -1).to(dtype)
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [M, K] -> [M, N] float32 (see Int4Weight.matmul)."""
-        if _NATIVE is not None:
-            return _NATIVE.q6_gemv(x.float(), self.packed, self.shape[0])
-        return F.linear(x.float(), self.dequantize())
-
-    def dequantize(self, dtype: torch.dtype = torch.float32, a: int = 0,
-                   b: int | None = None) -> torch.Tensor:
-        """Rows [a, b) as a dense [b - a, K] tensor."""
-        b = self.shape[0] if b is None else b
-        if _NATIVE is not None and dtype == torch.bfloat16:
-            return _NATIVE.q6_dequant_bf16(self.packed, self.shape[1], a, b)
-        return self._decode(*self.parts(torch.arange(a, b)), dtype)
-
-    def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Dequantized rows `ids` [n] -> [n, K] float32 (embedding lookup)."""
-        return self._decode(*self.parts(ids.reshape(-1)), torch.float32).view(*ids.shape, -1)
-
-    def prefix(self, n: int) -> "Int6Weight":
-        """Rows [0, n) as a weight sharing this one's storage (see Int4Weight.prefix)."""
-        if not 0 < n <= self.shape[0]:
-            raise ValueError(f"row prefix {n} outside 1..{self.shape[0]}")
-        out = object.__new__(Int6Weight)
-        out.shape = (n, self.shape[1])
-        out.packed = self.packed[:-(-n // 4)]
-        return out
-
-    @property
-    def nbytes(self) -> int:
-        return self.packed.numel()
+    _unpack = parts
 
 
 class Int8Weight:

@@ -198,13 +198,16 @@ def _random_q4k(n: int, k: int, gen: torch.Generator):
 
 
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 9])
-@pytest.mark.parametrize("n,k", [(99, 512), (8, 256)])    # the last block padded; 2 / 1 blocks
-def test_q4k_gemv_equals_dequantized(rows, n, k):
-    """As for q4, with each group's d and m computed from Q4_K's codes."""
+@pytest.mark.parametrize("form,n,k", [("q4k", 99, 512), ("q4k", 8, 256),    # 2 / 1 blocks
+                                      ("q6", 99, 384), ("q6", 8, 128)])     # 3 / 1 chunks
+def test_k_quant_gemv_equals_dequantized(rows, form, n, k):
+    """As for q4 (the last block padded): the float64 product of the int8-quantized
+    activation and the exact dequantized weight, with each group's d and m computed from
+    Q4_K's codes (q4k), each half-group's scale applied to its own dot (q6)."""
     gen = torch.Generator().manual_seed(rows)
-    qw = _random_q4k(n, k, gen)
+    qw = (_random_q4k if form == "q4k" else _random_q6)(n, k, gen)
     x = torch.randn(rows, k, generator=gen)
-    got = native.q4k_gemv(x, qw.packed, n).double()
+    got = getattr(native, f"{form}_gemv")(x, qw.packed, n).double()
     w = qw.dequantize().double()
     torch.testing.assert_close(got, _int8_activations(x) @ w.t(), atol=1e-4, rtol=1e-5)
 
@@ -217,19 +220,6 @@ def test_q4k_dequant_slices():
         got = native.q4k_dequant_bf16(qw.packed, 512, a, b)
         assert got.dtype == torch.bfloat16 and got.shape == (b - a, 512)
         torch.testing.assert_close(got.float(), ref[a:b], atol=0, rtol=2 ** -8)
-
-
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9])
-@pytest.mark.parametrize("n,k", [(99, 384), (8, 128)])    # the last block padded; 3 / 1 chunks
-def test_q6_gemv_equals_dequantized(rows, n, k):
-    """As for q4: the float64 product of the int8-quantized activation and the exact
-    dequantized weight (each half-group's scale applied to its own dot)."""
-    gen = torch.Generator().manual_seed(rows)
-    qw = _random_q6(n, k, gen)
-    x = torch.randn(rows, k, generator=gen)
-    got = native.q6_gemv(x, qw.packed, n).double()
-    w = qw.dequantize().double()
-    torch.testing.assert_close(got, _int8_activations(x) @ w.t(), atol=1e-4, rtol=1e-5)
 
 
 def test_q6_dequant_slices():
