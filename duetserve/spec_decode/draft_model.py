@@ -99,9 +99,9 @@ class DraftModelProposer:
     @torch.inference_mode()
     def propose(self, states: dict, counts: dict[str, int]
                 ) -> tuple[dict[str, list[int]], dict[str, torch.Tensor]]:
-        """Up to counts[r] drafts for each request r (states[r]: RunnerRequestState, read;
-        read). Returns (drafts, q rows [n, V] of sampled
-        requests). Mutates: the draft KV cache, self.num_computed."""
+        """Up to counts[r] drafts for each request r (states[r]: RunnerRequestState,
+        read). Returns (drafts, q rows [n, V] of unseeded sampled requests: rejection
+        sampling's q). Mutates: the draft KV cache, self.num_computed."""
         req_ids = [r for r in counts if counts[r] > 0]
         if not req_ids:
             return {}, {}
@@ -141,10 +141,11 @@ class DraftModelProposer:
     def _choose(self, logits: torch.Tensor, states: list, j: int
                 ) -> list[tuple[int, torch.Tensor | None]]:
         """logits [n, <= V]: the draft's (past its vocabulary or num_ids: -inf) for draft j
-        of each request in `states`. Per row: (draft token, q row [V] or None). Greedy
-        rows: argmax. Sampled rows: one draw from q = softmax(processed logits): a seeded
-        request's at the seeded uniform of the output position the draft stands for (the
-        verifier couples on it, rejection.py), others from the global RNG."""
+        of each request in `states`. Per row: (draft token, q row [V] or None: greedy and
+        seeded rows, whose verifiers need no q). Greedy rows: argmax. Sampled rows: one
+        draw from q = softmax(processed logits): a seeded request's at the seeded uniform
+        of the output position the draft stands for (the verifier couples on it,
+        rejection.py), others from the global RNG."""
         params = [st.sampling_params for st in states]
         if all(p.is_greedy for p in params):
             return [(t, None) for t in logits[:, :self.vocab_size].argmax(dim=-1).tolist()]
@@ -160,8 +161,8 @@ class DraftModelProposer:
         for i, (st, p) in enumerate(zip(states, params)):
             if p.is_greedy:
                 out.append((greedy_ids[i], None))
-            elif meta.seeded_u[i] is not None:
-                out.append((sample_at(q[i], meta.seeded_u[i]), q[i]))
+            elif meta.seeded_u[i] is not None:   # coupled verification needs no q
+                out.append((sample_at(q[i], meta.seeded_u[i]), None))
             else:
                 out.append((sample_from(q[i], None), q[i]))
         return out

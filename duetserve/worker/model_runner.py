@@ -103,7 +103,8 @@ class ModelRunner:
         Mutates (the runner's own state only; never a Request nor `so`):
           - self.requests: drops finished/preempted ones, learns new ones, applies diffs
             (block ids, num_computed_tokens), appends each sampled token to token_ids,
-            advances num_computed_tokens by the slice, advances grammar states, accumulates prompt logprobs;
+            advances num_computed_tokens by the slice, advances grammar states,
+            accumulates prompt logprobs;
           - self.kv_caches: the K/V of every scheduled position is written (drafts too).
         Speculative decoding: slices carrying drafts (so.scheduled_spec_token_ids) are
         verified by the speculator and keep 1..k+1 tokens (num_computed_tokens advances by
