@@ -420,6 +420,20 @@ void f32_rows(const float* w, const float* x, float* y, int64_t K, int64_t N, in
 #endif
 }
 
+// Without VNNI, plain loops: y[m, n] for the weight rows of blocks [b0, b1) and activation
+// rows m0 .. m0 + mm - 1; add(base, r, m, total) adds row r's (of the 4-row block at
+// `base`, `row_block_bytes` a block) products with activation row m into total.
+template <typename Add>
+void plain_rows(const uint8_t* pk, int64_t row_block_bytes, float* y, int64_t N, int64_t b0,
+                int64_t b1, int64_t m0, int64_t mm, Add add) {
+  for (int64_t n = b0 * 4; n < std::min(N, b1 * 4); ++n)
+    for (int64_t m = m0; m < m0 + mm; ++m) {
+      float total = 0.f;
+      add(pk + (n / 4) * row_block_bytes, static_cast<int>(n % 4), m, total);
+      y[m * N + n] = total;
+    }
+}
+
 // Element k of row r's group `lane` in a q4 chunk's nibble vectors, and the position of
 // element k of group `lane` of chunk c in QUADS activations.
 inline int q4_nib(const uint8_t* nib, int r, int lane, int k) {
@@ -440,28 +454,22 @@ void q4_rows(const uint8_t* pk, const QuantizedX& X, float* y, int64_t nch, int6
   });
 #else
   const int64_t gp = X.gp;
-  for (int64_t n = b0 * 4; n < std::min(N, b1 * 4); ++n) {
-    const uint8_t* base = pk + (n / 4) * nch * Q4_BLOCK;
-    const int64_t r = n % 4;
-    for (int64_t i = 0; i < mm; ++i) {
-      const int8_t* xq = X.q.data() + (m0 + i) * gp * G;
-      float total = 0.f;
-      for (int64_t c = 0; c < nch; ++c) {
-        const uint8_t* blk = base + c * Q4_BLOCK;
-        const uint16_t* dh = reinterpret_cast<const uint16_t*>(blk + 256) + r * 4;
-        const uint16_t* mh = reinterpret_cast<const uint16_t*>(blk + 288) + r * 4;
-        for (int lane = 0; lane < CH; ++lane) {
-          const int64_t g = c * CH + lane;
-          int32_t dot = 0;
-          for (int k = 0; k < G; ++k)
-            dot += q4_nib(blk, static_cast<int>(r), lane, k) * xq[quads_pos(c, lane, k)];
-          total += half_to_float(dh[lane]) * X.d[(m0 + i) * gp + g] * float(dot)
-                 + half_to_float(mh[lane]) * X.s[(m0 + i) * gp + g];
-        }
+  plain_rows(pk, nch * Q4_BLOCK, y, N, b0, b1, m0, mm,
+             [&](const uint8_t* base, int r, int64_t m, float& total) {
+    const int8_t* xq = X.q.data() + m * gp * G;
+    for (int64_t c = 0; c < nch; ++c) {
+      const uint8_t* blk = base + c * Q4_BLOCK;
+      const uint16_t* dh = reinterpret_cast<const uint16_t*>(blk + 256) + r * 4;
+      const uint16_t* mh = reinterpret_cast<const uint16_t*>(blk + 288) + r * 4;
+      for (int lane = 0; lane < CH; ++lane) {
+        const int64_t g = c * CH + lane;
+        int32_t dot = 0;
+        for (int k = 0; k < G; ++k) dot += q4_nib(blk, r, lane, k) * xq[quads_pos(c, lane, k)];
+        total += half_to_float(dh[lane]) * X.d[m * gp + g] * float(dot)
+               + half_to_float(mh[lane]) * X.s[m * gp + g];
       }
-      y[(m0 + i) * N + n] = total;
     }
-  }
+  });
 #endif
 }
 
@@ -481,27 +489,22 @@ void q4k_rows(const uint8_t* pk, const QuantizedX& X, float* y, int64_t nsup, in
   });
 #else
   const int64_t gp = X.gp;
-  for (int64_t n = b0 * 4; n < std::min(N, b1 * 4); ++n) {
-    const uint8_t* base = pk + (n / 4) * nsup * Q4K_BLOCK;
-    const int r = static_cast<int>(n % 4);
-    for (int64_t i = 0; i < mm; ++i) {
-      const int8_t* xq = X.q.data() + (m0 + i) * gp * G;
-      float total = 0.f;
-      for (int64_t s = 0; s < nsup; ++s) {
-        const uint8_t* blk = base + s * Q4K_BLOCK;
-        for (int gl = 0; gl < 8; ++gl) {
-          const int64_t c = 2 * s + gl / 4, g = c * CH + gl % 4;
-          int32_t dot = 0;
-          for (int k = 0; k < G; ++k)
-            dot += q4_nib(blk + (gl / 4) * 256, r, gl % 4, k) * xq[quads_pos(c, gl % 4, k)];
-          float dv, mv;
-          q4k_dm(blk, r, gl, &dv, &mv);
-          total += dv * X.d[(m0 + i) * gp + g] * float(dot) + mv * X.s[(m0 + i) * gp + g];
-        }
+  plain_rows(pk, nsup * Q4K_BLOCK, y, N, b0, b1, m0, mm,
+             [&](const uint8_t* base, int r, int64_t m, float& total) {
+    const int8_t* xq = X.q.data() + m * gp * G;
+    for (int64_t s = 0; s < nsup; ++s) {
+      const uint8_t* blk = base + s * Q4K_BLOCK;
+      for (int gl = 0; gl < 8; ++gl) {
+        const int64_t c = 2 * s + gl / 4, g = c * CH + gl % 4;
+        int32_t dot = 0;
+        for (int k = 0; k < G; ++k)
+          dot += q4_nib(blk + (gl / 4) * 256, r, gl % 4, k) * xq[quads_pos(c, gl % 4, k)];
+        float dv, mv;
+        q4k_dm(blk, r, gl, &dv, &mv);
+        total += dv * X.d[m * gp + g] * float(dot) + mv * X.s[m * gp + g];
       }
-      y[(m0 + i) * N + n] = total;
     }
-  }
+  });
 #endif
 }
 
@@ -527,31 +530,25 @@ void q6_rows(const uint8_t* pk, const QuantizedX& X, float* y, int64_t nch, int6
   });
 #else
   const int64_t gp = X.gp;
-  for (int64_t n = b0 * 4; n < std::min(N, b1 * 4); ++n) {
-    const uint8_t* base = pk + (n / 4) * nch * Q6_BLOCK;
-    const int r = static_cast<int>(n % 4);
-    for (int64_t i = 0; i < mm; ++i) {
-      const int8_t* xq = X.q.data() + (m0 + i) * gp * G;
-      float total = 0.f;
-      for (int64_t c = 0; c < nch; ++c) {
-        const uint8_t* blk = base + c * Q6_BLOCK;
-        for (int lane = 0; lane < CH; ++lane) {
-          const int64_t g = c * CH + lane;
-          for (int half = 0; half < 2; ++half) {
-            int32_t dot = 0, xsum = 0;
-            for (int j = 0; j < 16; ++j) {
-              const int8_t xv = xq[c * CH * G + half * 64 + lane * 16 + j];
-              dot += q6_q(blk, r, lane, half * 16 + j) * xv;
-              xsum += xv;
-            }
-            total += q6_scale(blk, r, lane, half * 16) * X.d[(m0 + i) * gp + g] *
-                     float(dot - 32 * xsum);
+  plain_rows(pk, nch * Q6_BLOCK, y, N, b0, b1, m0, mm,
+             [&](const uint8_t* base, int r, int64_t m, float& total) {
+    const int8_t* xq = X.q.data() + m * gp * G;
+    for (int64_t c = 0; c < nch; ++c) {
+      const uint8_t* blk = base + c * Q6_BLOCK;
+      for (int lane = 0; lane < CH; ++lane) {
+        const int64_t g = c * CH + lane;
+        for (int half = 0; half < 2; ++half) {
+          int32_t dot = 0, xsum = 0;
+          for (int j = 0; j < 16; ++j) {
+            const int8_t xv = xq[c * CH * G + half * 64 + lane * 16 + j];
+            dot += q6_q(blk, r, lane, half * 16 + j) * xv;
+            xsum += xv;
           }
+          total += q6_scale(blk, r, lane, half * 16) * X.d[m * gp + g] * float(dot - 32 * xsum);
         }
       }
-      y[(m0 + i) * N + n] = total;
     }
-  }
+  });
 #endif
 }
 

@@ -75,6 +75,13 @@ def _unpack_nibbles(vec: torch.Tensor) -> torch.Tensor:
     return q.reshape(vec.shape[0], -1, GROUP)
 
 
+def _pad_rows(t: torch.Tensor, rows: int, dtype: torch.dtype) -> torch.Tensor:
+    """t [n, ...] as dtype with zero rows appended up to `rows` (a whole number of blocks)."""
+    out = torch.zeros(rows, *t.shape[1:], dtype=dtype)
+    out[:t.shape[0]] = t
+    return out
+
+
 class _BlockWeight:
     """A weight packed in blocks of 4 rows in one uint8 tensor `packed` [ceil(N/4), units,
     BLOCK], with a native GEMV and bf16 dequantization (csrc/lowbit_gemv.cpp, named by
@@ -193,17 +200,15 @@ class Int4KWeight(_BlockWeight):
         nb, ns = -(-n // 4), k // 256
         rows = nb * 4
 
-        def padded(t: torch.Tensor) -> torch.Tensor:
-            out = torch.zeros(rows, *t.shape[1:], dtype=t.dtype)
-            out[:n] = t
-            return out
-
         def per_group(t: torch.Tensor) -> torch.Tensor:     # [half][row][group] bytes
-            return padded(t).view(nb, 4, ns, 2, 4).permute(0, 2, 3, 1, 4).reshape(nb, ns, 32)
+            t = _pad_rows(t, rows, torch.uint8).view(nb, 4, ns, 2, 4)
+            return t.permute(0, 2, 3, 1, 4).reshape(nb, ns, 32)
 
         def per_row(t: torch.Tensor) -> torch.Tensor:       # [row] float16 -> 8 bytes
-            return padded(t).view(nb, 4, ns).permute(0, 2, 1).contiguous().view(torch.uint8)
-        self.packed = torch.cat([_pack_nibbles(padded(q), nb, 2 * ns).view(nb, ns, 512),
+            t = _pad_rows(t, rows, torch.float16).view(nb, 4, ns)
+            return t.permute(0, 2, 1).contiguous().view(torch.uint8)
+        self.packed = torch.cat([_pack_nibbles(_pad_rows(q, rows, torch.uint8), nb, 2 * ns)
+                                 .view(nb, ns, 512),
                                  per_group(sc), per_group(mn), per_row(d), per_row(dmin)],
                                 dim=-1).contiguous()
 
@@ -243,17 +248,12 @@ class Int6Weight(_BlockWeight):
         self.shape = (n, k)
         nb, nch = -(-n // 4), k // 128
         rows = nb * 4
-        qp = torch.zeros(rows, k, dtype=torch.uint8)
-        qp[:n] = q
-        g = qp.view(rows, nch, 4, 32)
+        g = _pad_rows(q, rows, torch.uint8).view(rows, nch, 4, 32)
         nib = (g[..., :16] & 15) | ((g[..., 16:] & 15) << 4)                 # [R, nch, 4, 16]
         top = g >> 4
         lo, hi = top[..., :16].reshape(rows, nch, 64), top[..., 16:].reshape(rows, nch, 64)
         tb = (lo[..., :32] << 4) | (lo[..., 32:] << 6) | hi[..., :32] | (hi[..., 32:] << 2)
-        scp = torch.zeros(rows, k // 16, dtype=torch.int8)
-        scp[:n] = sc
-        dp = torch.zeros(rows, nch, dtype=torch.float16)
-        dp[:n] = d
+        scp, dp = _pad_rows(sc, rows, torch.int8), _pad_rows(d, rows, torch.float16)
         self.packed = torch.cat([
             nib.reshape(nb, 4, nch, 64).permute(0, 2, 1, 3).reshape(nb, nch, 256),
             tb.reshape(nb, 4, nch, 32).permute(0, 2, 1, 3).reshape(nb, nch, 128),
