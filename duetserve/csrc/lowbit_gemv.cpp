@@ -704,104 +704,87 @@ inline void group_to_bf16(const uint8_t* nib, int r, int lane, float dv, float m
 #endif
 }
 
-// Rows [a, b) of a packed q4 weight as dense bfloat16 [b - a, K]: the many-row path
-// without a resident dense copy dequantizes a slice, then runs a bf16 GEMM.
+// Rows [a, b) of a weight packed in blocks of 4 rows (packed [ceil(N/4), units, block],
+// `units` column units of `cols` each) as dense bfloat16 [b - a, K], for the many-row path
+// without a resident dense copy: row(base, r, out) writes row r of the 4-row block at base.
+template <typename Row>
+torch::Tensor packed_dequant(const torch::Tensor& packed, int64_t K, int64_t a, int64_t b,
+                             int64_t cols, int64_t block, Row row) {
+  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() &&
+              packed.dim() == 3 && packed.size(2) == block,
+              "packed: uint8 [.., .., ", block, "]");
+  TORCH_CHECK(K % G == 0 && packed.size(1) == (K + cols - 1) / cols,
+              "K does not match the packed weight");
+  TORCH_CHECK(0 <= a && a < b && b <= packed.size(0) * 4, "row range out of bounds");
+  auto out = torch::empty({b - a, K}, packed.options().dtype(torch::kBFloat16));
+  const uint8_t* pp = packed.data_ptr<uint8_t>();
+  at::BFloat16* op = out.data_ptr<at::BFloat16>();
+  const int64_t row_block_bytes = packed.size(1) * block;
+  at::parallel_for(a, b, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t n = r0; n < r1; ++n)
+      row(pp + (n / 4) * row_block_bytes, static_cast<int>(n % 4), op + (n - a) * K);
+  });
+  return out;
+}
+
 torch::Tensor q4_dequant_bf16(torch::Tensor packed, int64_t K, int64_t a, int64_t b) {
-  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() &&
-              packed.dim() == 3 && packed.size(2) == Q4_BLOCK, "packed: uint8 [.., .., 320]");
-  const int64_t nch = packed.size(1), ng = K / G;
-  TORCH_CHECK(K % G == 0 && nch == (ng + CH - 1) / CH, "K does not match the packed weight");
-  TORCH_CHECK(0 <= a && a < b && b <= packed.size(0) * 4, "row range out of bounds");
-  auto out = torch::empty({b - a, K}, packed.options().dtype(torch::kBFloat16));
-  const uint8_t* pp = packed.data_ptr<uint8_t>();
-  at::BFloat16* op = out.data_ptr<at::BFloat16>();
-  at::parallel_for(a, b, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t n = r0; n < r1; ++n) {
-      at::BFloat16* orow = op + (n - a) * K;
-      const uint8_t* base = pp + (n / 4) * nch * Q4_BLOCK;
-      const int r = static_cast<int>(n % 4);
-      for (int64_t g = 0; g < ng; ++g) {
-        const uint8_t* cb = base + (g / CH) * Q4_BLOCK;
-        const int lane = static_cast<int>(g % CH);
-        const float dv = half_to_float(reinterpret_cast<const uint16_t*>(cb + 256)[r * 4 + lane]);
-        const float mv = half_to_float(reinterpret_cast<const uint16_t*>(cb + 288)[r * 4 + lane]);
-        group_to_bf16(cb, r, lane, dv, mv, orow + g * G);
-      }
+  return packed_dequant(packed, K, a, b, CH * G, Q4_BLOCK,
+                        [&](const uint8_t* base, int r, at::BFloat16* orow) {
+    for (int64_t g = 0; g < K / G; ++g) {
+      const uint8_t* cb = base + (g / CH) * Q4_BLOCK;
+      const int lane = static_cast<int>(g % CH);
+      const float dv = half_to_float(reinterpret_cast<const uint16_t*>(cb + 256)[r * 4 + lane]);
+      const float mv = half_to_float(reinterpret_cast<const uint16_t*>(cb + 288)[r * 4 + lane]);
+      group_to_bf16(cb, r, lane, dv, mv, orow + g * G);
     }
   });
-  return out;
 }
 
-// Rows [a, b) of a packed q4k weight as dense bfloat16 [b - a, K] (the many-row path).
 torch::Tensor q4k_dequant_bf16(torch::Tensor packed, int64_t K, int64_t a, int64_t b) {
-  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() &&
-              packed.dim() == 3 && packed.size(2) == Q4K_BLOCK, "packed: uint8 [.., .., 592]");
-  const int64_t nsup = packed.size(1);
-  TORCH_CHECK(K % 256 == 0 && nsup == K / 256, "K does not match the packed weight");
-  TORCH_CHECK(0 <= a && a < b && b <= packed.size(0) * 4, "row range out of bounds");
-  auto out = torch::empty({b - a, K}, packed.options().dtype(torch::kBFloat16));
-  const uint8_t* pp = packed.data_ptr<uint8_t>();
-  at::BFloat16* op = out.data_ptr<at::BFloat16>();
-  at::parallel_for(a, b, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t n = r0; n < r1; ++n) {
-      const uint8_t* base = pp + (n / 4) * nsup * Q4K_BLOCK;
-      const int r = static_cast<int>(n % 4);
-      for (int64_t s = 0; s < nsup; ++s) {
-        const uint8_t* blk = base + s * Q4K_BLOCK;
-        for (int gl = 0; gl < 8; ++gl) {
-          float dv, mv;
-          q4k_dm(blk, r, gl, &dv, &mv);
-          group_to_bf16(blk + (gl / 4) * 256, r, gl % 4, dv, mv,
-                        op + (n - a) * K + (s * 8 + gl) * G);
-        }
+  TORCH_CHECK(K % 256 == 0, "q4k: K must be a multiple of 256");
+  return packed_dequant(packed, K, a, b, 256, Q4K_BLOCK,
+                        [&](const uint8_t* base, int r, at::BFloat16* orow) {
+    for (int64_t s = 0; s < K / 256; ++s) {
+      const uint8_t* blk = base + s * Q4K_BLOCK;
+      for (int gl = 0; gl < 8; ++gl) {
+        float dv, mv;
+        q4k_dm(blk, r, gl, &dv, &mv);
+        group_to_bf16(blk + (gl / 4) * 256, r, gl % 4, dv, mv, orow + (s * 8 + gl) * G);
       }
     }
   });
-  return out;
 }
 
-// Rows [a, b) of a packed q6 weight as dense bfloat16 [b - a, K] (the many-row path).
 torch::Tensor q6_dequant_bf16(torch::Tensor packed, int64_t K, int64_t a, int64_t b) {
-  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() &&
-              packed.dim() == 3 && packed.size(2) == Q6_BLOCK, "packed: uint8 [.., .., 424]");
-  const int64_t nch = packed.size(1);
-  TORCH_CHECK(K % 128 == 0 && nch == K / 128, "K does not match the packed weight");
-  TORCH_CHECK(0 <= a && a < b && b <= packed.size(0) * 4, "row range out of bounds");
-  auto out = torch::empty({b - a, K}, packed.options().dtype(torch::kBFloat16));
-  const uint8_t* pp = packed.data_ptr<uint8_t>();
-  at::BFloat16* op = out.data_ptr<at::BFloat16>();
-  at::parallel_for(a, b, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t n = r0; n < r1; ++n) {
-      at::BFloat16* orow = op + (n - a) * K;
-      const uint8_t* base = pp + (n / 4) * nch * Q6_BLOCK;
-      const int r = static_cast<int>(n % 4);
-      for (int64_t c = 0; c < nch; ++c) {
-        const uint8_t* blk = base + c * Q6_BLOCK;
-        for (int i = 0; i < CH; ++i) {
-          at::BFloat16* o = orow + (c * CH + i) * G;
+  TORCH_CHECK(K % 128 == 0, "q6: K must be a multiple of 128");
+  const int64_t nch = K / 128;
+  return packed_dequant(packed, K, a, b, CH * G, Q6_BLOCK,
+                        [&](const uint8_t* base, int r, at::BFloat16* orow) {
+    for (int64_t c = 0; c < nch; ++c) {
+      const uint8_t* blk = base + c * Q6_BLOCK;
+      for (int i = 0; i < CH; ++i) {
+        at::BFloat16* o = orow + (c * CH + i) * G;
 #if defined(__AVX512BF16__) && defined(__AVX512VL__)
-          const __m512i nib = _mm512_cvtepu8_epi32(
-              _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + r * 64 + i * 16)));
-          const __m512i top = _mm512_cvtepu8_epi32(_mm_loadu_si128(
-              reinterpret_cast<const __m128i*>(blk + Q6_TOP + r * 32 + (i % 2) * 16)));
-          const __m512i three = _mm512_set1_epi32(3), off = _mm512_set1_epi32(32);
-          const __m512i qlo = _mm512_or_si512(_mm512_and_si512(nib, _mm512_set1_epi32(15)),
-              _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(top, i < 2 ? 4 : 6), three), 4));
-          const __m512i qhi = _mm512_or_si512(_mm512_srli_epi32(nib, 4),
-              _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(top, i < 2 ? 0 : 2), three), 4));
-          const __m512 slo = _mm512_set1_ps(q6_scale(blk, r, i, 0));
-          const __m512 shi = _mm512_set1_ps(q6_scale(blk, r, i, 16));
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), (__m256i)_mm512_cvtneps_pbh(
-              _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(qlo, off)), slo)));
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16), (__m256i)_mm512_cvtneps_pbh(
-              _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(qhi, off)), shi)));
+        const __m512i nib = _mm512_cvtepu8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + r * 64 + i * 16)));
+        const __m512i top = _mm512_cvtepu8_epi32(_mm_loadu_si128(
+            reinterpret_cast<const __m128i*>(blk + Q6_TOP + r * 32 + (i % 2) * 16)));
+        const __m512i three = _mm512_set1_epi32(3), off = _mm512_set1_epi32(32);
+        const __m512i qlo = _mm512_or_si512(_mm512_and_si512(nib, _mm512_set1_epi32(15)),
+            _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(top, i < 2 ? 4 : 6), three), 4));
+        const __m512i qhi = _mm512_or_si512(_mm512_srli_epi32(nib, 4),
+            _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(top, i < 2 ? 0 : 2), three), 4));
+        const __m512 slo = _mm512_set1_ps(q6_scale(blk, r, i, 0));
+        const __m512 shi = _mm512_set1_ps(q6_scale(blk, r, i, 16));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), (__m256i)_mm512_cvtneps_pbh(
+            _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(qlo, off)), slo)));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16), (__m256i)_mm512_cvtneps_pbh(
+            _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(qhi, off)), shi)));
 #else
-          for (int k = 0; k < 32; ++k)
-            o[k] = at::BFloat16(q6_scale(blk, r, i, k) * float(q6_q(blk, r, i, k) - 32));
+        for (int k = 0; k < 32; ++k)
+          o[k] = at::BFloat16(q6_scale(blk, r, i, k) * float(q6_q(blk, r, i, k) - 32));
 #endif
-        }
       }
     }
   });
-  return out;
 }
