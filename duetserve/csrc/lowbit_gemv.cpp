@@ -70,7 +70,7 @@ constexpr int64_t Q4K_SC = 2 * 4 * 64, Q4K_MN = Q4K_SC + 32, Q4K_D = Q4K_MN + 32
 constexpr int64_t Q4K_BLOCK = Q4K_D + 16;       // q4k: bytes per block of 4 rows x 256 columns
 constexpr int64_t Q6_TOP = 4 * 64, Q6_SC = Q6_TOP + 4 * 32, Q6_D = Q6_SC + 32;
 constexpr int64_t Q6_BLOCK = Q6_D + 8;          // q6: bytes per block of 4 rows x 128 columns
-// q4/q8 blocks prefetch two chunks ahead in their one stream.
+// q4/q8 blocks prefetch two chunks ahead in their one stream, q4k/q6 blocks four units.
 
 inline float half_to_float(uint16_t h) {
   return c10::detail::fp16_ieee_to_fp32_value(h);
@@ -84,26 +84,51 @@ inline float half_to_float(uint16_t h) {
 // per chunk 8 runs of 16 bytes, run 2v + h holding elements 8v + 4h .. + 3 of each group).
 enum Order { PLAIN = 0, HALVES = 1, QUADS = 2 };
 
+// Group g of x (32 floats): its int8 values in element order, and returns their sum; *d
+// = the group's scale. The AVX-512 path computes the same values as the plain one (same
+// float operations; cvtps rounds to nearest even, as nearbyint does by default).
+inline int32_t quantize_group(const float* xg, int8_t* q, float* d) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  const __m512 a = _mm512_loadu_ps(xg), b = _mm512_loadu_ps(xg + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+  *d = amax / 127.f;
+  const float inv = *d > 0.f ? 1.f / *d : 0.f;
+  const __m512 iv = _mm512_set1_ps(inv);
+  const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, iv));
+  const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, iv));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(qa));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(qb));
+  return _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+#else
+  float amax = 0.f;
+  for (int64_t k = 0; k < G; ++k) amax = std::max(amax, std::fabs(xg[k]));
+  *d = amax / 127.f;
+  const float inv = *d > 0.f ? 1.f / *d : 0.f;
+  int32_t sum = 0;
+  for (int64_t k = 0; k < G; ++k) {
+    const int v = static_cast<int>(std::nearbyint(xg[k] * inv));
+    q[k] = static_cast<int8_t>(v);
+    sum += v;
+  }
+  return sum;
+#endif
+}
+
 void quantize_row(const float* x, int64_t K, int64_t ngroups_padded, int order,
                   int8_t* xq, float* dx, float* xs) {
   const int64_t ngroups = K / G;
   std::memset(xq, 0, ngroups_padded * G);
-  for (int64_t g = 0; g < ngroups_padded; ++g) { dx[g] = 0.f; xs[g] = 0.f; }
+  for (int64_t g = ngroups; g < ngroups_padded; ++g) { dx[g] = 0.f; xs[g] = 0.f; }
+  alignas(64) int8_t q[G];
   for (int64_t g = 0; g < ngroups; ++g) {
-    const float* xg = x + g * G;
-    float amax = 0.f;
-    for (int64_t k = 0; k < G; ++k) amax = std::max(amax, std::fabs(xg[k]));
-    const float d = amax / 127.f;
-    const float inv = d > 0.f ? 1.f / d : 0.f;
-    int32_t sum = 0;
-    for (int64_t k = 0; k < G; ++k) {
-      const int v = static_cast<int>(std::nearbyint(xg[k] * inv));
-      sum += v;
-      const int64_t c = g / CH, i = g % CH;
-      int64_t pos = g * G + k;
-      if (order == HALVES) pos = c * CH * G + (k < 16 ? 0 : 64) + i * 16 + (k % 16);
-      else if (order == QUADS) pos = c * CH * G + (2 * (k / 8) + (k % 8) / 4) * 16 + i * 4 + k % 4;
-      xq[pos] = static_cast<int8_t>(v);
+    const int64_t c = g / CH, i = g % CH;
+    float d;
+    const int32_t sum = quantize_group(x + g * G, order == PLAIN ? xq + g * G : q, &d);
+    if (order == HALVES) {     // elements 0-15 at c*128 + i*16, 16-31 at +64
+      std::memcpy(xq + c * CH * G + i * 16, q, 16);
+      std::memcpy(xq + c * CH * G + 64 + i * 16, q + 16, 16);
+    } else if (order == QUADS) {   // elements 4j..4j+3 at c*128 + j*16 + i*4
+      for (int j = 0; j < 8; ++j) std::memcpy(xq + c * CH * G + j * 16 + i * 4, q + 4 * j, 4);
     }
     dx[g] = d;
     xs[g] = d * static_cast<float>(sum);
@@ -113,9 +138,7 @@ void quantize_row(const float* x, int64_t K, int64_t ngroups_padded, int order,
 struct QuantizedX {
   std::vector<int8_t> q;
   std::vector<float> d, s;
-  std::vector<float> d16;  // q6: per row and chunk, dx of its 4 groups, each 4 times
-  std::vector<float> s16;  // q6: the same for xs (dx * sum of the group's xq)
-  std::vector<float> l16, h16;  // q6: 32 * dx * sum of xq over elements 0-15 / 16-31, as d16
+  std::vector<float> l, h;  // q6: 32 * dx * sum of xq over elements 0-15 / 16-31 per group
   int64_t gp;  // padded groups per row
 };
 
@@ -129,29 +152,17 @@ QuantizedX quantize_x(const float* x, int64_t M, int64_t K, int order, int64_t p
   for (int64_t m = 0; m < M; ++m)
     quantize_row(x + m * K, K, out.gp, order, out.q.data() + m * out.gp * G,
                  out.d.data() + m * out.gp, out.s.data() + m * out.gp);
-  if (order == HALVES) {   // one 16-float vector per chunk: lanes 4i..4i+3 = dx of group i
-    out.d16.resize(M * out.gp * 4);
-    out.s16.resize(M * out.gp * 4);
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t g = 0; g < out.gp; ++g)
-        for (int r = 0; r < 4; ++r) {
-          out.d16[(m * out.gp + g) * 4 + r] = out.d[m * out.gp + g];
-          out.s16[(m * out.gp + g) * 4 + r] = out.s[m * out.gp + g];
-        }
-  }
   if (order == HALVES) {   // group g's elements 0-15 at c*128 + i*16, 16-31 at +64
-    out.l16.resize(M * out.gp * 4);
-    out.h16.resize(M * out.gp * 4);
+    out.l.resize(M * out.gp);
+    out.h.resize(M * out.gp);
     for (int64_t m = 0; m < M; ++m)
       for (int64_t g = 0; g < out.gp; ++g) {
         const int8_t* q = out.q.data() + m * out.gp * G + (g / CH) * CH * G + (g % CH) * 16;
         int32_t lo = 0, hi = 0;
         for (int j = 0; j < 16; ++j) { lo += q[j]; hi += q[64 + j]; }
         const float d = out.d[m * out.gp + g];
-        for (int r = 0; r < 4; ++r) {
-          out.l16[(m * out.gp + g) * 4 + r] = 32.f * d * static_cast<float>(lo);
-          out.h16[(m * out.gp + g) * 4 + r] = 32.f * d * static_cast<float>(hi);
-        }
+        out.l[m * out.gp + g] = 32.f * d * static_cast<float>(lo);
+        out.h[m * out.gp + g] = 32.f * d * static_cast<float>(hi);
       }
   }
   return out;
@@ -272,7 +283,7 @@ void q4k_block(const uint8_t* pk, const QuantizedX& X, float* y, int64_t nsup, i
   for (int64_t s = 0; s < nsup; ++s) {
     const uint8_t* blk = base + s * Q4K_BLOCK;
     for (int l = 0; l < (Q4K_BLOCK + 63) / 64; ++l)
-      _mm_prefetch(reinterpret_cast<const char*>(blk + 2 * Q4K_BLOCK + l * 64), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(blk + 4 * Q4K_BLOCK + l * 64), _MM_HINT_T0);
     const __m512 ds = _mm512_permutexvar_ps(rows, _mm512_cvtph_ps(_mm256_castsi128_si256(
         _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + Q4K_D)))));
     const __m512 dm = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_permutexvar_ps(rows,
@@ -303,12 +314,13 @@ void q6_block(const uint8_t* pk, const QuantizedX& X, float* y, int64_t nch, int
   const __m512i cnt_hi = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16(4)),
                                             _mm256_set1_epi16(2), 1);
   const __m512i rows = _mm512_setr_epi32(0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3);
+  const __m512i groups = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
   __m512 acc[MM];
   for (int i = 0; i < MM; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t c = 0; c < nch; ++c) {
     const uint8_t* blk = base + c * Q6_BLOCK;
     for (int l = 0; l < (Q6_BLOCK + 63) / 64; ++l)
-      _mm_prefetch(reinterpret_cast<const char*>(blk + 2 * Q6_BLOCK + l * 64), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(blk + 4 * Q6_BLOCK + l * 64), _MM_HINT_T0);
     const __m512 dv = _mm512_permutexvar_ps(rows, _mm512_cvtph_ps(_mm256_castsi128_si256(
         _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + Q6_D)))));
     const __m512 slo = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
@@ -333,12 +345,15 @@ void q6_block(const uint8_t* pk, const QuantizedX& X, float* y, int64_t nch, int
         dl[r] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[r], xlo);
         dh[r] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi[r], xhi);
       }
-      const int64_t off = ((m0 + i) * gp + c * CH) * 4;
-      const __m512 dx = _mm512_loadu_ps(X.d16.data() + off);
+      const int64_t off = (m0 + i) * gp + c * CH;
+      auto per_group = [&](const float* v) {   // lanes 4g + r = v[g]
+        return _mm512_permutexvar_ps(groups, _mm512_castps128_ps512(_mm_loadu_ps(v + off)));
+      };
+      const __m512 dx = per_group(X.d.data());
       const __m512 tl = _mm512_fmsub_ps(_mm512_cvtepi32_ps(reduce_4x4(dl)), dx,
-                                        _mm512_loadu_ps(X.l16.data() + off));
+                                        per_group(X.l.data()));
       const __m512 th = _mm512_fmsub_ps(_mm512_cvtepi32_ps(reduce_4x4(dh)), dx,
-                                        _mm512_loadu_ps(X.h16.data() + off));
+                                        per_group(X.h.data()));
       acc[i] = _mm512_fmadd_ps(tl, slo, _mm512_fmadd_ps(th, shi, acc[i]));
     }
   }
