@@ -9,9 +9,9 @@
 // FMAs costs ~4x more instructions per weight byte.
 //
 // q4 weights ("Q4_1 layout", groups of 32 along K, w = d * q + m), packed for streaming:
-//   packed [ceil(N/4), ceil(K/128), 320] uint8. Per block of 4 weight rows and chunk of 4
-//   groups (128 weights of each row): 4 vectors of 64 bytes, then d [4 rows][4 groups] and
-//   m [4][4] as float16 (32 bytes each). Vector v, 128-bit lane r, dword g, byte j: element
+//   units of 320 bytes (packed [tiles, ceil(N/4), tu, 320] uint8: see Tiles). Per block
+//   of 4 weight rows and chunk of 4 groups (128 weights of each row): 4 vectors of 64
+//   bytes, then d [4 rows][4 groups] and m [4][4] as float16 (32 bytes each). Vector v, 128-bit lane r, dword g, byte j: element
 //   8v + j of row r's group g in the low nibble, 8v + 4 + j in the high one. So each int32
 //   lane of a vpdpbusd belongs to one (row, group), lane 4r + g, and a chunk's 8 dots add
 //   up in the lanes: no reduction across lanes. The activation side is the same 16 bytes
@@ -22,14 +22,14 @@
 //   Per group: sum_k w_k x_k = d * dx * sum_k q_k xq_k + m * (dx * sum_k xq_k).
 // q4k weights (GGUF Q4_K, kept exactly): w = d * sc * q - dmin * mn, q in 0..15, the
 //   file's 6-bit sc and mn per group of 32 (a byte each) and float16 d, dmin per 256:
-//   packed [ceil(N/4), K/256, 592] uint8. Per block of 4 rows and 256 weights of each: the
+//   units of 592 bytes (packed [tiles, ceil(N/4), tu, 592] uint8). Per block of 4 rows and 256 weights of each: the
 //   nibbles of columns 0-127 (q4's 4 x 64 bytes), of 128-255, then sc as uint8
 //   [half][row][group] (32 bytes: lane 4r + g for each half of 128), mn the same, then d
 //   [4 rows] and dmin [4] as float16. Each half is q4's chunk with d * sc and -dmin * mn
 //   (exact in float32) as its d and m.
 // q6 weights (GGUF Q6_K, kept exactly; lanes 4g + r, the HALVES activation order): w = d * sc * (q - 32), q in 0..63, an int8 scale sc
 //   per 16 weights along K and a float16 d per row and 256 (stored once per 128 here):
-//   packed [ceil(N/4), K/128, 424] uint8. Per block of 4 rows and 128 weights of each: the
+//   units of 424 bytes (packed [tiles, ceil(N/4), tu, 424] uint8). Per block of 4 rows and 128 weights of each: the
 //   rows' low nibbles (64 bytes each, q4's order), the rows' top two bits (32 bytes each),
 //   sc as int8 [half][group][row] (32 bytes; half 0 = elements 0-15 of a group of 32, half
 //   1 = 16-31: lane 4g + r of a 16-lane vector, as the dot sums come out), then d [4 rows]
@@ -71,6 +71,21 @@ constexpr int64_t Q4K_BLOCK = Q4K_D + 16;       // q4k: bytes per block of 4 row
 constexpr int64_t Q6_TOP = 4 * 64, Q6_SC = Q6_TOP + 4 * 32, Q6_D = Q6_SC + 32;
 constexpr int64_t Q6_BLOCK = Q6_D + 8;          // q6: bytes per block of 4 rows x 128 columns
 // q4/q8 blocks prefetch two chunks ahead in their one stream, q4k/q6 blocks four units.
+
+// A weight packed in blocks of 4 rows with K in tiles (models/quant.py: _BlockWeight):
+// packed [tiles, ceil(N/4), tu, block]; tile t holds units [t tu, (t + 1) tu) of every
+// row block, block after block, so a thread's rows of one tile are one sequential stream
+// and the activations one tile reads (<= 2048 columns) stay in L1 between row blocks.
+// Units past `units` (the last tile's padding) are never read.
+struct Tiles {
+  const uint8_t* p;
+  int64_t tile_stride, tu, units, block;
+  int64_t ntiles() const { return (units + tu - 1) / tu; }
+  // units [t tu, end(t)) of row block nb, in order from here
+  const uint8_t* span(int64_t nb, int64_t t) const { return p + t * tile_stride + nb * tu * block; }
+  int64_t end(int64_t t) const { return std::min(units, (t + 1) * tu); }
+  const uint8_t* at(int64_t nb, int64_t u) const { return span(nb, u / tu) + (u % tu) * block; }
+};
 
 inline float half_to_float(uint16_t h) {
   return c10::detail::fp16_ieee_to_fp32_value(h);
@@ -253,14 +268,14 @@ inline void store_rows(const __m512* acc, float* y, int64_t N, int64_t nb, int64
   }
 }
 
+// Row block nb's units of tile t against activation rows m0 .. m0 + MM - 1, added into acc.
 template <int MM>
-void q4_block(const uint8_t* pk, const QuantizedX& X, float* y, int64_t nch, int64_t N,
-              int64_t nb, int64_t m0) {
-  const uint8_t* base = pk + nb * nch * Q4_BLOCK;
-  __m512 acc[MM];
-  for (int i = 0; i < MM; ++i) acc[i] = _mm512_setzero_ps();
-  for (int64_t c = 0; c < nch; ++c) {
-    const uint8_t* blk = base + c * Q4_BLOCK;
+void q4_span(const Tiles& W, const QuantizedX& X, int64_t nb, int64_t t, int64_t m0,
+             __m512* acc) {
+  const uint8_t* first = W.span(nb, t);
+  const int64_t u0 = t * W.tu;
+  for (int64_t c = t * W.tu; c < W.end(t); ++c) {
+    const uint8_t* blk = first + (c - u0) * Q4_BLOCK;
     for (int l = 0; l < Q4_BLOCK / 64; ++l)   // two chunks ahead (runs into the next block)
       _mm_prefetch(reinterpret_cast<const char*>(blk + 2 * Q4_BLOCK + l * 64), _MM_HINT_T0);
     const __m512 dv = _mm512_cvtph_ps(
@@ -269,19 +284,17 @@ void q4_block(const uint8_t* pk, const QuantizedX& X, float* y, int64_t nch, int
         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 288)));
     q4_chunk<MM>(blk, dv, mv, X, c, m0, acc);
   }
-  store_rows_rg<MM>(acc, y, N, nb, m0);
 }
 
 // The same for a q4k weight: two chunks a block, their d and m computed from the codes.
 template <int MM>
-void q4k_block(const uint8_t* pk, const QuantizedX& X, float* y, int64_t nsup, int64_t N,
-               int64_t nb, int64_t m0) {
-  const uint8_t* base = pk + nb * nsup * Q4K_BLOCK;
+void q4k_span(const Tiles& W, const QuantizedX& X, int64_t nb, int64_t t, int64_t m0,
+              __m512* acc) {
+  const uint8_t* first = W.span(nb, t);
+  const int64_t u0 = t * W.tu;
   const __m512i rows = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-  __m512 acc[MM];
-  for (int i = 0; i < MM; ++i) acc[i] = _mm512_setzero_ps();
-  for (int64_t s = 0; s < nsup; ++s) {
-    const uint8_t* blk = base + s * Q4K_BLOCK;
+  for (int64_t s = t * W.tu; s < W.end(t); ++s) {
+    const uint8_t* blk = first + (s - u0) * Q4K_BLOCK;
     for (int l = 0; l < (Q4K_BLOCK + 63) / 64; ++l)
       _mm_prefetch(reinterpret_cast<const char*>(blk + 4 * Q4K_BLOCK + l * 64), _MM_HINT_T0);
     const __m512 ds = _mm512_permutexvar_ps(rows, _mm512_cvtph_ps(_mm256_castsi128_si256(
@@ -297,16 +310,16 @@ void q4k_block(const uint8_t* pk, const QuantizedX& X, float* y, int64_t nsup, i
       q4_chunk<MM>(blk + h * 256, dv, mv, X, 2 * s + h, m0, acc);
     }
   }
-  store_rows_rg<MM>(acc, y, N, nb, m0);
 }
 
 // The same for a q6 weight: the low and high halves of each group have their own scale, so
 // their dots are reduced and scaled separately.
 template <int MM>
-void q6_block(const uint8_t* pk, const QuantizedX& X, float* y, int64_t nch, int64_t N,
-              int64_t nb, int64_t m0) {
+void q6_span(const Tiles& W, const QuantizedX& X, int64_t nb, int64_t t, int64_t m0,
+             __m512* acc) {
   const int64_t gp = X.gp;
-  const uint8_t* base = pk + nb * nch * Q6_BLOCK;
+  const uint8_t* first = W.span(nb, t);
+  const int64_t u0 = t * W.tu;
   const __m512i low4 = _mm512_set1_epi8(0x0F), top2 = _mm512_set1_epi8(0x30);
   // per 16-bit word: the low vector's bytes 0-31 keep bits 4-5, bytes 32-63 shift 6-7 down;
   // the high vector's shift 0-1 / 2-3 up to 4-5
@@ -315,10 +328,8 @@ void q6_block(const uint8_t* pk, const QuantizedX& X, float* y, int64_t nch, int
                                             _mm256_set1_epi16(2), 1);
   const __m512i rows = _mm512_setr_epi32(0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3);
   const __m512i groups = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-  __m512 acc[MM];
-  for (int i = 0; i < MM; ++i) acc[i] = _mm512_setzero_ps();
-  for (int64_t c = 0; c < nch; ++c) {
-    const uint8_t* blk = base + c * Q6_BLOCK;
+  for (int64_t c = t * W.tu; c < W.end(t); ++c) {
+    const uint8_t* blk = first + (c - u0) * Q6_BLOCK;
     for (int l = 0; l < (Q6_BLOCK + 63) / 64; ++l)
       _mm_prefetch(reinterpret_cast<const char*>(blk + 4 * Q6_BLOCK + l * 64), _MM_HINT_T0);
     const __m512 dv = _mm512_permutexvar_ps(rows, _mm512_cvtph_ps(_mm256_castsi128_si256(
@@ -357,7 +368,33 @@ void q6_block(const uint8_t* pk, const QuantizedX& X, float* y, int64_t nch, int
       acc[i] = _mm512_fmadd_ps(tl, slo, _mm512_fmadd_ps(th, shi, acc[i]));
     }
   }
-  store_rows<MM>(acc, y, N, nb, m0);
+}
+
+// Row blocks [b0, b1) of W: span(nb, t, acc) adds tile t of block nb into acc, store(nb,
+// acc) writes the block's outputs. With one tile, block after block; with more, tile
+// after tile, each block's MM accumulators kept in memory in between (they add up in the
+// same order either way).
+template <int MM, typename Span, typename Store>
+void over_tiles(const Tiles& W, int64_t b0, int64_t b1, Span span, Store store) {
+  const int64_t nt = W.ntiles();
+  if (nt == 1) {
+    for (int64_t nb = b0; nb < b1; ++nb) {
+      __m512 acc[MM];
+      for (int i = 0; i < MM; ++i) acc[i] = _mm512_setzero_ps();
+      span(nb, int64_t(0), acc);
+      store(nb, acc);
+    }
+    return;
+  }
+  std::vector<__m512> buf((b1 - b0) * MM, _mm512_setzero_ps());
+  for (int64_t t = 0; t < nt; ++t)
+    for (int64_t nb = b0; nb < b1; ++nb) {
+      __m512 acc[MM];
+      for (int i = 0; i < MM; ++i) acc[i] = buf[(nb - b0) * MM + i];
+      span(nb, t, acc);
+      for (int i = 0; i < MM; ++i) buf[(nb - b0) * MM + i] = acc[i];
+    }
+  for (int64_t nb = b0; nb < b1; ++nb) store(nb, &buf[(nb - b0) * MM]);
 }
 
 // Weight rows 4 nb .. 4 nb + 3 (one packed block) against activation rows m0 .. m0 + MM - 1.
@@ -436,15 +473,14 @@ void f32_rows(const float* w, const float* x, float* y, int64_t K, int64_t N, in
 }
 
 // Without VNNI, plain loops: y[m, n] for the weight rows of blocks [b0, b1) and activation
-// rows m0 .. m0 + mm - 1; add(base, r, m, total) adds row r's (of the 4-row block at
-// `base`, `row_block_bytes` a block) products with activation row m into total.
+// rows m0 .. m0 + mm - 1; add(nb, r, m, total) adds row r of block nb's products with
+// activation row m into total.
 template <typename Add>
-void plain_rows(const uint8_t* pk, int64_t row_block_bytes, float* y, int64_t N, int64_t b0,
-                int64_t b1, int64_t m0, int64_t mm, Add add) {
+void plain_rows(float* y, int64_t N, int64_t b0, int64_t b1, int64_t m0, int64_t mm, Add add) {
   for (int64_t n = b0 * 4; n < std::min(N, b1 * 4); ++n)
     for (int64_t m = m0; m < m0 + mm; ++m) {
       float total = 0.f;
-      add(pk + (n / 4) * row_block_bytes, static_cast<int>(n % 4), m, total);
+      add(n / 4, static_cast<int>(n % 4), m, total);
       y[m * N + n] = total;
     }
 }
@@ -461,19 +497,20 @@ inline int64_t quads_pos(int64_t c, int lane, int k) {
 }
 
 // y[m, n] for packed blocks [b0, b1) of a q4 weight, activation rows m0 .. m0 + mm - 1.
-void q4_rows(const uint8_t* pk, const QuantizedX& X, float* y, int64_t nch, int64_t N,
+void q4_rows(const Tiles& W, const QuantizedX& X, float* y, int64_t N,
              int64_t b0, int64_t b1, int64_t m0, int64_t mm) {
 #if defined(DUET_VNNI)
   dispatch(mm, [&](auto MM) {
-    for (int64_t nb = b0; nb < b1; ++nb) q4_block<MM.value>(pk, X, y, nch, N, nb, m0);
+    over_tiles<MM.value>(W, b0, b1,
+        [&](int64_t nb, int64_t t, __m512* acc) { q4_span<MM.value>(W, X, nb, t, m0, acc); },
+        [&](int64_t nb, const __m512* acc) { store_rows_rg<MM.value>(acc, y, N, nb, m0); });
   });
 #else
   const int64_t gp = X.gp;
-  plain_rows(pk, nch * Q4_BLOCK, y, N, b0, b1, m0, mm,
-             [&](const uint8_t* base, int r, int64_t m, float& total) {
+  plain_rows(y, N, b0, b1, m0, mm, [&](int64_t nb, int r, int64_t m, float& total) {
     const int8_t* xq = X.q.data() + m * gp * G;
-    for (int64_t c = 0; c < nch; ++c) {
-      const uint8_t* blk = base + c * Q4_BLOCK;
+    for (int64_t c = 0; c < W.units; ++c) {
+      const uint8_t* blk = W.at(nb, c);
       const uint16_t* dh = reinterpret_cast<const uint16_t*>(blk + 256) + r * 4;
       const uint16_t* mh = reinterpret_cast<const uint16_t*>(blk + 288) + r * 4;
       for (int lane = 0; lane < CH; ++lane) {
@@ -496,19 +533,20 @@ inline void q4k_dm(const uint8_t* blk, int r, int g, float* d, float* m) {
   *m = -(half_to_float(dd[4 + r]) * float(blk[Q4K_MN + lane]));
 }
 
-void q4k_rows(const uint8_t* pk, const QuantizedX& X, float* y, int64_t nsup, int64_t N,
+void q4k_rows(const Tiles& W, const QuantizedX& X, float* y, int64_t N,
               int64_t b0, int64_t b1, int64_t m0, int64_t mm) {
 #if defined(DUET_VNNI)
   dispatch(mm, [&](auto MM) {
-    for (int64_t nb = b0; nb < b1; ++nb) q4k_block<MM.value>(pk, X, y, nsup, N, nb, m0);
+    over_tiles<MM.value>(W, b0, b1,
+        [&](int64_t nb, int64_t t, __m512* acc) { q4k_span<MM.value>(W, X, nb, t, m0, acc); },
+        [&](int64_t nb, const __m512* acc) { store_rows_rg<MM.value>(acc, y, N, nb, m0); });
   });
 #else
   const int64_t gp = X.gp;
-  plain_rows(pk, nsup * Q4K_BLOCK, y, N, b0, b1, m0, mm,
-             [&](const uint8_t* base, int r, int64_t m, float& total) {
+  plain_rows(y, N, b0, b1, m0, mm, [&](int64_t nb, int r, int64_t m, float& total) {
     const int8_t* xq = X.q.data() + m * gp * G;
-    for (int64_t s = 0; s < nsup; ++s) {
-      const uint8_t* blk = base + s * Q4K_BLOCK;
+    for (int64_t s = 0; s < W.units; ++s) {
+      const uint8_t* blk = W.at(nb, s);
       for (int gl = 0; gl < 8; ++gl) {
         const int64_t c = 2 * s + gl / 4, g = c * CH + gl % 4;
         int32_t dot = 0;
@@ -537,19 +575,20 @@ inline float q6_scale(const uint8_t* blk, int r, int i, int k) {
   return half_to_float(reinterpret_cast<const uint16_t*>(blk + Q6_D)[r]) * float(sc);
 }
 
-void q6_rows(const uint8_t* pk, const QuantizedX& X, float* y, int64_t nch, int64_t N,
+void q6_rows(const Tiles& W, const QuantizedX& X, float* y, int64_t N,
              int64_t b0, int64_t b1, int64_t m0, int64_t mm) {
 #if defined(DUET_VNNI)
   dispatch(mm, [&](auto MM) {
-    for (int64_t nb = b0; nb < b1; ++nb) q6_block<MM.value>(pk, X, y, nch, N, nb, m0);
+    over_tiles<MM.value>(W, b0, b1,
+        [&](int64_t nb, int64_t t, __m512* acc) { q6_span<MM.value>(W, X, nb, t, m0, acc); },
+        [&](int64_t nb, const __m512* acc) { store_rows<MM.value>(acc, y, N, nb, m0); });
   });
 #else
   const int64_t gp = X.gp;
-  plain_rows(pk, nch * Q6_BLOCK, y, N, b0, b1, m0, mm,
-             [&](const uint8_t* base, int r, int64_t m, float& total) {
+  plain_rows(y, N, b0, b1, m0, mm, [&](int64_t nb, int r, int64_t m, float& total) {
     const int8_t* xq = X.q.data() + m * gp * G;
-    for (int64_t c = 0; c < nch; ++c) {
-      const uint8_t* blk = base + c * Q6_BLOCK;
+    for (int64_t c = 0; c < W.units; ++c) {
+      const uint8_t* blk = W.at(nb, c);
       for (int lane = 0; lane < CH; ++lane) {
         const int64_t g = c * CH + lane;
         for (int half = 0; half < 2; ++half) {
@@ -612,27 +651,36 @@ inline void tiled_passes(int64_t b0, int64_t b1, int64_t unit_bytes, int64_t M, 
 
 }  // namespace
 
-// x [M, K] float32 against a weight packed in blocks of 4 rows: packed [ceil(N/4), units,
-// block] uint8, `units` column units of `cols` each (K padded up to them), activations
-// quantized in `order`; rows(pp, X, y, units, N, b0, b1, m0, mm) computes blocks [b0, b1).
+// The Tiles view of a packed [tiles, ceil(N/4), tu, block] weight of K columns (units of
+// `cols`); the row blocks of a tile are contiguous, the tiles may be apart (a row prefix).
+Tiles tiles_of(const torch::Tensor& packed, int64_t K, int64_t cols, int64_t block) {
+  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.dim() == 4 &&
+              packed.size(3) == block && packed.stride(3) == 1 && packed.stride(2) == block &&
+              packed.stride(1) == packed.size(2) * block,
+              "packed: uint8 [tiles, ceil(N/4), units a tile, ", block, "], tiles apart");
+  const int64_t units = (K + cols - 1) / cols, tu = packed.size(2);
+  TORCH_CHECK(K % G == 0 && tu > 0 && packed.size(0) == (units + tu - 1) / tu,
+              "K = ", K, " does not match the packed weight's tiles");
+  return Tiles{packed.data_ptr<uint8_t>(), packed.stride(0), tu, units, block};
+}
+
+// x [M, K] float32 against a weight packed in blocks of 4 rows (tiles_of), `units` column
+// units of `cols` each (K padded up to them), activations quantized in `order`;
+// rows(W, X, y, N, b0, b1, m0, mm) computes row blocks [b0, b1).
 template <typename Rows>
 torch::Tensor packed_gemv(torch::Tensor x, const torch::Tensor& packed, int64_t N,
                           int64_t cols, int64_t block, int order, Rows rows) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be float32 [M, K]");
-  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() &&
-              packed.dim() == 3 && packed.size(2) == block,
-              "packed: uint8 [ceil(N/4), ceil(K/", cols, "), ", block, "]");
   x = x.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), units = packed.size(1);
-  TORCH_CHECK(K % G == 0 && units == (K + cols - 1) / cols && packed.size(0) == (N + 3) / 4,
-              "shape mismatch");
+  const int64_t M = x.size(0), K = x.size(1);
+  const Tiles W = tiles_of(packed, K, cols, block);
+  TORCH_CHECK(packed.size(1) == (N + 3) / 4, "N = ", N, " does not match the packed weight");
   auto y = torch::empty({M, N}, x.options());
   const QuantizedX X = quantize_x(x.data_ptr<float>(), M, K, order, CH);
-  const uint8_t* pp = packed.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, packed.size(0), ROWS_PER_TASK / 4, [&](int64_t b0, int64_t b1) {
-    tiled_passes(b0, b1, units * block, M, [&](int64_t t0, int64_t t1, int64_t m0, int64_t mm) {
-      rows(pp, X, yp, units, N, t0, t1, m0, mm);
+  at::parallel_for(0, packed.size(1), ROWS_PER_TASK / 4, [&](int64_t b0, int64_t b1) {
+    tiled_passes(b0, b1, W.units * block, M, [&](int64_t t0, int64_t t1, int64_t m0, int64_t mm) {
+      rows(W, X, yp, N, t0, t1, m0, mm);
     });
   });
   return y;
@@ -719,34 +767,27 @@ inline void group_to_bf16(const uint8_t* nib, int r, int lane, float dv, float m
 #endif
 }
 
-// Rows [a, b) of a weight packed in blocks of 4 rows (packed [ceil(N/4), units, block],
-// `units` column units of `cols` each) as dense bfloat16 [b - a, K], for the many-row path
-// without a resident dense copy: row(base, r, out) writes row r of the 4-row block at base.
+// Rows [a, b) of a weight packed in blocks of 4 rows (tiles_of: [tiles, ceil(N/4), tu,
+// block], units of `cols` columns) as dense bfloat16 [b - a, K], for the many-row path
+// without a resident dense copy: row(W, nb, r, out) writes row r of row block nb.
 template <typename Row>
 torch::Tensor packed_dequant(const torch::Tensor& packed, int64_t K, int64_t a, int64_t b,
                              int64_t cols, int64_t block, Row row) {
-  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() &&
-              packed.dim() == 3 && packed.size(2) == block,
-              "packed: uint8 [.., .., ", block, "]");
-  TORCH_CHECK(K % G == 0 && packed.size(1) == (K + cols - 1) / cols,
-              "K does not match the packed weight");
-  TORCH_CHECK(0 <= a && a < b && b <= packed.size(0) * 4, "row range out of bounds");
+  const Tiles W = tiles_of(packed, K, cols, block);
+  TORCH_CHECK(0 <= a && a < b && b <= packed.size(1) * 4, "row range out of bounds");
   auto out = torch::empty({b - a, K}, packed.options().dtype(torch::kBFloat16));
-  const uint8_t* pp = packed.data_ptr<uint8_t>();
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
-  const int64_t row_block_bytes = packed.size(1) * block;
   at::parallel_for(a, b, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t n = r0; n < r1; ++n)
-      row(pp + (n / 4) * row_block_bytes, static_cast<int>(n % 4), op + (n - a) * K);
+    for (int64_t n = r0; n < r1; ++n) row(W, n / 4, static_cast<int>(n % 4), op + (n - a) * K);
   });
   return out;
 }
 
 torch::Tensor q4_dequant_bf16(torch::Tensor packed, int64_t K, int64_t a, int64_t b) {
   return packed_dequant(packed, K, a, b, CH * G, Q4_BLOCK,
-                        [&](const uint8_t* base, int r, at::BFloat16* orow) {
+                        [&](const Tiles& W, int64_t nb, int r, at::BFloat16* orow) {
     for (int64_t g = 0; g < K / G; ++g) {
-      const uint8_t* cb = base + (g / CH) * Q4_BLOCK;
+      const uint8_t* cb = W.at(nb, g / CH);
       const int lane = static_cast<int>(g % CH);
       const float dv = half_to_float(reinterpret_cast<const uint16_t*>(cb + 256)[r * 4 + lane]);
       const float mv = half_to_float(reinterpret_cast<const uint16_t*>(cb + 288)[r * 4 + lane]);
@@ -758,9 +799,9 @@ torch::Tensor q4_dequant_bf16(torch::Tensor packed, int64_t K, int64_t a, int64_
 torch::Tensor q4k_dequant_bf16(torch::Tensor packed, int64_t K, int64_t a, int64_t b) {
   TORCH_CHECK(K % 256 == 0, "q4k: K must be a multiple of 256");
   return packed_dequant(packed, K, a, b, 256, Q4K_BLOCK,
-                        [&](const uint8_t* base, int r, at::BFloat16* orow) {
+                        [&](const Tiles& W, int64_t nb, int r, at::BFloat16* orow) {
     for (int64_t s = 0; s < K / 256; ++s) {
-      const uint8_t* blk = base + s * Q4K_BLOCK;
+      const uint8_t* blk = W.at(nb, s);
       for (int gl = 0; gl < 8; ++gl) {
         float dv, mv;
         q4k_dm(blk, r, gl, &dv, &mv);
@@ -774,9 +815,9 @@ torch::Tensor q6_dequant_bf16(torch::Tensor packed, int64_t K, int64_t a, int64_
   TORCH_CHECK(K % 128 == 0, "q6: K must be a multiple of 128");
   const int64_t nch = K / 128;
   return packed_dequant(packed, K, a, b, CH * G, Q6_BLOCK,
-                        [&](const uint8_t* base, int r, at::BFloat16* orow) {
+                        [&](const Tiles& W, int64_t nb, int r, at::BFloat16* orow) {
     for (int64_t c = 0; c < nch; ++c) {
-      const uint8_t* blk = base + c * Q6_BLOCK;
+      const uint8_t* blk = W.at(nb, c);
       for (int i = 0; i < CH; ++i) {
         at::BFloat16* o = orow + (c * CH + i) * G;
 #if defined(__AVX512BF16__) && defined(__AVX512VL__)

@@ -42,6 +42,10 @@ from duetserve.models.native import ops as _native_ops
 _NATIVE = _native_ops()   # compiled kernels (q4/q8 GEMV, q4 dequant) or None: plain torch
 GROUP = 32
 _DEQUANT_ROWS = 2048   # rows dequantized at a time on the many-row path without a dense copy
+# K tiles: a 4-row block of a long row (K = 8960: 20-30 KB) streamed whole pushes the
+# activations (9-12 KB) out of L1 before the next block reuses them, so the packed forms
+# store K in tiles of at most this many columns, tile after tile (csrc/lowbit_gemv.cpp).
+TILE_COLS = 2048
 
 
 @dataclass
@@ -83,14 +87,38 @@ def _pad_rows(t: torch.Tensor, rows: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 class _BlockWeight:
-    """A weight packed in blocks of 4 rows in one uint8 tensor `packed` [ceil(N/4), units,
-    BLOCK], with a native GEMV and bf16 dequantization (csrc/lowbit_gemv.cpp, named by
+    """A weight packed in blocks of 4 rows, `units` column units of COLS a row, in one
+    uint8 tensor `packed` [tiles, ceil(N/4), TU, BLOCK]: K in tiles of TU units (the last
+    one padded with zero units), each tile holding every row block's TU units in turn
+    (`_tiled`). A native GEMV and bf16 dequantization (csrc/lowbit_gemv.cpp, named by
     _GEMV and _DEQUANT) and plain-torch fallbacks. Subclasses define _unpack(ids) (rows
     `ids` unpacked) and _decode(*unpacked, dtype) (-> dense rows)."""
 
     _GEMV = _DEQUANT = ""
+    COLS = 128
     shape: tuple[int, int]
     packed: torch.Tensor
+
+    @classmethod
+    def _tiled(cls, blocks: torch.Tensor) -> torch.Tensor:
+        """[NB, units, BLOCK] (every row block's units in order) -> [tiles, NB, TU, BLOCK]
+        with TU * COLS <= TILE_COLS where units allow, tiles as even as whole units make
+        them (K = 8960: 5 tiles of 1792 columns)."""
+        nb, units, block = blocks.shape
+        tiles = -(-units // max(1, TILE_COLS // cls.COLS))
+        tu = -(-units // tiles)
+        if tiles == 1:
+            return blocks.contiguous().view(1, nb, units, block)
+        padded = torch.zeros(nb, tiles * tu, block, dtype=blocks.dtype)
+        padded[:, :units] = blocks
+        return padded.view(nb, tiles, tu, block).transpose(0, 1).contiguous()
+
+    def _row_blocks(self, ids: torch.Tensor) -> torch.Tensor:
+        """The blocks holding rows `ids` [n]: [n, units, BLOCK] (a copy of those only)."""
+        tiles, _, tu, block = self.packed.shape
+        units = -(-self.shape[1] // self.COLS)
+        b = self.packed[:, ids // 4]                                    # [tiles, n, TU, B]
+        return b.transpose(0, 1).reshape(len(ids), tiles * tu, block)[:, :units]
 
     def _unpack(self, ids: torch.Tensor) -> tuple:
         raise NotImplementedError
@@ -125,7 +153,7 @@ class _BlockWeight:
             raise ValueError(f"row prefix {n} outside 1..{self.shape[0]}")
         out = object.__new__(type(self))
         out.shape = (n, self.shape[1])
-        out.packed = self.packed[:-(-n // 4)]
+        out.packed = self.packed[:, :-(-n // 4)]
         return out
 
     @property
@@ -134,7 +162,7 @@ class _BlockWeight:
 
 
 class Int4Weight(_BlockWeight):
-    """`packed` [ceil(N/4), ceil(K/128), 320] uint8: per block of 4 rows and 4 groups, the
+    """Units of 4 groups (128 columns), 320 bytes: per block of 4 rows and 4 groups, the
     rows' nibbles (256 bytes, `_pack_nibbles` order), then d [4 rows][4 groups] and m
     [4][4] as float16; w = d * q + m. Padding is zero."""
 
@@ -155,16 +183,17 @@ class Int4Weight(_BlockWeight):
         dm = torch.zeros(2, nb * 4, nch * 4, dtype=torch.float16)
         dm[0, :n, :ng], dm[1, :n, :ng] = d, m
         dm = dm.view(2, nb, 4, nch, 4).permute(1, 3, 0, 2, 4).reshape(nb, nch, 32)
-        self.packed = torch.cat([_pack_nibbles(qp, nb, nch),
-                                 dm.contiguous().view(torch.uint8)], dim=-1).contiguous()
+        self.packed = self._tiled(torch.cat([_pack_nibbles(qp, nb, nch),
+                                             dm.contiguous().view(torch.uint8)], dim=-1))
 
     def groups(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Rows `ids` [n] unpacked: (q [n, K/32, 32] uint8 values, d, m [n, K/32] float16)."""
-        nb, nch, _ = self.packed.shape
+        blk, r, n = self._row_blocks(ids), ids % 4, len(ids)
+        nch, ar = blk.shape[1], torch.arange(n)
         ng = self.shape[1] // GROUP
-        vec = self.packed[..., :256].view(nb, nch, 4, 4, 4, 4)[ids // 4, :, :, ids % 4]
-        dm = self.packed[..., 256:].view(torch.float16).view(nb, nch, 2, 4, 4)
-        dm = dm[ids // 4, :, :, ids % 4]                                     # [n, nch, 2, 4]
+        vec = blk[..., :256].reshape(n, nch, 4, 4, 4, 4)[ar, :, :, r]
+        dm = blk[..., 256:].contiguous().view(torch.float16).view(n, nch, 2, 4, 4)
+        dm = dm[ar, :, :, r]                                                 # [n, nch, 2, 4]
         return (_unpack_nibbles(vec)[:, :ng],
                 dm[:, :, 0].reshape(len(ids), -1)[:, :ng], dm[:, :, 1].reshape(len(ids), -1)[:, :ng])
 
@@ -179,12 +208,13 @@ class Int4Weight(_BlockWeight):
 
 
 class Int4KWeight(_BlockWeight):
-    """`packed` [ceil(N/4), K/256, 592] uint8: per block of 4 rows and 256 columns, the
+    """Units of 256 columns, 592 bytes: per block of 4 rows and 256 columns, the
     rows' nibbles of columns 0-127 (256 bytes, `_pack_nibbles` order), then of 128-255,
     then sc uint8 [half][row][group] (32 bytes), mn the same (32), d [4 rows] and dmin [4]
     as float16 (8 + 8); w = d * sc * q - dmin * mn. Padding rows are zero."""
 
     bits = 4
+    COLS = 256
     BLOCK = 2 * 4 * 64 + 2 * 32 + 2 * 8
     _GEMV, _DEQUANT = "q4k_gemv", "q4k_dequant_bf16"
 
@@ -207,21 +237,20 @@ class Int4KWeight(_BlockWeight):
         def per_row(t: torch.Tensor) -> torch.Tensor:       # [row] float16 -> 8 bytes
             t = _pad_rows(t, rows, torch.float16).view(nb, 4, ns)
             return t.permute(0, 2, 1).contiguous().view(torch.uint8)
-        self.packed = torch.cat([_pack_nibbles(_pad_rows(q, rows, torch.uint8), nb, 2 * ns)
-                                 .view(nb, ns, 512),
-                                 per_group(sc), per_group(mn), per_row(d), per_row(dmin)],
-                                dim=-1).contiguous()
+        self.packed = self._tiled(torch.cat([
+            _pack_nibbles(_pad_rows(q, rows, torch.uint8), nb, 2 * ns).view(nb, ns, 512),
+            per_group(sc), per_group(mn), per_row(d), per_row(dmin)], dim=-1))
 
     def groups(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Rows `ids` [n] unpacked as Int4Weight.groups: (q [n, K/32, 32] uint8, d, m
         [n, K/32] float32 with d = d * sc and m = -dmin * mn, exact)."""
-        nb, ns, _ = self.packed.shape
-        n, ng = len(ids), self.shape[1] // GROUP
-        vec = self.packed[..., :512].reshape(nb, ns * 2, 4, 4, 4, 4)[ids // 4, :, :, ids % 4]
-        codes = self.packed[..., 512:576].view(nb, ns, 2, 2, 4, 4)     # [.., sc|mn, h, r, g]
-        codes = codes[ids // 4, :, :, :, ids % 4].float()              # [n, ns, 2, 2, 4]
-        scales = self.packed[..., 576:].view(torch.float16).view(nb, ns, 2, 4)
-        scales = scales[ids // 4, :, :, ids % 4].float()               # [n, ns, 2]
+        blk, r = self._row_blocks(ids), ids % 4
+        n, ns, ng, ar = len(ids), blk.shape[1], self.shape[1] // GROUP, torch.arange(len(ids))
+        vec = blk[..., :512].reshape(n, ns * 2, 4, 4, 4, 4)[ar, :, :, r]
+        codes = blk[..., 512:576].reshape(n, ns, 2, 2, 4, 4)           # [.., sc|mn, h, r, g]
+        codes = codes[ar, :, :, :, r].float()                          # [n, ns, 2, 2, 4]
+        scales = blk[..., 576:].contiguous().view(torch.float16).view(n, ns, 2, 4)
+        scales = scales[ar, :, :, r].float()                           # [n, ns, 2]
         d = scales[:, :, 0, None, None] * codes[:, :, 0]
         m = -scales[:, :, 1, None, None] * codes[:, :, 1]
         return _unpack_nibbles(vec), d.reshape(n, ng), m.reshape(n, ng)
@@ -231,7 +260,7 @@ class Int4KWeight(_BlockWeight):
 
 
 class Int6Weight(_BlockWeight):
-    """`packed` [ceil(N/4), K/128, 424] uint8: per block of 4 rows and 128 columns, the
+    """Units of 128 columns, 424 bytes: per block of 4 rows and 128 columns, the
     rows' low nibbles (64 bytes each, Int4Weight's order), their top two bits (32 bytes
     each), sc int8 [half][group][row] (32 bytes) and d [4 rows] float16;
     w = d * sc * (q - 32). Padding rows are zero (sc = 0)."""
@@ -254,13 +283,13 @@ class Int6Weight(_BlockWeight):
         lo, hi = top[..., :16].reshape(rows, nch, 64), top[..., 16:].reshape(rows, nch, 64)
         tb = (lo[..., :32] << 4) | (lo[..., 32:] << 6) | hi[..., :32] | (hi[..., 32:] << 2)
         scp, dp = _pad_rows(sc, rows, torch.int8), _pad_rows(d, rows, torch.float16)
-        self.packed = torch.cat([
+        self.packed = self._tiled(torch.cat([
             nib.reshape(nb, 4, nch, 64).permute(0, 2, 1, 3).reshape(nb, nch, 256),
             tb.reshape(nb, 4, nch, 32).permute(0, 2, 1, 3).reshape(nb, nch, 128),
             scp.view(nb, 4, nch, 4, 2).permute(0, 2, 4, 3, 1).reshape(nb, nch, 32)
                .contiguous().view(torch.uint8),
             dp.view(nb, 4, nch).permute(0, 2, 1).contiguous().view(torch.uint8),
-        ], dim=-1).contiguous()
+        ], dim=-1))
 
     @classmethod
     def from_q6_k(cls, q, sc, d) -> "Int6Weight":
@@ -270,16 +299,16 @@ class Int6Weight(_BlockWeight):
 
     def parts(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Rows `ids` [n] unpacked: (q [n, K] uint8, sc [n, K/16] int8, d [n, K/128] f16)."""
-        nb, nch, _ = self.packed.shape
-        n = len(ids)
-        nib = _block_rows(self.packed[..., :256].view(nb, nch, 4, 64), ids).view(n, nch, 4, 16)
-        tb = _block_rows(self.packed[..., 256:384].view(nb, nch, 4, 32), ids)   # [n, nch, 32]
+        blk, r = self._row_blocks(ids), ids % 4
+        n, nch, ar = len(ids), blk.shape[1], torch.arange(len(ids))
+        nib = blk[..., :256].reshape(n, nch, 4, 64)[ar, :, r].reshape(n, nch, 4, 16)
+        tb = blk[..., 256:384].reshape(n, nch, 4, 32)[ar, :, r]                  # [n, nch, 32]
         lo = torch.cat([(tb >> 4) & 3, (tb >> 6) & 3], dim=-1).view(n, nch, 4, 16)
         hi = torch.cat([tb & 3, (tb >> 2) & 3], dim=-1).view(n, nch, 4, 16)
         q = torch.cat([(nib & 15) | (lo << 4), (nib >> 4) | (hi << 4)], dim=-1)
-        sc = self.packed[..., 384:416].view(torch.int8).view(nb, nch, 2, 4, 4)
-        sc = sc[ids // 4, :, :, :, ids % 4].permute(0, 1, 3, 2)              # [n, nch, 4, 2]
-        d = self.packed[..., 416:].view(torch.float16).view(nb, nch, 4)[ids // 4, :, ids % 4]
+        sc = blk[..., 384:416].contiguous().view(torch.int8).view(n, nch, 2, 4, 4)
+        sc = sc[ar, :, :, :, r].permute(0, 1, 3, 2)                          # [n, nch, 4, 2]
+        d = blk[..., 416:].contiguous().view(torch.float16).view(n, nch, 4)[ar, :, r]
         return q.reshape(n, -1), sc.reshape(n, -1), d
 
     @staticmethod

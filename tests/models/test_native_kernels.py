@@ -151,7 +151,8 @@ def _int8_activations(x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 9])
-@pytest.mark.parametrize("n,k", [(192, 320), (100, 96), (64, 576)])   # K/32 = 10, 3, 18
+@pytest.mark.parametrize("n,k", [(192, 320), (100, 96), (64, 576),   # K/32 = 10, 3, 18
+                                 (64, 2176)])    # 17 chunks: 2 K tiles, the last one padded
 def test_q4_gemv_equals_dequantized(rows, n, k):
     """Equal to the float64 product of the int8-quantized activation and the dequantized
     weight (tail groups of K/32 % 4 included), and within the activation rounding of the
@@ -199,7 +200,8 @@ def _random_q4k(n: int, k: int, gen: torch.Generator):
 
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 9])
 @pytest.mark.parametrize("form,n,k", [("q4k", 99, 512), ("q4k", 8, 256),    # 2 / 1 blocks
-                                      ("q6", 99, 384), ("q6", 8, 128)])     # 3 / 1 chunks
+                                      ("q6", 99, 384), ("q6", 8, 128),      # 3 / 1 chunks
+                                      ("q4k", 99, 2304), ("q6", 99, 2176)])  # 2 K tiles
 def test_k_quant_gemv_equals_dequantized(rows, form, n, k):
     """As for q4 (the last block padded): the float64 product of the int8-quantized
     activation and the exact dequantized weight, with each group's d and m computed from
@@ -210,6 +212,38 @@ def test_k_quant_gemv_equals_dequantized(rows, form, n, k):
     got = getattr(native, f"{form}_gemv")(x, qw.packed, n).double()
     w = qw.dequantize().double()
     torch.testing.assert_close(got, _int8_activations(x) @ w.t(), atol=1e-4, rtol=1e-5)
+
+
+def _random_q4(n: int, k: int, gen: torch.Generator):
+    from duetserve.models.quant import Int4Weight, int4_groups_from_float
+    return Int4Weight(*int4_groups_from_float(torch.randn(n, k, generator=gen)))
+
+
+@pytest.mark.parametrize("form,k", [("q4", 2176), ("q4k", 2304), ("q6", 2176), ("q6", 4608)])
+def test_k_tiles_compute_what_one_tile_does(monkeypatch, form, k):
+    """A weight whose K spans several tiles (models/quant.py: TILE_COLS; the last tile
+    padded for all but q6 4608) gives the products, dequantization, rows and row prefixes
+    of the same numbers packed as one tile, bit for bit: each output adds its units in the
+    same order."""
+    import duetserve.models.quant as quant
+    make = {"q4": _random_q4, "q4k": _random_q4k, "q6": _random_q6}[form]
+    tiled = make(99, k, torch.Generator().manual_seed(1))
+    monkeypatch.setattr(quant, "TILE_COLS", 1 << 20)
+    whole = make(99, k, torch.Generator().manual_seed(1))
+    assert tiled.packed.shape[0] > 1 and whole.packed.shape[0] == 1
+    gemv = getattr(native, f"{form}_gemv")
+    for rows in (1, 5):
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+        assert torch.equal(gemv(x, tiled.packed, 99), gemv(x, whole.packed, 99))
+        head = tiled.prefix(33)       # tiles apart: a strided view of the row blocks
+        assert not head.packed.is_contiguous()
+        assert torch.equal(gemv(x, head.packed, 33), gemv(x, whole.packed, 99)[:, :33])
+    dequant = getattr(native, f"{form}_dequant_bf16")
+    assert torch.equal(dequant(tiled.packed, k, 5, 70), dequant(whole.packed, k, 5, 70))
+    ids = torch.tensor([0, 98, 33, 4, 4])
+    assert torch.equal(tiled.rows(ids), whole.rows(ids))
+    assert torch.equal(tiled.dequantize(), whole.dequantize())
+    assert tiled.nbytes >= whole.nbytes
 
 
 def test_q4k_dequant_slices():
