@@ -219,12 +219,14 @@ template <int MM>
 inline void q4_chunk(const uint8_t* nib, __m512 dv, __m512 mv, const QuantizedX& X,
                      int64_t c, int64_t m0, __m512* acc) {
   const int64_t gp = X.gp;
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  // the high nibbles stay in place: their dots come out 16 times too large, and one
+  // exact shift per activation row (not one per weight vector) takes the 16 out
+  const __m512i low4 = _mm512_set1_epi8(0x0F), high4 = _mm512_set1_epi8(static_cast<char>(0xF0));
   __m512i lo[4], hi[4];
   for (int v = 0; v < 4; ++v) {
     const __m512i w = _mm512_loadu_si512(nib + v * 64);
     lo[v] = _mm512_and_si512(w, low4);
-    hi[v] = _mm512_and_si512(_mm512_srli_epi16(w, 4), low4);
+    hi[v] = _mm512_and_si512(w, high4);
   }
   auto quad = [](const int8_t* p) {
     return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -237,7 +239,7 @@ inline void q4_chunk(const uint8_t* nib, __m512 dv, __m512 mv, const QuantizedX&
       a = _mm512_dpbusd_epi32(a, lo[v], quad(xq + 32 * v));
       b = _mm512_dpbusd_epi32(b, hi[v], quad(xq + 32 * v + 16));
     }
-    const __m512i e = _mm512_add_epi32(a, b);
+    const __m512i e = _mm512_add_epi32(a, _mm512_srai_epi32(b, 4));
     const int64_t off = (m0 + i) * gp + c * CH;
     const __m512 dx = _mm512_broadcast_f32x4(_mm_loadu_ps(X.d.data() + off));
     const __m512 xs = _mm512_broadcast_f32x4(_mm_loadu_ps(X.s.data() + off));
