@@ -123,18 +123,35 @@ def test_tiny_adaptive_identical(tiny) -> None:
     assert llm.engine.scheduler.kv_cache_manager.num_used_blocks == 0
 
 
+def _lowbit_policies(model) -> dict:
+    return {id(m.policy): m.policy for m in model.modules() if isinstance(m, QuantLinear)}
+
+
 @pytest.fixture
 def pinned_lowbit(default_model):
     """Every low-bit linear of the default model takes the low-bit kernel at any row
     count for the test's duration (restored after: the model is shared)."""
-    policies = {id(m.policy): m.policy for m in default_model.model.modules()
-                if isinstance(m, QuantLinear)}
+    policies = _lowbit_policies(default_model.model)
     saved = {k: p.lowbit_max_rows for k, p in policies.items()}
     for p in policies.values():
         p.lowbit_max_rows = 1 << 20
     yield default_model
     for k, p in policies.items():
         p.lowbit_max_rows = saved[k]
+
+
+def _own_draft(loaded, path: str) -> LLM:
+    """The default checkpoint drafting for itself, packed as the file is ("auto": the
+    default int4 would requantize its 8-bit embedding/head, a different model), its
+    low-bit linears pinned to the low-bit kernel at any row count: which steps would
+    otherwise run them as dense bf16 GEMMs is measured per machine at load, and the
+    draft's numbers (so the drafts kept) would change with it."""
+    llm = _llm(loaded, {"method": "draft", "model": path, "num_speculative_tokens": 3,
+                        "adaptive": False, "quantization": "auto"},
+               max_num_batched_tokens=4096)
+    for p in _lowbit_policies(llm.engine.runner.speculator.draft.model).values():
+        p.lowbit_max_rows = 1 << 20
+    return llm
 
 
 def test_default_model_greedy_identical(pinned_lowbit, default_model_path) -> None:
@@ -151,16 +168,13 @@ def test_default_model_greedy_identical(pinned_lowbit, default_model_path) -> No
     assert _run(ngram, prompts) == base
     _check_clean(ngram)
     assert ngram.engine.scheduler.make_stats().spec.num_accepted_tokens > 0
-    # its own checkpoint as the draft, packed as the target is ("auto": the default
-    # int4 would requantize its 8-bit embedding/head, a different model)
-    draft = _llm(loaded, {"method": "draft", "model": default_model_path,
-                          "num_speculative_tokens": 3, "adaptive": False,
-                          "quantization": "auto"},
-                 max_num_batched_tokens=4096)
+    draft = _own_draft(loaded, default_model_path)
     assert _run(draft, prompts) == base
     _check_clean(draft)
     spec = draft.engine.scheduler.make_stats().spec
-    assert spec.num_accepted_tokens > 0.9 * spec.num_draft_tokens   # its own draft
+    # its own draft: most drafts kept (0.91-0.92 on the EPYC; the draft runs int8
+    # activations against the float32 target, so not all)
+    assert spec.num_accepted_tokens > 0.8 * spec.num_draft_tokens
 
 
 def _joint_counts(llm: LLM, prompt: list[int], seeds: list) -> dict[tuple, int]:
@@ -269,13 +283,12 @@ def test_default_model_seeded_identical(pinned_lowbit, default_model_path) -> No
                  max_num_batched_tokens=4096)
     assert _seeded(ngram, prompts, temperature=0.7) == base
     assert ngram.engine.scheduler.make_stats().spec.num_accepted_tokens > 0
-    draft = _llm(loaded, {"method": "draft", "model": default_model_path,
-                          "num_speculative_tokens": 3, "adaptive": False,
-                          "quantization": "auto"},
-                 max_num_batched_tokens=4096)
+    draft = _own_draft(loaded, default_model_path)
     assert _seeded(draft, prompts, temperature=0.7) == base
     spec = draft.engine.scheduler.make_stats().spec
-    assert spec.num_accepted_tokens > 0.9 * spec.num_draft_tokens   # its own draft
+    # its own draft: most drafts kept (0.91-0.92 on the EPYC; the draft runs int8
+    # activations against the float32 target, so not all)
+    assert spec.num_accepted_tokens > 0.8 * spec.num_draft_tokens
 
 
 def test_draft_with_another_vocabulary_is_refused(tiny, draft_path, tmp_path) -> None:
