@@ -6,6 +6,8 @@ steady within one: docs/benchmarks.md, "The activations kept in L1").
     .venv/bin/python benchmarks/decode_modes.py --model M [--passes 3] [--threads 2]
 
 Prints the median step rate of each pass of 64 greedy tokens (after one warm-up pass),
+a compute probe (256 x 256 float32 matmuls, in cache) and a memory probe (a sum over
+512 MiB),
 the process's Rss and AnonHugePages (kB), the spread over physical memory of the 2 MiB
 pages of the storage holding the first layer's gate_up weight (the loader's one arena) (GiB -> pages; needs root for /proc/self/pagemap, else empty) and the
 CPU each thread last ran on.
@@ -31,6 +33,26 @@ def _pass(eng, tokens: int) -> float:
         eng.step()
         steps.append(time.perf_counter() - t)
     return 1 / statistics.median(steps[2:])
+
+
+def _probes(threads: int) -> tuple[float, float]:
+    """(GFLOP/s of a cache-resident fp32 matmul, GB/s of a sum over 512 MiB): is a slow
+    process short of compute or of memory bandwidth?"""
+    import torch
+    torch.set_num_threads(threads)
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    big = torch.ones(128 * 2**20)
+    for _ in range(20):
+        a @ b
+    big.sum()
+    t = time.perf_counter()
+    for _ in range(400):
+        a @ b
+    flops = 400 * 2 * 256**3 / (time.perf_counter() - t) / 1e9
+    t = time.perf_counter()
+    for _ in range(5):
+        big.sum()
+    return flops, 5 * big.numel() * 4 / (time.perf_counter() - t) / 1e9
 
 
 def _physical_spread(addr: int, nbytes: int) -> list[tuple[int, int]]:
@@ -65,7 +87,9 @@ def main() -> None:
                                                    w.untyped_storage().nbytes())
     cpus = [open(f"/proc/self/task/{t}/stat").read().rsplit(")", 1)[1].split()[36]
             for t in os.listdir("/proc/self/task")]
-    print("tok/s", " ".join(f"{r:.1f}" for r in rates), "| Rss", mem.get("Rss"),
+    flops, gbs = _probes(args.threads)
+    print("tok/s", " ".join(f"{r:.1f}" for r in rates), f"| matmul {flops:.0f} GFLOP/s, "
+          f"sum {gbs:.1f} GB/s", "| Rss", mem.get("Rss"),
           "AnonHugePages", mem.get("AnonHugePages"), "| physical GiB:pages", spread,
           "| thread CPUs", cpus, flush=True)
 
