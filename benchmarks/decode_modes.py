@@ -1,7 +1,7 @@
 """Batch-1 decode speed of one process, pass by pass, with what might set it: run it a few
-times in a row to see whether a machine's decode speed is a property of the process (on
-the 2-core EPYC it was bimodal between processes, 29-30 or 35.5-37 tok/s on the 1.5B,
-steady within one: docs/benchmarks.md, "The activations kept in L1").
+times in a row to see what a machine's decode speed moves with (on the 2-core EPYC it
+came out bimodal between processes, 29-30 or 35.5-37 tok/s on the 1.5B, and followed the
+DRAM bandwidth of the moment: docs/benchmarks.md, "The activations kept in L1").
 
     .venv/bin/python benchmarks/decode_modes.py --model M [--passes 3] [--threads 2]
 
