@@ -248,25 +248,17 @@ inline void q4_chunk(const uint8_t* nib, __m512 dv, __m512 mv, const QuantizedX&
   }
 }
 
-// Lanes 4r + g of `acc` summed over g into y[m0 + i, 4 nb + r].
-template <int MM>
-inline void store_rows_rg(const __m512* acc, float* y, int64_t N, int64_t nb, int64_t m0) {
-  for (int i = 0; i < MM; ++i) {
-    alignas(64) float a[16];
-    _mm512_store_ps(a, acc[i]);
-    for (int r = 0; r < 4 && nb * 4 + r < N; ++r)
-      y[(m0 + i) * N + nb * 4 + r] = (a[4 * r] + a[4 * r + 1]) + (a[4 * r + 2] + a[4 * r + 3]);
-  }
-}
-
-// Lanes 4g + r of `acc` summed over g into y[m0 + i, 4 nb + r].
-template <int MM>
+// The lanes of (row r, group g) of `acc` (4r + g when RG, else 4g + r) summed over g, as
+// (g0 + g1) + (g2 + g3), into y[m0 + i, 4 nb + r].
+template <int MM, bool RG>
 inline void store_rows(const __m512* acc, float* y, int64_t N, int64_t nb, int64_t m0) {
+  auto lane = [](int r, int g) { return RG ? 4 * r + g : 4 * g + r; };
   for (int i = 0; i < MM; ++i) {
     alignas(64) float a[16];
     _mm512_store_ps(a, acc[i]);
     for (int r = 0; r < 4 && nb * 4 + r < N; ++r)
-      y[(m0 + i) * N + nb * 4 + r] = (a[r] + a[4 + r]) + (a[8 + r] + a[12 + r]);
+      y[(m0 + i) * N + nb * 4 + r] =
+          (a[lane(r, 0)] + a[lane(r, 1)]) + (a[lane(r, 2)] + a[lane(r, 3)]);
   }
 }
 
@@ -505,7 +497,7 @@ void q4_rows(const Tiles& W, const QuantizedX& X, float* y, int64_t N,
   dispatch(mm, [&](auto MM) {
     over_tiles<MM.value>(W, b0, b1,
         [&](int64_t nb, int64_t t, __m512* acc) { q4_span<MM.value>(W, X, nb, t, m0, acc); },
-        [&](int64_t nb, const __m512* acc) { store_rows_rg<MM.value>(acc, y, N, nb, m0); });
+        [&](int64_t nb, const __m512* acc) { store_rows<MM.value, true>(acc, y, N, nb, m0); });
   });
 #else
   const int64_t gp = X.gp;
@@ -541,7 +533,7 @@ void q4k_rows(const Tiles& W, const QuantizedX& X, float* y, int64_t N,
   dispatch(mm, [&](auto MM) {
     over_tiles<MM.value>(W, b0, b1,
         [&](int64_t nb, int64_t t, __m512* acc) { q4k_span<MM.value>(W, X, nb, t, m0, acc); },
-        [&](int64_t nb, const __m512* acc) { store_rows_rg<MM.value>(acc, y, N, nb, m0); });
+        [&](int64_t nb, const __m512* acc) { store_rows<MM.value, true>(acc, y, N, nb, m0); });
   });
 #else
   const int64_t gp = X.gp;
@@ -583,7 +575,7 @@ void q6_rows(const Tiles& W, const QuantizedX& X, float* y, int64_t N,
   dispatch(mm, [&](auto MM) {
     over_tiles<MM.value>(W, b0, b1,
         [&](int64_t nb, int64_t t, __m512* acc) { q6_span<MM.value>(W, X, nb, t, m0, acc); },
-        [&](int64_t nb, const __m512* acc) { store_rows<MM.value>(acc, y, N, nb, m0); });
+        [&](int64_t nb, const __m512* acc) { store_rows<MM.value, false>(acc, y, N, nb, m0); });
   });
 #else
   const int64_t gp = X.gp;
