@@ -8,9 +8,10 @@ DRAM bandwidth of the moment: docs/benchmarks.md, "The activations kept in L1").
 Prints the median step rate of each pass of 64 greedy tokens (after one warm-up pass),
 a compute probe (256 x 256 float32 matmuls, in cache) and a memory probe (a sum over
 512 MiB),
-the process's Rss and AnonHugePages (kB), the spread over physical memory of the 2 MiB
-pages of the storage holding the first layer's gate_up weight (the loader's one arena) (GiB -> pages; needs root for /proc/self/pagemap, else empty) and the
-CPU each thread last ran on.
+the process's Rss and AnonHugePages (kB), the spread over physical memory (GiB ->
+pages; needs root for /proc/self/pagemap, else empty) of the 2 MiB pages of the storage
+holding the first layer's gate_up weight (the loader's one arena), and the CPU each
+thread last ran on.
 """
 from __future__ import annotations
 

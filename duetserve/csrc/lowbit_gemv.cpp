@@ -11,8 +11,9 @@
 // q4 weights ("Q4_1 layout", groups of 32 along K, w = d * q + m), packed for streaming:
 //   units of 320 bytes (packed [tiles, ceil(N/4), tu, 320] uint8: see Tiles). Per block
 //   of 4 weight rows and chunk of 4 groups (128 weights of each row): 4 vectors of 64
-//   bytes, then d [4 rows][4 groups] and m [4][4] as float16 (32 bytes each). Vector v, 128-bit lane r, dword g, byte j: element
-//   8v + j of row r's group g in the low nibble, 8v + 4 + j in the high one. So each int32
+//   bytes, then d [4 rows][4 groups] and m [4][4] as float16 (32 bytes each). Vector v,
+//   128-bit lane r, dword g, byte j: element 8v + j of row r's group g in the low nibble,
+//   8v + 4 + j in the high one. So each int32
 //   lane of a vpdpbusd belongs to one (row, group), lane 4r + g, and a chunk's 8 dots add
 //   up in the lanes: no reduction across lanes. The activation side is the same 16 bytes
 //   (dword g = 4 elements of group g) for every row: one 128-bit broadcast load (QUADS
@@ -22,14 +23,15 @@
 //   Per group: sum_k w_k x_k = d * dx * sum_k q_k xq_k + m * (dx * sum_k xq_k).
 // q4k weights (GGUF Q4_K, kept exactly): w = d * sc * q - dmin * mn, q in 0..15, the
 //   file's 6-bit sc and mn per group of 32 (a byte each) and float16 d, dmin per 256:
-//   units of 592 bytes (packed [tiles, ceil(N/4), tu, 592] uint8). Per block of 4 rows and 256 weights of each: the
-//   nibbles of columns 0-127 (q4's 4 x 64 bytes), of 128-255, then sc as uint8
-//   [half][row][group] (32 bytes: lane 4r + g for each half of 128), mn the same, then d
-//   [4 rows] and dmin [4] as float16. Each half is q4's chunk with d * sc and -dmin * mn
+//   units of 592 bytes (packed [tiles, ceil(N/4), tu, 592] uint8). Per block of 4 rows
+//   and 256 weights of each: the nibbles of columns 0-127 (q4's 4 x 64 bytes), of
+//   128-255, then sc as uint8 [half][row][group] (32 bytes: lane 4r + g for each half of
+//   128), mn the same, then d [4 rows] and dmin [4] as float16. Each half is q4's chunk with d * sc and -dmin * mn
 //   (exact in float32) as its d and m.
-// q6 weights (GGUF Q6_K, kept exactly; lanes 4g + r, the HALVES activation order): w = d * sc * (q - 32), q in 0..63, an int8 scale sc
-//   per 16 weights along K and a float16 d per row and 256 (stored once per 128 here):
-//   units of 424 bytes (packed [tiles, ceil(N/4), tu, 424] uint8). Per block of 4 rows and 128 weights of each: the
+// q6 weights (GGUF Q6_K, kept exactly; lanes 4g + r, the HALVES activation order):
+//   w = d * sc * (q - 32), q in 0..63, an int8 scale sc per 16 weights along K and a
+//   float16 d per row and 256 (stored once per 128 here): units of 424 bytes (packed
+//   [tiles, ceil(N/4), tu, 424] uint8). Per block of 4 rows and 128 weights of each: the
 //   rows' low nibbles (64 bytes each, q4's order), the rows' top two bits (32 bytes each),
 //   sc as int8 [half][group][row] (32 bytes; half 0 = elements 0-15 of a group of 32, half
 //   1 = 16-31: lane 4g + r of a 16-lane vector, as the dot sums come out), then d [4 rows]
@@ -129,11 +131,9 @@ inline int32_t quantize_group(const float* xg, int8_t* q, float* d) {
 #endif
 }
 
-void quantize_row(const float* x, int64_t K, int64_t ngroups_padded, int order,
-                  int8_t* xq, float* dx, float* xs) {
+// xq, dx and xs arrive zeroed (quantize_x's fresh vectors), so padded groups stay zero.
+void quantize_row(const float* x, int64_t K, int order, int8_t* xq, float* dx, float* xs) {
   const int64_t ngroups = K / G;
-  std::memset(xq, 0, ngroups_padded * G);
-  for (int64_t g = ngroups; g < ngroups_padded; ++g) { dx[g] = 0.f; xs[g] = 0.f; }
   alignas(64) int8_t q[G];
   for (int64_t g = 0; g < ngroups; ++g) {
     const int64_t c = g / CH, i = g % CH;
@@ -161,11 +161,11 @@ QuantizedX quantize_x(const float* x, int64_t M, int64_t K, int order, int64_t p
   QuantizedX out;
   const int64_t ng = K / G;
   out.gp = (ng + pad_to - 1) / pad_to * pad_to;
-  out.q.resize(M * out.gp * G);
+  out.q.resize(M * out.gp * G);   // zeroed: the padding groups
   out.d.resize(M * out.gp);
   out.s.resize(M * out.gp);
   for (int64_t m = 0; m < M; ++m)
-    quantize_row(x + m * K, K, out.gp, order, out.q.data() + m * out.gp * G,
+    quantize_row(x + m * K, K, order, out.q.data() + m * out.gp * G,
                  out.d.data() + m * out.gp, out.s.data() + m * out.gp);
   if (order == HALVES) {   // group g's elements 0-15 at c*128 + i*16, 16-31 at +64
     out.l.resize(M * out.gp);
@@ -268,7 +268,7 @@ void q4_span(const Tiles& W, const QuantizedX& X, int64_t nb, int64_t t, int64_t
              __m512* acc) {
   const uint8_t* first = W.span(nb, t);
   const int64_t u0 = t * W.tu;
-  for (int64_t c = t * W.tu; c < W.end(t); ++c) {
+  for (int64_t c = u0; c < W.end(t); ++c) {
     const uint8_t* blk = first + (c - u0) * Q4_BLOCK;
     for (int l = 0; l < Q4_BLOCK / 64; ++l)   // two chunks ahead (runs into the next block)
       _mm_prefetch(reinterpret_cast<const char*>(blk + 2 * Q4_BLOCK + l * 64), _MM_HINT_T0);
@@ -287,7 +287,7 @@ void q4k_span(const Tiles& W, const QuantizedX& X, int64_t nb, int64_t t, int64_
   const uint8_t* first = W.span(nb, t);
   const int64_t u0 = t * W.tu;
   const __m512i rows = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-  for (int64_t s = t * W.tu; s < W.end(t); ++s) {
+  for (int64_t s = u0; s < W.end(t); ++s) {
     const uint8_t* blk = first + (s - u0) * Q4K_BLOCK;
     for (int l = 0; l < (Q4K_BLOCK + 63) / 64; ++l)
       _mm_prefetch(reinterpret_cast<const char*>(blk + 4 * Q4K_BLOCK + l * 64), _MM_HINT_T0);
@@ -322,7 +322,7 @@ void q6_span(const Tiles& W, const QuantizedX& X, int64_t nb, int64_t t, int64_t
                                             _mm256_set1_epi16(2), 1);
   const __m512i rows = _mm512_setr_epi32(0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3);
   const __m512i groups = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-  for (int64_t c = t * W.tu; c < W.end(t); ++c) {
+  for (int64_t c = u0; c < W.end(t); ++c) {
     const uint8_t* blk = first + (c - u0) * Q6_BLOCK;
     for (int l = 0; l < (Q6_BLOCK + 63) / 64; ++l)
       _mm_prefetch(reinterpret_cast<const char*>(blk + 4 * Q6_BLOCK + l * 64), _MM_HINT_T0);
