@@ -108,7 +108,11 @@ class _BlockWeight:
         tiles = -(-units // max(1, TILE_COLS // cls.COLS))
         tu = -(-units // tiles)
         if tiles == 1:
-            return blocks.contiguous().view(1, nb, units, block)
+            # the same storage, not a view: a view keeps its base tensor alive, and with it
+            # this storage after the loader moves the weight into its 2 MiB pages
+            b = blocks.contiguous()
+            return torch.empty(0, dtype=b.dtype).set_(b.untyped_storage(), b.storage_offset(),
+                                                     (1, nb, units, block))
         padded = torch.zeros(nb, tiles * tu, block, dtype=blocks.dtype)
         padded[:, :units] = blocks
         return padded.view(nb, tiles, tu, block).transpose(0, 1).contiguous()

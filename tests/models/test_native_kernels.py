@@ -231,6 +231,9 @@ def test_k_tiles_compute_what_one_tile_does(monkeypatch, form, k):
     monkeypatch.setattr(quant, "TILE_COLS", 1 << 20)
     whole = make(99, k, torch.Generator().manual_seed(1))
     assert tiled.packed.shape[0] > 1 and whole.packed.shape[0] == 1
+    # no view of a packing temporary: a base tensor would keep its storage alive after the
+    # loader moves the weight into its 2 MiB pages (loader/huge_pages.py)
+    assert tiled.packed._base is None and whole.packed._base is None
     gemv = getattr(native, f"{form}_gemv")
     for rows in (1, 5):
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
