@@ -1,0 +1,94 @@
+"""A batch-1 decode step against the GEMVs it runs, interleaved in one process: the
+model's own packed weights in model order (every layer's qkv, o, gate_up, down, then the
+LM head) at one row, then a greedy decode on the engine, round after round. The step's
+time minus the GEMVs' is everything else a decode step does (attention, norms, rotary,
+Python, sampling); the GEMVs' bytes over their time is the weight stream's rate. With a
+512 MiB `torch.sum` at the start and the end as the machine's read ceiling, this says
+whether batch-1 decode is at the memory's limit (docs/benchmarks.md, 2026-11-25).
+
+    .venv/bin/python benchmarks/decode_vs_gemvs.py --model M [--threads 2] [--rounds 8]
+        [--out F]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from duetserve import LLM, SamplingParams
+
+
+def sum_probe_gb_s(threads: int) -> float:
+    """Median GB/s of `torch.sum` over 512 MiB (15 timings after 3 warm-ups)."""
+    torch.set_num_threads(threads)
+    x = torch.ones(128 * 2**20)
+    for _ in range(3):
+        x.sum()
+    times = []
+    for _ in range(15):
+        t = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - t)
+    return x.numel() * 4 / statistics.median(times) / 1e9
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--gen-len", type=int, default=64)
+    ap.add_argument("--out", default="decode_vs_gemvs.json")
+    args = ap.parse_args()
+    probe_before = sum_probe_gb_s(args.threads)
+    llm = LLM(model=args.model, max_model_len=1024, num_threads=args.threads,
+              enable_prefix_caching=False)
+    model = llm.engine.runner.model
+    weights = [mod.qweight for layer in model.layers
+               for mod in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                           layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+    head = getattr(getattr(model, "lm_head", None), "qweight", None)
+    weights += [head] if head is not None else []
+    if not weights or any(w is None for w in weights):
+        raise SystemExit("every projection must be a packed low-bit weight")
+    nbytes = sum(w.nbytes for w in weights)
+    xs = {w.shape[1]: torch.randn(1, w.shape[1]) for w in weights}
+
+    def gemvs() -> None:
+        for w in weights:
+            w.matmul(xs[w.shape[1]])
+
+    params = SamplingParams(max_tokens=args.gen_len, temperature=0.0, ignore_eos=True)
+    prompt = [[(11 * i + 5) % 150000 + 100 for i in range(8)]]
+    llm.generate(prompt, params)
+    rows = []
+    print(f"{'round':>5} {'GEMVs ms':>9} {'GB/s':>6} {'step ms':>8} {'other ms':>9}")
+    for r in range(args.rounds):
+        gemvs()
+        t = time.perf_counter()
+        for _ in range(10):
+            gemvs()
+        g = (time.perf_counter() - t) / 10
+        m = llm.generate(prompt, params)[0].metrics
+        step = (m.finished_time - m.first_token_time) / (args.gen_len - 1)
+        rows.append({"gemvs_ms": g * 1e3, "step_ms": step * 1e3, "other_ms": (step - g) * 1e3,
+                     "gemv_gb_s": nbytes / g / 1e9})
+        print(f"{r:>5} {g * 1e3:9.2f} {nbytes / g / 1e9:6.1f} {step * 1e3:8.2f} "
+              f"{(step - g) * 1e3:9.2f}")
+    probe_after = sum_probe_gb_s(args.threads)
+    med = {k: statistics.median(row[k] for row in rows) for k in rows[0]}
+    print(f"median: GEMVs {med['gemvs_ms']:.2f} ms ({nbytes / 1e6:.0f} MB, "
+          f"{med['gemv_gb_s']:.1f} GB/s), step {med['step_ms']:.2f} ms, other "
+          f"{med['other_ms']:.2f} ms; torch.sum 512 MiB {probe_before:.1f} / "
+          f"{probe_after:.1f} GB/s (before / after)")
+    with open(args.out, "w") as f:
+        json.dump({"model": args.model, "threads": args.threads, "weight_mb": nbytes / 1e6,
+                   "sum_probe_gb_s": [probe_before, probe_after], "rounds": rows,
+                   "median": med}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
