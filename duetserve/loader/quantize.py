@@ -2,7 +2,7 @@
 
 - auto: keep what the file has, at the nearest packed form. GGUF Q4_0/Q4_1 -> int4
   (exact groups of 32). Q4_K -> int4k (its own 6-bit codes, exact) and Q6_K -> int6
-  (exact) where their kernels are measured faster on this CPU than the widened forms
+  (exact) unless the widened forms' kernels measured clearly faster on this CPU
   (Q4_K -> int4 with float16 d and m per group, Q6_K -> int8 per row;
   models/kernels.py: exact_kquant_forms), else widened; other quantized GGUF types (Q5_x, Q8_0), and
   stacked targets whose parts differ (a Q6_K v beside Q4_K q and k) -> int8 per row;
@@ -38,6 +38,11 @@ _LINEAR_SUFFIXES = ("qkv_proj.weight", "o_proj.weight", "gate_up_proj.weight",
                     "down_proj.weight", "lm_head.weight", "embed_tokens.weight")
 _FLOAT_TYPES = ("F32", "F16", "BF16")
 _CHUNK = 8192      # rows decoded at a time
+# An exact K-quant form is kept unless the widened one measured this much faster: the
+# exact form keeps the file's values and reads fewer bytes, and the start-up probe's
+# int4k / int4 ratio moves 0.93-1.03 between runs on one machine (2026-11-25), so a plain
+# "< 1" made the format a coin toss.
+EXACT_UNLESS_WIDENED_FASTER = 1.05
 
 
 def _rows_float(arr, a: int, b: int) -> torch.Tensor:
@@ -61,6 +66,11 @@ def _chunks(parts):
             yield arr, a, min(arr.shape[0], a + _CHUNK)
 
 
+def _keeps_exact(ratio: float) -> bool:
+    """Is a K-quant kept in its exact form, given t(exact) / t(widened) measured here?"""
+    return ratio < EXACT_UNLESS_WIDENED_FASTER
+
+
 @dataclass
 class QuantPlan:
     mode: str                              # auto | int8 | int4
@@ -69,7 +79,8 @@ class QuantPlan:
     dense_budget_bytes: int = 512 * 2**20
     summary: dict = field(default_factory=dict)   # form -> number of tensors (for logs)
     # {"Q4_K": t(exact) / t(widened), "Q6_K": ...} (kernels.exact_kquant_forms), measured
-    # when a Q4_K or Q6_K tensor first needs a form; an exact form is used below 1.
+    # when a Q4_K or Q6_K tensor first needs a form; an exact form is used below
+    # EXACT_UNLESS_WIDENED_FASTER.
     exact_ratio: dict | None = None
 
     def wants(self, target: str, arr) -> bool:
@@ -91,8 +102,8 @@ class QuantPlan:
         return "int8"
 
     def _exact(self, parts, qtype: str) -> bool:
-        """Are all parts `qtype` (rows of whole 256-blocks) and is its exact form the
-        faster one here? Mutates: exact_ratio (measured on first need)."""
+        """Are all parts `qtype` (rows of whole 256-blocks) and is its exact form not
+        clearly slower here? Mutates: exact_ratio (measured on first need)."""
         if not all(isinstance(a, GGUFTensor) and a.type == qtype and a.shape[1] % 256 == 0
                    for _, a in parts):
             return False
@@ -100,11 +111,11 @@ class QuantPlan:
             from duetserve.models.kernels import exact_kquant_forms
             self.exact_ratio = r = exact_kquant_forms()
             self.summary["k_quants"] = (
-                f"Q4_K as {'int4k' if r['Q4_K'] < 1 else 'int4'}, Q6_K as "
-                f"{'int6' if r['Q6_K'] < 1 else 'int8'}"
+                f"Q4_K as {'int4k' if _keeps_exact(r['Q4_K']) else 'int4'}, Q6_K as "
+                f"{'int6' if _keeps_exact(r['Q6_K']) else 'int8'}"
                 + (f": exact-form GEMVs took {r['Q4_K']:.2f}x / {r['Q6_K']:.2f}x the "
                    "widened forms' time here" if 0 < r["Q4_K"] < 2 else ""))
-        return self.exact_ratio[qtype] < 1.0
+        return _keeps_exact(self.exact_ratio[qtype])
 
     def build(self, parts, shape) -> Int4Weight | Int4KWeight | Int6Weight | Int8Weight:
         form = self._form(parts)

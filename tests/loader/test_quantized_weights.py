@@ -119,6 +119,19 @@ def test_k_quant_forms_follow_the_measured_choice(quant_file, monkeypatch, forms
     assert isinstance(w, Int6Weight if forms == "exact" else Int8Weight)
 
 
+def test_k_quant_exact_form_kept_at_a_near_tie(quant_file, monkeypatch):
+    """A measured near tie keeps the exact form (the file's values, fewer bytes); only a
+    widened form measured clearly faster (EXACT_UNLESS_WIDENED_FASTER) replaces it."""
+    from duetserve.loader import quantize
+    monkeypatch.setattr("duetserve.models.kernels.exact_kquant_forms",
+                        lambda: {"Q4_K": 1.03, "Q6_K": 1.2})
+    plan = quantize.QuantPlan("auto")
+    part = {name: [(0, GGUFTensor(name, quant_file[name]))] for name in ("Q4_K", "Q6_K")}
+    assert 1.03 < quantize.EXACT_UNLESS_WIDENED_FASTER < 1.2
+    assert (plan._form(part["Q4_K"]), plan._form(part["Q6_K"])) == ("int4k", "int8")
+    assert plan.summary["k_quants"].startswith("Q4_K as int4k, Q6_K as int8")
+
+
 @pytest.mark.parametrize("name", ["Q8_0", "Q5_0", "Q6_K"])
 def test_int8_requantization_bound(quant_file, name):
     """What int8 keeps of formats it repacks (Q6_K only in a stacked target whose parts
