@@ -23,6 +23,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("f32_gemv", &f32_gemv, nogil, "x[M,K] f32 @ W[N,K] f32 ^T -> [M,N] f32 (few rows)");
   m.def("rms_norm", &rms_norm, nogil, "x * rsqrt(mean(x^2) + eps) * w, float32, one pass");
   m.def("silu_mul", &silu_mul, nogil, "silu(gate) * up of [T, 2I] -> [T, I] float32");
+  m.def("argmax_rows", &argmax_rows, nogil, "first index of each row's maximum, [M, V] float32 -> [M] int64");
   m.def("rope_kv_write", &rope_kv_write, nogil,
         "rotary on q/k of a qkv row block, k/v written into the paged cache; returns q");
 }

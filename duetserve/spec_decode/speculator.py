@@ -21,7 +21,8 @@ from duetserve.config import SpeculativeConfig
 from duetserve.spec_decode.draft_model import DraftModelProposer
 from duetserve.spec_decode.ngram import NgramProposer
 from duetserve.spec_decode.rejection import verify_coupled, verify_greedy, verify_sampled
-from duetserve.worker.sampler import apply_logit_edits, apply_temperature_and_truncation
+from duetserve.worker.sampler import (apply_logit_edits, apply_temperature_and_truncation,
+                                      argmax_rows)
 from duetserve.worker.sampling import needs_history, output_position
 from duetserve.worker.sampling_metadata import SamplingMetadata
 
@@ -82,7 +83,7 @@ class Speculator:
         penalised = logits[torch.tensor(index, dtype=torch.long)].float()
         if meta.needs_logit_edits:
             penalised = apply_logit_edits(penalised, meta)
-        target_ids = penalised.argmax(dim=-1).tolist()
+        target_ids = argmax_rows(penalised).tolist()
         probs = None
         if not meta.all_greedy:
             probs = apply_temperature_and_truncation(penalised, meta).softmax(dim=-1)

@@ -281,6 +281,30 @@ def test_fused_row_ops():
         assert torch.equal(native.silu_mul(g[i:i + 1]), whole[i:i + 1])
 
 
+@pytest.mark.parametrize("v", [1, 15, 16, 17, 100, 49152])
+def test_argmax_rows_is_torchs_argmax(v):
+    """The first index of each row's maximum, as torch.argmax: ties (the max again later,
+    in the vector part and in the tail), -0.0 against 0.0, rows of -inf, NaN (torch's
+    answer), a transposed (non-contiguous) input, 1 and many rows."""
+    from duetserve.worker.sampler import argmax_rows
+    g = torch.Generator().manual_seed(v)
+    x = torch.randn(9, v, generator=g)
+    x[1, -1] = x[1].max()                    # a tie at the end (the tail when v % 16)
+    x[2, v // 2] = x[2].max()                # a tie in the middle
+    x[3] = -float("inf")
+    x[4] = 0.0
+    x[4, v // 3] = -0.0
+    cases = [x, x[:1], x.t().contiguous().t()]
+    if v > 1:
+        y = x.clone()
+        y[5, v - 1] = float("nan")           # NaN: the whole call is torch's
+        cases.append(y)
+        cases.append(torch.randn(v, 9, generator=g).t())     # non-contiguous rows
+    for c in cases:
+        assert torch.equal(native.argmax_rows(c), c.argmax(dim=-1))
+        assert torch.equal(argmax_rows(c), c.argmax(dim=-1))
+
+
 def test_q4_dequant_slices():
     from duetserve.models.quant import Int4Weight, int4_groups_from_float
     q, d, m = int4_groups_from_float(torch.randn(254, 96))   # rows and groups padded
