@@ -73,7 +73,7 @@ constexpr int64_t Q4K_BLOCK = Q4K_D + 16;       // q4k: bytes per block of 4 row
 constexpr int64_t Q6_TOP = 4 * 64, Q6_SC = Q6_TOP + 4 * 32, Q6_D = Q6_SC + 32;
 constexpr int64_t Q6_BLOCK = Q6_D + 8;          // q6: bytes per block of 4 rows x 128 columns
 // q4/q8 blocks prefetch two chunks ahead in their one stream, q4k/q6 blocks eight units
-// (4.6 / 3.3 KB). Against four units, the 1.5B's GEMVs in model order, two builds
+// (4.6 / 3.4 KB). Against four units, the 1.5B's GEMVs in model order, two builds
 // interleaved: the same while this VM's memory reads ~32 GB/s, ~2% faster at ~45+.
 
 // A weight packed in blocks of 4 rows with K in tiles (models/quant.py: _BlockWeight):
