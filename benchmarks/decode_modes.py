@@ -42,18 +42,26 @@ def _probes(threads: int) -> tuple[float, float]:
     import torch
     torch.set_num_threads(threads)
     a, b = torch.randn(256, 256), torch.randn(256, 256)
-    big = torch.ones(128 * 2**20)
     for _ in range(20):
         a @ b
-    big.sum()
     t = time.perf_counter()
     for _ in range(400):
         a @ b
     flops = 400 * 2 * 256**3 / (time.perf_counter() - t) / 1e9
+    return flops, memory_probe(threads)
+
+
+def memory_probe(threads: int) -> float:
+    """GB/s of `torch.sum` over 512 MiB (one warm-up, then 5 sums timed together): the
+    machine's read rate of the moment (benchmarks/decode_vs_gemvs.py uses it too)."""
+    import torch
+    torch.set_num_threads(threads)
+    big = torch.ones(128 * 2**20)
+    big.sum()
     t = time.perf_counter()
     for _ in range(5):
         big.sum()
-    return flops, 5 * big.numel() * 4 / (time.perf_counter() - t) / 1e9
+    return 5 * big.numel() * 4 / (time.perf_counter() - t) / 1e9
 
 
 def _physical_spread(addr: int, nbytes: int) -> list[tuple[int, int]]:

@@ -3,7 +3,8 @@ model's own packed weights in model order (every layer's qkv, o, gate_up, down, 
 LM head) at one row, then a greedy decode on the engine, round after round. The step's
 time minus the GEMVs' is everything else a decode step does (attention, norms, rotary,
 Python, sampling); the GEMVs' bytes over their time is the weight stream's rate. With a
-512 MiB `torch.sum` at the start and the end as the machine's read ceiling, this says
+512 MiB `torch.sum` at the start and the end as the machine's read ceiling
+(`decode_modes.memory_probe`), this says
 whether batch-1 decode is at the memory's limit (docs/benchmarks.md, 2026-11-25).
 
     .venv/bin/python benchmarks/decode_vs_gemvs.py --model M [--threads 2] [--rounds 8]
@@ -14,25 +15,16 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 from duetserve import LLM, SamplingParams
 
-
-def sum_probe_gb_s(threads: int) -> float:
-    """Median GB/s of `torch.sum` over 512 MiB (15 timings after 3 warm-ups)."""
-    torch.set_num_threads(threads)
-    x = torch.ones(128 * 2**20)
-    for _ in range(3):
-        x.sum()
-    times = []
-    for _ in range(15):
-        t = time.perf_counter()
-        x.sum()
-        times.append(time.perf_counter() - t)
-    return x.numel() * 4 / statistics.median(times) / 1e9
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode_modes import memory_probe  # noqa: E402
 
 
 def main() -> None:
@@ -43,7 +35,7 @@ def main() -> None:
     ap.add_argument("--gen-len", type=int, default=64)
     ap.add_argument("--out", default="decode_vs_gemvs.json")
     args = ap.parse_args()
-    probe_before = sum_probe_gb_s(args.threads)
+    probe_before = memory_probe(args.threads)
     llm = LLM(model=args.model, max_model_len=1024, num_threads=args.threads,
               enable_prefix_caching=False)
     model = llm.engine.runner.model
@@ -78,7 +70,7 @@ def main() -> None:
                      "gemv_gb_s": nbytes / g / 1e9})
         print(f"{r:>5} {g * 1e3:9.2f} {nbytes / g / 1e9:6.1f} {step * 1e3:8.2f} "
               f"{(step - g) * 1e3:9.2f}")
-    probe_after = sum_probe_gb_s(args.threads)
+    probe_after = memory_probe(args.threads)
     med = {k: statistics.median(row[k] for row in rows) for k in rows[0]}
     print(f"median: GEMVs {med['gemvs_ms']:.2f} ms ({nbytes / 1e6:.0f} MB, "
           f"{med['gemv_gb_s']:.1f} GB/s), step {med['step_ms']:.2f} ms, other "
