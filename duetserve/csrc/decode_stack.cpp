@@ -51,8 +51,8 @@ Linear make_linear(const std::vector<torch::Tensor>& t, size_t i, int64_t gemv_r
   if (l.a.scalar_type() == torch::kUInt8) {
     // the block size tells the packed forms apart (csrc/lowbit_gemv.cpp)
     TORCH_CHECK(l.a.dim() == 4 && (l.a.size(3) == 320 || l.a.size(3) == 424 ||
-                                   l.a.size(3) == 592),
-                "q4 / q6 / q4k weight: packed [tiles, ceil(N/4), units, 320 / 424 / 592]");
+                                   l.a.size(3) == 576),
+                "q4 / q6 / q4k weight: packed [tiles, ceil(N/4), units, 320 / 424 / 576]");
     l.kind = l.a.size(3) == 320 ? 4 : l.a.size(3) == 424 ? 6 : 5;
     l.n = t.at(i + 1).item<int64_t>();   // a one-element int64 tensor
   } else if (l.a.scalar_type() == torch::kInt8) {

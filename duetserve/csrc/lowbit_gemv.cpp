@@ -22,12 +22,13 @@
 //   model's GEMVs read DRAM at 12-15 GB/s, with a block layout at 18-21 GB/s (2 threads).
 //   Per group: sum_k w_k x_k = d * dx * sum_k q_k xq_k + m * (dx * sum_k xq_k).
 // q4k weights (GGUF Q4_K, kept exactly): w = d * sc * q - dmin * mn, q in 0..15, the
-//   file's 6-bit sc and mn per group of 32 (a byte each) and float16 d, dmin per 256:
-//   units of 592 bytes (packed [tiles, ceil(N/4), tu, 592] uint8). Per block of 4 rows
-//   and 256 weights of each: the nibbles of columns 0-127 (q4's 4 x 64 bytes), of
-//   128-255, then sc as uint8 [half][row][group] (32 bytes: lane 4r + g for each half of
-//   128), mn the same, then d [4 rows] and dmin [4] as float16. Each half is q4's chunk with d * sc and -dmin * mn
-//   (exact in float32) as its d and m.
+//   file's 6-bit sc and mn per group of 32 and float16 d, dmin per 256: units of 576
+//   bytes (packed [tiles, ceil(N/4), tu, 576] uint8: the file's 4 x 144 bytes, reordered).
+//   Per block of 4 rows and 256 weights of each: the nibbles of columns 0-127 (q4's 4 x 64
+//   bytes), of 128-255, then the codes: 16 little-endian 24-bit words (48 bytes), word
+//   4r + g (row r, group g of each half of 128) = sc0 | sc1 << 6 | mn0 << 12 | mn1 << 18
+//   (sc_h, mn_h: the codes of group 4h + g), then d [4 rows] and dmin [4] as float16. Each
+//   half is q4's chunk with d * sc and -dmin * mn (exact in float32) as its d and m.
 // q6 weights (GGUF Q6_K, kept exactly; lanes 4g + r, the HALVES activation order):
 //   w = d * sc * (q - 32), q in 0..63, an int8 scale sc per 16 weights along K and a
 //   float16 d per row and 256 (stored once per 128 here): units of 424 bytes (packed
@@ -68,7 +69,7 @@ constexpr int64_t G = 32;       // group size along K
 constexpr int64_t CH = 4;       // q4: groups per 512-bit chunk
 constexpr int64_t Q4_BLOCK = 4 * 64 + 2 * 32;   // q4: bytes per block of 4 rows x 4 groups
 constexpr int64_t Q8_BLOCK = 4 * 64;            // q8: bytes per block of 4 rows x 64 columns
-constexpr int64_t Q4K_SC = 2 * 4 * 64, Q4K_MN = Q4K_SC + 32, Q4K_D = Q4K_MN + 32;
+constexpr int64_t Q4K_CODES = 2 * 4 * 64, Q4K_D = Q4K_CODES + 48;
 constexpr int64_t Q4K_BLOCK = Q4K_D + 16;       // q4k: bytes per block of 4 rows x 256 columns
 constexpr int64_t Q6_TOP = 4 * 64, Q6_SC = Q6_TOP + 4 * 32, Q6_D = Q6_SC + 32;
 constexpr int64_t Q6_BLOCK = Q6_D + 8;          // q6: bytes per block of 4 rows x 128 columns
@@ -282,6 +283,16 @@ void q4_span(const Tiles& W, const QuantizedX& X, int64_t nb, int64_t t, int64_t
   }
 }
 
+// A q4k block's 16 code words (lanes 4r + g), each widened to an int32 lane: the 48 bytes
+// moved 12 to a 128-bit lane (dwords 3L .. 3L + 2 to lane L), then 3 bytes to a dword.
+inline __m512i q4k_codes(const uint8_t* blk) {
+  const __m512i raw = _mm512_maskz_loadu_epi8(0xFFFFFFFFFFFFull, blk + Q4K_CODES);
+  const __m512i lanes = _mm512_permutexvar_epi32(
+      _mm512_setr_epi32(0, 1, 2, 0, 3, 4, 5, 0, 6, 7, 8, 0, 9, 10, 11, 0), raw);
+  const __m128i z = _mm_setr_epi8(0, 1, 2, -1, 3, 4, 5, -1, 6, 7, 8, -1, 9, 10, 11, -1);
+  return _mm512_shuffle_epi8(lanes, _mm512_broadcast_i32x4(z));
+}
+
 // The same for a q4k weight: two chunks a block, their d and m computed from the codes.
 template <int MM>
 void q4k_span(const Tiles& W, const QuantizedX& X, int64_t nb, int64_t t, int64_t m0,
@@ -289,6 +300,7 @@ void q4k_span(const Tiles& W, const QuantizedX& X, int64_t nb, int64_t t, int64_
   const uint8_t* first = W.span(nb, t);
   const int64_t u0 = t * W.tu;
   const __m512i rows = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  const __m512i six = _mm512_set1_epi32(63);
   for (int64_t s = u0; s < W.end(t); ++s) {
     const uint8_t* blk = first + (s - u0) * Q4K_BLOCK;
     for (int l = 0; l < (Q4K_BLOCK + 63) / 64; ++l)
@@ -298,11 +310,12 @@ void q4k_span(const Tiles& W, const QuantizedX& X, int64_t nb, int64_t t, int64_
     const __m512 dm = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_permutexvar_ps(rows,
         _mm512_cvtph_ps(_mm256_castsi128_si256(
             _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + Q4K_D + 8))))));
+    const __m512i codes = q4k_codes(blk);
     for (int h = 0; h < 2; ++h) {
-      const __m512 dv = _mm512_mul_ps(ds, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + Q4K_SC + 16 * h)))));
-      const __m512 mv = _mm512_mul_ps(dm, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + Q4K_MN + 16 * h)))));
+      const __m512i sc = _mm512_and_si512(_mm512_srli_epi32(codes, 6 * h), six);
+      const __m512i mn = _mm512_and_si512(_mm512_srli_epi32(codes, 12 + 6 * h), six);
+      const __m512 dv = _mm512_mul_ps(ds, _mm512_cvtepi32_ps(sc));
+      const __m512 mv = _mm512_mul_ps(dm, _mm512_cvtepi32_ps(mn));
       q4_chunk<MM>(blk + h * 256, dv, mv, X, 2 * s + h, m0, acc);
     }
   }
@@ -524,9 +537,11 @@ void q4_rows(const Tiles& W, const QuantizedX& X, float* y, int64_t N,
 // Group g's d and m of row r of a q4k block (g in 0..7 over the block's 256 columns).
 inline void q4k_dm(const uint8_t* blk, int r, int g, float* d, float* m) {
   const uint16_t* dd = reinterpret_cast<const uint16_t*>(blk + Q4K_D);
-  const int lane = (g / 4) * 16 + r * 4 + g % 4;
-  *d = half_to_float(dd[r]) * float(blk[Q4K_SC + lane]);
-  *m = -(half_to_float(dd[4 + r]) * float(blk[Q4K_MN + lane]));
+  const uint8_t* c = blk + Q4K_CODES + 3 * (r * 4 + g % 4);
+  const uint32_t word = uint32_t(c[0]) | uint32_t(c[1]) << 8 | uint32_t(c[2]) << 16;
+  const int h = g / 4;
+  *d = half_to_float(dd[r]) * float((word >> (6 * h)) & 63);
+  *m = -(half_to_float(dd[4 + r]) * float((word >> (12 + 6 * h)) & 63));
 }
 
 void q4k_rows(const Tiles& W, const QuantizedX& X, float* y, int64_t N,

@@ -10,9 +10,9 @@ AVX512-VNNI, one float scale per group), else plain torch:
   csrc/lowbit_gemv.cpp). GGUF Q4_0 and
   Q4_1 map onto it losslessly; so does a float checkpoint under `--quantization int4`.
 - `Int4KWeight`: GGUF Q4_K kept exactly, `w = d * sc * q - dmin * mn` with the file's
-  6-bit sc and mn per 32 (a byte each here) and float16 d, dmin per 256: 0.578 bytes per
-  weight against the file's 0.5625 (Int4Weight's float16 scale and minimum per group,
-  which Q4_K used to be widened to, took 0.625 and rounded them).
+  6-bit sc and mn per 32 and float16 d, dmin per 256: the file's 0.5625 bytes per weight,
+  reordered (Int4Weight's float16 scale and minimum per group, which Q4_K used to be
+  widened to, took 0.625 and rounded them).
 - `Int6Weight`: GGUF Q6_K kept exactly, `w = d * sc * (q - 32)`, q in 0..63, an int8 sc
   per 16 weights and a float16 d per 128 (0.828 bytes per weight against the file's
   0.820), in blocks of 4 rows x 128 columns (layout in csrc/lowbit_gemv.cpp).
@@ -212,14 +212,16 @@ class Int4Weight(_BlockWeight):
 
 
 class Int4KWeight(_BlockWeight):
-    """Units of 256 columns, 592 bytes: per block of 4 rows and 256 columns, the
-    rows' nibbles of columns 0-127 (256 bytes, `_pack_nibbles` order), then of 128-255,
-    then sc uint8 [half][row][group] (32 bytes), mn the same (32), d [4 rows] and dmin [4]
-    as float16 (8 + 8); w = d * sc * q - dmin * mn. Padding rows are zero."""
+    """Units of 256 columns, 576 bytes (the file's 4 x 144, reordered): per block of 4 rows
+    and 256 columns, the rows' nibbles of columns 0-127 (256 bytes, `_pack_nibbles`
+    order), then of 128-255, then the 6-bit codes as 16 little-endian 24-bit words (48
+    bytes; word 4r + g = sc0 | sc1 << 6 | mn0 << 12 | mn1 << 18, the codes of row r's
+    groups g and 4 + g), d [4 rows] and dmin [4] as float16 (8 + 8);
+    w = d * sc * q - dmin * mn. Padding rows are zero."""
 
     bits = 4
     COLS = 256
-    BLOCK = 2 * 4 * 64 + 2 * 32 + 2 * 8
+    BLOCK = 2 * 4 * 64 + 48 + 2 * 8
     _GEMV, _DEQUANT = "q4k_gemv", "q4k_dequant_bf16"
 
     def __init__(self, q: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor,
@@ -230,20 +232,26 @@ class Int4KWeight(_BlockWeight):
         n, k = q.shape
         if k % 256:
             raise ValueError(f"Q4_K blocks need K % 256 == 0, got K = {k}")
+        if sc.numel() and max(int(sc.max()), int(mn.max())) > 63:
+            raise ValueError("Q4_K scale and minimum codes are 6-bit (0..63)")
         self.shape = (n, k)
         nb, ns = -(-n // 4), k // 256
         rows = nb * 4
 
-        def per_group(t: torch.Tensor) -> torch.Tensor:     # [half][row][group] bytes
-            t = _pad_rows(t, rows, torch.uint8).view(nb, 4, ns, 2, 4)
-            return t.permute(0, 2, 3, 1, 4).reshape(nb, ns, 32)
+        def halves(t: torch.Tensor) -> torch.Tensor:        # [nb, ns, half, row * 4 + group]
+            t = _pad_rows(t, rows, torch.uint8).view(nb, 4, ns, 2, 4).to(torch.int32)
+            return t.permute(0, 2, 3, 1, 4).reshape(nb, ns, 2, 16)
+
+        s2, m2 = halves(sc), halves(mn)
+        word = s2[:, :, 0] | s2[:, :, 1] << 6 | m2[:, :, 0] << 12 | m2[:, :, 1] << 18
+        codes = torch.stack([(word >> (8 * i)) & 255 for i in range(3)], dim=-1)
 
         def per_row(t: torch.Tensor) -> torch.Tensor:       # [row] float16 -> 8 bytes
             t = _pad_rows(t, rows, torch.float16).view(nb, 4, ns)
             return t.permute(0, 2, 1).contiguous().view(torch.uint8)
         self.packed = self._tiled(torch.cat([
             _pack_nibbles(_pad_rows(q, rows, torch.uint8), nb, 2 * ns).view(nb, ns, 512),
-            per_group(sc), per_group(mn), per_row(d), per_row(dmin)], dim=-1))
+            codes.to(torch.uint8).reshape(nb, ns, 48), per_row(d), per_row(dmin)], dim=-1))
 
     def groups(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Rows `ids` [n] unpacked as Int4Weight.groups: (q [n, K/32, 32] uint8, d, m
@@ -251,9 +259,11 @@ class Int4KWeight(_BlockWeight):
         blk, r = self._row_blocks(ids), ids % 4
         n, ns, ng, ar = len(ids), blk.shape[1], self.shape[1] // GROUP, torch.arange(len(ids))
         vec = blk[..., :512].reshape(n, ns * 2, 4, 4, 4, 4)[ar, :, :, r]
-        codes = blk[..., 512:576].reshape(n, ns, 2, 2, 4, 4)           # [.., sc|mn, h, r, g]
-        codes = codes[ar, :, :, :, r].float()                          # [n, ns, 2, 2, 4]
-        scales = blk[..., 576:].contiguous().view(torch.float16).view(n, ns, 2, 4)
+        b = blk[..., 512:560].reshape(n, ns, 4, 4, 3).to(torch.int32)   # [.., row, group, byte]
+        word = (b[..., 0] | b[..., 1] << 8 | b[..., 2] << 16)[ar, :, r]  # [n, ns, group]
+        codes = torch.stack([(word >> s) & 63 for s in (0, 6, 12, 18)], dim=2).float()
+        codes = codes.view(n, ns, 2, 2, 4)                              # [.., sc|mn, h, g]
+        scales = blk[..., 560:].contiguous().view(torch.float16).view(n, ns, 2, 4)
         scales = scales[ar, :, :, r].float()                           # [n, ns, 2]
         d = scales[:, :, 0, None, None] * codes[:, :, 0]
         m = -scales[:, :, 1, None, None] * codes[:, :, 1]
