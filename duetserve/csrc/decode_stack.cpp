@@ -23,13 +23,14 @@ namespace {
 constexpr int64_t kSiluMulRows = 16;
 
 // One linear: kind 4 / 5 (q4k) / 6 -> a = packed, n = output rows; kind 8 -> (a, b) =
-// (packed, scale32);
-// kind 0 -> dense a.
+// (packed, scale32); kind 7 (two packed parts stacked along N) -> a, c = the parts' packed
+// weights, ns = their output rows; kind 0 -> dense a.
 struct Linear {
   int kind = 0;
   int64_t n = 0;
   int64_t gemv_rows = 0;      // dense: f32_gemv up to this many rows, at::linear above
-  torch::Tensor a, b, bias;   // bias undefined when absent
+  torch::Tensor a, b, c, bias;   // bias undefined when absent
+  std::vector<int64_t> ns;
 
   torch::Tensor operator()(const torch::Tensor& x) const {
     torch::Tensor y;
@@ -37,6 +38,7 @@ struct Linear {
     else if (kind == 5) y = q4k_gemv(x, a, n);
     else if (kind == 6) y = q6_gemv(x, a, n);
     else if (kind == 8) y = q8_gemv(x, a, b);
+    else if (kind == 7) y = stacked_gemv(x, {a, c}, ns);
     else if (x.size(0) <= gemv_rows) y = f32_gemv(x, a);
     else return bias.defined() ? at::linear(x, a, bias) : at::linear(x, a);
     return bias.defined() ? y + bias : y;
@@ -54,7 +56,16 @@ Linear make_linear(const std::vector<torch::Tensor>& t, size_t i, int64_t gemv_r
                                    l.a.size(3) == 576),
                 "q4 / q6 / q4k weight: packed [tiles, ceil(N/4), units, 320 / 424 / 576]");
     l.kind = l.a.size(3) == 320 ? 4 : l.a.size(3) == 424 ? 6 : 5;
-    l.n = t.at(i + 1).item<int64_t>();   // a one-element int64 tensor
+    const torch::Tensor n = t.at(i + 1);   // int64: the output rows (of each part)
+    if (t.at(i + 2).numel() > 0) {
+      TORCH_CHECK(n.numel() == 2 && t.at(i + 2).scalar_type() == torch::kUInt8,
+                  "stacked weight: two packed parts and their two row counts");
+      l.kind = 7;
+      l.c = t.at(i + 2);
+      l.ns = {n[0].item<int64_t>(), n[1].item<int64_t>()};
+    } else {
+      l.n = n.item<int64_t>();
+    }
   } else if (l.a.scalar_type() == torch::kInt8) {
     l.kind = 8;
     l.b = t.at(i + 1);

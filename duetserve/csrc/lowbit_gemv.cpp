@@ -712,6 +712,88 @@ torch::Tensor q6_gemv(torch::Tensor x, torch::Tensor packed, int64_t N) {
   return packed_gemv(x, packed, N, CH * G, Q6_BLOCK, HALVES, q6_rows);
 }
 
+namespace {
+
+// A packed form's column unit, block bytes, activation order and rows function, told
+// apart by the block size (320 q4, 576 q4k, 424 q6).
+using RowsFn = void (*)(const Tiles&, const QuantizedX&, float*, int64_t, int64_t, int64_t,
+                        int64_t, int64_t);
+struct Form {
+  int64_t cols, block;
+  int order;
+  RowsFn rows;
+};
+
+Form form_of(const torch::Tensor& packed, int64_t K) {
+  TORCH_CHECK(packed.dim() == 4, "packed: uint8 [tiles, ceil(N/4), units a tile, block]");
+  const int64_t b = packed.size(3);
+  if (b == Q4_BLOCK) return {CH * G, Q4_BLOCK, QUADS, q4_rows};
+  if (b == Q4K_BLOCK) {
+    TORCH_CHECK(K % 256 == 0, "q4k: K must be a multiple of 256");
+    return {256, Q4K_BLOCK, QUADS, q4k_rows};
+  }
+  TORCH_CHECK(b == Q6_BLOCK, "packed blocks of ", Q4_BLOCK, " (q4), ", Q4K_BLOCK,
+              " (q4k) or ", Q6_BLOCK, " (q6) bytes, got ", b);
+  TORCH_CHECK(K % 128 == 0, "q6: K must be a multiple of 128");
+  return {CH * G, Q6_BLOCK, HALVES, q6_rows};
+}
+
+}  // namespace
+
+// x [M, K] against weights stacked along N, each part in its own packed form (a qkv whose
+// q and k are Q4_K and v Q6_K): one parallel region for all parts, the activations
+// quantized once per order they need. Returns [M, sum of n] float32: each part's rows as
+// its own GEMV computes them.
+torch::Tensor stacked_gemv(torch::Tensor x, std::vector<torch::Tensor> packed,
+                           std::vector<int64_t> n) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be float32 [M, K]");
+  TORCH_CHECK(!packed.empty() && packed.size() == n.size(), "one N per packed part");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1);
+  const size_t P = packed.size();
+  std::vector<Form> forms;
+  std::vector<Tiles> tiles;
+  std::vector<torch::Tensor> ys;
+  std::vector<int64_t> block_bytes(P), blocks(P);
+  QuantizedX xq[3];
+  bool quantized[3] = {false, false, false};
+  for (size_t i = 0; i < P; ++i) {
+    const Form f = form_of(packed[i], K);
+    const Tiles W = tiles_of(packed[i], K, f.cols, f.block);
+    TORCH_CHECK(packed[i].size(1) == (n[i] + 3) / 4, "N = ", n[i],
+                " does not match packed part ", i);
+    if (!quantized[f.order]) {
+      xq[f.order] = quantize_x(x.data_ptr<float>(), M, K, f.order, CH);
+      quantized[f.order] = true;
+    }
+    forms.push_back(f);
+    tiles.push_back(W);
+    // one row: the parts' outputs are slices of one [1, sum n] tensor (no copy after)
+    ys.push_back(M == 1 ? torch::Tensor() : torch::empty({M, n[i]}, x.options()));
+    blocks[i] = packed[i].size(1);
+    block_bytes[i] = W.units * f.block;
+  }
+  int64_t total_n = 0;
+  for (int64_t ni : n) total_n += ni;
+  torch::Tensor out = M == 1 ? torch::empty({1, total_n}, x.options()) : torch::Tensor();
+  for (size_t i = 0, at = 0; M == 1 && i < P; at += n[i], ++i) ys[i] = out.narrow(1, at, n[i]);
+  const int64_t T = std::max<int64_t>(1, at::get_num_threads());
+  // Thread t takes the same share of every part, [b t / T, b (t + 1) / T) of its b row
+  // blocks: a part's kernel may be slower per byte than another's (q6 than q4k), so an
+  // even split of the bytes as a whole left one thread the slow part and the other waiting.
+  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (size_t i = 0; i < P; ++i) {
+        float* y = ys[i].data_ptr<float>();
+        tiled_passes(blocks[i] * t / T, blocks[i] * (t + 1) / T, block_bytes[i], M,
+                     [&](int64_t a, int64_t b, int64_t m0, int64_t mm) {
+          forms[i].rows(tiles[i], xq[forms[i].order], y, n[i], a, b, m0, mm);
+        });
+      }
+  });
+  return M == 1 ? out : torch::cat(ys, 1);
+}
+
 torch::Tensor q8_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor scale) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be float32 [M, K]");
   TORCH_CHECK(packed.scalar_type() == torch::kInt8 && packed.is_contiguous() &&

@@ -4,8 +4,10 @@
   (exact groups of 32). Q4_K -> int4k (its own 6-bit codes, exact) and Q6_K -> int6
   (exact) unless the widened forms' kernels measured clearly faster on this CPU
   (Q4_K -> int4 with float16 d and m per group, Q6_K -> int8 per row;
-  models/kernels.py: exact_kquant_forms), else widened; other quantized GGUF types (Q5_x, Q8_0), and
-  stacked targets whose parts differ (a Q6_K v beside Q4_K q and k) -> int8 per row;
+  models/kernels.py: exact_kquant_forms), else widened; a stacked target whose parts
+  differ (a Q6_K v beside Q4_K q and k) -> a `StackedWeight` of each part's form where
+  every part has a 4- or 6-bit one; other quantized GGUF types (Q5_x, Q8_0), and stacked
+  targets mixing in one of them -> int8 per row;
   float tensors (F32/F16/BF16 GGUF, HF folders) stay dense.
 - int8 / int4: every linear weight (and the embedding) is packed so, quantizing float
   checkpoints at load (4-bit sources stay exact under int4).
@@ -15,8 +17,9 @@ A GGUF embedding that is not tied to the head is not packed: it is only looked u
 rows are decoded on demand from the file's memory map (`FileEmbedding`, exact), and the
 table costs resident memory only for the pages of the tokens seen.
 
-A stacked target (qkv, gate_up) is int4 only if all its parts are 4-bit; otherwise the
-whole target is int8. Parts are decoded in row chunks, so no whole tensor is ever held in
+A stacked target (qkv, gate_up) is one form when its parts share it; otherwise each run
+of parts of one form is packed in that form (`StackedWeight`), or, where a part has no
+4- or 6-bit form, the whole target is int8. Parts are decoded in row chunks, so no whole tensor is ever held in
 float32 (except for the dense copies a `KernelPolicy` asks for, see models/kernels.py).
 """
 from __future__ import annotations
@@ -30,8 +33,8 @@ from torch import nn
 from duetserve.config import QUANTIZATIONS, ModelConfig  # noqa: F401 (re-exported)
 from duetserve.loader.gguf_blocks import GGUFTensor
 from duetserve.models.quant import (FileEmbedding, Int4KWeight, Int4Weight, Int6Weight,
-                                    Int8Weight, KernelPolicy,
-                                    QuantEmbedding, QuantLinear, int4_groups_from_float,
+                                    Int8Weight, KernelPolicy, QuantEmbedding, QuantLinear,
+                                    QuantWeight, StackedWeight, int4_groups_from_float,
                                     quantize_int8)
 
 _LINEAR_SUFFIXES = ("qkv_proj.weight", "o_proj.weight", "gate_up_proj.weight",
@@ -99,6 +102,9 @@ class QuantPlan:
             return "int4"
         if self.mode == "auto" and self._exact(parts, "Q6_K"):
             return "int6"
+        if self.mode == "auto" and len(parts) > 1 and all(
+                self._form([p]) in ("int4k", "int4", "int6") for p in parts):
+            return "stacked"
         return "int8"
 
     def _exact(self, parts, qtype: str) -> bool:
@@ -117,9 +123,23 @@ class QuantPlan:
                    "widened forms' time here" if 0 < r["Q4_K"] < 2 else ""))
         return _keeps_exact(self.exact_ratio[qtype])
 
-    def build(self, parts, shape) -> Int4Weight | Int4KWeight | Int6Weight | Int8Weight:
+    def build(self, parts, shape) -> QuantWeight:
         form = self._form(parts)
         self.summary[form] = self.summary.get(form, 0) + 1
+        if form != "stacked":
+            return self._packed(form, parts)
+        # runs of consecutive parts of one form (q and k, then v), each packed in its form
+        runs: list[tuple[str, list]] = []
+        for part in sorted(parts, key=lambda p: p[0]):
+            f = self._form([part])
+            if runs and runs[-1][0] == f:
+                runs[-1][1].append(part)
+            else:
+                runs.append((f, [part]))
+        return StackedWeight([self._packed(f, run) for f, run in runs])
+
+    @staticmethod
+    def _packed(form: str, parts) -> Int4Weight | Int4KWeight | Int6Weight | Int8Weight:
         if form == "int4":
             q, d, m = zip(*(_int4_rows(arr, a, b) for arr, a, b in _chunks(parts)))
             return Int4Weight(torch.cat(q), torch.cat(d), torch.cat(m))

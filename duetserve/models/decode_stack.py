@@ -18,7 +18,8 @@ from torch import nn
 from duetserve.models.attention import AttentionMetadata, TorchAttention
 from duetserve.models.layers import DenseLinear
 from duetserve.models.native import ops
-from duetserve.models.quant import Int4KWeight, Int4Weight, Int6Weight, Int8Weight, QuantLinear
+from duetserve.models.quant import (Int4KWeight, Int4Weight, Int6Weight, Int8Weight, QuantLinear,
+                                    StackedWeight)
 
 _EMPTY = torch.empty(0)
 
@@ -33,6 +34,9 @@ def _linear_slots(mod: nn.Module) -> list[torch.Tensor] | None:
             return [w.packed, torch.tensor([w.shape[0]]), _EMPTY, bias]
         if isinstance(w, Int8Weight):
             return [w.packed, w.scale32, _EMPTY, bias]
+        if isinstance(w, StackedWeight) and len(w.parts) == 2:
+            a, c = w.parts
+            return [a.packed, torch.tensor([a.shape[0], c.shape[0]]), c.packed, bias]
         return None
     if type(mod) is DenseLinear and mod.weight.dtype == torch.float32:
         bias = _EMPTY if mod.bias is None else mod.bias.detach()

@@ -115,7 +115,10 @@ class _BlockWeight:
                                                      (1, nb, units, block))
         padded = torch.zeros(nb, tiles * tu, block, dtype=blocks.dtype)
         padded[:, :units] = blocks
-        return padded.view(nb, tiles, tu, block).transpose(0, 1).contiguous()
+        # set_ again (not a view): canonical strides also where nb == 1, whose size-1 dim
+        # contiguous() leaves with the transposed stride the kernels' checks refuse
+        t = padded.view(nb, tiles, tu, block).transpose(0, 1).contiguous()
+        return torch.empty(0, dtype=t.dtype).set_(t.untyped_storage(), 0, (tiles, nb, tu, block))
 
     def _row_blocks(self, ids: torch.Tensor) -> torch.Tensor:
         """The blocks holding rows `ids` [n]: [n, units, BLOCK] (a copy of those only)."""
@@ -399,7 +402,64 @@ class Int8Weight:
         return self.packed.numel() + self.scale.numel() * 2
 
 
-QuantWeight = Int4Weight | Int4KWeight | Int6Weight | Int8Weight
+class StackedWeight:
+    """Block-packed weights stacked along N, each part in its own form: a stacked qkv whose
+    parts differ in GGUF type (Q4_K q and k beside a Q6_K v: `StackedWeight([Int4KWeight,
+    Int6Weight])`) keeps every part exact instead of widening the whole target to int8
+    (~1.3 MB less a layer on the 1.5B). One native call runs all parts (csrc/lowbit_gemv.cpp:
+    stacked_gemv); the parts' packed bytes share one storage, in order."""
+
+    def __init__(self, parts: list[_BlockWeight]) -> None:
+        if len(parts) < 2 or len({p.shape[1] for p in parts}) != 1:
+            raise ValueError("a stacked weight needs two or more parts of the same K")
+        self.parts = parts
+        self.shape = (sum(p.shape[0] for p in parts), parts[0].shape[1])
+        self.bits = "/".join(str(p.bits) + ("k" if isinstance(p, Int4KWeight) else "")
+                             for p in parts)
+        # one storage for all parts (one stream in 2 MiB pages, loader/huge_pages.py); set_,
+        # not views: a view's base would keep this storage alive once the loader moves it
+        sizes = [-(-p.packed.numel() // 64) * 64 for p in parts]
+        storage = torch.empty(sum(sizes), dtype=torch.uint8).untyped_storage()
+        at = 0
+        for p, size in zip(parts, sizes):
+            packed = torch.empty(0, dtype=torch.uint8).set_(storage, at, p.packed.shape)
+            packed.copy_(p.packed)
+            p.packed = packed
+            at += size
+        self._n = [p.shape[0] for p in parts]
+
+    def _spans(self, a: int, b: int):
+        """(part, a', b') for the parts' rows within [a, b)."""
+        lo = 0
+        for p in self.parts:
+            hi = lo + p.shape[0]
+            if a < hi and b > lo:
+                yield p, max(a, lo) - lo, min(b, hi) - lo
+            lo = hi
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] -> [M, N] float32: every part's own kernel, in one native call."""
+        if _NATIVE is not None:
+            return _NATIVE.stacked_gemv(x.float(), [p.packed for p in self.parts], self._n)
+        return torch.cat([p.matmul(x) for p in self.parts], dim=1)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32, a: int = 0,
+                   b: int | None = None) -> torch.Tensor:
+        b = self.shape[0] if b is None else b
+        return torch.cat([p.dequantize(dtype, pa, pb) for p, pa, pb in self._spans(a, b)])
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.dequantize()[ids]
+
+    def prefix(self, n: int) -> "StackedWeight":
+        raise NotImplementedError("a stacked weight is a layer's projection, not a head")
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+
+QuantWeight = Int4Weight | Int4KWeight | Int6Weight | Int8Weight | StackedWeight
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

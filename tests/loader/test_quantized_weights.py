@@ -113,7 +113,8 @@ def test_k_quant_forms_follow_the_measured_choice(quant_file, monkeypatch, forms
     want = {"exact": ("int4k", "int6"), "widened": ("int4", "int8")}[forms]
     assert (plan._form(part["Q4_K"]), plan._form(part["Q6_K"])) == want
     assert plan._form(part["Q4_0"]) == "int4"
-    assert plan._form(part["Q4_K"] + part["Q6_K"]) == "int8"       # a mixed stacked target
+    mixed = [(0, part["Q4_K"][0][1]), (1, part["Q6_K"][0][1])]      # a mixed stacked target
+    assert plan._form(mixed) == ("stacked" if forms == "exact" else "int8")
     assert plan.summary["k_quants"].startswith(f"Q4_K as {want[0]}, Q6_K as {want[1]}")
     w = plan.build(part["Q6_K"], (ROWS, COLS))
     assert isinstance(w, Int6Weight if forms == "exact" else Int8Weight)
@@ -130,6 +131,35 @@ def test_k_quant_exact_form_kept_at_a_near_tie(quant_file, monkeypatch):
     assert 1.03 < quantize.EXACT_UNLESS_WIDENED_FASTER < 1.2
     assert (plan._form(part["Q4_K"]), plan._form(part["Q6_K"])) == ("int4k", "int8")
     assert plan.summary["k_quants"].startswith("Q4_K as int4k, Q6_K as int8")
+
+
+def test_mixed_stacked_target_keeps_each_part_exact(quant_file, monkeypatch):
+    """A stacked target whose parts differ (Q4_K q and k beside a Q6_K v, as in Q4_K_M
+    files) packs each run of parts in its own exact form, in the parts' order: the whole
+    dequantizes to gguf's values bit for bit, and its product is each part's product.
+    A part with no 4- or 6-bit form (Q8_0) still makes the whole target int8."""
+    from duetserve.loader.quantize import QuantPlan
+    from duetserve.models.quant import StackedWeight
+    monkeypatch.setenv("DUET_KQUANT_FORMS", "exact")
+    t = {name: GGUFTensor(name, quant_file[name]) for name in ("Q4_K", "Q6_K", "Q4_0", "Q8_0")}
+    plan = QuantPlan("auto")
+    w = plan.build([(2, t["Q6_K"]), (0, t["Q4_K"]), (1, t["Q4_K"])], (3 * ROWS, COLS))
+    assert isinstance(w, StackedWeight) and w.shape == (3 * ROWS, COLS)
+    assert [type(p) for p in w.parts] == [Int4KWeight, Int6Weight]
+    assert w.parts[0].shape == (2 * ROWS, COLS) and w.bits == "4k/6"
+    ref = np.concatenate([_reference(quant_file[n]) for n in ("Q4_K", "Q4_K", "Q6_K")])
+    np.testing.assert_array_equal(w.dequantize().numpy(), ref)
+    assert torch.equal(w.dequantize(torch.float32, ROWS + 3, 2 * ROWS + 5),
+                       torch.from_numpy(ref[ROWS + 3:2 * ROWS + 5]))
+    assert w.nbytes == sum(p.nbytes for p in w.parts)
+    for rows in (1, 3):
+        x = torch.randn(rows, COLS)
+        assert torch.equal(w.matmul(x), torch.cat([p.matmul(x) for p in w.parts], dim=1))
+    w = plan.build([(0, t["Q4_0"]), (1, t["Q6_K"])], (2 * ROWS, COLS))
+    assert [type(p) for p in w.parts] == [Int4Weight, Int6Weight]
+    assert isinstance(plan.build([(0, t["Q4_K"]), (1, t["Q8_0"])], (2 * ROWS, COLS)),
+                      Int8Weight)
+    assert plan.summary["stacked"] == 2 and plan.summary["int8"] == 1
 
 
 @pytest.mark.parametrize("name", ["Q8_0", "Q5_0", "Q6_K"])

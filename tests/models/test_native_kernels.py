@@ -249,6 +249,34 @@ def test_k_tiles_compute_what_one_tile_does(monkeypatch, form, k):
     assert tiled.nbytes >= whole.nbytes
 
 
+@pytest.mark.parametrize("rows", [1, 3, 5])
+@pytest.mark.parametrize("forms,ns,k", [(("q4k", "q6"), (99, 37), 512),
+                                        (("q4", "q6", "q4k"), (8, 5, 64), 2304),   # 2 K tiles
+                                        (("q6", "q4"), (3, 2), 128)])
+def test_stacked_gemv_is_each_part_gemv(rows, forms, ns, k):
+    """Parts of different packed forms stacked along N (a Q4_K_M file's qkv: Q4_K q and
+    k, Q6_K v): one call gives every part's own GEMV, bit for bit, at 1 and 2 threads."""
+    from duetserve.models.quant import StackedWeight
+    gen = torch.Generator().manual_seed(rows)
+    make = {"q4": _random_q4, "q4k": _random_q4k, "q6": _random_q6}
+    parts = [make[f](n, k, gen) for f, n in zip(forms, ns)]
+    x = torch.randn(rows, k, generator=gen)
+    want = torch.cat([getattr(native, f"{f}_gemv")(x, p.packed, n)
+                      for f, p, n in zip(forms, parts, ns)], dim=1)
+    stacked = StackedWeight(parts)      # moves the parts into one storage
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            assert torch.equal(stacked.matmul(x), want)
+    finally:
+        torch.set_num_threads(threads)
+    assert len({p.packed.untyped_storage().data_ptr() for p in parts}) == 1
+    assert all(p.packed._base is None for p in parts)     # see test_k_tiles_compute_...
+    assert torch.equal(stacked.dequantize(torch.bfloat16, 2, sum(ns) - 1),
+                       torch.cat([p.dequantize(torch.bfloat16) for p in parts])[2:-1])
+
+
 def test_q4k_dequant_slices():
     gen = torch.Generator().manual_seed(0)
     qw = _random_q4k(254, 512, gen)
@@ -351,15 +379,33 @@ def _as_q6(qw):
     return Int6Weight(q.to(torch.uint8).view(n, k), sc.to(torch.int8), d)
 
 
+class _Rows:
+    """Rows [a, b) of a weight, as the _as_* helpers read it."""
+
+    def __init__(self, qw, a: int, b: int) -> None:
+        self.w = qw.dequantize()[a:b]
+
+    def dequantize(self):
+        return self.w
+
+
+def _as_stacked(qw):
+    """A q4k part and a q6 part (the last 64 rows), as a Q4_K_M file's qkv."""
+    from duetserve.models.quant import StackedWeight
+    n = qw.shape[0]
+    return StackedWeight([_as_q4k(_Rows(qw, 0, n - 64)), _as_q6(_Rows(qw, n - 64, n))])
+
+
 @pytest.mark.parametrize("variant,quant", [("qwen2-qkv-bias", "int4"), ("llama-gqa-untied", "int8"),
                                            ("llama-gqa-tied", "none"), ("wide", "int6"),
-                                           ("wide", "int4k")])
+                                           ("wide", "int4k"), ("wide", "stacked")])
 def test_native_decode_stack_equals_module_path(tiny_checkpoints, tmp_path, variant, quant):
     """Decode-only steps through the one-call native stack give the module path's logprobs
     exactly for q4 (with QKV bias), q4k, q6 and q8 linears (same kernels, same order), at 1 and 3
     sequences, and the KV cache ends up identical; float32 linears run the native GEMV
     there (oneDNN's GEMM in the modules): same tokens, float32 rounding apart. "wide": a
-    qwen2 of hidden size 256 (q4k blocks are 256 columns) with every linear made q6 / q4k."""
+    qwen2 of hidden size 256 (q4k blocks are 256 columns) with every linear made q6 / q4k
+    (stacked: qkv a q4k part and a q6 part, the others q4k)."""
     from duetserve.models.quant import QuantLinear
     from tiny_models import make_tiny_checkpoint
     path = make_tiny_checkpoint(str(tmp_path / "wide"), "qwen2-qkv-bias", hidden_size=256,
@@ -377,7 +423,11 @@ def test_native_decode_stack_equals_module_path(tiny_checkpoints, tmp_path, vari
         if variant == "wide":
             for m in model.modules():
                 if isinstance(m, QuantLinear):
-                    m.qweight = (_as_q6 if quant == "int6" else _as_q4k)(m.qweight)
+                    make = _as_q6 if quant == "int6" else _as_q4k
+                    if quant == "stacked" and any(m is la.self_attn.qkv_proj
+                                                  for la in model.layers):
+                        make = _as_stacked
+                    m.qweight = make(m.qweight)
                     m.dense = None
         for m in model.modules():     # tiny shapes calibrate to the dense path: force low-bit
             if hasattr(m, "policy"):
