@@ -42,7 +42,8 @@ import torch
 from duetserve.config import ModelConfig
 from duetserve.worker.batch import SeqWork, build_step_batch
 from duetserve.worker.kv_cache import allocate_kv_cache
-from duetserve.worker.sampler import apply_logit_edits, apply_temperature_and_truncation
+from duetserve.worker.sampler import (apply_logit_edits, apply_temperature_and_truncation,
+                                      argmax_rows)
 from duetserve.worker.sampling import output_position
 from duetserve.worker.sampling_metadata import SamplingMetadata
 from duetserve.spec_decode.rejection import sample_at, sample_from
@@ -148,14 +149,14 @@ class DraftModelProposer:
         rejection.py), others from the global RNG."""
         params = [st.sampling_params for st in states]
         if all(p.is_greedy for p in params):
-            return [(t, None) for t in logits[:, :self.vocab_size].argmax(dim=-1).tolist()]
+            return [(t, None) for t in argmax_rows(logits[:, :self.vocab_size]).tolist()]
         logits = self._target_vocab(logits)
         empty = [[] for _ in params]
         meta = SamplingMetadata.build(params, empty, empty,
                                       [output_position(st) + j for st in states],
                                       self.eos_token_ids, self.vocab_size, self.device)
         edited = apply_logit_edits(logits, meta) if meta.needs_logit_edits else logits
-        greedy_ids = edited.argmax(dim=-1).tolist()
+        greedy_ids = argmax_rows(edited).tolist()
         q = apply_temperature_and_truncation(edited, meta).softmax(dim=-1)
         out = []
         for i, (st, p) in enumerate(zip(states, params)):

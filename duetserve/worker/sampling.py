@@ -10,7 +10,7 @@ import torch
 
 from duetserve.outputs import Logprob
 from duetserve.worker.grammar_mask import GrammarMasker
-from duetserve.worker.sampler import Sampler
+from duetserve.worker.sampler import Sampler, argmax_rows
 from duetserve.worker.sampling_metadata import SamplingMetadata
 
 
@@ -63,7 +63,7 @@ class StepSampler:
         params = [st.sampling_params for st in states]
         if all(p.is_greedy and p.logprobs is None and not _needs_history(p) and
                not p.logit_bias for p in params):
-            return logits.argmax(dim=-1).tolist(), None   # fast path
+            return argmax_rows(logits).tolist(), None   # fast path
         prompts, outputs = [], []
         for st, p in zip(states, params):
             if _needs_history(p):
