@@ -53,6 +53,7 @@
 #include <ATen/Parallel.h>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 #include <vector>
 #if defined(__AVX512F__)
@@ -105,21 +106,9 @@ inline float half_to_float(uint16_t h) {
 enum Order { PLAIN = 0, HALVES = 1, QUADS = 2 };
 
 // Group g of x (32 floats): its int8 values in element order, and returns their sum; *d
-// = the group's scale. The AVX-512 path computes the same values as the plain one (same
-// float operations; cvtps rounds to nearest even, as nearbyint does by default).
+// = the group's scale (the plain loop; quantize_chunk computes the same values four groups
+// at a time with AVX-512: cvtps rounds to nearest even, as nearbyint does by default).
 inline int32_t quantize_group(const float* xg, int8_t* q, float* d) {
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-  const __m512 a = _mm512_loadu_ps(xg), b = _mm512_loadu_ps(xg + 16);
-  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-  *d = amax / 127.f;
-  const float inv = *d > 0.f ? 1.f / *d : 0.f;
-  const __m512 iv = _mm512_set1_ps(inv);
-  const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, iv));
-  const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, iv));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(qa));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(qb));
-  return _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
-#else
   float amax = 0.f;
   for (int64_t k = 0; k < G; ++k) amax = std::max(amax, std::fabs(xg[k]));
   *d = amax / 127.f;
@@ -131,70 +120,192 @@ inline int32_t quantize_group(const float* xg, int8_t* q, float* d) {
     sum += v;
   }
   return sum;
-#endif
 }
 
-// xq, dx and xs arrive zeroed (quantize_x's fresh vectors), so padded groups stay zero.
-void quantize_row(const float* x, int64_t K, int order, int8_t* xq, float* dx, float* xs) {
+// A buffer left uninitialised: quantize_x writes every element the kernels read.
+template <typename T>
+struct Buf {
+  std::unique_ptr<T[]> p;
+  void resize(int64_t n) { p.reset(new T[n]); }
+  T* data() { return p.get(); }
+  const T* data() const { return p.get(); }
+  T& operator[](int64_t i) { return p[i]; }
+  const T& operator[](int64_t i) const { return p[i]; }
+};
+
+struct QuantizedX {
+  Buf<int8_t> q;
+  Buf<float> d, s;
+  Buf<float> l, h;  // q6: 32 * dx * sum of xq over elements 0-15 / 16-31 per group
+  int64_t gp;  // padded groups per row
+};
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// Four groups of a row at once (chunk c: groups 4c .. 4c + 3; of their 128 floats at xg
+// the first `valid` are x, the rest read as zero, so padding groups come out zero): their
+// int8 values into out[0, 128) in `order`, and per group its scale d[i] and the sums of
+// its elements 0-15 (lo[i]) and 16-31 (hi[i]). The same float operations as
+// quantize_group, group by group (max and integer sums are exact in any order), so the
+// values are the same; the four groups' reductions and the layout run as shuffles.
+inline void quantize_chunk(const float* xg, int64_t valid, int order, int8_t* out,
+                           float* d, int32_t* lo, int32_t* hi) {
+  __m512 v[8];
+  for (int k = 0; k < 8; ++k) {
+    const int64_t left = valid - 16 * k;
+    const __mmask16 m = left >= 16 ? __mmask16(0xFFFF)
+                        : left <= 0 ? __mmask16(0) : __mmask16((1u << left) - 1);
+    v[k] = _mm512_maskz_loadu_ps(m, xg + 16 * k);
+  }
+  __m512 a[4];
+  for (int i = 0; i < 4; ++i)
+    a[i] = _mm512_max_ps(_mm512_abs_ps(v[2 * i]), _mm512_abs_ps(v[2 * i + 1]));
+  // per 128-bit lane: [max a0, max a1, max a2, max a3] over the lane, then over the lanes
+  const __m512 t01 = _mm512_max_ps(_mm512_unpacklo_ps(a[0], a[1]), _mm512_unpackhi_ps(a[0], a[1]));
+  const __m512 t23 = _mm512_max_ps(_mm512_unpacklo_ps(a[2], a[3]), _mm512_unpackhi_ps(a[2], a[3]));
+  __m512 amax = _mm512_max_ps(
+      _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t01), _mm512_castps_pd(t23))),
+      _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t01), _mm512_castps_pd(t23))));
+  amax = _mm512_max_ps(amax, _mm512_shuffle_f32x4(amax, amax, _MM_SHUFFLE(1, 0, 3, 2)));
+  amax = _mm512_max_ps(amax, _mm512_shuffle_f32x4(amax, amax, _MM_SHUFFLE(2, 3, 0, 1)));
+  const __m512 dv = _mm512_div_ps(amax, _mm512_set1_ps(127.f));
+  const __m512 inv = _mm512_maskz_div_ps(
+      _mm512_cmp_ps_mask(dv, _mm512_setzero_ps(), _CMP_GT_OQ), _mm512_set1_ps(1.f), dv);
+  __m512i q[8];
+  __m128i b[8];
+  for (int k = 0; k < 8; ++k) {
+    q[k] = _mm512_cvtps_epi32(_mm512_mul_ps(
+        v[k], _mm512_permutexvar_ps(_mm512_set1_epi32(k / 2), inv)));
+    b[k] = _mm512_cvtepi32_epi8(q[k]);
+  }
+  // the eight vectors' sums: lanes 0-3 = q0..q3, lanes 8-11 = q4..q7
+  auto pair = [](__m512i x, __m512i y) {
+    return _mm512_add_epi32(_mm512_unpacklo_epi32(x, y), _mm512_unpackhi_epi32(x, y));
+  };
+  auto quad = [](__m512i x, __m512i y) {
+    return _mm512_add_epi32(_mm512_unpacklo_epi64(x, y), _mm512_unpackhi_epi64(x, y));
+  };
+  const __m512i r0 = quad(pair(q[0], q[1]), pair(q[2], q[3]));
+  const __m512i r1 = quad(pair(q[4], q[5]), pair(q[6], q[7]));
+  __m512i sums = _mm512_add_epi32(_mm512_shuffle_i32x4(r0, r1, _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_i32x4(r0, r1, _MM_SHUFFLE(3, 1, 3, 1)));
+  sums = _mm512_add_epi32(sums, _mm512_shuffle_i32x4(sums, sums, _MM_SHUFFLE(2, 3, 0, 1)));
+  alignas(64) int32_t sv[16];
+  alignas(64) float dd[16];
+  _mm512_store_si512(sv, sums);
+  _mm512_store_ps(dd, dv);
+  for (int i = 0; i < 4; ++i) {
+    d[i] = dd[i];
+    lo[i] = sv[(i / 2) * 8 + (i % 2) * 2];
+    hi[i] = sv[(i / 2) * 8 + (i % 2) * 2 + 1];
+  }
+  auto store = [&](int at, __m128i x) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + at), x);
+  };
+  if (order == PLAIN) {
+    for (int k = 0; k < 8; ++k) store(16 * k, b[k]);
+  } else if (order == HALVES) {     // elements 0-15 of group i at 16 i, 16-31 at 64 + 16 i
+    for (int i = 0; i < 4; ++i) {
+      store(16 * i, b[2 * i]);
+      store(64 + 16 * i, b[2 * i + 1]);
+    }
+  } else {                          // QUADS: dword j of group i at dword 4 j + i
+    auto join = [](__m128i w, __m128i x, __m128i y, __m128i z) {
+      return _mm512_inserti32x4(_mm512_inserti32x4(_mm512_inserti32x4(
+          _mm512_castsi128_si512(w), x, 1), y, 2), z, 3);
+    };
+    const __m512i g01 = join(b[0], b[1], b[2], b[3]), g23 = join(b[4], b[5], b[6], b[7]);
+    // dword 4 j + i <- group i's dword j: g01[8 i + j] (i < 2), g23[8 (i - 2) + j] (+16)
+    const __m512i i0 = _mm512_setr_epi32(0, 8, 16, 24, 1, 9, 17, 25, 2, 10, 18, 26, 3, 11, 19, 27);
+    const __m512i i1 = _mm512_add_epi32(i0, _mm512_set1_epi32(4));
+    _mm512_storeu_si512(out, _mm512_permutex2var_epi32(g01, i0, g23));
+    _mm512_storeu_si512(out + 64, _mm512_permutex2var_epi32(g01, i1, g23));
+  }
+}
+#endif
+
+// One row of x (K columns) into gp groups (K / G real ones, then zero padding).
+void quantize_row(const float* x, int64_t K, int64_t gp, int order, int8_t* xq, float* dx,
+                  float* xs, float* l, float* h) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  alignas(64) int8_t tail[CH * G];
+  for (int64_t c = 0; c * CH < gp; ++c) {
+    const int64_t n = std::min<int64_t>(CH, gp - c * CH);   // < CH: PLAIN's last pair
+    float d[4];
+    int32_t lo[4], hi[4];
+    int8_t* out = n == CH ? xq + c * CH * G : tail;
+    quantize_chunk(x + c * CH * G, K - c * CH * G, order, out, d, lo, hi);
+    if (n < CH) std::memcpy(xq + c * CH * G, tail, n * G);
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t g = c * CH + i;
+      dx[g] = d[i];
+      xs[g] = d[i] * static_cast<float>(lo[i] + hi[i]);
+      if (order == HALVES) {
+        l[g] = 32.f * d[i] * static_cast<float>(lo[i]);
+        h[g] = 32.f * d[i] * static_cast<float>(hi[i]);
+      }
+    }
+  }
+#else
+  std::memset(xq, 0, gp * G);
   const int64_t ngroups = K / G;
   alignas(64) int8_t q[G];
-  for (int64_t g = 0; g < ngroups; ++g) {
+  for (int64_t g = 0; g < gp; ++g) {
     const int64_t c = g / CH, i = g % CH;
-    float d;
-    const int32_t sum = quantize_group(x + g * G, order == PLAIN ? xq + g * G : q, &d);
-    if (order == HALVES) {     // elements 0-15 at c*128 + i*16, 16-31 at +64
+    float d = 0.f;
+    const int32_t sum = g < ngroups
+        ? quantize_group(x + g * G, order == PLAIN ? xq + g * G : q, &d) : 0;
+    if (g < ngroups && order == HALVES) {     // elements 0-15 at c*128 + i*16, 16-31 at +64
       std::memcpy(xq + c * CH * G + i * 16, q, 16);
       std::memcpy(xq + c * CH * G + 64 + i * 16, q + 16, 16);
-    } else if (order == QUADS) {   // elements 4j..4j+3 at c*128 + j*16 + i*4
+    } else if (g < ngroups && order == QUADS) {   // elements 4j..4j+3 at c*128 + j*16 + i*4
       for (int j = 0; j < 8; ++j) std::memcpy(xq + c * CH * G + j * 16 + i * 4, q + 4 * j, 4);
     }
     dx[g] = d;
     xs[g] = d * static_cast<float>(sum);
+    if (order == HALVES) {
+      const int8_t* qq = xq + c * CH * G + i * 16;
+      int32_t lo = 0, hi = 0;
+      for (int j = 0; j < 16; ++j) { lo += qq[j]; hi += qq[64 + j]; }
+      l[g] = 32.f * d * static_cast<float>(lo);
+      h[g] = 32.f * d * static_cast<float>(hi);
+    }
   }
+#endif
 }
-
-struct QuantizedX {
-  std::vector<int8_t> q;
-  std::vector<float> d, s;
-  std::vector<float> l, h;  // q6: 32 * dx * sum of xq over elements 0-15 / 16-31 per group
-  int64_t gp;  // padded groups per row
-};
 
 QuantizedX quantize_x(const float* x, int64_t M, int64_t K, int order, int64_t pad_to) {
   QuantizedX out;
   const int64_t ng = K / G;
   out.gp = (ng + pad_to - 1) / pad_to * pad_to;
-  out.q.resize(M * out.gp * G);   // zeroed: the padding groups
-  out.d.resize(M * out.gp);
-  out.s.resize(M * out.gp);
-  for (int64_t m = 0; m < M; ++m)
-    quantize_row(x + m * K, K, order, out.q.data() + m * out.gp * G,
-                 out.d.data() + m * out.gp, out.s.data() + m * out.gp);
-  if (order == HALVES) {   // group g's elements 0-15 at c*128 + i*16, 16-31 at +64
-    out.l.resize(M * out.gp);
-    out.h.resize(M * out.gp);
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t g = 0; g < out.gp; ++g) {
-        const int8_t* q = out.q.data() + m * out.gp * G + (g / CH) * CH * G + (g % CH) * 16;
-        int32_t lo = 0, hi = 0;
-        for (int j = 0; j < 16; ++j) { lo += q[j]; hi += q[64 + j]; }
-        const float d = out.d[m * out.gp + g];
-        out.l[m * out.gp + g] = 32.f * d * static_cast<float>(lo);
-        out.h[m * out.gp + g] = 32.f * d * static_cast<float>(hi);
-      }
+  TORCH_CHECK(order == PLAIN || out.gp % CH == 0, "HALVES and QUADS pad rows to chunks");
+  const int64_t gp = out.gp;
+  out.q.resize(M * gp * G);
+  out.d.resize(M * gp);
+  out.s.resize(M * gp);
+  if (order == HALVES) {
+    out.l.resize(M * gp);
+    out.h.resize(M * gp);
   }
+  for (int64_t m = 0; m < M; ++m)
+    quantize_row(x + m * K, K, gp, order, out.q.data() + m * gp * G, out.d.data() + m * gp,
+                 out.s.data() + m * gp, order == HALVES ? out.l.data() + m * gp : nullptr,
+                 order == HALVES ? out.h.data() + m * gp : nullptr);
   return out;
 }
 
 #if defined(DUET_VNNI)
-// Calls f(std::integral_constant<int, mm>) for mm in 1..4.
-template <typename F>
+// Calls f(std::integral_constant<int, mm>) for mm in 1..4, and 8 where EIGHT (the forms
+// whose passes take 8 rows: PASS_ROWS below).
+template <bool EIGHT = false, typename F>
 inline void dispatch(int64_t mm, F&& f) {
   switch (mm) {
     case 1: f(std::integral_constant<int, 1>{}); break;
     case 2: f(std::integral_constant<int, 2>{}); break;
     case 3: f(std::integral_constant<int, 3>{}); break;
-    default: f(std::integral_constant<int, 4>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    default:
+      if constexpr (EIGHT) f(std::integral_constant<int, 8>{});
+      else TORCH_CHECK(false, "passes of at most 4 rows here, got ", mm);
   }
 }
 
@@ -509,7 +620,7 @@ inline int64_t quads_pos(int64_t c, int lane, int k) {
 void q4_rows(const Tiles& W, const QuantizedX& X, float* y, int64_t N,
              int64_t b0, int64_t b1, int64_t m0, int64_t mm) {
 #if defined(DUET_VNNI)
-  dispatch(mm, [&](auto MM) {
+  dispatch<true>(mm, [&](auto MM) {
     over_tiles<MM.value>(W, b0, b1,
         [&](int64_t nb, int64_t t, __m512* acc) { q4_span<MM.value>(W, X, nb, t, m0, acc); },
         [&](int64_t nb, const __m512* acc) { store_rows<MM.value, true>(acc, y, N, nb, m0); });
@@ -547,7 +658,7 @@ inline void q4k_dm(const uint8_t* blk, int r, int g, float* d, float* m) {
 void q4k_rows(const Tiles& W, const QuantizedX& X, float* y, int64_t N,
               int64_t b0, int64_t b1, int64_t m0, int64_t mm) {
 #if defined(DUET_VNNI)
-  dispatch(mm, [&](auto MM) {
+  dispatch<true>(mm, [&](auto MM) {
     over_tiles<MM.value>(W, b0, b1,
         [&](int64_t nb, int64_t t, __m512* acc) { q4k_span<MM.value>(W, X, nb, t, m0, acc); },
         [&](int64_t nb, const __m512* acc) { store_rows<MM.value, true>(acc, y, N, nb, m0); });
@@ -589,7 +700,7 @@ inline float q6_scale(const uint8_t* blk, int r, int i, int k) {
 void q6_rows(const Tiles& W, const QuantizedX& X, float* y, int64_t N,
              int64_t b0, int64_t b1, int64_t m0, int64_t mm) {
 #if defined(DUET_VNNI)
-  dispatch(mm, [&](auto MM) {
+  dispatch<true>(mm, [&](auto MM) {
     over_tiles<MM.value>(W, b0, b1,
         [&](int64_t nb, int64_t t, __m512* acc) { q6_span<MM.value>(W, X, nb, t, m0, acc); },
         [&](int64_t nb, const __m512* acc) { store_rows<MM.value, false>(acc, y, N, nb, m0); });
@@ -643,21 +754,28 @@ void q8_rows(const int8_t* pk, const float* ws, const QuantizedX& X, float* y, i
 }
 
 constexpr int64_t ROWS_PER_TASK = 16;
-// More than 4 activation rows run in passes of 4 (the kernels' register budget). Each
-// thread walks its weight rows in tiles of about this many bytes and runs every pass on
-// a tile before the next, so passes after the first read the weights from L2 instead of
-// DRAM (a fifth row used to cost another full read of the thread's half of the matrix).
-// Every output is the same block computation either way: results do not change.
+// Activation rows run in passes of at most `most` rows (the kernels' register budget: 8 for
+// q4 and q4k, whose weight vectors then unpack once for 8 rows, 4 for the others), 8-row
+// passes while 8 rows are left and passes of up to 4 after. With more than one pass each
+// thread walks its weight rows in tiles of about TILE_BYTES and runs every pass on a tile
+// before the next, so passes after the first read the weights from L2 instead of DRAM (a
+// fifth row used to cost another full read of the thread's half of the matrix). Every
+// output is the same block computation whatever the passes: results do not change.
 constexpr int64_t TILE_BYTES = 64 * 1024;
+constexpr int64_t PASS_ROWS = 4, WIDE_PASS_ROWS = 8;
 
 // Calls pass(t0, t1, m0, mm) for tiles [t0, t1) of [b0, b1) (units of `unit_bytes`) and
-// passes of up to 4 rows, tile by tile.
+// passes of up to `most` rows, tile by tile.
 template <typename F>
-inline void tiled_passes(int64_t b0, int64_t b1, int64_t unit_bytes, int64_t M, F&& pass) {
-  const int64_t tile = M <= 4 ? b1 - b0 : std::max<int64_t>(1, TILE_BYTES / unit_bytes);
+inline void tiled_passes(int64_t b0, int64_t b1, int64_t unit_bytes, int64_t M, F&& pass,
+                         int64_t most = PASS_ROWS) {
+  const int64_t tile = M <= most ? b1 - b0 : std::max<int64_t>(1, TILE_BYTES / unit_bytes);
   for (int64_t t0 = b0; t0 < b1; t0 += tile)
-    for (int64_t m0 = 0; m0 < M; m0 += 4)
-      pass(t0, std::min(b1, t0 + tile), m0, std::min<int64_t>(4, M - m0));
+    for (int64_t m0 = 0; m0 < M;) {
+      const int64_t mm = M - m0 >= most ? most : std::min<int64_t>(PASS_ROWS, M - m0);
+      pass(t0, std::min(b1, t0 + tile), m0, mm);
+      m0 += mm;
+    }
 }
 
 }  // namespace
@@ -675,70 +793,76 @@ Tiles tiles_of(const torch::Tensor& packed, int64_t K, int64_t cols, int64_t blo
   return Tiles{packed.data_ptr<uint8_t>(), packed.stride(0), tu, units, block};
 }
 
-// x [M, K] float32 against a weight packed in blocks of 4 rows (tiles_of), `units` column
-// units of `cols` each (K padded up to them), activations quantized in `order`;
-// rows(W, X, y, N, b0, b1, m0, mm) computes row blocks [b0, b1).
-template <typename Rows>
-torch::Tensor packed_gemv(torch::Tensor x, const torch::Tensor& packed, int64_t N,
-                          int64_t cols, int64_t block, int order, Rows rows) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be float32 [M, K]");
-  x = x.contiguous();
-  const int64_t M = x.size(0), K = x.size(1);
-  const Tiles W = tiles_of(packed, K, cols, block);
-  TORCH_CHECK(packed.size(1) == (N + 3) / 4, "N = ", N, " does not match the packed weight");
-  auto y = torch::empty({M, N}, x.options());
-  const QuantizedX X = quantize_x(x.data_ptr<float>(), M, K, order, CH);
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, packed.size(1), ROWS_PER_TASK / 4, [&](int64_t b0, int64_t b1) {
-    tiled_passes(b0, b1, W.units * block, M, [&](int64_t t0, int64_t t1, int64_t m0, int64_t mm) {
-      rows(W, X, yp, N, t0, t1, m0, mm);
-    });
-  });
-  return y;
-}
-
-torch::Tensor q4_gemv(torch::Tensor x, torch::Tensor packed, int64_t N) {
-  return packed_gemv(x, packed, N, CH * G, Q4_BLOCK, QUADS, q4_rows);
-}
-
-// Q4_K and Q6_K rows are whole blocks of 256: K % 256 == 0 (the loader packs no others).
-torch::Tensor q4k_gemv(torch::Tensor x, torch::Tensor packed, int64_t N) {
-  TORCH_CHECK(x.size(-1) % 256 == 0, "q4k: K must be a multiple of 256");
-  return packed_gemv(x, packed, N, 256, Q4K_BLOCK, QUADS, q4k_rows);
-}
-
-torch::Tensor q6_gemv(torch::Tensor x, torch::Tensor packed, int64_t N) {
-  TORCH_CHECK(x.size(-1) % 128 == 0, "q6: K must be a multiple of 128");
-  return packed_gemv(x, packed, N, CH * G, Q6_BLOCK, HALVES, q6_rows);
-}
-
 namespace {
 
-// A packed form's column unit, block bytes, activation order and rows function, told
-// apart by the block size (320 q4, 576 q4k, 424 q6).
+// A packed form: its column unit, block bytes, activation order, rows function and the
+// most activation rows a pass takes.
 using RowsFn = void (*)(const Tiles&, const QuantizedX&, float*, int64_t, int64_t, int64_t,
                         int64_t, int64_t);
 struct Form {
   int64_t cols, block;
   int order;
   RowsFn rows;
+  int64_t pass_rows;
 };
+const Form Q4_FORM{CH * G, Q4_BLOCK, QUADS, q4_rows, WIDE_PASS_ROWS};
+const Form Q4K_FORM{256, Q4K_BLOCK, QUADS, q4k_rows, WIDE_PASS_ROWS};
+const Form Q6_FORM{CH * G, Q6_BLOCK, HALVES, q6_rows, WIDE_PASS_ROWS};
 
-Form form_of(const torch::Tensor& packed, int64_t K) {
+// The form of a packed weight of K columns, told apart by its block size (320 q4, 576
+// q4k, 424 q6); `want`, when given, is the only form accepted.
+Form form_of(const torch::Tensor& packed, int64_t K, const Form* want = nullptr) {
   TORCH_CHECK(packed.dim() == 4, "packed: uint8 [tiles, ceil(N/4), units a tile, block]");
   const int64_t b = packed.size(3);
-  if (b == Q4_BLOCK) return {CH * G, Q4_BLOCK, QUADS, q4_rows};
-  if (b == Q4K_BLOCK) {
+  TORCH_CHECK(b == Q4_BLOCK || b == Q4K_BLOCK || b == Q6_BLOCK, "packed blocks of ", Q4_BLOCK,
+              " (q4), ", Q4K_BLOCK, " (q4k) or ", Q6_BLOCK, " (q6) bytes, got ", b);
+  TORCH_CHECK(want == nullptr || b == want->block, "expected packed blocks of ", want->block,
+              " bytes, got ", b);
+  if (b == Q4_BLOCK) return Q4_FORM;
+  if (b == Q4K_BLOCK) {     // whole Q4_K blocks of 256 (the loader packs no others)
     TORCH_CHECK(K % 256 == 0, "q4k: K must be a multiple of 256");
-    return {256, Q4K_BLOCK, QUADS, q4k_rows};
+    return Q4K_FORM;
   }
-  TORCH_CHECK(b == Q6_BLOCK, "packed blocks of ", Q4_BLOCK, " (q4), ", Q4K_BLOCK,
-              " (q4k) or ", Q6_BLOCK, " (q6) bytes, got ", b);
   TORCH_CHECK(K % 128 == 0, "q6: K must be a multiple of 128");
-  return {CH * G, Q6_BLOCK, HALVES, q6_rows};
+  return Q6_FORM;
+}
+
+// x [M, K] float32 against a weight packed in blocks of 4 rows (tiles_of) in form `f`
+// (K padded up to its column units): activations quantized once, row blocks split
+// across threads.
+torch::Tensor packed_gemv(torch::Tensor x, const torch::Tensor& packed, int64_t N,
+                          const Form& want) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be float32 [M, K]");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1);
+  const Form f = form_of(packed, K, &want);
+  const Tiles W = tiles_of(packed, K, f.cols, f.block);
+  TORCH_CHECK(packed.size(1) == (N + 3) / 4, "N = ", N, " does not match the packed weight");
+  auto y = torch::empty({M, N}, x.options());
+  const QuantizedX X = quantize_x(x.data_ptr<float>(), M, K, f.order, CH);
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, packed.size(1), ROWS_PER_TASK / 4, [&](int64_t b0, int64_t b1) {
+    tiled_passes(b0, b1, W.units * f.block, M,
+                 [&](int64_t t0, int64_t t1, int64_t m0, int64_t mm) {
+      f.rows(W, X, yp, N, t0, t1, m0, mm);
+    }, f.pass_rows);
+  });
+  return y;
 }
 
 }  // namespace
+
+torch::Tensor q4_gemv(torch::Tensor x, torch::Tensor packed, int64_t N) {
+  return packed_gemv(x, packed, N, Q4_FORM);
+}
+
+torch::Tensor q4k_gemv(torch::Tensor x, torch::Tensor packed, int64_t N) {
+  return packed_gemv(x, packed, N, Q4K_FORM);
+}
+
+torch::Tensor q6_gemv(torch::Tensor x, torch::Tensor packed, int64_t N) {
+  return packed_gemv(x, packed, N, Q6_FORM);
+}
 
 // x [M, K] against weights stacked along N, each part in its own packed form (a qkv whose
 // q and k are Q4_K and v Q6_K): one parallel region for all parts, the activations
@@ -788,7 +912,7 @@ torch::Tensor stacked_gemv(torch::Tensor x, std::vector<torch::Tensor> packed,
         tiled_passes(blocks[i] * t / T, blocks[i] * (t + 1) / T, block_bytes[i], M,
                      [&](int64_t a, int64_t b, int64_t m0, int64_t mm) {
           forms[i].rows(tiles[i], xq[forms[i].order], y, n[i], a, b, m0, mm);
-        });
+        }, forms[i].pass_rows);
       }
   });
   return M == 1 ? out : torch::cat(ys, 1);

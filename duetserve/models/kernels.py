@@ -216,7 +216,7 @@ def calibrate_lowbit_rows(layer: QuantLinear) -> int:
             return _crossover(_ROWS, lambda m: torch.randn(m, layer.in_features), run, reps=5)
         finally:
             policy.lowbit_max_rows = saved
-    gemv = "native-v10" if ops() is not None else "torch"   # bump when kernels change
+    gemv = "native-v11" if ops() is not None else "torch"   # bump when kernels change
     return int(_cached(_key("lowbit_rows", layer.out_features, layer.in_features,
                             f"int{layer.qweight.bits}", kind, policy.dense_dtype, gemv),
                        measure))

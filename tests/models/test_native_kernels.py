@@ -249,7 +249,7 @@ def test_k_tiles_compute_what_one_tile_does(monkeypatch, form, k):
     assert tiled.nbytes >= whole.nbytes
 
 
-@pytest.mark.parametrize("rows", [1, 3, 5])
+@pytest.mark.parametrize("rows", [1, 3, 5, 9])
 @pytest.mark.parametrize("forms,ns,k", [(("q4k", "q6"), (99, 37), 512),
                                         (("q4", "q6", "q4k"), (8, 5, 64), 2304),   # 2 K tiles
                                         (("q6", "q4"), (3, 2), 128)])
@@ -511,10 +511,11 @@ def test_f32_gemv_rows_are_independent_of_the_row_count():
     assert torch.equal(native.f32_gemv(x[1:3], w), whole[1:3])
 
 
-@pytest.mark.parametrize("rows", [2, 5, 7, 8, 11])
+@pytest.mark.parametrize("rows", [2, 5, 7, 8, 11, 17])
 def test_gemv_rows_equal_alone(rows):
-    """The GEMVs compute up to 4 activation rows in one pass over the weights; more rows
-    run in passes of 4 over tiles of the weight (so later passes read it from cache). Every row equals
+    """The GEMVs compute up to 8 (q4, q4k, q6) or 4 (q8, float32) activation rows in one
+    pass over the weights; more rows run in several passes (8, then up to 4) over tiles of
+    the weight (so later passes read it from cache). Every row equals
     the same row run as a step of its own, bit for bit, for weights spanning many tiles
     (q4, q4k, q6, q8 and float32): a verify step's rows are what decodes of them would compute."""
     from duetserve.models.quant import Int4Weight, Int8Weight, int4_groups_from_float, \
