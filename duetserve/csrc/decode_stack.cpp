@@ -22,9 +22,9 @@ namespace {
 // modules use the same bound, so both paths compute the same activations).
 constexpr int64_t kSiluMulRows = 16;
 
-// One linear: kind 4 / 5 (q4k) / 6 -> a = packed, n = output rows; kind 8 -> (a, b) =
-// (packed, scale32); kind 7 (two packed parts stacked along N) -> a, c = the parts' packed
-// weights, ns = their output rows; kind 0 -> dense a.
+// One linear: kind 4 (q4, q4k or q6: lowbit_gemv tells them apart) -> a = packed, n =
+// output rows; kind 8 -> (a, b) = (packed, scale32); kind 7 (two packed parts stacked
+// along N) -> a, c = the parts' packed weights, ns = their output rows; kind 0 -> dense a.
 struct Linear {
   int kind = 0;
   int64_t n = 0;
@@ -34,9 +34,7 @@ struct Linear {
 
   torch::Tensor operator()(const torch::Tensor& x) const {
     torch::Tensor y;
-    if (kind == 4) y = q4_gemv(x, a, n);
-    else if (kind == 5) y = q4k_gemv(x, a, n);
-    else if (kind == 6) y = q6_gemv(x, a, n);
+    if (kind == 4) y = lowbit_gemv(x, a, n);
     else if (kind == 8) y = q8_gemv(x, a, b);
     else if (kind == 7) y = stacked_gemv(x, {a, c}, ns);
     else if (x.size(0) <= gemv_rows) y = f32_gemv(x, a);
@@ -50,12 +48,8 @@ Linear make_linear(const std::vector<torch::Tensor>& t, size_t i, int64_t gemv_r
   Linear l;
   l.gemv_rows = gemv_rows;
   l.a = t.at(i);
-  if (l.a.scalar_type() == torch::kUInt8) {
-    // the block size tells the packed forms apart (csrc/lowbit_gemv.cpp)
-    TORCH_CHECK(l.a.dim() == 4 && (l.a.size(3) == 320 || l.a.size(3) == 424 ||
-                                   l.a.size(3) == 576),
-                "q4 / q6 / q4k weight: packed [tiles, ceil(N/4), units, 320 / 424 / 576]");
-    l.kind = l.a.size(3) == 320 ? 4 : l.a.size(3) == 424 ? 6 : 5;
+  if (l.a.scalar_type() == torch::kUInt8) {   // packed q4 / q4k / q6 (lowbit_gemv checks)
+    l.kind = 4;
     const torch::Tensor n = t.at(i + 1);   // int64: the output rows (of each part)
     if (t.at(i + 2).numel() > 0) {
       TORCH_CHECK(n.numel() == 2 && t.at(i + 2).scalar_type() == torch::kUInt8,

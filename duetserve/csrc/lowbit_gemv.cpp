@@ -827,15 +827,15 @@ Form form_of(const torch::Tensor& packed, int64_t K, const Form* want = nullptr)
   return Q6_FORM;
 }
 
-// x [M, K] float32 against a weight packed in blocks of 4 rows (tiles_of) in form `f`
-// (K padded up to its column units): activations quantized once, row blocks split
-// across threads.
+// x [M, K] float32 against a weight packed in blocks of 4 rows (tiles_of) in its form
+// (`want` when given, else told by the block size; K padded up to the column units):
+// activations quantized once, row blocks split across threads.
 torch::Tensor packed_gemv(torch::Tensor x, const torch::Tensor& packed, int64_t N,
-                          const Form& want) {
+                          const Form* want) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be float32 [M, K]");
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1);
-  const Form f = form_of(packed, K, &want);
+  const Form f = form_of(packed, K, want);
   const Tiles W = tiles_of(packed, K, f.cols, f.block);
   TORCH_CHECK(packed.size(1) == (N + 3) / 4, "N = ", N, " does not match the packed weight");
   auto y = torch::empty({M, N}, x.options());
@@ -853,15 +853,19 @@ torch::Tensor packed_gemv(torch::Tensor x, const torch::Tensor& packed, int64_t 
 }  // namespace
 
 torch::Tensor q4_gemv(torch::Tensor x, torch::Tensor packed, int64_t N) {
-  return packed_gemv(x, packed, N, Q4_FORM);
+  return packed_gemv(x, packed, N, &Q4_FORM);
 }
 
 torch::Tensor q4k_gemv(torch::Tensor x, torch::Tensor packed, int64_t N) {
-  return packed_gemv(x, packed, N, Q4K_FORM);
+  return packed_gemv(x, packed, N, &Q4K_FORM);
 }
 
 torch::Tensor q6_gemv(torch::Tensor x, torch::Tensor packed, int64_t N) {
-  return packed_gemv(x, packed, N, Q6_FORM);
+  return packed_gemv(x, packed, N, &Q6_FORM);
+}
+
+torch::Tensor lowbit_gemv(torch::Tensor x, torch::Tensor packed, int64_t N) {
+  return packed_gemv(x, packed, N, nullptr);
 }
 
 // x [M, K] against weights stacked along N, each part in its own packed form (a qkv whose
