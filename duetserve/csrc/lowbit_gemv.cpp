@@ -295,7 +295,7 @@ QuantizedX quantize_x(const float* x, int64_t M, int64_t K, int order, int64_t p
 
 #if defined(DUET_VNNI)
 // Calls f(std::integral_constant<int, mm>) for mm in 1..4, and 8 where EIGHT (the forms
-// whose passes take 8 rows: PASS_ROWS below).
+// whose passes take 8 rows: Form::pass_rows below).
 template <bool EIGHT = false, typename F>
 inline void dispatch(int64_t mm, F&& f) {
   switch (mm) {
@@ -755,8 +755,8 @@ void q8_rows(const int8_t* pk, const float* ws, const QuantizedX& X, float* y, i
 
 constexpr int64_t ROWS_PER_TASK = 16;
 // Activation rows run in passes of at most `most` rows (the kernels' register budget: 8 for
-// q4 and q4k, whose weight vectors then unpack once for 8 rows, 4 for the others), 8-row
-// passes while 8 rows are left and passes of up to 4 after. With more than one pass each
+// q4, q4k and q6, whose weight vectors then unpack once for 8 rows; 4 for q8 and f32),
+// 8-row passes while 8 rows are left and passes of up to 4 after. With more than one pass each
 // thread walks its weight rows in tiles of about TILE_BYTES and runs every pass on a tile
 // before the next, so passes after the first read the weights from L2 instead of DRAM (a
 // fifth row used to cost another full read of the thread's half of the matrix). Every
