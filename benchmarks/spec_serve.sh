@@ -6,7 +6,8 @@
 # order flips each repeat), so a machine that speeds up or slows down during the script
 # moves both alike. Prints medians and their ratio, writes JSON.
 #   benchmarks/spec_serve.sh OUTDIR [MODEL]      (default model: SmolLM2-135M; REPEATS=3;
-#                                                CONCS="1 4 32": the concurrencies run)
+#                                                CONCS="1 4 32": the concurrencies run;
+#                                                NREQ: requests a run, default 8 (64 at 32))
 set -e
 OUT=${1:-out/spec_serve}; MODEL=${2:-}; REPEATS=${REPEATS:-3}; CONCS=${CONCS:-1 4 32}
 mkdir -p "$OUT"
@@ -32,7 +33,7 @@ for cfg in off ngram; do
   for _ in $(seq 180); do curl -sf http://127.0.0.1:${PORT[$cfg]}/v1/models >/dev/null && break; sleep 1; done
 done
 for conc in $CONCS; do
-  n=$(( conc == 32 ? 64 : 8 ))
+  n=${NREQ:-$(( conc == 32 ? 64 : 8 ))}
   for r in $(seq $REPEATS); do
     order="off ngram"; [ $((r % 2)) = 0 ] && order="ngram off"
     for cfg in $order; do
