@@ -10,7 +10,7 @@ from duetserve.metrics.hardware import GPU_PROFILES
 from duetserve.metrics.known_models import LLAMA_3_8B
 from duetserve.sim.cost import FEATURES, CalibratedCost, shape_for, shape_of
 from duetserve.sim.fit import fit_cost, nnls
-from duetserve.sim.gpu import Efficiency, roofline_cost, unit_costs
+from duetserve.sim.gpu import Efficiency, fit_efficiency, roofline_cost, unit_costs
 from duetserve.sim.profile import load_profile, roofline_profile
 
 
@@ -197,3 +197,24 @@ def test_few_row_slope_changes_above_the_knot() -> None:
     for b in (1, 3, 4, 8, 16):
         s = shape_of([(1, 64, True)] * b)
         assert fitted.step_seconds(s) == pytest.approx(truth.step_seconds(s), rel=1e-6)
+
+
+def test_fit_efficiency_recovers_the_factors_that_made_the_times() -> None:
+    """Steps timed by a roofline with MFU 0.42, MBU 0.63 and 0.5 ms a step (what
+    benchmarks/gpu_step_probe.py measures on a GPU) give those factors back, and the caps
+    hold when the truth lies above them."""
+    hw = GPU_PROFILES["h200"]
+    truth = roofline_cost(LLAMA_3_8B, hw, Efficiency(mfu=0.42, mbu=0.63, step_overhead_ms=0.5))
+    shapes = [shape_of(items) for items in (
+        [(2048, 0, True)], [(512, 4096, True)], [(1, 256, True)], [(1, 4096, True)] * 16,
+        [(1, 1024, True)] * 128, [(512, 0, True)] + [(1, 1024, True)] * 32)]
+    times = [truth.step_seconds(s) for s in shapes]
+    start = roofline_cost(LLAMA_3_8B, hw, Efficiency())
+    fitted, rms = fit_efficiency(start, shapes, times)
+    assert (fitted.mfu, fitted.mbu) == pytest.approx((0.42, 0.63))
+    assert fitted.step_overhead_s == pytest.approx(0.5e-3)
+    assert rms == pytest.approx(0.0, abs=1e-9)
+    capped, rms_capped = fit_efficiency(start, shapes, times, mbu_max=0.5)
+    assert capped.mbu <= 0.5 and rms_capped > 0.01
+    with pytest.raises(ConfigError):
+        fit_efficiency(start, shapes, times[:-1])
