@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from duetserve import LLM, SamplingParams
+from duetserve.models.layers import dense_linear
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_modes import memory_probe  # noqa: E402
@@ -39,19 +40,34 @@ def main() -> None:
     llm = LLM(model=args.model, max_model_len=1024, num_threads=args.threads,
               enable_prefix_caching=False)
     model = llm.engine.runner.model
-    weights = [mod.qweight for layer in model.layers
-               for mod in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                           layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-    head = getattr(getattr(model, "lm_head", None), "qweight", None)
-    weights += [head] if head is not None else []
-    if not weights or any(w is None for w in weights):
-        raise SystemExit("every projection must be a packed low-bit weight")
+    # each projection's weight as the decode step reads it: a packed low-bit weight, or a
+    # dense float32 one (run by the same native GEMV the step uses); the LM head last
+    # (the embedding when tied and dense).
+    mods = [mod for layer in model.layers
+            for mod in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                        layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+    head = getattr(model, "lm_head", None)
+    weights = [getattr(m, "qweight", None) if getattr(m, "qweight", None) is not None
+               else m.weight.detach() for m in mods]
+    if head is not None:
+        weights.append(head.qweight if getattr(head, "qweight", None) is not None
+                       else head.weight.detach())
+    else:
+        weights.append(model.embed_tokens.weight.detach())
+    if any(w is None for w in weights):
+        raise SystemExit("a projection has neither a packed nor a dense weight")
+    dense = [isinstance(w, torch.Tensor) for w in weights]
+    if any(d and w.dtype != torch.float32 for d, w in zip(dense, weights)):
+        raise SystemExit("dense weights must be float32 (the native GEMV's)")
     nbytes = sum(w.nbytes for w in weights)
     xs = {w.shape[1]: torch.randn(1, w.shape[1]) for w in weights}
 
     def gemvs() -> None:
-        for w in weights:
-            w.matmul(xs[w.shape[1]])
+        for w, d in zip(weights, dense):
+            if d:
+                dense_linear(xs[w.shape[1]], w)
+            else:
+                w.matmul(xs[w.shape[1]])
 
     params = SamplingParams(max_tokens=args.gen_len, temperature=0.0, ignore_eos=True)
     prompt = [[(11 * i + 5) % 150000 + 100 for i in range(8)]]
