@@ -16,11 +16,13 @@ before it is handed to the connection, and the client's own cost per chunk is sm
 Results JSON (--output-json), schema "duet-bench-serve/1"::
 
     {"schema", "label", "config": {every flag, "model", "url", "rates", "slo_ms", ...},
-     "runs": [{"request_rate": float | "inf", "burstiness", "max_concurrency",
+     "runs": [{"request_rate": float | "inf", "dataset_seed", "burstiness", "max_concurrency",
                "summary": bench_metrics.summarize(...),   # latencies in ms
                "requests": [RequestRecord.to_json(), ...]}]}  # times in s
 
-One entry in "runs" per rate (--sweep-rates gives several).
+One entry in "runs" per rate (--sweep-rates gives several). Each rate of a sweep sends
+prompts of its own (dataset seed --seed + the rate's index) unless --sweep-prompts same:
+resent prompts would be answered from the server's prefix cache.
 """
 from __future__ import annotations
 
@@ -57,6 +59,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
     add_load_arguments(p)
     add_dataset_arguments(p)
+    p.add_argument("--sweep-prompts", choices=["fresh", "same"], default="fresh",
+                   help="--sweep-rates: each rate gets its own prompts (dataset seed = --seed + "
+                        "the rate's index; default), or every rate resends the first rate's, "
+                        "which a server's prefix cache then answers")
     g = p.add_argument_group("request body")
     g.add_argument("--ignore-eos", action="store_true", help="send ignore_eos: true (vLLM extension)")
     g.add_argument("--temperature", type=float, default=0.0)
@@ -98,12 +104,14 @@ def add_report_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
 
-def build_dataset(args: argparse.Namespace) -> list[Conversation]:
-    """The conversations the dataset flags describe (BenchError on a bad option)."""
+def build_dataset(args: argparse.Namespace, seed: int | None = None) -> list[Conversation]:
+    """The conversations the dataset flags describe, drawn with `seed` (default --seed);
+    BenchError on a bad option."""
     try:
         return make_dataset(args.dataset, num_prompts=args.num_prompts, input_len=args.input_len,
                             output_len=args.output_len, prefix_len=args.prefix_len,
-                            num_turns=args.num_turns, path=args.dataset_path, seed=args.seed)
+                            num_turns=args.num_turns, path=args.dataset_path,
+                            seed=args.seed if seed is None else seed)
     except DatasetError as e:
         raise BenchError(str(e)) from None
 
@@ -340,7 +348,13 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     config.update(model=model, request_rate=rate_json(args.request_rate), rates=[rate_json(r) for r in rates],
                   url=args.base_url.rstrip("/") + ENDPOINTS[args.endpoint], percentiles=percentiles, slo_ms=slo)
     runs = []
-    for rate in rates:
+    for i, rate in enumerate(rates):
+        # A sweep's later rates get prompts of their own: resent prompts would be answered
+        # by the server's prefix cache, and a rate's figures would depend on the rates
+        # before it (a JSONL dataset's prompts are its file's whatever the seed).
+        data_seed = args.seed + i if getattr(args, "sweep_prompts", "fresh") == "fresh" else args.seed
+        if data_seed != args.seed:
+            convs = build_dataset(args, data_seed)
         records, duration = asyncio.run(run_once(args, model, convs, rate))
         summary = summarize(records, duration, percentiles, slo)
         print(format_summary(summary, f"{args.label or 'duet bench serve'} @ {rate:g} req/s"))
@@ -350,7 +364,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             if len(failed) == len(records) and "HTTP 4" in failed[0].error and not args.no_continuous_usage:
                 print("hint: a strict server may reject stream_options.continuous_usage_stats; "
                       "retry with --no-continuous-usage")
-        runs.append({"request_rate": rate_json(rate), "burstiness": args.burstiness,
+        runs.append({"request_rate": rate_json(rate), "dataset_seed": data_seed,
+                     "burstiness": args.burstiness,
                      "max_concurrency": args.max_concurrency, "summary": summary,
                      "requests": [r.to_json() for r in records]})
     if len(runs) > 1:

@@ -82,6 +82,21 @@ def test_chat_multi_turn_resends_history(tmp_path: Path) -> None:
     assert turns == {0: 4, 1: 4 + 3 + 4, 2: 4 + 3 + 4 + 3 + 4}
 
 
+@pytest.mark.parametrize("mode", ["fresh", "same"])
+def test_sweep_rates_send_each_rate_its_own_prompts(tmp_path: Path, mode: str) -> None:
+    """A sweep's second rate resends none of the first rate's prompts (a prefix cache
+    would answer them), unless --sweep-prompts same; the JSON says which seed drew each."""
+    extra = [] if mode == "fresh" else ["--sweep-prompts", "same"]
+    with FakeServer() as srv:
+        res = _run(tmp_path, srv.base_url, "--num-prompts", "5", "--input-len", "6",
+                   "--output-len", "2", "--ignore-eos", "--sweep-rates", "500,inf", *extra)
+    first = {b["prompt"] for b in srv.stats.bodies[:5]}
+    second = {b["prompt"] for b in srv.stats.bodies[5:]}
+    assert len(first) == len(second) == 5
+    assert [r["dataset_seed"] for r in res["runs"]] == ([3, 4] if mode == "fresh" else [3, 3])
+    assert (first.isdisjoint(second) if mode == "fresh" else first == second)
+
+
 def test_failures_counted_and_first_error_printed(tmp_path: Path, capsys) -> None:
     data = tmp_path / "d.jsonl"
     data.write_text("\n".join(json.dumps(x) for x in [
