@@ -279,10 +279,17 @@ def items_of(plan) -> list[tuple[int, int, bool]]:
     return ([(T, ctx, True)] if T else []) + [(1, c, True)] * B
 
 
+def with_layers(cfg, layers: int | None):
+    """`cfg` with its first `layers` layers only (a model too large for one device is probed
+    on part of its stack: the roofline then predicts that part, the LM head included)."""
+    from dataclasses import replace
+    return cfg if not layers else replace(cfg, num_hidden_layers=layers)
+
+
 def cmd_run(args) -> int:
     import torch
     from duetserve.metrics.known_models import get_known_model
-    cfg = get_known_model(args.model)
+    cfg = with_layers(get_known_model(args.model), args.layers)
     if args.smoke:         # the code path on the CPU, tiny shapes: no figures worth keeping
         device, plans = "cpu", [(16, 0, 0, 0), (8, 16, 0, 0), (0, 0, 3, 20), (8, 4, 2, 9)]
     elif torch.cuda.is_available():
@@ -294,7 +301,8 @@ def cmd_run(args) -> int:
         return 2
     kv_tokens = max(ctx + T + B * (c + 1) for T, ctx, B, c in plans)
     t0 = time.time()
-    out = {"model": args.model, "torch": torch.__version__, "reps": args.reps,
+    out = {"model": args.model, "layers": cfg.num_hidden_layers, "torch": torch.__version__,
+           "reps": args.reps,
            "device": torch.cuda.get_device_name() if device == "cuda" else "cpu (smoke)",
            "check": check_or_error(torch, device),
            "ceilings": ceilings(torch, args.reps) if device == "cuda" else None}
@@ -335,7 +343,7 @@ def cmd_fit(args) -> int:
     from duetserve.sim.cost import shape_of
     from duetserve.sim.gpu import efficiency_for, fit_efficiency, roofline_cost
     data = json.loads(Path(args.probe).read_text())
-    cfg = get_known_model(data["model"])
+    cfg = with_layers(get_known_model(data["model"]), data.get("layers"))
     hw = get_hardware(args.hardware)
     base = efficiency_for(args.hardware)
     key = "graph_ms" if args.timing == "graph" else "eager_ms"
@@ -390,6 +398,8 @@ def main(argv=None) -> int:
     r = sub.add_parser("run", help="time steps on the CUDA device")
     r.add_argument("--model", default="llama-3-8b")
     r.add_argument("--reps", type=int, default=15)
+    r.add_argument("--layers", type=int, default=None,
+                   help="build only the first N layers (a model larger than the device)")
     r.add_argument("--out", required=True)
     r.add_argument("--compile", action="store_true",
                    help="torch.compile the code around the GEMMs and attention")
