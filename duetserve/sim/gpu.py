@@ -18,7 +18,8 @@ and SDPA, replayed as CUDA graphs. The defaults predict 24/26 and 22/26 of their
 within 10% (rms log error 0.074, 0.084); the best fit (MFU 0.56, MBU 0.88, 1.8 ms a step)
 lowers that only to 0.061, so the defaults stay. On Llama-3-70B's shapes (20 of its
 layers) they predict 0-15% long: larger GEMMs reach MFU 0.62, MBU 0.75. H100 shares the
-chip; its factors are the same assumption, not measured. `fit_efficiency` below fits them to any such probe.
+chip; its factors are the same assumption, not measured. `fit_efficiency` below fits them
+to any such probe.
 """
 from __future__ import annotations
 
@@ -108,8 +109,8 @@ def fit_efficiency(cost: RooflineCost, shapes: Sequence[StepShape],
     """`cost` with the (mfu, mbu, step overhead) that minimise the sum of squared
     log(predicted / measured) over the steps `shapes` timed `measured_s` (seconds): a grid
     of 0.05 in MFU and MBU and 0.25 ms in overhead, then three of 0.01 and 0.01 ms, each
-    around the best so far (+-0.05, +-0.3 ms). MFU and MBU are capped, at what the card's own GEMM and copy reach: above that,
-    MBU and the overhead trade off without meaning. Returns (fitted cost, rms log error).
+    around the best so far (+-0.05, +-0.3 ms). MFU and MBU are capped, at what the card's
+    own GEMM and copy reach: above that, MBU and the overhead trade off without meaning. Returns (fitted cost, rms log error).
     (benchmarks/gpu_step_probe.py fits steps timed on a GPU with it.)"""
     if not shapes or len(shapes) != len(measured_s):
         raise ConfigError("fit_efficiency needs one measured time per step shape")
