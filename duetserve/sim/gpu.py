@@ -110,7 +110,8 @@ def fit_efficiency(cost: RooflineCost, shapes: Sequence[StepShape],
     log(predicted / measured) over the steps `shapes` timed `measured_s` (seconds): a grid
     of 0.05 in MFU and MBU and 0.25 ms in overhead, then three of 0.01 and 0.01 ms, each
     around the best so far (+-0.05, +-0.3 ms). MFU and MBU are capped, at what the card's
-    own GEMM and copy reach: above that, MBU and the overhead trade off without meaning. Returns (fitted cost, rms log error).
+    own GEMM and copy reach: above that, MBU and the overhead trade off without meaning.
+    Returns (fitted cost, rms log error).
     (benchmarks/gpu_step_probe.py fits steps timed on a GPU with it.)"""
     if not shapes or len(shapes) != len(measured_s):
         raise ConfigError("fit_efficiency needs one measured time per step shape")
