@@ -352,7 +352,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         # A sweep's later rates get prompts of their own: resent prompts would be answered
         # by the server's prefix cache, and a rate's figures would depend on the rates
         # before it (a JSONL dataset's prompts are its file's whatever the seed).
-        data_seed = args.seed + i if getattr(args, "sweep_prompts", "fresh") == "fresh" else args.seed
+        data_seed = args.seed + i if args.sweep_prompts == "fresh" else args.seed
         if data_seed != args.seed:
             convs = build_dataset(args, data_seed)
         records, duration = asyncio.run(run_once(args, model, convs, rate))
