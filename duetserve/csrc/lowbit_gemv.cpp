@@ -9,17 +9,15 @@
 // FMAs costs ~4x more instructions per weight byte.
 //
 // q4 weights ("Q4_1 layout", groups of 32 along K, w = d * q + m), packed for streaming:
-//   units of 320 bytes (packed [tiles, ceil(N/4), tu, 320] uint8: see Tiles). Per block
-//   of 4 weight rows and chunk of 4 groups (128 weights of each row): 4 vectors of 64
-//   bytes, then d [4 rows][4 groups] and m [4][4] as float16 (32 bytes each). Vector v,
-//   128-bit lane r, dword g, byte j: element 8v + j of row r's group g in the low nibble,
-//   8v + 4 + j in the high one. So each int32
-//   lane of a vpdpbusd belongs to one (row, group), lane 4r + g, and a chunk's 8 dots add
-//   up in the lanes: no reduction across lanes. The activation side is the same 16 bytes
-//   (dword g = 4 elements of group g) for every row: one 128-bit broadcast load (QUADS
-//   order below). Rows and groups past N and K are zero. One block is one sequential
-//   stream: with the rows, d and m in separate arrays (six streams a block) the 1.5B
-//   model's GEMVs read DRAM at 12-15 GB/s, with a block layout at 18-21 GB/s (2 threads).
+//   units of 320 bytes (packed [tiles, ceil(N/16), tu, 320] uint8: see Tiles), one per block
+//   of 16 weight rows and group: 4 vectors of 64 bytes, then d [16 rows] and m [16] as
+//   float16 (32 bytes each). Vector v, dword r, byte j: element 8v + j of row r in the low
+//   nibble, 8v + 4 + j in the high one. So each int32 lane of a vpdpbusd is one weight row
+//   and its activation operand is 4 elements broadcast from memory (PLAIN order), which
+//   costs a load and no shuffle: with 4 rows a block (lanes 4r + g, the same 16 activation
+//   bytes broadcast to each 128-bit lane) the 128-bit broadcasts cost a vector op each and
+//   steps of 2-8 activation rows ran ~1.45x slower on Zen 4 (docs/performance.md). Rows
+//   past N are zero. One block is one sequential stream.
 //   Per group: sum_k w_k x_k = d * dx * sum_k q_k xq_k + m * (dx * sum_k xq_k).
 // q4k weights (GGUF Q4_K, kept exactly): w = d * sc * q - dmin * mn, q in 0..15, the
 //   file's 6-bit sc and mn per group of 32 and float16 d, dmin per 256: units of 576
@@ -68,7 +66,8 @@ namespace {
 
 constexpr int64_t G = 32;       // group size along K
 constexpr int64_t CH = 4;       // q4: groups per 512-bit chunk
-constexpr int64_t Q4_BLOCK = 4 * 64 + 2 * 32;   // q4: bytes per block of 4 rows x 4 groups
+constexpr int64_t Q4_ROWS = 16;                 // q4: weight rows per block
+constexpr int64_t Q4_BLOCK = Q4_ROWS * 16 + 2 * 32;   // q4: bytes per block of 16 rows x 1 group
 constexpr int64_t Q8_BLOCK = 4 * 64;            // q8: bytes per block of 4 rows x 64 columns
 constexpr int64_t Q4K_CODES = 2 * 4 * 64, Q4K_D = Q4K_CODES + 48;
 constexpr int64_t Q4K_BLOCK = Q4K_D + 16;       // q4k: bytes per block of 4 rows x 256 columns
@@ -78,9 +77,9 @@ constexpr int64_t Q6_BLOCK = Q6_D + 8;          // q6: bytes per block of 4 rows
 // (4.6 / 3.4 KB). Against four units, the 1.5B's GEMVs in model order, two builds
 // interleaved: the same while this VM's memory reads ~32 GB/s, ~2% faster at ~45+.
 
-// A weight packed in blocks of 4 rows with K in tiles (models/quant.py: _BlockWeight):
-// packed [tiles, ceil(N/4), tu, block]; tile t holds units [t tu, (t + 1) tu) of every
-// row block, block after block, so a thread's rows of one tile are one sequential stream
+// A weight packed in blocks of 4 rows (16 for q4) with K in tiles (models/quant.py:
+// _BlockWeight): packed [tiles, row blocks, tu, block]; tile t holds units [t tu,
+// (t + 1) tu) of every row block, block after block, so a thread's rows of one tile are one sequential stream
 // and the activations one tile reads (<= 2048 columns) stay in L1 between row blocks.
 // Units past `units` (the last tile's padding) are never read.
 struct Tiles {
@@ -102,8 +101,10 @@ inline float half_to_float(uint16_t h) {
 //   dx[g] = scale of group g (0 for padding); xs[g] = dx[g] * sum(xq of g).
 // Activation orders: PLAIN (element order; q8), HALVES (per chunk of 4 groups, 64 bytes of
 // the groups' elements 0-15, 16 a group, then 64 of elements 16-31; q6), QUADS (q4, q4k:
-// per chunk 8 runs of 16 bytes, run 2v + h holding elements 8v + 4h .. + 3 of each group).
-enum Order { PLAIN = 0, HALVES = 1, QUADS = 2 };
+// per chunk 8 runs of 16 bytes, run 2v + h holding elements 8v + 4h .. + 3 of each group),
+// GROUPED (q4: PLAIN's groups with the rows inside, group g of row m at g * M + m, and dx
+// and xs the same, so a pass finds its rows' values at fixed offsets from one pointer).
+enum Order { PLAIN = 0, HALVES = 1, QUADS = 2, GROUPED = 3 };
 
 // Group g of x (32 floats): its int8 values in element order, and returns their sum; *d
 // = the group's scale (the plain loop; quantize_chunk computes the same values four groups
@@ -138,6 +139,7 @@ struct QuantizedX {
   Buf<float> d, s;
   Buf<float> l, h;  // q6: 32 * dx * sum of xq over elements 0-15 / 16-31 per group
   int64_t gp;  // padded groups per row
+  int64_t m;   // rows
 };
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -286,10 +288,22 @@ QuantizedX quantize_x(const float* x, int64_t M, int64_t K, int order, int64_t p
     out.l.resize(M * gp);
     out.h.resize(M * gp);
   }
+  out.m = M;
+  if (order == GROUPED && M > 1) {   // PLAIN rows, then each row's groups to their places
+    QuantizedX rows = quantize_x(x, M, K, PLAIN, pad_to);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t g = 0; g < gp; ++g) {
+        std::memcpy(out.q.data() + (g * M + m) * G, rows.q.data() + (m * gp + g) * G, G);
+        out.d[g * M + m] = rows.d[m * gp + g];
+        out.s[g * M + m] = rows.s[m * gp + g];
+      }
+    return out;
+  }
+  const int o = order == GROUPED ? PLAIN : order;   // one row: the two orders agree
   for (int64_t m = 0; m < M; ++m)
-    quantize_row(x + m * K, K, gp, order, out.q.data() + m * gp * G, out.d.data() + m * gp,
-                 out.s.data() + m * gp, order == HALVES ? out.l.data() + m * gp : nullptr,
-                 order == HALVES ? out.h.data() + m * gp : nullptr);
+    quantize_row(x + m * K, K, gp, o, out.q.data() + m * gp * G, out.d.data() + m * gp,
+                 out.s.data() + m * gp, o == HALVES ? out.l.data() + m * gp : nullptr,
+                 o == HALVES ? out.h.data() + m * gp : nullptr);
   return out;
 }
 
@@ -376,22 +390,65 @@ inline void store_rows(const __m512* acc, float* y, int64_t N, int64_t nb, int64
   }
 }
 
-// Row block nb's units of tile t against activation rows m0 .. m0 + MM - 1, added into acc.
+// Row block nb's units of tile t (one group each) of a q4 weight against activation rows
+// m0 .. m0 + MM - 1 (PLAIN order), added into acc (lane r: weight row 16 nb + r). Two
+// accumulators keep the dot chains short.
 template <int MM>
 void q4_span(const Tiles& W, const QuantizedX& X, int64_t nb, int64_t t, int64_t m0,
              __m512* acc) {
+  const int64_t M = X.m;   // GROUPED: group g of row m at g * M + m
   const uint8_t* first = W.span(nb, t);
-  const int64_t u0 = t * W.tu;
-  for (int64_t c = u0; c < W.end(t); ++c) {
-    const uint8_t* blk = first + (c - u0) * Q4_BLOCK;
-    for (int l = 0; l < Q4_BLOCK / 64; ++l)   // two chunks ahead (runs into the next block)
+  const int64_t u0 = t * W.tu, u1 = W.end(t);
+  // the high nibbles stay in place: their dots come out 16 times too large, and one
+  // exact shift per activation row (not one per weight vector) takes the 16 out
+  const __m512i low4 = _mm512_set1_epi8(0x0F), high4 = _mm512_set1_epi8(static_cast<char>(0xF0));
+  // 4 activation bytes broadcast straight from memory (a load, no vector op)
+  auto bcast4 = [](const int8_t* p) { return _mm512_broadcastd_epi32(_mm_loadu_si32(p)); };
+  __m512 sum[MM];   // in registers for the span (the rows' loop unrolled)
+#pragma GCC unroll 8
+  for (int i = 0; i < MM; ++i) sum[i] = acc[i];
+  for (int64_t g = u0; g < u1; ++g) {
+    const uint8_t* blk = first + (g - u0) * Q4_BLOCK;
+    for (int l = 0; l < Q4_BLOCK / 64; ++l)   // two groups ahead (runs into the next block)
       _mm_prefetch(reinterpret_cast<const char*>(blk + 2 * Q4_BLOCK + l * 64), _MM_HINT_T0);
     const __m512 dv = _mm512_cvtph_ps(
         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 256)));
     const __m512 mv = _mm512_cvtph_ps(
         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 288)));
-    q4_chunk<MM>(blk, dv, mv, X, c, m0, acc);
+    __m512i lo[4], hi[4];
+    for (int v = 0; v < 4; ++v) {
+      const __m512i w = _mm512_loadu_si512(blk + v * 64);
+      lo[v] = _mm512_and_si512(w, low4);
+      hi[v] = _mm512_and_si512(w, high4);
+    }
+    const int8_t* xg = X.q.data() + (g * M + m0) * G;
+    const float* dg = X.d.data() + g * M + m0;
+    const float* sg = X.s.data() + g * M + m0;
+#pragma GCC unroll 8
+    for (int i = 0; i < MM; ++i) {
+      const int8_t* xq = xg + i * G;
+      __m512i a = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[0], bcast4(xq));
+      __m512i b = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi[0], bcast4(xq + 4));
+      for (int v = 1; v < 4; ++v) {
+        a = _mm512_dpbusd_epi32(a, lo[v], bcast4(xq + 8 * v));
+        b = _mm512_dpbusd_epi32(b, hi[v], bcast4(xq + 8 * v + 4));
+      }
+      const __m512i e = _mm512_add_epi32(a, _mm512_srai_epi32(b, 4));
+      sum[i] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(e), _mm512_set1_ps(dg[i])),
+                               dv, sum[i]);
+      sum[i] = _mm512_fmadd_ps(mv, _mm512_set1_ps(sg[i]), sum[i]);
+    }
   }
+#pragma GCC unroll 8
+  for (int i = 0; i < MM; ++i) acc[i] = sum[i];
+}
+
+// Lane r of acc[i] into y[m0 + i, 16 nb + r] (rows below N).
+template <int MM>
+inline void store_rows16(const __m512* acc, float* y, int64_t N, int64_t nb, int64_t m0) {
+  const int64_t left = N - nb * Q4_ROWS;
+  const __mmask16 keep = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+  for (int i = 0; i < MM; ++i) _mm512_mask_storeu_ps(y + (m0 + i) * N + nb * Q4_ROWS, keep, acc[i]);
 }
 
 // A q4k block's 16 code words (lanes 4r + g), each widened to an int32 lane: the 48 bytes
@@ -592,15 +649,15 @@ void f32_rows(const float* w, const float* x, float* y, int64_t K, int64_t N, in
 #endif
 }
 
-// Without VNNI, plain loops: y[m, n] for the weight rows of blocks [b0, b1) and activation
-// rows m0 .. m0 + mm - 1; add(nb, r, m, total) adds row r of block nb's products with
+// Without VNNI, plain loops: y[m, n] for the weight rows of blocks [b0, b1) (of ROWS rows)
+// and activation rows m0 .. m0 + mm - 1; add(nb, r, m, total) adds row r of block nb's products with
 // activation row m into total.
-template <typename Add>
+template <int64_t ROWS = 4, typename Add>
 void plain_rows(float* y, int64_t N, int64_t b0, int64_t b1, int64_t m0, int64_t mm, Add add) {
-  for (int64_t n = b0 * 4; n < std::min(N, b1 * 4); ++n)
+  for (int64_t n = b0 * ROWS; n < std::min(N, b1 * ROWS); ++n)
     for (int64_t m = m0; m < m0 + mm; ++m) {
       float total = 0.f;
-      add(n / 4, static_cast<int>(n % 4), m, total);
+      add(n / ROWS, static_cast<int>(n % ROWS), m, total);
       y[m * N + n] = total;
     }
 }
@@ -616,6 +673,12 @@ inline int64_t quads_pos(int64_t c, int lane, int k) {
   return c * CH * G + (2 * (k / 8) + (k % 8) / 4) * 16 + lane * 4 + k % 4;
 }
 
+// Element k of row r in a q4 unit (one group of 16 rows, its nibble vectors at `blk`).
+inline int q4_unit_nib(const uint8_t* blk, int r, int k) {
+  const uint8_t b = blk[(k / 8) * 64 + r * 4 + k % 4];
+  return (k % 8) < 4 ? (b & 15) : (b >> 4);
+}
+
 // y[m, n] for packed blocks [b0, b1) of a q4 weight, activation rows m0 .. m0 + mm - 1.
 void q4_rows(const Tiles& W, const QuantizedX& X, float* y, int64_t N,
              int64_t b0, int64_t b1, int64_t m0, int64_t mm) {
@@ -623,23 +686,19 @@ void q4_rows(const Tiles& W, const QuantizedX& X, float* y, int64_t N,
   dispatch<true>(mm, [&](auto MM) {
     over_tiles<MM.value>(W, b0, b1,
         [&](int64_t nb, int64_t t, __m512* acc) { q4_span<MM.value>(W, X, nb, t, m0, acc); },
-        [&](int64_t nb, const __m512* acc) { store_rows<MM.value, true>(acc, y, N, nb, m0); });
+        [&](int64_t nb, const __m512* acc) { store_rows16<MM.value>(acc, y, N, nb, m0); });
   });
 #else
-  const int64_t gp = X.gp;
-  plain_rows(y, N, b0, b1, m0, mm, [&](int64_t nb, int r, int64_t m, float& total) {
-    const int8_t* xq = X.q.data() + m * gp * G;
-    for (int64_t c = 0; c < W.units; ++c) {
-      const uint8_t* blk = W.at(nb, c);
-      const uint16_t* dh = reinterpret_cast<const uint16_t*>(blk + 256) + r * 4;
-      const uint16_t* mh = reinterpret_cast<const uint16_t*>(blk + 288) + r * 4;
-      for (int lane = 0; lane < CH; ++lane) {
-        const int64_t g = c * CH + lane;
-        int32_t dot = 0;
-        for (int k = 0; k < G; ++k) dot += q4_nib(blk, r, lane, k) * xq[quads_pos(c, lane, k)];
-        total += half_to_float(dh[lane]) * X.d[m * gp + g] * float(dot)
-               + half_to_float(mh[lane]) * X.s[m * gp + g];
-      }
+  const int64_t M = X.m;   // GROUPED
+  plain_rows<Q4_ROWS>(y, N, b0, b1, m0, mm, [&](int64_t nb, int r, int64_t m, float& total) {
+    for (int64_t g = 0; g < W.units; ++g) {
+      const uint8_t* blk = W.at(nb, g);
+      const int8_t* xq = X.q.data() + (g * M + m) * G;
+      int32_t dot = 0;
+      for (int k = 0; k < G; ++k) dot += q4_unit_nib(blk, r, k) * xq[k];
+      total += half_to_float(reinterpret_cast<const uint16_t*>(blk + 256)[r]) * X.d[g * M + m] *
+               float(dot) + half_to_float(reinterpret_cast<const uint16_t*>(blk + 288)[r]) *
+               X.s[g * M + m];
     }
   });
 #endif
@@ -780,13 +839,13 @@ inline void tiled_passes(int64_t b0, int64_t b1, int64_t unit_bytes, int64_t M, 
 
 }  // namespace
 
-// The Tiles view of a packed [tiles, ceil(N/4), tu, block] weight of K columns (units of
+// The Tiles view of a packed [tiles, row blocks, tu, block] weight of K columns (units of
 // `cols`); the row blocks of a tile are contiguous, the tiles may be apart (a row prefix).
 Tiles tiles_of(const torch::Tensor& packed, int64_t K, int64_t cols, int64_t block) {
   TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.dim() == 4 &&
               packed.size(3) == block && packed.stride(3) == 1 && packed.stride(2) == block &&
               packed.stride(1) == packed.size(2) * block,
-              "packed: uint8 [tiles, ceil(N/4), units a tile, ", block, "], tiles apart");
+              "packed: uint8 [tiles, row blocks, units a tile, ", block, "], tiles apart");
   const int64_t units = (K + cols - 1) / cols, tu = packed.size(2);
   TORCH_CHECK(K % G == 0 && tu > 0 && packed.size(0) == (units + tu - 1) / tu,
               "K = ", K, " does not match the packed weight's tiles");
@@ -795,8 +854,8 @@ Tiles tiles_of(const torch::Tensor& packed, int64_t K, int64_t cols, int64_t blo
 
 namespace {
 
-// A packed form: its column unit, block bytes, activation order, rows function and the
-// most activation rows a pass takes.
+// A packed form: its column unit, block bytes, activation order, rows function, the most
+// activation rows a pass takes and the weight rows a block holds.
 using RowsFn = void (*)(const Tiles&, const QuantizedX&, float*, int64_t, int64_t, int64_t,
                         int64_t, int64_t);
 struct Form {
@@ -804,15 +863,17 @@ struct Form {
   int order;
   RowsFn rows;
   int64_t pass_rows;
+  int64_t block_rows;
+  int64_t blocks(int64_t N) const { return (N + block_rows - 1) / block_rows; }
 };
-const Form Q4_FORM{CH * G, Q4_BLOCK, QUADS, q4_rows, WIDE_PASS_ROWS};
-const Form Q4K_FORM{256, Q4K_BLOCK, QUADS, q4k_rows, WIDE_PASS_ROWS};
-const Form Q6_FORM{CH * G, Q6_BLOCK, HALVES, q6_rows, WIDE_PASS_ROWS};
+const Form Q4_FORM{G, Q4_BLOCK, GROUPED, q4_rows, WIDE_PASS_ROWS, Q4_ROWS};
+const Form Q4K_FORM{256, Q4K_BLOCK, QUADS, q4k_rows, WIDE_PASS_ROWS, 4};
+const Form Q6_FORM{CH * G, Q6_BLOCK, HALVES, q6_rows, WIDE_PASS_ROWS, 4};
 
 // The form of a packed weight of K columns, told apart by its block size (320 q4, 576
 // q4k, 424 q6); `want`, when given, is the only form accepted.
 Form form_of(const torch::Tensor& packed, int64_t K, const Form* want = nullptr) {
-  TORCH_CHECK(packed.dim() == 4, "packed: uint8 [tiles, ceil(N/4), units a tile, block]");
+  TORCH_CHECK(packed.dim() == 4, "packed: uint8 [tiles, row blocks, units a tile, block]");
   const int64_t b = packed.size(3);
   TORCH_CHECK(b == Q4_BLOCK || b == Q4K_BLOCK || b == Q6_BLOCK, "packed blocks of ", Q4_BLOCK,
               " (q4), ", Q4K_BLOCK, " (q4k) or ", Q6_BLOCK, " (q6) bytes, got ", b);
@@ -837,11 +898,12 @@ torch::Tensor packed_gemv(torch::Tensor x, const torch::Tensor& packed, int64_t 
   const int64_t M = x.size(0), K = x.size(1);
   const Form f = form_of(packed, K, want);
   const Tiles W = tiles_of(packed, K, f.cols, f.block);
-  TORCH_CHECK(packed.size(1) == (N + 3) / 4, "N = ", N, " does not match the packed weight");
+  TORCH_CHECK(packed.size(1) == f.blocks(N), "N = ", N, " does not match the packed weight");
   auto y = torch::empty({M, N}, x.options());
   const QuantizedX X = quantize_x(x.data_ptr<float>(), M, K, f.order, CH);
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, packed.size(1), ROWS_PER_TASK / 4, [&](int64_t b0, int64_t b1) {
+  at::parallel_for(0, packed.size(1), std::max<int64_t>(1, ROWS_PER_TASK / f.block_rows),
+                   [&](int64_t b0, int64_t b1) {
     tiled_passes(b0, b1, W.units * f.block, M,
                  [&](int64_t t0, int64_t t1, int64_t m0, int64_t mm) {
       f.rows(W, X, yp, N, t0, t1, m0, mm);
@@ -883,12 +945,12 @@ torch::Tensor stacked_gemv(torch::Tensor x, std::vector<torch::Tensor> packed,
   std::vector<Tiles> tiles;
   std::vector<torch::Tensor> ys;
   std::vector<int64_t> block_bytes(P), blocks(P);
-  QuantizedX xq[3];
-  bool quantized[3] = {false, false, false};
+  QuantizedX xq[4];
+  bool quantized[4] = {false, false, false, false};
   for (size_t i = 0; i < P; ++i) {
     const Form f = form_of(packed[i], K);
     const Tiles W = tiles_of(packed[i], K, f.cols, f.block);
-    TORCH_CHECK(packed[i].size(1) == (n[i] + 3) / 4, "N = ", n[i],
+    TORCH_CHECK(packed[i].size(1) == f.blocks(n[i]), "N = ", n[i],
                 " does not match packed part ", i);
     if (!quantized[f.order]) {
       xq[f.order] = quantize_x(x.data_ptr<float>(), M, K, f.order, CH);
@@ -988,31 +1050,32 @@ inline void group_to_bf16(const uint8_t* nib, int r, int lane, float dv, float m
 #endif
 }
 
-// Rows [a, b) of a weight packed in blocks of 4 rows (tiles_of: [tiles, ceil(N/4), tu,
+// Rows [a, b) of a weight packed in blocks of ROWS rows (tiles_of: [tiles, row blocks, tu,
 // block], units of `cols` columns) as dense bfloat16 [b - a, K], for the many-row path
 // without a resident dense copy: row(W, nb, r, out) writes row r of row block nb.
-template <typename Row>
+template <int64_t ROWS = 4, typename Row>
 torch::Tensor packed_dequant(const torch::Tensor& packed, int64_t K, int64_t a, int64_t b,
                              int64_t cols, int64_t block, Row row) {
   const Tiles W = tiles_of(packed, K, cols, block);
-  TORCH_CHECK(0 <= a && a < b && b <= packed.size(1) * 4, "row range out of bounds");
+  TORCH_CHECK(0 <= a && a < b && b <= packed.size(1) * ROWS, "row range out of bounds");
   auto out = torch::empty({b - a, K}, packed.options().dtype(torch::kBFloat16));
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
   at::parallel_for(a, b, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t n = r0; n < r1; ++n) row(W, n / 4, static_cast<int>(n % 4), op + (n - a) * K);
+    for (int64_t n = r0; n < r1; ++n)
+      row(W, n / ROWS, static_cast<int>(n % ROWS), op + (n - a) * K);
   });
   return out;
 }
 
 torch::Tensor q4_dequant_bf16(torch::Tensor packed, int64_t K, int64_t a, int64_t b) {
-  return packed_dequant(packed, K, a, b, CH * G, Q4_BLOCK,
-                        [&](const Tiles& W, int64_t nb, int r, at::BFloat16* orow) {
+  return packed_dequant<Q4_ROWS>(packed, K, a, b, G, Q4_BLOCK,
+                                 [&](const Tiles& W, int64_t nb, int r, at::BFloat16* orow) {
     for (int64_t g = 0; g < K / G; ++g) {
-      const uint8_t* cb = W.at(nb, g / CH);
-      const int lane = static_cast<int>(g % CH);
-      const float dv = half_to_float(reinterpret_cast<const uint16_t*>(cb + 256)[r * 4 + lane]);
-      const float mv = half_to_float(reinterpret_cast<const uint16_t*>(cb + 288)[r * 4 + lane]);
-      group_to_bf16(cb, r, lane, dv, mv, orow + g * G);
+      const uint8_t* blk = W.at(nb, g);
+      const float dv = half_to_float(reinterpret_cast<const uint16_t*>(blk + 256)[r]);
+      const float mv = half_to_float(reinterpret_cast<const uint16_t*>(blk + 288)[r]);
+      at::BFloat16* o = orow + g * G;
+      for (int k = 0; k < G; ++k) o[k] = at::BFloat16(dv * float(q4_unit_nib(blk, r, k)) + mv);
     }
   });
 }

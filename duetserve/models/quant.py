@@ -5,8 +5,8 @@ activations quantized to int8 per group of 32 at each call, integer dot products
 AVX512-VNNI, one float scale per group), else plain torch:
 
 - `Int4Weight`: GGUF Q4_1's groups, 32 along K, `w = d * q + m`, q in 0..15, 16 bytes
-  of nibbles + float16 d and m per group (0.625 bytes per weight), packed in blocks of 4
-  rows x 4 groups so the decode kernel reads one sequential stream (layout in
+  of nibbles + float16 d and m per group (0.625 bytes per weight), packed in blocks of 16
+  rows x 1 group so the decode kernel reads one sequential stream (layout in
   csrc/lowbit_gemv.cpp). GGUF Q4_0 and
   Q4_1 map onto it losslessly; so does a float checkpoint under `--quantization int4`.
 - `Int4KWeight`: GGUF Q4_K kept exactly, `w = d * sc * q - dmin * mn` with the file's
@@ -87,8 +87,8 @@ def _pad_rows(t: torch.Tensor, rows: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 class _BlockWeight:
-    """A weight packed in blocks of 4 rows, `units` column units of COLS a row, in one
-    uint8 tensor `packed` [tiles, ceil(N/4), TU, BLOCK]: K in tiles of TU units (the last
+    """A weight packed in blocks of ROWS rows, `units` column units of COLS a row, in one
+    uint8 tensor `packed` [tiles, ceil(N/ROWS), TU, BLOCK]: K in tiles of TU units (the last
     one padded with zero units), each tile holding every row block's TU units in turn
     (`_tiled`). A native GEMV and bf16 dequantization (csrc/lowbit_gemv.cpp, named by
     _GEMV and _DEQUANT) and plain-torch fallbacks. Subclasses define _unpack(ids) (rows
@@ -96,6 +96,7 @@ class _BlockWeight:
 
     _GEMV = _DEQUANT = ""
     COLS = 128
+    ROWS = 4
     shape: tuple[int, int]
     packed: torch.Tensor
 
@@ -124,7 +125,7 @@ class _BlockWeight:
         """The blocks holding rows `ids` [n]: [n, units, BLOCK] (a copy of those only)."""
         tiles, _, tu, block = self.packed.shape
         units = -(-self.shape[1] // self.COLS)
-        b = self.packed[:, ids // 4]                                    # [tiles, n, TU, B]
+        b = self.packed[:, ids // self.ROWS]                            # [tiles, n, TU, B]
         return b.transpose(0, 1).reshape(len(ids), tiles * tu, block)[:, :units]
 
     def _unpack(self, ids: torch.Tensor) -> tuple:
@@ -160,7 +161,7 @@ class _BlockWeight:
             raise ValueError(f"row prefix {n} outside 1..{self.shape[0]}")
         out = object.__new__(type(self))
         out.shape = (n, self.shape[1])
-        out.packed = self.packed[:, :-(-n // 4)]
+        out.packed = self.packed[:, :-(-n // self.ROWS)]
         return out
 
     @property
@@ -169,12 +170,16 @@ class _BlockWeight:
 
 
 class Int4Weight(_BlockWeight):
-    """Units of 4 groups (128 columns), 320 bytes: per block of 4 rows and 4 groups, the
-    rows' nibbles (256 bytes, `_pack_nibbles` order), then d [4 rows][4 groups] and m
-    [4][4] as float16; w = d * q + m. Padding is zero."""
+    """Units of one group (32 columns) of 16 rows, 320 bytes: the rows' nibbles as 4
+    vectors of 64 bytes (vector v, dword r, byte j: element 8v + j of row r low, 8v + 4 + j
+    high), then d [16 rows] and m [16] as float16; w = d * q + m. Padding is zero. Blocks
+    of 16 rows let the kernel's dot products take their activations as 4-byte broadcasts
+    (csrc/lowbit_gemv.cpp)."""
 
     bits = 4
-    BLOCK = 4 * 64 + 2 * 32
+    COLS = 32
+    ROWS = 16
+    BLOCK = 16 * 16 + 2 * 32
     _GEMV, _DEQUANT = "q4_gemv", "q4_dequant_bf16"
 
     def __init__(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> None:
@@ -183,26 +188,23 @@ class Int4Weight(_BlockWeight):
         if k % GROUP:
             raise ValueError(f"int4 groups need K % {GROUP} == 0, got K = {k}")
         self.shape = (n, k)
-        ng = k // GROUP
-        nb, nch = -(-n // 4), -(-ng // 4)
-        qp = torch.zeros(nb * 4, nch * 128, dtype=torch.uint8)
-        qp[:n, :k] = q
-        dm = torch.zeros(2, nb * 4, nch * 4, dtype=torch.float16)
-        dm[0, :n, :ng], dm[1, :n, :ng] = d, m
-        dm = dm.view(2, nb, 4, nch, 4).permute(1, 3, 0, 2, 4).reshape(nb, nch, 32)
-        self.packed = self._tiled(torch.cat([_pack_nibbles(qp, nb, nch),
-                                             dm.contiguous().view(torch.uint8)], dim=-1))
+        ng, nb = k // GROUP, -(-n // 16)
+        v = _pad_rows(q, nb * 16, torch.uint8).view(nb, 16, ng, 4, 2, 4)  # b, r, g, v, half, j
+        nib = (v[..., 0, :] | (v[..., 1, :] << 4)).permute(0, 2, 3, 1, 4)  # b, g, v, r, j
+        dm = torch.stack([_pad_rows(d, nb * 16, torch.float16),
+                          _pad_rows(m, nb * 16, torch.float16)])           # 2, R, g
+        dm = dm.view(2, nb, 16, ng).permute(1, 3, 0, 2).contiguous()       # b, g, 2, r
+        self.packed = self._tiled(torch.cat([nib.reshape(nb, ng, 256),
+                                             dm.view(torch.uint8).reshape(nb, ng, 64)], dim=-1))
 
     def groups(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Rows `ids` [n] unpacked: (q [n, K/32, 32] uint8 values, d, m [n, K/32] float16)."""
-        blk, r, n = self._row_blocks(ids), ids % 4, len(ids)
-        nch, ar = blk.shape[1], torch.arange(n)
-        ng = self.shape[1] // GROUP
-        vec = blk[..., :256].reshape(n, nch, 4, 4, 4, 4)[ar, :, :, r]
-        dm = blk[..., 256:].contiguous().view(torch.float16).view(n, nch, 2, 4, 4)
-        dm = dm[ar, :, :, r]                                                 # [n, nch, 2, 4]
-        return (_unpack_nibbles(vec)[:, :ng],
-                dm[:, :, 0].reshape(len(ids), -1)[:, :ng], dm[:, :, 1].reshape(len(ids), -1)[:, :ng])
+        blk, r, n = self._row_blocks(ids), ids % 16, len(ids)
+        ar = torch.arange(n)
+        b = blk[..., :256].reshape(n, -1, 4, 16, 4)[ar, :, :, r]            # n, g, v, j
+        q = torch.stack([b & 15, b >> 4], dim=-2).reshape(n, -1, GROUP)     # n, g, v, half, j
+        dm = blk[..., 256:].contiguous().view(torch.float16).view(n, -1, 2, 16)[ar, :, :, r]
+        return q, dm[..., 0], dm[..., 1]
 
     @staticmethod
     def _decode(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
