@@ -13,20 +13,20 @@
 //   of 16 weight rows and group: 4 vectors of 64 bytes, then d [16 rows] and m [16] as
 //   float16 (32 bytes each). Vector v, dword r, byte j: element 8v + j of row r in the low
 //   nibble, 8v + 4 + j in the high one. So each int32 lane of a vpdpbusd is one weight row
-//   and its activation operand is 4 elements broadcast from memory (PLAIN order), which
+//   and its activation operand is 4 elements broadcast from memory (GROUPED order), which
 //   costs a load and no shuffle: with 4 rows a block (lanes 4r + g, the same 16 activation
 //   bytes broadcast to each 128-bit lane) the 128-bit broadcasts cost a vector op each and
 //   steps of 2-8 activation rows ran ~1.45x slower on Zen 4 (docs/performance.md). Rows
 //   past N are zero. One block is one sequential stream.
 //   Per group: sum_k w_k x_k = d * dx * sum_k q_k xq_k + m * (dx * sum_k xq_k).
 // q4k weights (GGUF Q4_K, kept exactly): w = d * sc * q - dmin * mn, q in 0..15, the
-//   file's 6-bit sc and mn per group of 32 and float16 d, dmin per 256: units of 576
-//   bytes (packed [tiles, ceil(N/4), tu, 576] uint8: the file's 4 x 144 bytes, reordered).
-//   Per block of 4 rows and 256 weights of each: the nibbles of columns 0-127 (q4's 4 x 64
-//   bytes), of 128-255, then the codes: 16 little-endian 24-bit words (48 bytes), word
-//   4r + g (row r, group g of each half of 128) = sc0 | sc1 << 6 | mn0 << 12 | mn1 << 18
-//   (sc_h, mn_h: the codes of group 4h + g), then d [4 rows] and dmin [4] as float16. Each
-//   half is q4's chunk with d * sc and -dmin * mn (exact in float32) as its d and m.
+//   file's 6-bit sc and mn per group of 32 and float16 d, dmin per 256: units of 2304
+//   bytes (packed [tiles, ceil(N/16), tu, 2304] uint8: the file's 16 x 144 bytes,
+//   reordered). Per block of 16 rows and 256 weights of each: the 8 groups' nibbles as
+//   q4's units (256 bytes each), then the codes: 4 x 16 little-endian 24-bit words (192
+//   bytes), word 16 g + r (row r, g in 0..3) = sc0 | sc1 << 6 | mn0 << 12 | mn1 << 18
+//   (sc_h, mn_h: the codes of group 4h + g), then d [16 rows] and dmin [16] as float16.
+//   Each group is q4's unit with d * sc and -dmin * mn (exact in float32) as its d and m.
 // q6 weights (GGUF Q6_K, kept exactly; lanes 4g + r, the HALVES activation order):
 //   w = d * sc * (q - 32), q in 0..63, an int8 scale sc per 16 weights along K and a
 //   float16 d per row and 256 (stored once per 128 here): units of 424 bytes (packed
@@ -65,19 +65,19 @@
 namespace {
 
 constexpr int64_t G = 32;       // group size along K
-constexpr int64_t CH = 4;       // q4: groups per 512-bit chunk
+constexpr int64_t CH = 4;       // groups per chunk of 128 columns (quantizer, q6)
 constexpr int64_t Q4_ROWS = 16;                 // q4: weight rows per block
 constexpr int64_t Q4_BLOCK = Q4_ROWS * 16 + 2 * 32;   // q4: bytes per block of 16 rows x 1 group
 constexpr int64_t Q8_BLOCK = 4 * 64;            // q8: bytes per block of 4 rows x 64 columns
-constexpr int64_t Q4K_CODES = 2 * 4 * 64, Q4K_D = Q4K_CODES + 48;
-constexpr int64_t Q4K_BLOCK = Q4K_D + 16;       // q4k: bytes per block of 4 rows x 256 columns
+constexpr int64_t Q4K_CODES = 8 * 256, Q4K_D = Q4K_CODES + 4 * 48;
+constexpr int64_t Q4K_BLOCK = Q4K_D + 64;       // q4k: bytes per block of 16 rows x 256 columns
 constexpr int64_t Q6_TOP = 4 * 64, Q6_SC = Q6_TOP + 4 * 32, Q6_D = Q6_SC + 32;
 constexpr int64_t Q6_BLOCK = Q6_D + 8;          // q6: bytes per block of 4 rows x 128 columns
-// q4/q8 blocks prefetch two chunks ahead in their one stream, q4k/q6 blocks eight units
-// (4.6 / 3.4 KB). Against four units, the 1.5B's GEMVs in model order, two builds
+// q4/q8 blocks prefetch two units ahead in their one stream, q4k two (4.6 KB), q6 eight
+// (3.4 KB). Against four units, the 1.5B's GEMVs in model order, two builds
 // interleaved: the same while this VM's memory reads ~32 GB/s, ~2% faster at ~45+.
 
-// A weight packed in blocks of 4 rows (16 for q4) with K in tiles (models/quant.py:
+// A weight packed in blocks of 4 rows (16 for q4 and q4k) with K in tiles (models/quant.py:
 // _BlockWeight): packed [tiles, row blocks, tu, block]; tile t holds units [t tu,
 // (t + 1) tu) of every row block, block after block, so a thread's rows of one tile are one sequential stream
 // and the activations one tile reads (<= 2048 columns) stay in L1 between row blocks.
@@ -100,11 +100,10 @@ inline float half_to_float(uint16_t h) {
 //   xq: in `order`; padded groups are zero.
 //   dx[g] = scale of group g (0 for padding); xs[g] = dx[g] * sum(xq of g).
 // Activation orders: PLAIN (element order; q8), HALVES (per chunk of 4 groups, 64 bytes of
-// the groups' elements 0-15, 16 a group, then 64 of elements 16-31; q6), QUADS (q4, q4k:
-// per chunk 8 runs of 16 bytes, run 2v + h holding elements 8v + 4h .. + 3 of each group),
-// GROUPED (q4: PLAIN's groups with the rows inside, group g of row m at g * M + m, and dx
-// and xs the same, so a pass finds its rows' values at fixed offsets from one pointer).
-enum Order { PLAIN = 0, HALVES = 1, QUADS = 2, GROUPED = 3 };
+// the groups' elements 0-15, 16 a group, then 64 of elements 16-31; q6), GROUPED (q4,
+// q4k: PLAIN's groups with the rows inside, group g of row m at g * M + m, and dx and xs
+// the same, so a pass finds its rows' values at fixed offsets from one pointer).
+enum Order { PLAIN = 0, HALVES = 1, GROUPED = 2 };
 
 // Group g of x (32 floats): its int8 values in element order, and returns their sum; *d
 // = the group's scale (the plain loop; quantize_chunk computes the same values four groups
@@ -205,22 +204,11 @@ inline void quantize_chunk(const float* xg, int64_t valid, int order, int8_t* ou
   };
   if (order == PLAIN) {
     for (int k = 0; k < 8; ++k) store(16 * k, b[k]);
-  } else if (order == HALVES) {     // elements 0-15 of group i at 16 i, 16-31 at 64 + 16 i
+  } else {   // HALVES: elements 0-15 of group i at 16 i, 16-31 at 64 + 16 i
     for (int i = 0; i < 4; ++i) {
       store(16 * i, b[2 * i]);
       store(64 + 16 * i, b[2 * i + 1]);
     }
-  } else {                          // QUADS: dword j of group i at dword 4 j + i
-    auto join = [](__m128i w, __m128i x, __m128i y, __m128i z) {
-      return _mm512_inserti32x4(_mm512_inserti32x4(_mm512_inserti32x4(
-          _mm512_castsi128_si512(w), x, 1), y, 2), z, 3);
-    };
-    const __m512i g01 = join(b[0], b[1], b[2], b[3]), g23 = join(b[4], b[5], b[6], b[7]);
-    // dword 4 j + i <- group i's dword j: g01[8 i + j] (i < 2), g23[8 (i - 2) + j] (+16)
-    const __m512i i0 = _mm512_setr_epi32(0, 8, 16, 24, 1, 9, 17, 25, 2, 10, 18, 26, 3, 11, 19, 27);
-    const __m512i i1 = _mm512_add_epi32(i0, _mm512_set1_epi32(4));
-    _mm512_storeu_si512(out, _mm512_permutex2var_epi32(g01, i0, g23));
-    _mm512_storeu_si512(out + 64, _mm512_permutex2var_epi32(g01, i1, g23));
   }
 }
 #endif
@@ -259,8 +247,6 @@ void quantize_row(const float* x, int64_t K, int64_t gp, int order, int8_t* xq, 
     if (g < ngroups && order == HALVES) {     // elements 0-15 at c*128 + i*16, 16-31 at +64
       std::memcpy(xq + c * CH * G + i * 16, q, 16);
       std::memcpy(xq + c * CH * G + 64 + i * 16, q + 16, 16);
-    } else if (g < ngroups && order == QUADS) {   // elements 4j..4j+3 at c*128 + j*16 + i*4
-      for (int j = 0; j < 8; ++j) std::memcpy(xq + c * CH * G + j * 16 + i * 4, q + 4 * j, 4);
     }
     dx[g] = d;
     xs[g] = d * static_cast<float>(sum);
@@ -279,7 +265,7 @@ QuantizedX quantize_x(const float* x, int64_t M, int64_t K, int order, int64_t p
   QuantizedX out;
   const int64_t ng = K / G;
   out.gp = (ng + pad_to - 1) / pad_to * pad_to;
-  TORCH_CHECK(order == PLAIN || out.gp % CH == 0, "HALVES and QUADS pad rows to chunks");
+  TORCH_CHECK(order != HALVES || out.gp % CH == 0, "HALVES pads rows to chunks");
   const int64_t gp = out.gp;
   out.q.resize(M * gp * G);
   out.d.resize(M * gp);
@@ -333,111 +319,73 @@ inline __m512i reduce_4x4(const __m512i* d) {
   return _mm512_add_epi32(_mm512_unpacklo_epi64(u0, u1), _mm512_unpackhi_epi64(u0, u1));
 }
 
-// Weight rows 4 nb .. 4 nb + 3 (one packed block) against activation rows m0 .. m0 + MM - 1.
-// Per chunk and activation row: the 4 weight rows' dots (vpdpbusd leaves each group's sum
-// in 4 int32 lanes) are summed across those lanes in integers and transposed into one
-// vector, lanes 4g + r = row r, group g; the float work (convert, x scale, w scale, and the
-// m term) then runs once for 4 weight rows instead of once per row. From 2 activation rows
-// on these kernels are bound by the vector pipes that do the dots and the float math; the
-// lane sums run as shuffles and integer adds instead (docs/performance.md has the timings).
-// One q4 chunk (the 4 nibble vectors of 4 weight rows x 4 groups at `nib`, their d and m
-// in lanes 4r + g) against activation rows m0 .. m0 + MM - 1 (chunk c, QUADS order). Two
-// accumulators keep the dot chains short; their lanes are whole (row, group) sums.
+// The lanes 4g + r (row r, group g) of `acc` summed over g, as (g0 + g1) + (g2 + g3), into
+// y[m0 + i, 4 nb + r].
 template <int MM>
-inline void q4_chunk(const uint8_t* nib, __m512 dv, __m512 mv, const QuantizedX& X,
-                     int64_t c, int64_t m0, __m512* acc) {
-  const int64_t gp = X.gp;
+inline void store_rows(const __m512* acc, float* y, int64_t N, int64_t nb, int64_t m0) {
+  for (int i = 0; i < MM; ++i) {
+    alignas(64) float a[16];
+    _mm512_store_ps(a, acc[i]);
+    for (int r = 0; r < 4 && nb * 4 + r < N; ++r)
+      y[(m0 + i) * N + nb * 4 + r] = (a[r] + a[4 + r]) + (a[8 + r] + a[12 + r]);
+  }
+}
+
+// One group of 16 weight rows (its nibble vectors at `nib`, d and m of the rows in dv, mv)
+// against activation rows 0 .. MM - 1 of a pass (GROUPED: the group's int8 values at
+// xg + i G, dx at dg[i], xs at sg[i]), added into sum (lane r: weight row r). Two
+// accumulators keep the dot chains short.
+template <int MM>
+inline void q4_group(const uint8_t* nib, __m512 dv, __m512 mv, const int8_t* xg,
+                     const float* dg, const float* sg, __m512* sum) {
   // the high nibbles stay in place: their dots come out 16 times too large, and one
   // exact shift per activation row (not one per weight vector) takes the 16 out
   const __m512i low4 = _mm512_set1_epi8(0x0F), high4 = _mm512_set1_epi8(static_cast<char>(0xF0));
+  // 4 activation bytes broadcast straight from memory (a load, no vector op)
+  auto bcast4 = [](const int8_t* p) { return _mm512_broadcastd_epi32(_mm_loadu_si32(p)); };
   __m512i lo[4], hi[4];
   for (int v = 0; v < 4; ++v) {
     const __m512i w = _mm512_loadu_si512(nib + v * 64);
     lo[v] = _mm512_and_si512(w, low4);
     hi[v] = _mm512_and_si512(w, high4);
   }
-  auto quad = [](const int8_t* p) {
-    return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  };
+#pragma GCC unroll 8
   for (int i = 0; i < MM; ++i) {
-    const int8_t* xq = X.q.data() + (m0 + i) * gp * G + c * CH * G;
-    __m512i a = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[0], quad(xq));
-    __m512i b = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi[0], quad(xq + 16));
+    const int8_t* xq = xg + i * G;
+    __m512i a = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[0], bcast4(xq));
+    __m512i b = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi[0], bcast4(xq + 4));
     for (int v = 1; v < 4; ++v) {
-      a = _mm512_dpbusd_epi32(a, lo[v], quad(xq + 32 * v));
-      b = _mm512_dpbusd_epi32(b, hi[v], quad(xq + 32 * v + 16));
+      a = _mm512_dpbusd_epi32(a, lo[v], bcast4(xq + 8 * v));
+      b = _mm512_dpbusd_epi32(b, hi[v], bcast4(xq + 8 * v + 4));
     }
     const __m512i e = _mm512_add_epi32(a, _mm512_srai_epi32(b, 4));
-    const int64_t off = (m0 + i) * gp + c * CH;
-    const __m512 dx = _mm512_broadcast_f32x4(_mm_loadu_ps(X.d.data() + off));
-    const __m512 xs = _mm512_broadcast_f32x4(_mm_loadu_ps(X.s.data() + off));
-    acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(e), dx), dv, acc[i]);
-    acc[i] = _mm512_fmadd_ps(mv, xs, acc[i]);
-  }
-}
-
-// The lanes of (row r, group g) of `acc` (4r + g when RG, else 4g + r) summed over g, as
-// (g0 + g1) + (g2 + g3), into y[m0 + i, 4 nb + r].
-template <int MM, bool RG>
-inline void store_rows(const __m512* acc, float* y, int64_t N, int64_t nb, int64_t m0) {
-  auto lane = [](int r, int g) { return RG ? 4 * r + g : 4 * g + r; };
-  for (int i = 0; i < MM; ++i) {
-    alignas(64) float a[16];
-    _mm512_store_ps(a, acc[i]);
-    for (int r = 0; r < 4 && nb * 4 + r < N; ++r)
-      y[(m0 + i) * N + nb * 4 + r] =
-          (a[lane(r, 0)] + a[lane(r, 1)]) + (a[lane(r, 2)] + a[lane(r, 3)]);
+    sum[i] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(e), _mm512_set1_ps(dg[i])),
+                             dv, sum[i]);
+    sum[i] = _mm512_fmadd_ps(mv, _mm512_set1_ps(sg[i]), sum[i]);
   }
 }
 
 // Row block nb's units of tile t (one group each) of a q4 weight against activation rows
-// m0 .. m0 + MM - 1 (PLAIN order), added into acc (lane r: weight row 16 nb + r). Two
-// accumulators keep the dot chains short.
+// m0 .. m0 + MM - 1, added into acc (lane r: weight row 16 nb + r).
 template <int MM>
 void q4_span(const Tiles& W, const QuantizedX& X, int64_t nb, int64_t t, int64_t m0,
              __m512* acc) {
   const int64_t M = X.m;   // GROUPED: group g of row m at g * M + m
   const uint8_t* first = W.span(nb, t);
   const int64_t u0 = t * W.tu, u1 = W.end(t);
-  // the high nibbles stay in place: their dots come out 16 times too large, and one
-  // exact shift per activation row (not one per weight vector) takes the 16 out
-  const __m512i low4 = _mm512_set1_epi8(0x0F), high4 = _mm512_set1_epi8(static_cast<char>(0xF0));
-  // 4 activation bytes broadcast straight from memory (a load, no vector op)
-  auto bcast4 = [](const int8_t* p) { return _mm512_broadcastd_epi32(_mm_loadu_si32(p)); };
   __m512 sum[MM];   // in registers for the span (the rows' loop unrolled)
 #pragma GCC unroll 8
   for (int i = 0; i < MM; ++i) sum[i] = acc[i];
   for (int64_t g = u0; g < u1; ++g) {
     const uint8_t* blk = first + (g - u0) * Q4_BLOCK;
-    for (int l = 0; l < Q4_BLOCK / 64; ++l)   // two groups ahead (runs into the next block)
+    for (int l = 0; l < Q4_BLOCK / 64; ++l)   // two units ahead (runs into the next block)
       _mm_prefetch(reinterpret_cast<const char*>(blk + 2 * Q4_BLOCK + l * 64), _MM_HINT_T0);
     const __m512 dv = _mm512_cvtph_ps(
         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 256)));
     const __m512 mv = _mm512_cvtph_ps(
         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 288)));
-    __m512i lo[4], hi[4];
-    for (int v = 0; v < 4; ++v) {
-      const __m512i w = _mm512_loadu_si512(blk + v * 64);
-      lo[v] = _mm512_and_si512(w, low4);
-      hi[v] = _mm512_and_si512(w, high4);
-    }
-    const int8_t* xg = X.q.data() + (g * M + m0) * G;
-    const float* dg = X.d.data() + g * M + m0;
-    const float* sg = X.s.data() + g * M + m0;
-#pragma GCC unroll 8
-    for (int i = 0; i < MM; ++i) {
-      const int8_t* xq = xg + i * G;
-      __m512i a = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[0], bcast4(xq));
-      __m512i b = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi[0], bcast4(xq + 4));
-      for (int v = 1; v < 4; ++v) {
-        a = _mm512_dpbusd_epi32(a, lo[v], bcast4(xq + 8 * v));
-        b = _mm512_dpbusd_epi32(b, hi[v], bcast4(xq + 8 * v + 4));
-      }
-      const __m512i e = _mm512_add_epi32(a, _mm512_srai_epi32(b, 4));
-      sum[i] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(e), _mm512_set1_ps(dg[i])),
-                               dv, sum[i]);
-      sum[i] = _mm512_fmadd_ps(mv, _mm512_set1_ps(sg[i]), sum[i]);
-    }
+    q4_group<MM>(blk, dv, mv, X.q.data() + (g * M + m0) * G, X.d.data() + g * M + m0,
+                 X.s.data() + g * M + m0, sum);
   }
 #pragma GCC unroll 8
   for (int i = 0; i < MM; ++i) acc[i] = sum[i];
@@ -451,42 +399,53 @@ inline void store_rows16(const __m512* acc, float* y, int64_t N, int64_t nb, int
   for (int i = 0; i < MM; ++i) _mm512_mask_storeu_ps(y + (m0 + i) * N + nb * Q4_ROWS, keep, acc[i]);
 }
 
-// A q4k block's 16 code words (lanes 4r + g), each widened to an int32 lane: the 48 bytes
-// moved 12 to a 128-bit lane (dwords 3L .. 3L + 2 to lane L), then 3 bytes to a dword.
-inline __m512i q4k_codes(const uint8_t* blk) {
-  const __m512i raw = _mm512_maskz_loadu_epi8(0xFFFFFFFFFFFFull, blk + Q4K_CODES);
+// 16 little-endian 24-bit words at p (48 bytes), each widened to an int32 lane: the 48
+// bytes moved 12 to a 128-bit lane (dwords 3L .. 3L + 2 to lane L), then 3 bytes to a dword.
+inline __m512i widen24(const uint8_t* p) {
+  const __m512i raw = _mm512_maskz_loadu_epi8(0xFFFFFFFFFFFFull, p);
   const __m512i lanes = _mm512_permutexvar_epi32(
       _mm512_setr_epi32(0, 1, 2, 0, 3, 4, 5, 0, 6, 7, 8, 0, 9, 10, 11, 0), raw);
   const __m128i z = _mm_setr_epi8(0, 1, 2, -1, 3, 4, 5, -1, 6, 7, 8, -1, 9, 10, 11, -1);
   return _mm512_shuffle_epi8(lanes, _mm512_broadcast_i32x4(z));
 }
 
-// The same for a q4k weight: two chunks a block, their d and m computed from the codes.
+// The same for a q4k weight: 8 groups a unit, their d and m computed from the codes.
 template <int MM>
 void q4k_span(const Tiles& W, const QuantizedX& X, int64_t nb, int64_t t, int64_t m0,
               __m512* acc) {
+  const int64_t M = X.m;
   const uint8_t* first = W.span(nb, t);
-  const int64_t u0 = t * W.tu;
-  const __m512i rows = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  const int64_t u0 = t * W.tu, u1 = W.end(t);
   const __m512i six = _mm512_set1_epi32(63);
-  for (int64_t s = u0; s < W.end(t); ++s) {
+  __m512 sum[MM];
+#pragma GCC unroll 8
+  for (int i = 0; i < MM; ++i) sum[i] = acc[i];
+  for (int64_t s = u0; s < u1; ++s) {
     const uint8_t* blk = first + (s - u0) * Q4K_BLOCK;
-    for (int l = 0; l < (Q4K_BLOCK + 63) / 64; ++l)
-      _mm_prefetch(reinterpret_cast<const char*>(blk + 8 * Q4K_BLOCK + l * 64), _MM_HINT_T0);
-    const __m512 ds = _mm512_permutexvar_ps(rows, _mm512_cvtph_ps(_mm256_castsi128_si256(
-        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + Q4K_D)))));
-    const __m512 dm = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_permutexvar_ps(rows,
-        _mm512_cvtph_ps(_mm256_castsi128_si256(
-            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + Q4K_D + 8))))));
-    const __m512i codes = q4k_codes(blk);
-    for (int h = 0; h < 2; ++h) {
+    const __m512 ds = _mm512_cvtph_ps(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + Q4K_D)));
+    const __m512 dm = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_cvtph_ps(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + Q4K_D + 32))));
+    for (int gl = 0; gl < 8; ++gl) {
+      const uint8_t* nib = blk + gl * 256;
+      for (int l = 0; l < 4; ++l)   // two units ahead, a group's nibbles at a time
+        _mm_prefetch(reinterpret_cast<const char*>(nib + 2 * Q4K_BLOCK + l * 64), _MM_HINT_T0);
+      if (gl == 7)                  // and the codes and scales
+        for (int l = 0; l < 4; ++l)
+          _mm_prefetch(reinterpret_cast<const char*>(blk + 2 * Q4K_BLOCK + Q4K_CODES + l * 64),
+                       _MM_HINT_T0);
+      const int h = gl / 4;
+      const __m512i codes = widen24(blk + Q4K_CODES + 48 * (gl % 4));
       const __m512i sc = _mm512_and_si512(_mm512_srli_epi32(codes, 6 * h), six);
       const __m512i mn = _mm512_and_si512(_mm512_srli_epi32(codes, 12 + 6 * h), six);
-      const __m512 dv = _mm512_mul_ps(ds, _mm512_cvtepi32_ps(sc));
-      const __m512 mv = _mm512_mul_ps(dm, _mm512_cvtepi32_ps(mn));
-      q4_chunk<MM>(blk + h * 256, dv, mv, X, 2 * s + h, m0, acc);
+      const int64_t g = 8 * s + gl;
+      q4_group<MM>(nib, _mm512_mul_ps(ds, _mm512_cvtepi32_ps(sc)),
+                   _mm512_mul_ps(dm, _mm512_cvtepi32_ps(mn)), X.q.data() + (g * M + m0) * G,
+                   X.d.data() + g * M + m0, X.s.data() + g * M + m0, sum);
     }
   }
+#pragma GCC unroll 8
+  for (int i = 0; i < MM; ++i) acc[i] = sum[i];
 }
 
 // The same for a q6 weight: the low and high halves of each group have their own scale, so
@@ -662,17 +621,6 @@ void plain_rows(float* y, int64_t N, int64_t b0, int64_t b1, int64_t m0, int64_t
     }
 }
 
-// Element k of row r's group `lane` in a q4 chunk's nibble vectors, and the position of
-// element k of group `lane` of chunk c in QUADS activations.
-inline int q4_nib(const uint8_t* nib, int r, int lane, int k) {
-  const uint8_t b = nib[(k / 8) * 64 + (4 * r + lane) * 4 + k % 4];
-  return (k % 8) < 4 ? (b & 15) : (b >> 4);
-}
-
-inline int64_t quads_pos(int64_t c, int lane, int k) {
-  return c * CH * G + (2 * (k / 8) + (k % 8) / 4) * 16 + lane * 4 + k % 4;
-}
-
 // Element k of row r in a q4 unit (one group of 16 rows, its nibble vectors at `blk`).
 inline int q4_unit_nib(const uint8_t* blk, int r, int k) {
   const uint8_t b = blk[(k / 8) * 64 + r * 4 + k % 4];
@@ -707,11 +655,11 @@ void q4_rows(const Tiles& W, const QuantizedX& X, float* y, int64_t N,
 // Group g's d and m of row r of a q4k block (g in 0..7 over the block's 256 columns).
 inline void q4k_dm(const uint8_t* blk, int r, int g, float* d, float* m) {
   const uint16_t* dd = reinterpret_cast<const uint16_t*>(blk + Q4K_D);
-  const uint8_t* c = blk + Q4K_CODES + 3 * (r * 4 + g % 4);
+  const uint8_t* c = blk + Q4K_CODES + 48 * (g % 4) + 3 * r;
   const uint32_t word = uint32_t(c[0]) | uint32_t(c[1]) << 8 | uint32_t(c[2]) << 16;
   const int h = g / 4;
   *d = half_to_float(dd[r]) * float((word >> (6 * h)) & 63);
-  *m = -(half_to_float(dd[4 + r]) * float((word >> (12 + 6 * h)) & 63));
+  *m = -(half_to_float(dd[Q4_ROWS + r]) * float((word >> (12 + 6 * h)) & 63));
 }
 
 void q4k_rows(const Tiles& W, const QuantizedX& X, float* y, int64_t N,
@@ -720,22 +668,21 @@ void q4k_rows(const Tiles& W, const QuantizedX& X, float* y, int64_t N,
   dispatch<true>(mm, [&](auto MM) {
     over_tiles<MM.value>(W, b0, b1,
         [&](int64_t nb, int64_t t, __m512* acc) { q4k_span<MM.value>(W, X, nb, t, m0, acc); },
-        [&](int64_t nb, const __m512* acc) { store_rows<MM.value, true>(acc, y, N, nb, m0); });
+        [&](int64_t nb, const __m512* acc) { store_rows16<MM.value>(acc, y, N, nb, m0); });
   });
 #else
-  const int64_t gp = X.gp;
-  plain_rows(y, N, b0, b1, m0, mm, [&](int64_t nb, int r, int64_t m, float& total) {
-    const int8_t* xq = X.q.data() + m * gp * G;
+  const int64_t M = X.m;   // GROUPED
+  plain_rows<Q4_ROWS>(y, N, b0, b1, m0, mm, [&](int64_t nb, int r, int64_t m, float& total) {
     for (int64_t s = 0; s < W.units; ++s) {
       const uint8_t* blk = W.at(nb, s);
       for (int gl = 0; gl < 8; ++gl) {
-        const int64_t c = 2 * s + gl / 4, g = c * CH + gl % 4;
+        const int64_t g = 8 * s + gl;
+        const int8_t* xq = X.q.data() + (g * M + m) * G;
         int32_t dot = 0;
-        for (int k = 0; k < G; ++k)
-          dot += q4_nib(blk + (gl / 4) * 256, r, gl % 4, k) * xq[quads_pos(c, gl % 4, k)];
+        for (int k = 0; k < G; ++k) dot += q4_unit_nib(blk + gl * 256, r, k) * xq[k];
         float dv, mv;
         q4k_dm(blk, r, gl, &dv, &mv);
-        total += dv * X.d[m * gp + g] * float(dot) + mv * X.s[m * gp + g];
+        total += dv * X.d[g * M + m] * float(dot) + mv * X.s[g * M + m];
       }
     }
   });
@@ -762,7 +709,7 @@ void q6_rows(const Tiles& W, const QuantizedX& X, float* y, int64_t N,
   dispatch<true>(mm, [&](auto MM) {
     over_tiles<MM.value>(W, b0, b1,
         [&](int64_t nb, int64_t t, __m512* acc) { q6_span<MM.value>(W, X, nb, t, m0, acc); },
-        [&](int64_t nb, const __m512* acc) { store_rows<MM.value, false>(acc, y, N, nb, m0); });
+        [&](int64_t nb, const __m512* acc) { store_rows<MM.value>(acc, y, N, nb, m0); });
   });
 #else
   const int64_t gp = X.gp;
@@ -867,7 +814,7 @@ struct Form {
   int64_t blocks(int64_t N) const { return (N + block_rows - 1) / block_rows; }
 };
 const Form Q4_FORM{G, Q4_BLOCK, GROUPED, q4_rows, WIDE_PASS_ROWS, Q4_ROWS};
-const Form Q4K_FORM{256, Q4K_BLOCK, QUADS, q4k_rows, WIDE_PASS_ROWS, 4};
+const Form Q4K_FORM{256, Q4K_BLOCK, GROUPED, q4k_rows, WIDE_PASS_ROWS, Q4_ROWS};
 const Form Q6_FORM{CH * G, Q6_BLOCK, HALVES, q6_rows, WIDE_PASS_ROWS, 4};
 
 // The form of a packed weight of K columns, told apart by its block size (320 q4, 576
@@ -945,8 +892,8 @@ torch::Tensor stacked_gemv(torch::Tensor x, std::vector<torch::Tensor> packed,
   std::vector<Tiles> tiles;
   std::vector<torch::Tensor> ys;
   std::vector<int64_t> block_bytes(P), blocks(P);
-  QuantizedX xq[4];
-  bool quantized[4] = {false, false, false, false};
+  QuantizedX xq[3];
+  bool quantized[3] = {false, false, false};
   for (size_t i = 0; i < P; ++i) {
     const Form f = form_of(packed[i], K);
     const Tiles W = tiles_of(packed[i], K, f.cols, f.block);
@@ -1028,12 +975,12 @@ torch::Tensor f32_gemv(torch::Tensor x, torch::Tensor w) {
   return y;
 }
 
-// Row r's group `lane` of a q4 chunk (its nibble vectors at `nib`) -> d * q + m as bf16.
-inline void group_to_bf16(const uint8_t* nib, int r, int lane, float dv, float mv,
-                          at::BFloat16* o) {
+// One row's group of a q4 / q4k unit (p: the row's dword in the group's first nibble
+// vector; byte 64 v + j: elements 8v + j low, 8v + 4 + j high) -> d * q + m as bf16.
+inline void group_to_bf16(const uint8_t* p, float dv, float mv, at::BFloat16* o) {
 #if defined(__AVX512BF16__) && defined(__AVX512VL__)
   int32_t w[4];   // byte 4v + j: element 8v + j (low nibble), 8v + 4 + j (high)
-  for (int v = 0; v < 4; ++v) std::memcpy(&w[v], nib + v * 64 + (4 * r + lane) * 4, 4);
+  for (int v = 0; v < 4; ++v) std::memcpy(&w[v], p + v * 64, 4);
   const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
   const __m512 dv16 = _mm512_set1_ps(dv), mv16 = _mm512_set1_ps(mv);
   const __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(15))),
@@ -1046,7 +993,10 @@ inline void group_to_bf16(const uint8_t* nib, int r, int lane, float dv, float m
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16),
                       (__m256i)_mm512_cvtneps_pbh(_mm512_permutex2var_ps(lo, i1, hi)));
 #else
-  for (int k = 0; k < G; ++k) o[k] = at::BFloat16(dv * float(q4_nib(nib, r, lane, k)) + mv);
+  for (int k = 0; k < G; ++k) {
+    const uint8_t b = p[(k / 8) * 64 + k % 4];
+    o[k] = at::BFloat16(dv * float((k % 8) < 4 ? (b & 15) : (b >> 4)) + mv);
+  }
 #endif
 }
 
@@ -1074,22 +1024,21 @@ torch::Tensor q4_dequant_bf16(torch::Tensor packed, int64_t K, int64_t a, int64_
       const uint8_t* blk = W.at(nb, g);
       const float dv = half_to_float(reinterpret_cast<const uint16_t*>(blk + 256)[r]);
       const float mv = half_to_float(reinterpret_cast<const uint16_t*>(blk + 288)[r]);
-      at::BFloat16* o = orow + g * G;
-      for (int k = 0; k < G; ++k) o[k] = at::BFloat16(dv * float(q4_unit_nib(blk, r, k)) + mv);
+      group_to_bf16(blk + r * 4, dv, mv, orow + g * G);
     }
   });
 }
 
 torch::Tensor q4k_dequant_bf16(torch::Tensor packed, int64_t K, int64_t a, int64_t b) {
   TORCH_CHECK(K % 256 == 0, "q4k: K must be a multiple of 256");
-  return packed_dequant(packed, K, a, b, 256, Q4K_BLOCK,
-                        [&](const Tiles& W, int64_t nb, int r, at::BFloat16* orow) {
+  return packed_dequant<Q4_ROWS>(packed, K, a, b, 256, Q4K_BLOCK,
+                                 [&](const Tiles& W, int64_t nb, int r, at::BFloat16* orow) {
     for (int64_t s = 0; s < K / 256; ++s) {
       const uint8_t* blk = W.at(nb, s);
       for (int gl = 0; gl < 8; ++gl) {
         float dv, mv;
         q4k_dm(blk, r, gl, &dv, &mv);
-        group_to_bf16(blk + (gl / 4) * 256, r, gl % 4, dv, mv, orow + (s * 8 + gl) * G);
+        group_to_bf16(blk + gl * 256 + r * 4, dv, mv, orow + (s * 8 + gl) * G);
       }
     }
   });

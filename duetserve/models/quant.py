@@ -63,20 +63,19 @@ def _block_rows(blocks: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return blocks[ids // 4, :, ids % 4]
 
 
-def _pack_nibbles(q: torch.Tensor, nb: int, chunks: int) -> torch.Tensor:
-    """q [nb * 4, chunks * 128] values 0..15 -> [nb, chunks, 256] bytes in the q4 kernels'
-    order: per chunk 4 vectors of 64 bytes; vector v, 16-byte lane r, dword g, byte j holds
-    element 8v + j of row r's group g low and 8v + 4 + j high (csrc/lowbit_gemv.cpp)."""
-    v = q.to(torch.uint8).view(nb, 4, chunks, 4, 4, 2, 4)        # b, r, c, g, v, half, j
-    b = v[..., 0, :] | (v[..., 1, :] << 4)                        # b, r, c, g, v, j
-    return b.permute(0, 2, 4, 1, 3, 5).reshape(nb, chunks, 256)
+def _pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """q [nb * 16, ng * 32] values 0..15 -> [nb, ng, 256] bytes in the q4 kernels' order:
+    per block of 16 rows and group, 4 vectors of 64 bytes; vector v, dword r, byte j holds
+    element 8v + j of row r low and 8v + 4 + j high (csrc/lowbit_gemv.cpp)."""
+    v = q.to(torch.uint8).view(q.shape[0] // 16, 16, q.shape[1] // GROUP, 4, 2, 4)
+    b = v[..., 0, :] | (v[..., 1, :] << 4)                          # b, r, g, v, j
+    return b.permute(0, 2, 3, 1, 4).reshape(q.shape[0] // 16, -1, 256)
 
 
-def _unpack_nibbles(vec: torch.Tensor) -> torch.Tensor:
-    """One row's nibble dwords [n, chunks, 4 (v), 4 (g), 4 (j)] -> q [n, chunks * 4, 32]."""
-    b = vec.permute(0, 1, 3, 2, 4)                                # n, c, g, v, j
-    q = torch.stack([b & 15, b >> 4], dim=-2)                     # n, c, g, v, half, j
-    return q.reshape(vec.shape[0], -1, GROUP)
+def _unpack_nibbles(nib: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """Row r[i] of each block's groups nib [n, ng, 256] -> q [n, ng, 32]."""
+    b = nib.reshape(nib.shape[0], -1, 4, 16, 4)[torch.arange(nib.shape[0]), :, :, r]
+    return torch.stack([b & 15, b >> 4], dim=-2).reshape(nib.shape[0], -1, GROUP)
 
 
 def _pad_rows(t: torch.Tensor, rows: int, dtype: torch.dtype) -> torch.Tensor:
@@ -189,22 +188,18 @@ class Int4Weight(_BlockWeight):
             raise ValueError(f"int4 groups need K % {GROUP} == 0, got K = {k}")
         self.shape = (n, k)
         ng, nb = k // GROUP, -(-n // 16)
-        v = _pad_rows(q, nb * 16, torch.uint8).view(nb, 16, ng, 4, 2, 4)  # b, r, g, v, half, j
-        nib = (v[..., 0, :] | (v[..., 1, :] << 4)).permute(0, 2, 3, 1, 4)  # b, g, v, r, j
         dm = torch.stack([_pad_rows(d, nb * 16, torch.float16),
                           _pad_rows(m, nb * 16, torch.float16)])           # 2, R, g
         dm = dm.view(2, nb, 16, ng).permute(1, 3, 0, 2).contiguous()       # b, g, 2, r
-        self.packed = self._tiled(torch.cat([nib.reshape(nb, ng, 256),
+        self.packed = self._tiled(torch.cat([_pack_nibbles(_pad_rows(q, nb * 16, torch.uint8)),
                                              dm.view(torch.uint8).reshape(nb, ng, 64)], dim=-1))
 
     def groups(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Rows `ids` [n] unpacked: (q [n, K/32, 32] uint8 values, d, m [n, K/32] float16)."""
         blk, r, n = self._row_blocks(ids), ids % 16, len(ids)
-        ar = torch.arange(n)
-        b = blk[..., :256].reshape(n, -1, 4, 16, 4)[ar, :, :, r]            # n, g, v, j
-        q = torch.stack([b & 15, b >> 4], dim=-2).reshape(n, -1, GROUP)     # n, g, v, half, j
-        dm = blk[..., 256:].contiguous().view(torch.float16).view(n, -1, 2, 16)[ar, :, :, r]
-        return q, dm[..., 0], dm[..., 1]
+        dm = blk[..., 256:].contiguous().view(torch.float16).view(n, -1, 2, 16)
+        dm = dm[torch.arange(n), :, :, r]
+        return _unpack_nibbles(blk[..., :256], r), dm[..., 0], dm[..., 1]
 
     @staticmethod
     def _decode(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
@@ -217,16 +212,16 @@ class Int4Weight(_BlockWeight):
 
 
 class Int4KWeight(_BlockWeight):
-    """Units of 256 columns, 576 bytes (the file's 4 x 144, reordered): per block of 4 rows
-    and 256 columns, the rows' nibbles of columns 0-127 (256 bytes, `_pack_nibbles`
-    order), then of 128-255, then the 6-bit codes as 16 little-endian 24-bit words (48
-    bytes; word 4r + g = sc0 | sc1 << 6 | mn0 << 12 | mn1 << 18, the codes of row r's
-    groups g and 4 + g), d [4 rows] and dmin [4] as float16 (8 + 8);
-    w = d * sc * q - dmin * mn. Padding rows are zero."""
+    """Units of 256 columns of 16 rows, 2304 bytes (the file's 16 x 144, reordered): the 8
+    groups' nibbles as Int4Weight's units (256 bytes each), then the 6-bit codes as 4 x 16
+    little-endian 24-bit words (192 bytes; word 16 g + r = sc0 | sc1 << 6 | mn0 << 12 |
+    mn1 << 18, the codes of row r's groups g and 4 + g), then d [16 rows] and dmin [16] as
+    float16 (32 + 32); w = d * sc * q - dmin * mn. Padding rows are zero."""
 
     bits = 4
     COLS = 256
-    BLOCK = 2 * 4 * 64 + 48 + 2 * 8
+    ROWS = 16
+    BLOCK = 8 * 256 + 4 * 48 + 2 * 32
     _GEMV, _DEQUANT = "q4k_gemv", "q4k_dequant_bf16"
 
     def __init__(self, q: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor,
@@ -240,39 +235,39 @@ class Int4KWeight(_BlockWeight):
         if sc.numel() and max(int(sc.max()), int(mn.max())) > 63:
             raise ValueError("Q4_K scale and minimum codes are 6-bit (0..63)")
         self.shape = (n, k)
-        nb, ns = -(-n // 4), k // 256
-        rows = nb * 4
+        nb, ns = -(-n // 16), k // 256
+        rows = nb * 16
 
-        def halves(t: torch.Tensor) -> torch.Tensor:        # [nb, ns, half, row * 4 + group]
-            t = _pad_rows(t, rows, torch.uint8).view(nb, 4, ns, 2, 4).to(torch.int32)
-            return t.permute(0, 2, 3, 1, 4).reshape(nb, ns, 2, 16)
+        def halves(t: torch.Tensor) -> torch.Tensor:        # [nb, row, ns, half, g]
+            return _pad_rows(t, rows, torch.uint8).view(nb, 16, ns, 2, 4).to(torch.int32)
 
         s2, m2 = halves(sc), halves(mn)
-        word = s2[:, :, 0] | s2[:, :, 1] << 6 | m2[:, :, 0] << 12 | m2[:, :, 1] << 18
+        word = s2[:, :, :, 0] | s2[:, :, :, 1] << 6 | m2[:, :, :, 0] << 12 | m2[:, :, :, 1] << 18
         codes = torch.stack([(word >> (8 * i)) & 255 for i in range(3)], dim=-1)
+        codes = codes.permute(0, 2, 3, 1, 4).reshape(nb, ns, 192)       # [nb, ns, g, row, 3]
 
-        def per_row(t: torch.Tensor) -> torch.Tensor:       # [row] float16 -> 8 bytes
-            t = _pad_rows(t, rows, torch.float16).view(nb, 4, ns)
+        def per_row(t: torch.Tensor) -> torch.Tensor:       # [row] float16 -> 32 bytes
+            t = _pad_rows(t, rows, torch.float16).view(nb, 16, ns)
             return t.permute(0, 2, 1).contiguous().view(torch.uint8)
         self.packed = self._tiled(torch.cat([
-            _pack_nibbles(_pad_rows(q, rows, torch.uint8), nb, 2 * ns).view(nb, ns, 512),
-            codes.to(torch.uint8).reshape(nb, ns, 48), per_row(d), per_row(dmin)], dim=-1))
+            _pack_nibbles(_pad_rows(q, rows, torch.uint8)).view(nb, ns, 2048),
+            codes.to(torch.uint8), per_row(d), per_row(dmin)], dim=-1))
 
     def groups(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Rows `ids` [n] unpacked as Int4Weight.groups: (q [n, K/32, 32] uint8, d, m
         [n, K/32] float32 with d = d * sc and m = -dmin * mn, exact)."""
-        blk, r = self._row_blocks(ids), ids % 4
+        blk, r = self._row_blocks(ids), ids % 16
         n, ns, ng, ar = len(ids), blk.shape[1], self.shape[1] // GROUP, torch.arange(len(ids))
-        vec = blk[..., :512].reshape(n, ns * 2, 4, 4, 4, 4)[ar, :, :, r]
-        b = blk[..., 512:560].reshape(n, ns, 4, 4, 3).to(torch.int32)   # [.., row, group, byte]
-        word = (b[..., 0] | b[..., 1] << 8 | b[..., 2] << 16)[ar, :, r]  # [n, ns, group]
+        b = blk[..., 2048:2240].reshape(n, ns, 4, 16, 3).to(torch.int32)  # [.., g, row, byte]
+        word = (b[..., 0] | b[..., 1] << 8 | b[..., 2] << 16)[ar, :, :, r]  # [n, ns, g]
         codes = torch.stack([(word >> s) & 63 for s in (0, 6, 12, 18)], dim=2).float()
         codes = codes.view(n, ns, 2, 2, 4)                              # [.., sc|mn, h, g]
-        scales = blk[..., 560:].contiguous().view(torch.float16).view(n, ns, 2, 4)
+        scales = blk[..., 2240:].contiguous().view(torch.float16).view(n, ns, 2, 16)
         scales = scales[ar, :, :, r].float()                           # [n, ns, 2]
         d = scales[:, :, 0, None, None] * codes[:, :, 0]
         m = -scales[:, :, 1, None, None] * codes[:, :, 1]
-        return _unpack_nibbles(vec), d.reshape(n, ng), m.reshape(n, ng)
+        return (_unpack_nibbles(blk[..., :2048].reshape(n, ns * 8, 256), r),
+                d.reshape(n, ng), m.reshape(n, ng))
 
     _unpack = groups
     _decode = staticmethod(Int4Weight._decode)
@@ -280,8 +275,9 @@ class Int4KWeight(_BlockWeight):
 
 class Int6Weight(_BlockWeight):
     """Units of 128 columns, 424 bytes: per block of 4 rows and 128 columns, the
-    rows' low nibbles (64 bytes each, Int4Weight's order), their top two bits (32 bytes
-    each), sc int8 [half][group][row] (32 bytes) and d [4 rows] float16;
+    rows' low nibbles (64 bytes each; byte 16 i + j: group i's element j low, 16 + j
+    high), their top two bits (32 bytes each), sc int8 [half][group][row] (32 bytes) and
+    d [4 rows] float16;
     w = d * sc * (q - 32). Padding rows are zero (sc = 0)."""
 
     bits = 6
