@@ -27,18 +27,14 @@
 //   bytes), word 16 g + r (row r, g in 0..3) = sc0 | sc1 << 6 | mn0 << 12 | mn1 << 18
 //   (sc_h, mn_h: the codes of group 4h + g), then d [16 rows] and dmin [16] as float16.
 //   Each group is q4's unit with d * sc and -dmin * mn (exact in float32) as its d and m.
-// q6 weights (GGUF Q6_K, kept exactly; lanes 4g + r, the HALVES activation order):
-//   w = d * sc * (q - 32), q in 0..63, an int8 scale sc per 16 weights along K and a
-//   float16 d per row and 256 (stored once per 128 here): units of 424 bytes (packed
-//   [tiles, ceil(N/4), tu, 424] uint8). Per block of 4 rows and 128 weights of each: the
-//   rows' low nibbles (64 bytes each, q4's order), the rows' top two bits (32 bytes each),
-//   sc as int8 [half][group][row] (32 bytes; half 0 = elements 0-15 of a group of 32, half
-//   1 = 16-31: lane 4g + r of a 16-lane vector, as the dot sums come out), then d [4 rows]
-//   as float16 (8 bytes). Top bits: in "vector order" (the nibbles' low vector, element
-//   p = 16 i + j is group i's element j; the high vector the same for elements 16 + j),
-//   byte b holds low p = b in bits 4-5, low b + 32 in bits 6-7, high b in bits 0-1 and
-//   high b + 32 in bits 2-3, so one 32-byte load broadcast to both halves of a register
-//   and shifted by per-half counts puts every weight's top bits at bits 4-5 of its byte.
+// q6 weights (GGUF Q6_K, kept exactly): w = d * sc * (q - 32), q in 0..63, an int8 scale
+//   sc per 16 weights along K and a float16 d per row and 256 (stored once per 128 here):
+//   units of 1696 bytes (packed [tiles, ceil(N/16), tu, 1696] uint8), per block of 16 rows
+//   and 128 columns: per group of 32 (416 bytes) the rows' low 4 bits in q4's order (256
+//   bytes), their top two bits (128 bytes: vector u, dword r, byte j, bits 2k..2k+1: element
+//   16u + 4k + j of row r), sc as int8 [half][row] (32 bytes; half 0 = elements 0-15), then
+//   d [16 rows] as float16 (32 bytes). So the dots see each weight as one byte, lane r one
+//   row, as q4's do, with bytes 4t..4t+3 of a lane = elements 4t..4t+3.
 //   Per half-group: sum_k w_k x_k = d sc dx (sum_k q_k xq_k - 32 sum_k xq_k).
 // q8 weights, one float32 scale per row: w = s_n * q, packed like q4 for streaming:
 //   packed [ceil(N/4), ceil(K/64), 256] int8: per block of 4 rows, 64 columns of each row
@@ -71,13 +67,13 @@ constexpr int64_t Q4_BLOCK = Q4_ROWS * 16 + 2 * 32;   // q4: bytes per block of 
 constexpr int64_t Q8_BLOCK = 4 * 64;            // q8: bytes per block of 4 rows x 64 columns
 constexpr int64_t Q4K_CODES = 8 * 256, Q4K_D = Q4K_CODES + 4 * 48;
 constexpr int64_t Q4K_BLOCK = Q4K_D + 64;       // q4k: bytes per block of 16 rows x 256 columns
-constexpr int64_t Q6_TOP = 4 * 64, Q6_SC = Q6_TOP + 4 * 32, Q6_D = Q6_SC + 32;
-constexpr int64_t Q6_BLOCK = Q6_D + 8;          // q6: bytes per block of 4 rows x 128 columns
-// q4/q8 blocks prefetch two units ahead in their one stream, q4k two (4.6 KB), q6 eight
-// (3.4 KB). Against four units, the 1.5B's GEMVs in model order, two builds
+constexpr int64_t Q6_TOP = 256, Q6_SC = Q6_TOP + 128, Q6_GROUP = Q6_SC + 32, Q6_D = 4 * Q6_GROUP;
+constexpr int64_t Q6_BLOCK = Q6_D + 32;         // q6: bytes per block of 16 rows x 128 columns
+// q4/q8 blocks prefetch two units ahead in their one stream, q4k (4.6 KB) and q6 (3.4 KB)
+// two. Against four units, the 1.5B's GEMVs in model order, two builds
 // interleaved: the same while this VM's memory reads ~32 GB/s, ~2% faster at ~45+.
 
-// A weight packed in blocks of 4 rows (16 for q4 and q4k) with K in tiles (models/quant.py:
+// A weight packed in blocks of 16 rows (q4, q4k, q6) with K in tiles (models/quant.py:
 // _BlockWeight): packed [tiles, row blocks, tu, block]; tile t holds units [t tu,
 // (t + 1) tu) of every row block, block after block, so a thread's rows of one tile are one sequential stream
 // and the activations one tile reads (<= 2048 columns) stay in L1 between row blocks.
@@ -96,14 +92,13 @@ inline float half_to_float(uint16_t h) {
   return c10::detail::fp16_ieee_to_fp32_value(h);
 }
 
-// Per-call activation quantization, one row of x.
-//   xq: in `order`; padded groups are zero.
+// Per-call activation quantization.
+//   xq: in the order below; padded groups are zero.
 //   dx[g] = scale of group g (0 for padding); xs[g] = dx[g] * sum(xq of g).
-// Activation orders: PLAIN (element order; q8), HALVES (per chunk of 4 groups, 64 bytes of
-// the groups' elements 0-15, 16 a group, then 64 of elements 16-31; q6), GROUPED (q4,
-// q4k: PLAIN's groups with the rows inside, group g of row m at g * M + m, and dx and xs
-// the same, so a pass finds its rows' values at fixed offsets from one pointer).
-enum Order { PLAIN = 0, HALVES = 1, GROUPED = 2 };
+// Activation orders: PLAIN (element order; q8), GROUPED (q4, q4k, q6: PLAIN's groups with
+// the rows inside, group g of row m at g * M + m, and dx, xs, l and h the same, so a pass
+// finds its rows' values at fixed offsets from one pointer).
+enum Order { PLAIN = 0, GROUPED = 1 };
 
 // Group g of x (32 floats): its int8 values in element order, and returns their sum; *d
 // = the group's scale (the plain loop; quantize_chunk computes the same values four groups
@@ -144,11 +139,11 @@ struct QuantizedX {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 // Four groups of a row at once (chunk c: groups 4c .. 4c + 3; of their 128 floats at xg
 // the first `valid` are x, the rest read as zero, so padding groups come out zero): their
-// int8 values into out[0, 128) in `order`, and per group its scale d[i] and the sums of
+// int8 values into out[0, 128) in element order, and per group its scale d[i] and the sums of
 // its elements 0-15 (lo[i]) and 16-31 (hi[i]). The same float operations as
 // quantize_group, group by group (max and integer sums are exact in any order), so the
 // values are the same; the four groups' reductions and the layout run as shuffles.
-inline void quantize_chunk(const float* xg, int64_t valid, int order, int8_t* out,
+inline void quantize_chunk(const float* xg, int64_t valid, int8_t* out,
                            float* d, int32_t* lo, int32_t* hi) {
   __m512 v[8];
   for (int k = 0; k < 8; ++k) {
@@ -202,34 +197,29 @@ inline void quantize_chunk(const float* xg, int64_t valid, int order, int8_t* ou
   auto store = [&](int at, __m128i x) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out + at), x);
   };
-  if (order == PLAIN) {
-    for (int k = 0; k < 8; ++k) store(16 * k, b[k]);
-  } else {   // HALVES: elements 0-15 of group i at 16 i, 16-31 at 64 + 16 i
-    for (int i = 0; i < 4; ++i) {
-      store(16 * i, b[2 * i]);
-      store(64 + 16 * i, b[2 * i + 1]);
-    }
-  }
+  for (int k = 0; k < 8; ++k) store(16 * k, b[k]);
 }
 #endif
 
-// One row of x (K columns) into gp groups (K / G real ones, then zero padding).
-void quantize_row(const float* x, int64_t K, int64_t gp, int order, int8_t* xq, float* dx,
-                  float* xs, float* l, float* h) {
+// One row of x (K columns) into gp groups (K / G real ones, then zero padding), in element
+// order; l and h (when not null) get 32 dx times the sum of each group's elements 0-15 and
+// 16-31 (q6's halves).
+void quantize_row(const float* x, int64_t K, int64_t gp, int8_t* xq, float* dx, float* xs,
+                  float* l, float* h) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
   alignas(64) int8_t tail[CH * G];
   for (int64_t c = 0; c * CH < gp; ++c) {
-    const int64_t n = std::min<int64_t>(CH, gp - c * CH);   // < CH: PLAIN's last pair
+    const int64_t n = std::min<int64_t>(CH, gp - c * CH);   // < CH: the last groups
     float d[4];
     int32_t lo[4], hi[4];
     int8_t* out = n == CH ? xq + c * CH * G : tail;
-    quantize_chunk(x + c * CH * G, K - c * CH * G, order, out, d, lo, hi);
+    quantize_chunk(x + c * CH * G, K - c * CH * G, out, d, lo, hi);
     if (n < CH) std::memcpy(xq + c * CH * G, tail, n * G);
     for (int64_t i = 0; i < n; ++i) {
       const int64_t g = c * CH + i;
       dx[g] = d[i];
       xs[g] = d[i] * static_cast<float>(lo[i] + hi[i]);
-      if (order == HALVES) {
+      if (l != nullptr) {
         l[g] = 32.f * d[i] * static_cast<float>(lo[i]);
         h[g] = 32.f * d[i] * static_cast<float>(hi[i]);
       }
@@ -238,22 +228,14 @@ void quantize_row(const float* x, int64_t K, int64_t gp, int order, int8_t* xq, 
 #else
   std::memset(xq, 0, gp * G);
   const int64_t ngroups = K / G;
-  alignas(64) int8_t q[G];
   for (int64_t g = 0; g < gp; ++g) {
-    const int64_t c = g / CH, i = g % CH;
     float d = 0.f;
-    const int32_t sum = g < ngroups
-        ? quantize_group(x + g * G, order == PLAIN ? xq + g * G : q, &d) : 0;
-    if (g < ngroups && order == HALVES) {     // elements 0-15 at c*128 + i*16, 16-31 at +64
-      std::memcpy(xq + c * CH * G + i * 16, q, 16);
-      std::memcpy(xq + c * CH * G + 64 + i * 16, q + 16, 16);
-    }
+    const int32_t sum = g < ngroups ? quantize_group(x + g * G, xq + g * G, &d) : 0;
     dx[g] = d;
     xs[g] = d * static_cast<float>(sum);
-    if (order == HALVES) {
-      const int8_t* qq = xq + c * CH * G + i * 16;
+    if (l != nullptr) {
       int32_t lo = 0, hi = 0;
-      for (int j = 0; j < 16; ++j) { lo += qq[j]; hi += qq[64 + j]; }
+      for (int j = 0; j < 16; ++j) { lo += xq[g * G + j]; hi += xq[g * G + 16 + j]; }
       l[g] = 32.f * d * static_cast<float>(lo);
       h[g] = 32.f * d * static_cast<float>(hi);
     }
@@ -261,36 +243,39 @@ void quantize_row(const float* x, int64_t K, int64_t gp, int order, int8_t* xq, 
 #endif
 }
 
+// x [M, K] quantized in `order`, its rows' groups padded to a multiple of pad_to.
 QuantizedX quantize_x(const float* x, int64_t M, int64_t K, int order, int64_t pad_to) {
+  const int64_t ng = K / G, gp = (ng + pad_to - 1) / pad_to * pad_to;
+  const bool halves = order == GROUPED;
   QuantizedX out;
-  const int64_t ng = K / G;
-  out.gp = (ng + pad_to - 1) / pad_to * pad_to;
-  TORCH_CHECK(order != HALVES || out.gp % CH == 0, "HALVES pads rows to chunks");
-  const int64_t gp = out.gp;
+  out.gp = gp;
+  out.m = M;
   out.q.resize(M * gp * G);
   out.d.resize(M * gp);
   out.s.resize(M * gp);
-  if (order == HALVES) {
+  if (halves) {
     out.l.resize(M * gp);
     out.h.resize(M * gp);
   }
-  out.m = M;
-  if (order == GROUPED && M > 1) {   // PLAIN rows, then each row's groups to their places
-    QuantizedX rows = quantize_x(x, M, K, PLAIN, pad_to);
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t g = 0; g < gp; ++g) {
-        std::memcpy(out.q.data() + (g * M + m) * G, rows.q.data() + (m * gp + g) * G, G);
-        out.d[g * M + m] = rows.d[m * gp + g];
-        out.s[g * M + m] = rows.s[m * gp + g];
-      }
-    return out;
-  }
-  const int o = order == GROUPED ? PLAIN : order;   // one row: the two orders agree
   for (int64_t m = 0; m < M; ++m)
-    quantize_row(x + m * K, K, gp, o, out.q.data() + m * gp * G, out.d.data() + m * gp,
-                 out.s.data() + m * gp, o == HALVES ? out.l.data() + m * gp : nullptr,
-                 o == HALVES ? out.h.data() + m * gp : nullptr);
-  return out;
+    quantize_row(x + m * K, K, gp, out.q.data() + m * gp * G, out.d.data() + m * gp,
+                 out.s.data() + m * gp, halves ? out.l.data() + m * gp : nullptr,
+                 halves ? out.h.data() + m * gp : nullptr);
+  if (order == PLAIN || M == 1) return out;   // one row: GROUPED is PLAIN
+  QuantizedX grouped;                         // each row's groups to g * M + m
+  grouped.gp = gp;
+  grouped.m = M;
+  grouped.q.resize(M * gp * G);
+  for (Buf<float>* b : {&grouped.d, &grouped.s, &grouped.l, &grouped.h}) b->resize(M * gp);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < gp; ++g) {
+      std::memcpy(grouped.q.data() + (g * M + m) * G, out.q.data() + (m * gp + g) * G, G);
+      grouped.d[g * M + m] = out.d[m * gp + g];
+      grouped.s[g * M + m] = out.s[m * gp + g];
+      grouped.l[g * M + m] = out.l[m * gp + g];
+      grouped.h[g * M + m] = out.h[m * gp + g];
+    }
+  return grouped;
 }
 
 #if defined(DUET_VNNI)
@@ -306,28 +291,6 @@ inline void dispatch(int64_t mm, F&& f) {
     default:
       if constexpr (EIGHT) f(std::integral_constant<int, 8>{});
       else TORCH_CHECK(false, "passes of at most 4 rows here, got ", mm);
-  }
-}
-
-// Per 128-bit lane (one group): the 4 weight rows' dots d[0..3], each summed over its 4
-// int32 lanes, into lanes 4g + r (row r, group g).
-inline __m512i reduce_4x4(const __m512i* d) {
-  const __m512i u0 = _mm512_add_epi32(_mm512_unpacklo_epi32(d[0], d[1]),
-                                      _mm512_unpackhi_epi32(d[0], d[1]));
-  const __m512i u1 = _mm512_add_epi32(_mm512_unpacklo_epi32(d[2], d[3]),
-                                      _mm512_unpackhi_epi32(d[2], d[3]));
-  return _mm512_add_epi32(_mm512_unpacklo_epi64(u0, u1), _mm512_unpackhi_epi64(u0, u1));
-}
-
-// The lanes 4g + r (row r, group g) of `acc` summed over g, as (g0 + g1) + (g2 + g3), into
-// y[m0 + i, 4 nb + r].
-template <int MM>
-inline void store_rows(const __m512* acc, float* y, int64_t N, int64_t nb, int64_t m0) {
-  for (int i = 0; i < MM; ++i) {
-    alignas(64) float a[16];
-    _mm512_store_ps(a, acc[i]);
-    for (int r = 0; r < 4 && nb * 4 + r < N; ++r)
-      y[(m0 + i) * N + nb * 4 + r] = (a[r] + a[4 + r]) + (a[8 + r] + a[12 + r]);
   }
 }
 
@@ -448,62 +411,73 @@ void q4k_span(const Tiles& W, const QuantizedX& X, int64_t nb, int64_t t, int64_
   for (int i = 0; i < MM; ++i) acc[i] = sum[i];
 }
 
-// The same for a q6 weight: the low and high halves of each group have their own scale, so
-// their dots are reduced and scaled separately.
+// The same for a q6 weight: per group the 8 byte vectors (the low 4 bits and the top two
+// joined), and the dots of elements 0-15 and 16-31 apart, each half with its own scale.
 template <int MM>
 void q6_span(const Tiles& W, const QuantizedX& X, int64_t nb, int64_t t, int64_t m0,
              __m512* acc) {
-  const int64_t gp = X.gp;
+  const int64_t M = X.m;
   const uint8_t* first = W.span(nb, t);
-  const int64_t u0 = t * W.tu;
-  const __m512i low4 = _mm512_set1_epi8(0x0F), top2 = _mm512_set1_epi8(0x30);
-  // per 16-bit word: the low vector's bytes 0-31 keep bits 4-5, bytes 32-63 shift 6-7 down;
-  // the high vector's shift 0-1 / 2-3 up to 4-5
-  const __m512i cnt_lo = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
-  const __m512i cnt_hi = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16(4)),
-                                            _mm256_set1_epi16(2), 1);
-  const __m512i rows = _mm512_setr_epi32(0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3);
-  const __m512i groups = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-  for (int64_t c = u0; c < W.end(t); ++c) {
+  const int64_t u0 = t * W.tu, u1 = W.end(t);
+  const __m512i low4 = _mm512_set1_epi8(0x0F), six = _mm512_set1_epi8(0x3F);
+  auto bcast4 = [](const int8_t* p) { return _mm512_broadcastd_epi32(_mm_loadu_si32(p)); };
+  __m512 sum[MM];
+#pragma GCC unroll 8
+  for (int i = 0; i < MM; ++i) sum[i] = acc[i];
+  for (int64_t c = u0; c < u1; ++c) {
     const uint8_t* blk = first + (c - u0) * Q6_BLOCK;
-    for (int l = 0; l < (Q6_BLOCK + 63) / 64; ++l)
-      _mm_prefetch(reinterpret_cast<const char*>(blk + 8 * Q6_BLOCK + l * 64), _MM_HINT_T0);
-    const __m512 dv = _mm512_permutexvar_ps(rows, _mm512_cvtph_ps(_mm256_castsi128_si256(
-        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + Q6_D)))));
-    const __m512 slo = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + Q6_SC)))));
-    const __m512 shi = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + Q6_SC + 16)))));
-    __m512i lo[4], hi[4];
-    for (int r = 0; r < 4; ++r) {
-      const __m512i w = _mm512_loadu_si512(blk + r * 64);
-      const __m512i t = _mm512_broadcast_i64x4(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + Q6_TOP + r * 32)));
-      lo[r] = _mm512_or_si512(_mm512_and_si512(w, low4),
-                              _mm512_and_si512(_mm512_srlv_epi16(t, cnt_lo), top2));
-      hi[r] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(w, 4), low4),
-                              _mm512_and_si512(_mm512_sllv_epi16(t, cnt_hi), top2));
-    }
-    for (int i = 0; i < MM; ++i) {
-      const int8_t* xq = X.q.data() + (m0 + i) * gp * G + c * CH * G;
-      const __m512i xlo = _mm512_loadu_si512(xq), xhi = _mm512_loadu_si512(xq + 64);
-      __m512i dl[4], dh[4];
-      for (int r = 0; r < 4; ++r) {
-        dl[r] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[r], xlo);
-        dh[r] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi[r], xhi);
+    const __m512 dv = _mm512_cvtph_ps(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + Q6_D)));
+    for (int gi = 0; gi < CH; ++gi) {
+      const uint8_t* grp = blk + gi * Q6_GROUP;
+      // two units ahead, a group's lines at a time (a whole unit's 27 at once stalled
+      // the DRAM stream at one activation row: the LM head 5.7-5.9 -> 6.2-7.0 ms)
+      for (int l = gi * 7; l < (gi == CH - 1 ? (Q6_BLOCK + 63) / 64 : gi * 7 + 7); ++l)
+        _mm_prefetch(reinterpret_cast<const char*>(blk + 2 * Q6_BLOCK + l * 64), _MM_HINT_T0);
+      const __m512 slo = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(grp + Q6_SC)))));
+      const __m512 shi = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(grp + Q6_SC + 16)))));
+      // byte vector t: elements 4t..4t+3 of each row, the low bits from nibble vector t / 2
+      // (its low nibbles for even t), the top two from vector t / 4, bits 2 (t % 4) moved
+      // to 4-5
+      __m512i w[8];
+      for (int u = 0; u < 2; ++u) {
+        const __m512i top = _mm512_loadu_si512(grp + Q6_TOP + u * 64);
+        const __m512i tk[4] = {_mm512_slli_epi16(top, 4), _mm512_slli_epi16(top, 2), top,
+                               _mm512_srli_epi16(top, 2)};
+        for (int k = 0; k < 4; ++k) {
+          const int tt = 4 * u + k;
+          const __m512i n = _mm512_loadu_si512(grp + (tt / 2) * 64);
+          const __m512i low = tt % 2 ? _mm512_srli_epi16(n, 4) : n;
+          // (low & 0x0F) | (tk & ~0x0F), then & 0x3F
+          w[tt] = _mm512_and_si512(_mm512_ternarylogic_epi32(low4, low, tk[k], 0xCA), six);
+        }
       }
-      const int64_t off = (m0 + i) * gp + c * CH;
-      auto per_group = [&](const float* v) {   // lanes 4g + r = v[g]
-        return _mm512_permutexvar_ps(groups, _mm512_castps128_ps512(_mm_loadu_ps(v + off)));
-      };
-      const __m512 dx = per_group(X.d.data());
-      const __m512 tl = _mm512_fmsub_ps(_mm512_cvtepi32_ps(reduce_4x4(dl)), dx,
-                                        per_group(X.l.data()));
-      const __m512 th = _mm512_fmsub_ps(_mm512_cvtepi32_ps(reduce_4x4(dh)), dx,
-                                        per_group(X.h.data()));
-      acc[i] = _mm512_fmadd_ps(tl, slo, _mm512_fmadd_ps(th, shi, acc[i]));
+      const int64_t g = c * CH + gi;
+      const int8_t* xg = X.q.data() + (g * M + m0) * G;
+      const float* dg = X.d.data() + g * M + m0;
+      const float* lg = X.l.data() + g * M + m0;
+      const float* hg = X.h.data() + g * M + m0;
+#pragma GCC unroll 8
+      for (int i = 0; i < MM; ++i) {
+        const int8_t* xq = xg + i * G;
+        __m512i a = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], bcast4(xq));
+        __m512i b = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[4], bcast4(xq + 16));
+        for (int tt = 1; tt < 4; ++tt) {
+          a = _mm512_dpbusd_epi32(a, w[tt], bcast4(xq + 4 * tt));
+          b = _mm512_dpbusd_epi32(b, w[4 + tt], bcast4(xq + 16 + 4 * tt));
+        }
+        const __m512 dx = _mm512_set1_ps(dg[i]);
+        sum[i] = _mm512_fmadd_ps(_mm512_fmsub_ps(_mm512_cvtepi32_ps(a), dx,
+                                                 _mm512_set1_ps(lg[i])), slo, sum[i]);
+        sum[i] = _mm512_fmadd_ps(_mm512_fmsub_ps(_mm512_cvtepi32_ps(b), dx,
+                                                 _mm512_set1_ps(hg[i])), shi, sum[i]);
+      }
     }
   }
+#pragma GCC unroll 8
+  for (int i = 0; i < MM; ++i) acc[i] = sum[i];
 }
 
 // Row blocks [b0, b1) of W: span(nb, t, acc) adds tile t of block nb into acc, store(nb,
@@ -689,17 +663,15 @@ void q4k_rows(const Tiles& W, const QuantizedX& X, float* y, int64_t N,
 #endif
 }
 
-// Weight element (row r of the block, group i of the chunk, element k of the group) of a q6
-// block: its 6-bit q (0..63) and its scale d * sc.
-inline int q6_q(const uint8_t* blk, int r, int i, int k) {
-  const int j = k % 16, p = i * 16 + j;
-  const uint8_t nib = k < 16 ? (blk[r * 64 + i * 16 + j] & 15) : (blk[r * 64 + i * 16 + j] >> 4);
-  const int shift = k < 16 ? (p < 32 ? 4 : 6) : (p < 32 ? 0 : 2);
-  return nib | (((blk[Q6_TOP + r * 32 + p % 32] >> shift) & 3) << 4);
+// Element k (0..31) of row r in a q6 unit's group at `grp`: its 6-bit q (0..63), and its
+// scale d * sc (d: the row's float16 d in the unit at `blk`).
+inline int q6_q(const uint8_t* grp, int r, int k) {
+  const int t = k / 4, top = grp[Q6_TOP + (t / 4) * 64 + r * 4 + k % 4];
+  return q4_unit_nib(grp, r, k) | (((top >> (2 * (t % 4))) & 3) << 4);
 }
 
-inline float q6_scale(const uint8_t* blk, int r, int i, int k) {
-  const int8_t sc = static_cast<int8_t>(blk[Q6_SC + (k < 16 ? 0 : 16) + i * 4 + r]);
+inline float q6_scale(const uint8_t* blk, const uint8_t* grp, int r, int k) {
+  const int8_t sc = static_cast<int8_t>(grp[Q6_SC + (k < 16 ? 0 : 16) + r]);
   return half_to_float(reinterpret_cast<const uint16_t*>(blk + Q6_D)[r]) * float(sc);
 }
 
@@ -709,24 +681,24 @@ void q6_rows(const Tiles& W, const QuantizedX& X, float* y, int64_t N,
   dispatch<true>(mm, [&](auto MM) {
     over_tiles<MM.value>(W, b0, b1,
         [&](int64_t nb, int64_t t, __m512* acc) { q6_span<MM.value>(W, X, nb, t, m0, acc); },
-        [&](int64_t nb, const __m512* acc) { store_rows<MM.value>(acc, y, N, nb, m0); });
+        [&](int64_t nb, const __m512* acc) { store_rows16<MM.value>(acc, y, N, nb, m0); });
   });
 #else
-  const int64_t gp = X.gp;
-  plain_rows(y, N, b0, b1, m0, mm, [&](int64_t nb, int r, int64_t m, float& total) {
-    const int8_t* xq = X.q.data() + m * gp * G;
+  const int64_t M = X.m;   // GROUPED
+  plain_rows<Q4_ROWS>(y, N, b0, b1, m0, mm, [&](int64_t nb, int r, int64_t m, float& total) {
     for (int64_t c = 0; c < W.units; ++c) {
       const uint8_t* blk = W.at(nb, c);
-      for (int lane = 0; lane < CH; ++lane) {
-        const int64_t g = c * CH + lane;
+      for (int gi = 0; gi < CH; ++gi) {
+        const uint8_t* grp = blk + gi * Q6_GROUP;
+        const int64_t g = c * CH + gi;
+        const int8_t* xq = X.q.data() + (g * M + m) * G;
         for (int half = 0; half < 2; ++half) {
           int32_t dot = 0, xsum = 0;
           for (int j = 0; j < 16; ++j) {
-            const int8_t xv = xq[c * CH * G + half * 64 + lane * 16 + j];
-            dot += q6_q(blk, r, lane, half * 16 + j) * xv;
-            xsum += xv;
+            dot += q6_q(grp, r, half * 16 + j) * xq[half * 16 + j];
+            xsum += xq[half * 16 + j];
           }
-          total += q6_scale(blk, r, lane, half * 16) * X.d[m * gp + g] * float(dot - 32 * xsum);
+          total += q6_scale(blk, grp, r, half * 16) * X.d[g * M + m] * float(dot - 32 * xsum);
         }
       }
     }
@@ -815,7 +787,7 @@ struct Form {
 };
 const Form Q4_FORM{G, Q4_BLOCK, GROUPED, q4_rows, WIDE_PASS_ROWS, Q4_ROWS};
 const Form Q4K_FORM{256, Q4K_BLOCK, GROUPED, q4k_rows, WIDE_PASS_ROWS, Q4_ROWS};
-const Form Q6_FORM{CH * G, Q6_BLOCK, HALVES, q6_rows, WIDE_PASS_ROWS, 4};
+const Form Q6_FORM{CH * G, Q6_BLOCK, GROUPED, q6_rows, WIDE_PASS_ROWS, Q4_ROWS};
 
 // The form of a packed weight of K columns, told apart by its block size (320 q4, 576
 // q4k, 424 q6); `want`, when given, is the only form accepted.
@@ -892,8 +864,8 @@ torch::Tensor stacked_gemv(torch::Tensor x, std::vector<torch::Tensor> packed,
   std::vector<Tiles> tiles;
   std::vector<torch::Tensor> ys;
   std::vector<int64_t> block_bytes(P), blocks(P);
-  QuantizedX xq[3];
-  bool quantized[3] = {false, false, false};
+  QuantizedX xq[2];
+  bool quantized[2] = {false, false};
   for (size_t i = 0; i < P; ++i) {
     const Form f = form_of(packed[i], K);
     const Tiles W = tiles_of(packed[i], K, f.cols, f.block);
@@ -1047,33 +1019,54 @@ torch::Tensor q4k_dequant_bf16(torch::Tensor packed, int64_t K, int64_t a, int64
 torch::Tensor q6_dequant_bf16(torch::Tensor packed, int64_t K, int64_t a, int64_t b) {
   TORCH_CHECK(K % 128 == 0, "q6: K must be a multiple of 128");
   const int64_t nch = K / 128;
-  return packed_dequant(packed, K, a, b, CH * G, Q6_BLOCK,
-                        [&](const Tiles& W, int64_t nb, int r, at::BFloat16* orow) {
+  return packed_dequant<Q4_ROWS>(packed, K, a, b, CH * G, Q6_BLOCK,
+                                 [&](const Tiles& W, int64_t nb, int r, at::BFloat16* orow) {
     for (int64_t c = 0; c < nch; ++c) {
       const uint8_t* blk = W.at(nb, c);
-      for (int i = 0; i < CH; ++i) {
-        at::BFloat16* o = orow + (c * CH + i) * G;
+      for (int gi = 0; gi < CH; ++gi) {
+        const uint8_t* grp = blk + gi * Q6_GROUP;
+        at::BFloat16* o = orow + (c * CH + gi) * G;
 #if defined(__AVX512BF16__) && defined(__AVX512VL__)
+        int32_t nw[4], tw[4] = {0, 0, 0, 0};   // byte 4v + j: the row's nibbles / tops
+        for (int v = 0; v < 4; ++v) std::memcpy(&nw[v], grp + v * 64 + r * 4, 4);
+        for (int u = 0; u < 2; ++u) std::memcpy(&tw[u], grp + Q6_TOP + u * 64 + r * 4, 4);
         const __m512i nib = _mm512_cvtepu8_epi32(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + r * 64 + i * 16)));
-        const __m512i top = _mm512_cvtepu8_epi32(_mm_loadu_si128(
-            reinterpret_cast<const __m128i*>(blk + Q6_TOP + r * 32 + (i % 2) * 16)));
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(nw)));
+        const __m512i tb = _mm512_cvtepu8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(tw)));
+        // lane 4v + j: the low nibble is element 8v + j (t = 2v), the high one 8v + 4 + j
+        // (t = 2v + 1); their tops are in byte 4 (t / 4) + j = 4 (v / 2) + j, at bits
+        // 2 (t % 4) = 4 (v % 2) and 4 (v % 2) + 2
+        const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13,
+                                               14, 15);
+        const __m512i v = _mm512_srli_epi32(lane, 2);
+        const __m512i at = _mm512_add_epi32(_mm512_slli_epi32(_mm512_srli_epi32(v, 1), 2),
+                                            _mm512_and_si512(lane, _mm512_set1_epi32(3)));
+        const __m512i tops = _mm512_permutexvar_epi32(at, tb);
+        const __m512i sh = _mm512_slli_epi32(_mm512_and_si512(v, _mm512_set1_epi32(1)), 2);
         const __m512i three = _mm512_set1_epi32(3), off = _mm512_set1_epi32(32);
         const __m512i qlo = _mm512_or_si512(_mm512_and_si512(nib, _mm512_set1_epi32(15)),
-            _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(top, i < 2 ? 4 : 6), three), 4));
-        const __m512i qhi = _mm512_or_si512(_mm512_srli_epi32(nib, 4),
-            _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(top, i < 2 ? 0 : 2), three), 4));
-        const __m512 slo = _mm512_set1_ps(q6_scale(blk, r, i, 0));
-        const __m512 shi = _mm512_set1_ps(q6_scale(blk, r, i, 16));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), (__m256i)_mm512_cvtneps_pbh(
-            _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(qlo, off)), slo)));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16), (__m256i)_mm512_cvtneps_pbh(
-            _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(qhi, off)), shi)));
+            _mm512_slli_epi32(_mm512_and_si512(_mm512_srlv_epi32(tops, sh), three), 4));
+        const __m512i qhi = _mm512_or_si512(_mm512_srli_epi32(nib, 4), _mm512_slli_epi32(
+            _mm512_and_si512(_mm512_srlv_epi32(tops, _mm512_add_epi32(sh, _mm512_set1_epi32(2))),
+                             three), 4));
+        // lanes 0-7 (v < 2: elements 0-15) take half 0's scale, 8-15 half 1's
+        const __m512 sc = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(q6_scale(blk, grp, r, 0)),
+                                               _mm512_set1_ps(q6_scale(blk, grp, r, 16)));
+        const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(qlo, off)), sc);
+        const __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(qhi, off)), sc);
+        const __m512i i0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+        const __m512i i1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_permutex2var_ps(lo, i0, hi)));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_permutex2var_ps(lo, i1, hi)));
 #else
         for (int k = 0; k < 32; ++k)
-          o[k] = at::BFloat16(q6_scale(blk, r, i, k) * float(q6_q(blk, r, i, k) - 32));
+          o[k] = at::BFloat16(q6_scale(blk, grp, r, k) * float(q6_q(grp, r, k) - 32));
 #endif
       }
     }
   });
+
 }

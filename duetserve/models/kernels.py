@@ -185,7 +185,7 @@ def exact_kquant_forms() -> dict[str, float]:
         return {"Q4_K": r, "Q6_K": r}
     if ops() is None:
         return {"Q4_K": 0.0, "Q6_K": 0.0}
-    return _cached(_key("exact_kquant_forms", "native-v6"), measure)
+    return _cached(_key("exact_kquant_forms", "native-v7"), measure)
 
 
 def _clone(w):
@@ -216,7 +216,7 @@ def calibrate_lowbit_rows(layer: QuantLinear) -> int:
             return _crossover(_ROWS, lambda m: torch.randn(m, layer.in_features), run, reps=5)
         finally:
             policy.lowbit_max_rows = saved
-    gemv = "native-v12" if ops() is not None else "torch"   # bump when kernels change
+    gemv = "native-v13" if ops() is not None else "torch"   # bump when kernels change
     return int(_cached(_key("lowbit_rows", layer.out_features, layer.in_features,
                             f"int{layer.qweight.bits}", kind, policy.dense_dtype, gemv),
                        measure))

@@ -95,7 +95,7 @@ class _BlockWeight:
 
     _GEMV = _DEQUANT = ""
     COLS = 128
-    ROWS = 4
+    ROWS = 16
     shape: tuple[int, int]
     packed: torch.Tensor
 
@@ -177,7 +177,6 @@ class Int4Weight(_BlockWeight):
 
     bits = 4
     COLS = 32
-    ROWS = 16
     BLOCK = 16 * 16 + 2 * 32
     _GEMV, _DEQUANT = "q4_gemv", "q4_dequant_bf16"
 
@@ -220,7 +219,6 @@ class Int4KWeight(_BlockWeight):
 
     bits = 4
     COLS = 256
-    ROWS = 16
     BLOCK = 8 * 256 + 4 * 48 + 2 * 32
     _GEMV, _DEQUANT = "q4k_gemv", "q4k_dequant_bf16"
 
@@ -274,14 +272,14 @@ class Int4KWeight(_BlockWeight):
 
 
 class Int6Weight(_BlockWeight):
-    """Units of 128 columns, 424 bytes: per block of 4 rows and 128 columns, the
-    rows' low nibbles (64 bytes each; byte 16 i + j: group i's element j low, 16 + j
-    high), their top two bits (32 bytes each), sc int8 [half][group][row] (32 bytes) and
-    d [4 rows] float16;
-    w = d * sc * (q - 32). Padding rows are zero (sc = 0)."""
+    """Units of 128 columns of 16 rows, 1696 bytes: per group of 32 columns the rows' low 4
+    bits in Int4Weight's order (256 bytes), their top two bits (128 bytes: vector u, dword
+    r, byte j, bits 2k..2k+1 hold element 16u + 4k + j of row r) and sc int8 [half][row]
+    (32 bytes), then d [16 rows] float16; w = d * sc * (q - 32). Padding rows are zero
+    (sc = 0)."""
 
     bits = 6
-    BLOCK = 4 * 64 + 4 * 32 + 32 + 8
+    BLOCK = 4 * (256 + 128 + 32) + 32
     _GEMV, _DEQUANT = "q6_gemv", "q6_dequant_bf16"
 
     def __init__(self, q: torch.Tensor, sc: torch.Tensor, d: torch.Tensor) -> None:
@@ -290,21 +288,20 @@ class Int6Weight(_BlockWeight):
         if k % 128:
             raise ValueError(f"6-bit blocks need K % 128 == 0, got K = {k}")
         self.shape = (n, k)
-        nb, nch = -(-n // 4), k // 128
-        rows = nb * 4
-        g = _pad_rows(q, rows, torch.uint8).view(rows, nch, 4, 32)
-        nib = (g[..., :16] & 15) | ((g[..., 16:] & 15) << 4)                 # [R, nch, 4, 16]
-        top = g >> 4
-        lo, hi = top[..., :16].reshape(rows, nch, 64), top[..., 16:].reshape(rows, nch, 64)
-        tb = (lo[..., :32] << 4) | (lo[..., 32:] << 6) | hi[..., :32] | (hi[..., 32:] << 2)
-        scp, dp = _pad_rows(sc, rows, torch.int8), _pad_rows(d, rows, torch.float16)
+        nb, nch, ng = -(-n // 16), k // 128, k // GROUP
+        rows = nb * 16
+        qp = _pad_rows(q, rows, torch.uint8)
+        top = (qp >> 4).view(nb, 16, ng, 2, 4, 4)                      # b, r, g, u, k, j
+        tb = top[..., 0, :] | top[..., 1, :] << 2 | top[..., 2, :] << 4 | top[..., 3, :] << 6
+        scp = _pad_rows(sc, rows, torch.int8).view(nb, 16, ng, 2)      # b, r, g, half
+        groups = torch.cat([_pack_nibbles(qp & 15),
+                            tb.permute(0, 2, 3, 1, 4).reshape(nb, ng, 128),
+                            scp.permute(0, 2, 3, 1).contiguous().view(torch.uint8)
+                               .reshape(nb, ng, 32)], dim=-1)
+        dp = _pad_rows(d, rows, torch.float16).view(nb, 16, nch).permute(0, 2, 1)
         self.packed = self._tiled(torch.cat([
-            nib.reshape(nb, 4, nch, 64).permute(0, 2, 1, 3).reshape(nb, nch, 256),
-            tb.reshape(nb, 4, nch, 32).permute(0, 2, 1, 3).reshape(nb, nch, 128),
-            scp.view(nb, 4, nch, 4, 2).permute(0, 2, 4, 3, 1).reshape(nb, nch, 32)
-               .contiguous().view(torch.uint8),
-            dp.view(nb, 4, nch).permute(0, 2, 1).contiguous().view(torch.uint8),
-        ], dim=-1))
+            groups.reshape(nb, nch, 4 * 416),
+            dp.contiguous().view(torch.uint8).reshape(nb, nch, 32)], dim=-1))
 
     @classmethod
     def from_q6_k(cls, q, sc, d) -> "Int6Weight":
@@ -314,16 +311,15 @@ class Int6Weight(_BlockWeight):
 
     def parts(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Rows `ids` [n] unpacked: (q [n, K] uint8, sc [n, K/16] int8, d [n, K/128] f16)."""
-        blk, r = self._row_blocks(ids), ids % 4
+        blk, r = self._row_blocks(ids), ids % 16
         n, nch, ar = len(ids), blk.shape[1], torch.arange(len(ids))
-        nib = blk[..., :256].reshape(n, nch, 4, 64)[ar, :, r].reshape(n, nch, 4, 16)
-        tb = blk[..., 256:384].reshape(n, nch, 4, 32)[ar, :, r]                  # [n, nch, 32]
-        lo = torch.cat([(tb >> 4) & 3, (tb >> 6) & 3], dim=-1).view(n, nch, 4, 16)
-        hi = torch.cat([tb & 3, (tb >> 2) & 3], dim=-1).view(n, nch, 4, 16)
-        q = torch.cat([(nib & 15) | (lo << 4), (nib >> 4) | (hi << 4)], dim=-1)
-        sc = blk[..., 384:416].contiguous().view(torch.int8).view(n, nch, 2, 4, 4)
-        sc = sc[ar, :, :, :, r].permute(0, 1, 3, 2)                          # [n, nch, 4, 2]
-        d = blk[..., 416:].contiguous().view(torch.float16).view(n, nch, 4)[ar, :, r]
+        g = blk[..., :1664].reshape(n, nch * 4, 416)
+        low = _unpack_nibbles(g[..., :256], r)                               # [n, ng, 32]
+        tb = g[..., 256:384].reshape(n, nch * 4, 2, 16, 4)[ar, :, :, r]      # [n, ng, u, j]
+        top = torch.stack([(tb >> (2 * k)) & 3 for k in range(4)], dim=-2)  # [n, ng, u, k, j]
+        q = low | (top.reshape(n, -1, GROUP) << 4)
+        sc = g[..., 384:].contiguous().view(torch.int8).reshape(n, nch * 4, 2, 16)[ar, :, :, r]
+        d = blk[..., 1664:].contiguous().view(torch.float16).view(n, nch, 16)[ar, :, r]
         return q.reshape(n, -1), sc.reshape(n, -1), d
 
     @staticmethod
