@@ -294,18 +294,32 @@ inline void dispatch(int64_t mm, F&& f) {
   }
 }
 
+// 4 activation bytes broadcast straight from memory (a load, no vector op).
+inline __m512i bcast4(const int8_t* p) { return _mm512_broadcastd_epi32(_mm_loadu_si32(p)); }
+
+// Two chains of 4 dots, wa[v] against the 4 activation bytes at xa + v step and wb[v] at
+// xb + v step (two accumulators keep the chains short): *a and *b.
+inline void dot_pairs(const __m512i* wa, const __m512i* wb, const int8_t* xa,
+                      const int8_t* xb, int step, __m512i* a, __m512i* b) {
+  __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wa[0], bcast4(xa));
+  __m512i t = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wb[0], bcast4(xb));
+  for (int v = 1; v < 4; ++v) {
+    s = _mm512_dpbusd_epi32(s, wa[v], bcast4(xa + v * step));
+    t = _mm512_dpbusd_epi32(t, wb[v], bcast4(xb + v * step));
+  }
+  *a = s;
+  *b = t;
+}
+
 // One group of 16 weight rows (its nibble vectors at `nib`, d and m of the rows in dv, mv)
 // against activation rows 0 .. MM - 1 of a pass (GROUPED: the group's int8 values at
-// xg + i G, dx at dg[i], xs at sg[i]), added into sum (lane r: weight row r). Two
-// accumulators keep the dot chains short.
+// xg + i G, dx at dg[i], xs at sg[i]), added into sum (lane r: weight row r).
 template <int MM>
 inline void q4_group(const uint8_t* nib, __m512 dv, __m512 mv, const int8_t* xg,
                      const float* dg, const float* sg, __m512* sum) {
   // the high nibbles stay in place: their dots come out 16 times too large, and one
   // exact shift per activation row (not one per weight vector) takes the 16 out
   const __m512i low4 = _mm512_set1_epi8(0x0F), high4 = _mm512_set1_epi8(static_cast<char>(0xF0));
-  // 4 activation bytes broadcast straight from memory (a load, no vector op)
-  auto bcast4 = [](const int8_t* p) { return _mm512_broadcastd_epi32(_mm_loadu_si32(p)); };
   __m512i lo[4], hi[4];
   for (int v = 0; v < 4; ++v) {
     const __m512i w = _mm512_loadu_si512(nib + v * 64);
@@ -315,12 +329,8 @@ inline void q4_group(const uint8_t* nib, __m512 dv, __m512 mv, const int8_t* xg,
 #pragma GCC unroll 8
   for (int i = 0; i < MM; ++i) {
     const int8_t* xq = xg + i * G;
-    __m512i a = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[0], bcast4(xq));
-    __m512i b = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi[0], bcast4(xq + 4));
-    for (int v = 1; v < 4; ++v) {
-      a = _mm512_dpbusd_epi32(a, lo[v], bcast4(xq + 8 * v));
-      b = _mm512_dpbusd_epi32(b, hi[v], bcast4(xq + 8 * v + 4));
-    }
+    __m512i a, b;   // elements 8v + j (low nibbles), 8v + 4 + j (high)
+    dot_pairs(lo, hi, xq, xq + 4, 8, &a, &b);
     const __m512i e = _mm512_add_epi32(a, _mm512_srai_epi32(b, 4));
     sum[i] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(e), _mm512_set1_ps(dg[i])),
                              dv, sum[i]);
@@ -420,7 +430,6 @@ void q6_span(const Tiles& W, const QuantizedX& X, int64_t nb, int64_t t, int64_t
   const uint8_t* first = W.span(nb, t);
   const int64_t u0 = t * W.tu, u1 = W.end(t);
   const __m512i low4 = _mm512_set1_epi8(0x0F), six = _mm512_set1_epi8(0x3F);
-  auto bcast4 = [](const int8_t* p) { return _mm512_broadcastd_epi32(_mm_loadu_si32(p)); };
   __m512 sum[MM];
 #pragma GCC unroll 8
   for (int i = 0; i < MM; ++i) sum[i] = acc[i];
@@ -462,12 +471,8 @@ void q6_span(const Tiles& W, const QuantizedX& X, int64_t nb, int64_t t, int64_t
 #pragma GCC unroll 8
       for (int i = 0; i < MM; ++i) {
         const int8_t* xq = xg + i * G;
-        __m512i a = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], bcast4(xq));
-        __m512i b = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[4], bcast4(xq + 16));
-        for (int tt = 1; tt < 4; ++tt) {
-          a = _mm512_dpbusd_epi32(a, w[tt], bcast4(xq + 4 * tt));
-          b = _mm512_dpbusd_epi32(b, w[4 + tt], bcast4(xq + 16 + 4 * tt));
-        }
+        __m512i a, b;   // elements 0-15, 16-31
+        dot_pairs(w, w + 4, xq, xq + 16, 4, &a, &b);
         const __m512 dx = _mm512_set1_ps(dg[i]);
         sum[i] = _mm512_fmadd_ps(_mm512_fmsub_ps(_mm512_cvtepi32_ps(a), dx,
                                                  _mm512_set1_ps(lg[i])), slo, sum[i]);
@@ -947,6 +952,19 @@ torch::Tensor f32_gemv(torch::Tensor x, torch::Tensor w) {
   return y;
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+// A group's 32 values as bf16 in element order from lo (lane 4v + j: element 8v + j) and
+// hi (lane 4v + j: element 8v + 4 + j), the order of the packed nibbles.
+inline void store_group_bf16(__m512 lo, __m512 hi, at::BFloat16* o) {
+  const __m512i i0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i i1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(o),
+                      (__m256i)_mm512_cvtneps_pbh(_mm512_permutex2var_ps(lo, i0, hi)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16),
+                      (__m256i)_mm512_cvtneps_pbh(_mm512_permutex2var_ps(lo, i1, hi)));
+}
+#endif
+
 // One row's group of a q4 / q4k unit (p: the row's dword in the group's first nibble
 // vector; byte 64 v + j: elements 8v + j low, 8v + 4 + j high) -> d * q + m as bf16.
 inline void group_to_bf16(const uint8_t* p, float dv, float mv, at::BFloat16* o) {
@@ -958,12 +976,7 @@ inline void group_to_bf16(const uint8_t* p, float dv, float mv, at::BFloat16* o)
   const __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(15))),
                                     dv16, mv16);
   const __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), dv16, mv16);
-  const __m512i i0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-  const __m512i i1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(o),
-                      (__m256i)_mm512_cvtneps_pbh(_mm512_permutex2var_ps(lo, i0, hi)));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16),
-                      (__m256i)_mm512_cvtneps_pbh(_mm512_permutex2var_ps(lo, i1, hi)));
+  store_group_bf16(lo, hi, o);
 #else
   for (int k = 0; k < G; ++k) {
     const uint8_t b = p[(k / 8) * 64 + k % 4];
@@ -1055,12 +1068,7 @@ torch::Tensor q6_dequant_bf16(torch::Tensor packed, int64_t K, int64_t a, int64_
                                                _mm512_set1_ps(q6_scale(blk, grp, r, 16)));
         const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(qlo, off)), sc);
         const __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(qhi, off)), sc);
-        const __m512i i0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-        const __m512i i1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o),
-                            (__m256i)_mm512_cvtneps_pbh(_mm512_permutex2var_ps(lo, i0, hi)));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16),
-                            (__m256i)_mm512_cvtneps_pbh(_mm512_permutex2var_ps(lo, i1, hi)));
+        store_group_bf16(lo, hi, o);
 #else
         for (int k = 0; k < 32; ++k)
           o[k] = at::BFloat16(q6_scale(blk, grp, r, k) * float(q6_q(grp, r, k) - 32));

@@ -6,16 +6,17 @@ AVX512-VNNI, one float scale per group), else plain torch:
 
 - `Int4Weight`: GGUF Q4_1's groups, 32 along K, `w = d * q + m`, q in 0..15, 16 bytes
   of nibbles + float16 d and m per group (0.625 bytes per weight), packed in blocks of 16
-  rows x 1 group so the decode kernel reads one sequential stream (layout in
-  csrc/lowbit_gemv.cpp). GGUF Q4_0 and
-  Q4_1 map onto it losslessly; so does a float checkpoint under `--quantization int4`.
+  rows x 1 group so the decode kernel reads one sequential stream and each lane of its
+  dot products is one weight row (layout in csrc/lowbit_gemv.cpp). GGUF Q4_0 and Q4_1
+  map onto it losslessly; so does a float checkpoint under `--quantization int4`.
 - `Int4KWeight`: GGUF Q4_K kept exactly, `w = d * sc * q - dmin * mn` with the file's
   6-bit sc and mn per 32 and float16 d, dmin per 256: the file's 0.5625 bytes per weight,
   reordered (Int4Weight's float16 scale and minimum per group, which Q4_K used to be
   widened to, took 0.625 and rounded them).
 - `Int6Weight`: GGUF Q6_K kept exactly, `w = d * sc * (q - 32)`, q in 0..63, an int8 sc
   per 16 weights and a float16 d per 128 (0.828 bytes per weight against the file's
-  0.820), in blocks of 4 rows x 128 columns (layout in csrc/lowbit_gemv.cpp).
+  0.820), in blocks of 16 rows x 128 columns (layout in csrc/lowbit_gemv.cpp).
+  The three share the 16-row blocks (`_BlockWeight.ROWS`).
 - `Int8Weight`: one scale per output row, symmetric. Formats that are neither 4-bit nor
   Q6_K (Q5_x, Q8_0, and float checkpoints) are requantized into it: |error| <= scale / 2 =
   max|w_row| / 254 per weight (+ the bfloat16 rounding of the scale, 2^-8 relative).
