@@ -62,8 +62,8 @@ namespace {
 
 constexpr int64_t G = 32;       // group size along K
 constexpr int64_t CH = 4;       // groups per chunk of 128 columns (quantizer, q6)
-constexpr int64_t Q4_ROWS = 16;                 // q4: weight rows per block
-constexpr int64_t Q4_BLOCK = Q4_ROWS * 16 + 2 * 32;   // q4: bytes per block of 16 rows x 1 group
+constexpr int64_t ROWS = 16;                    // q4, q4k, q6: weight rows per block
+constexpr int64_t Q4_BLOCK = ROWS * 16 + 2 * 32;      // q4: bytes per block of 16 rows x 1 group
 constexpr int64_t Q8_BLOCK = 4 * 64;            // q8: bytes per block of 4 rows x 64 columns
 constexpr int64_t Q4K_CODES = 8 * 256, Q4K_D = Q4K_CODES + 4 * 48;
 constexpr int64_t Q4K_BLOCK = Q4K_D + 64;       // q4k: bytes per block of 16 rows x 256 columns
@@ -367,9 +367,9 @@ void q4_span(const Tiles& W, const QuantizedX& X, int64_t nb, int64_t t, int64_t
 // Lane r of acc[i] into y[m0 + i, 16 nb + r] (rows below N).
 template <int MM>
 inline void store_rows16(const __m512* acc, float* y, int64_t N, int64_t nb, int64_t m0) {
-  const int64_t left = N - nb * Q4_ROWS;
+  const int64_t left = N - nb * ROWS;
   const __mmask16 keep = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
-  for (int i = 0; i < MM; ++i) _mm512_mask_storeu_ps(y + (m0 + i) * N + nb * Q4_ROWS, keep, acc[i]);
+  for (int i = 0; i < MM; ++i) _mm512_mask_storeu_ps(y + (m0 + i) * N + nb * ROWS, keep, acc[i]);
 }
 
 // 16 little-endian 24-bit words at p (48 bytes), each widened to an int32 lane: the 48
@@ -590,7 +590,7 @@ void f32_rows(const float* w, const float* x, float* y, int64_t K, int64_t N, in
 // Without VNNI, plain loops: y[m, n] for the weight rows of blocks [b0, b1) (of ROWS rows)
 // and activation rows m0 .. m0 + mm - 1; add(nb, r, m, total) adds row r of block nb's products with
 // activation row m into total.
-template <int64_t ROWS = 4, typename Add>
+template <typename Add>
 void plain_rows(float* y, int64_t N, int64_t b0, int64_t b1, int64_t m0, int64_t mm, Add add) {
   for (int64_t n = b0 * ROWS; n < std::min(N, b1 * ROWS); ++n)
     for (int64_t m = m0; m < m0 + mm; ++m) {
@@ -617,7 +617,7 @@ void q4_rows(const Tiles& W, const QuantizedX& X, float* y, int64_t N,
   });
 #else
   const int64_t M = X.m;   // GROUPED
-  plain_rows<Q4_ROWS>(y, N, b0, b1, m0, mm, [&](int64_t nb, int r, int64_t m, float& total) {
+  plain_rows(y, N, b0, b1, m0, mm, [&](int64_t nb, int r, int64_t m, float& total) {
     for (int64_t g = 0; g < W.units; ++g) {
       const uint8_t* blk = W.at(nb, g);
       const int8_t* xq = X.q.data() + (g * M + m) * G;
@@ -638,7 +638,7 @@ inline void q4k_dm(const uint8_t* blk, int r, int g, float* d, float* m) {
   const uint32_t word = uint32_t(c[0]) | uint32_t(c[1]) << 8 | uint32_t(c[2]) << 16;
   const int h = g / 4;
   *d = half_to_float(dd[r]) * float((word >> (6 * h)) & 63);
-  *m = -(half_to_float(dd[Q4_ROWS + r]) * float((word >> (12 + 6 * h)) & 63));
+  *m = -(half_to_float(dd[ROWS + r]) * float((word >> (12 + 6 * h)) & 63));
 }
 
 void q4k_rows(const Tiles& W, const QuantizedX& X, float* y, int64_t N,
@@ -651,7 +651,7 @@ void q4k_rows(const Tiles& W, const QuantizedX& X, float* y, int64_t N,
   });
 #else
   const int64_t M = X.m;   // GROUPED
-  plain_rows<Q4_ROWS>(y, N, b0, b1, m0, mm, [&](int64_t nb, int r, int64_t m, float& total) {
+  plain_rows(y, N, b0, b1, m0, mm, [&](int64_t nb, int r, int64_t m, float& total) {
     for (int64_t s = 0; s < W.units; ++s) {
       const uint8_t* blk = W.at(nb, s);
       for (int gl = 0; gl < 8; ++gl) {
@@ -690,7 +690,7 @@ void q6_rows(const Tiles& W, const QuantizedX& X, float* y, int64_t N,
   });
 #else
   const int64_t M = X.m;   // GROUPED
-  plain_rows<Q4_ROWS>(y, N, b0, b1, m0, mm, [&](int64_t nb, int r, int64_t m, float& total) {
+  plain_rows(y, N, b0, b1, m0, mm, [&](int64_t nb, int r, int64_t m, float& total) {
     for (int64_t c = 0; c < W.units; ++c) {
       const uint8_t* blk = W.at(nb, c);
       for (int gi = 0; gi < CH; ++gi) {
@@ -778,8 +778,8 @@ Tiles tiles_of(const torch::Tensor& packed, int64_t K, int64_t cols, int64_t blo
 
 namespace {
 
-// A packed form: its column unit, block bytes, activation order, rows function, the most
-// activation rows a pass takes and the weight rows a block holds.
+// A packed form: its column unit, block bytes, activation order, rows function and the
+// most activation rows a pass takes.
 using RowsFn = void (*)(const Tiles&, const QuantizedX&, float*, int64_t, int64_t, int64_t,
                         int64_t, int64_t);
 struct Form {
@@ -787,12 +787,10 @@ struct Form {
   int order;
   RowsFn rows;
   int64_t pass_rows;
-  int64_t block_rows;
-  int64_t blocks(int64_t N) const { return (N + block_rows - 1) / block_rows; }
 };
-const Form Q4_FORM{G, Q4_BLOCK, GROUPED, q4_rows, WIDE_PASS_ROWS, Q4_ROWS};
-const Form Q4K_FORM{256, Q4K_BLOCK, GROUPED, q4k_rows, WIDE_PASS_ROWS, Q4_ROWS};
-const Form Q6_FORM{CH * G, Q6_BLOCK, GROUPED, q6_rows, WIDE_PASS_ROWS, Q4_ROWS};
+const Form Q4_FORM{G, Q4_BLOCK, GROUPED, q4_rows, WIDE_PASS_ROWS};
+const Form Q4K_FORM{256, Q4K_BLOCK, GROUPED, q4k_rows, WIDE_PASS_ROWS};
+const Form Q6_FORM{CH * G, Q6_BLOCK, GROUPED, q6_rows, WIDE_PASS_ROWS};
 
 // The form of a packed weight of K columns, told apart by its block size (320 q4, 576
 // q4k, 424 q6); `want`, when given, is the only form accepted.
@@ -822,12 +820,12 @@ torch::Tensor packed_gemv(torch::Tensor x, const torch::Tensor& packed, int64_t 
   const int64_t M = x.size(0), K = x.size(1);
   const Form f = form_of(packed, K, want);
   const Tiles W = tiles_of(packed, K, f.cols, f.block);
-  TORCH_CHECK(packed.size(1) == f.blocks(N), "N = ", N, " does not match the packed weight");
+  TORCH_CHECK(packed.size(1) == (N + ROWS - 1) / ROWS, "N = ", N,
+              " does not match the packed weight");
   auto y = torch::empty({M, N}, x.options());
   const QuantizedX X = quantize_x(x.data_ptr<float>(), M, K, f.order, CH);
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, packed.size(1), std::max<int64_t>(1, ROWS_PER_TASK / f.block_rows),
-                   [&](int64_t b0, int64_t b1) {
+  at::parallel_for(0, packed.size(1), ROWS_PER_TASK / ROWS, [&](int64_t b0, int64_t b1) {
     tiled_passes(b0, b1, W.units * f.block, M,
                  [&](int64_t t0, int64_t t1, int64_t m0, int64_t mm) {
       f.rows(W, X, yp, N, t0, t1, m0, mm);
@@ -874,7 +872,7 @@ torch::Tensor stacked_gemv(torch::Tensor x, std::vector<torch::Tensor> packed,
   for (size_t i = 0; i < P; ++i) {
     const Form f = form_of(packed[i], K);
     const Tiles W = tiles_of(packed[i], K, f.cols, f.block);
-    TORCH_CHECK(packed[i].size(1) == f.blocks(n[i]), "N = ", n[i],
+    TORCH_CHECK(packed[i].size(1) == (n[i] + ROWS - 1) / ROWS, "N = ", n[i],
                 " does not match packed part ", i);
     if (!quantized[f.order]) {
       xq[f.order] = quantize_x(x.data_ptr<float>(), M, K, f.order, CH);
@@ -988,7 +986,7 @@ inline void group_to_bf16(const uint8_t* p, float dv, float mv, at::BFloat16* o)
 // Rows [a, b) of a weight packed in blocks of ROWS rows (tiles_of: [tiles, row blocks, tu,
 // block], units of `cols` columns) as dense bfloat16 [b - a, K], for the many-row path
 // without a resident dense copy: row(W, nb, r, out) writes row r of row block nb.
-template <int64_t ROWS = 4, typename Row>
+template <typename Row>
 torch::Tensor packed_dequant(const torch::Tensor& packed, int64_t K, int64_t a, int64_t b,
                              int64_t cols, int64_t block, Row row) {
   const Tiles W = tiles_of(packed, K, cols, block);
@@ -1003,7 +1001,7 @@ torch::Tensor packed_dequant(const torch::Tensor& packed, int64_t K, int64_t a, 
 }
 
 torch::Tensor q4_dequant_bf16(torch::Tensor packed, int64_t K, int64_t a, int64_t b) {
-  return packed_dequant<Q4_ROWS>(packed, K, a, b, G, Q4_BLOCK,
+  return packed_dequant(packed, K, a, b, G, Q4_BLOCK,
                                  [&](const Tiles& W, int64_t nb, int r, at::BFloat16* orow) {
     for (int64_t g = 0; g < K / G; ++g) {
       const uint8_t* blk = W.at(nb, g);
@@ -1016,7 +1014,7 @@ torch::Tensor q4_dequant_bf16(torch::Tensor packed, int64_t K, int64_t a, int64_
 
 torch::Tensor q4k_dequant_bf16(torch::Tensor packed, int64_t K, int64_t a, int64_t b) {
   TORCH_CHECK(K % 256 == 0, "q4k: K must be a multiple of 256");
-  return packed_dequant<Q4_ROWS>(packed, K, a, b, 256, Q4K_BLOCK,
+  return packed_dequant(packed, K, a, b, 256, Q4K_BLOCK,
                                  [&](const Tiles& W, int64_t nb, int r, at::BFloat16* orow) {
     for (int64_t s = 0; s < K / 256; ++s) {
       const uint8_t* blk = W.at(nb, s);
@@ -1032,7 +1030,7 @@ torch::Tensor q4k_dequant_bf16(torch::Tensor packed, int64_t K, int64_t a, int64
 torch::Tensor q6_dequant_bf16(torch::Tensor packed, int64_t K, int64_t a, int64_t b) {
   TORCH_CHECK(K % 128 == 0, "q6: K must be a multiple of 128");
   const int64_t nch = K / 128;
-  return packed_dequant<Q4_ROWS>(packed, K, a, b, CH * G, Q6_BLOCK,
+  return packed_dequant(packed, K, a, b, CH * G, Q6_BLOCK,
                                  [&](const Tiles& W, int64_t nb, int r, at::BFloat16* orow) {
     for (int64_t c = 0; c < nch; ++c) {
       const uint8_t* blk = W.at(nb, c);

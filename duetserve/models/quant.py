@@ -196,7 +196,7 @@ class Int4Weight(_BlockWeight):
 
     def groups(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Rows `ids` [n] unpacked: (q [n, K/32, 32] uint8 values, d, m [n, K/32] float16)."""
-        blk, r, n = self._row_blocks(ids), ids % 16, len(ids)
+        blk, r, n = self._row_blocks(ids), ids % self.ROWS, len(ids)
         dm = blk[..., 256:].contiguous().view(torch.float16).view(n, -1, 2, 16)
         dm = dm[torch.arange(n), :, :, r]
         return _unpack_nibbles(blk[..., :256], r), dm[..., 0], dm[..., 1]
@@ -255,7 +255,7 @@ class Int4KWeight(_BlockWeight):
     def groups(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Rows `ids` [n] unpacked as Int4Weight.groups: (q [n, K/32, 32] uint8, d, m
         [n, K/32] float32 with d = d * sc and m = -dmin * mn, exact)."""
-        blk, r = self._row_blocks(ids), ids % 16
+        blk, r = self._row_blocks(ids), ids % self.ROWS
         n, ns, ng, ar = len(ids), blk.shape[1], self.shape[1] // GROUP, torch.arange(len(ids))
         b = blk[..., 2048:2240].reshape(n, ns, 4, 16, 3).to(torch.int32)  # [.., g, row, byte]
         word = (b[..., 0] | b[..., 1] << 8 | b[..., 2] << 16)[ar, :, :, r]  # [n, ns, g]
@@ -312,7 +312,7 @@ class Int6Weight(_BlockWeight):
 
     def parts(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Rows `ids` [n] unpacked: (q [n, K] uint8, sc [n, K/16] int8, d [n, K/128] f16)."""
-        blk, r = self._row_blocks(ids), ids % 16
+        blk, r = self._row_blocks(ids), ids % self.ROWS
         n, nch, ar = len(ids), blk.shape[1], torch.arange(len(ids))
         g = blk[..., :1664].reshape(n, nch * 4, 416)
         low = _unpack_nibbles(g[..., :256], r)                               # [n, ng, 32]
