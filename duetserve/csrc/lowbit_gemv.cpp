@@ -201,43 +201,46 @@ inline void quantize_chunk(const float* xg, int64_t valid, int8_t* out,
 }
 #endif
 
-// One row of x (K columns) into gp groups (K / G real ones, then zero padding), in element
-// order; l and h (when not null) get 32 dx times the sum of each group's elements 0-15 and
-// 16-31 (q6's halves).
-void quantize_row(const float* x, int64_t K, int64_t gp, int8_t* xq, float* dx, float* xs,
-                  float* l, float* h) {
+// One row of x (K columns) into gp groups (K / G real ones, then zero padding), each in
+// element order, group g's values at xq + g * step * G and its scalars at dx[g * step]
+// (step 1: the row's groups in turn; M: GROUPED, the rows inside); l and h (when not
+// null) get 32 dx times the sum of each group's elements 0-15 and 16-31 (q6's halves).
+void quantize_row(const float* x, int64_t K, int64_t gp, int64_t step, int8_t* xq,
+                  float* dx, float* xs, float* l, float* h) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-  alignas(64) int8_t tail[CH * G];
+  alignas(64) int8_t chunk[CH * G];
   for (int64_t c = 0; c * CH < gp; ++c) {
     const int64_t n = std::min<int64_t>(CH, gp - c * CH);   // < CH: the last groups
     float d[4];
     int32_t lo[4], hi[4];
-    int8_t* out = n == CH ? xq + c * CH * G : tail;
-    quantize_chunk(x + c * CH * G, K - c * CH * G, out, d, lo, hi);
-    if (n < CH) std::memcpy(xq + c * CH * G, tail, n * G);
+    const bool direct = n == CH && step == 1;
+    quantize_chunk(x + c * CH * G, K - c * CH * G, direct ? xq + c * CH * G : chunk, d, lo, hi);
     for (int64_t i = 0; i < n; ++i) {
-      const int64_t g = c * CH + i;
-      dx[g] = d[i];
-      xs[g] = d[i] * static_cast<float>(lo[i] + hi[i]);
+      const int64_t g = c * CH + i, at = g * step;
+      if (!direct) std::memcpy(xq + at * G, chunk + i * G, G);
+      dx[at] = d[i];
+      xs[at] = d[i] * static_cast<float>(lo[i] + hi[i]);
       if (l != nullptr) {
-        l[g] = 32.f * d[i] * static_cast<float>(lo[i]);
-        h[g] = 32.f * d[i] * static_cast<float>(hi[i]);
+        l[at] = 32.f * d[i] * static_cast<float>(lo[i]);
+        h[at] = 32.f * d[i] * static_cast<float>(hi[i]);
       }
     }
   }
 #else
-  std::memset(xq, 0, gp * G);
   const int64_t ngroups = K / G;
   for (int64_t g = 0; g < gp; ++g) {
+    const int64_t at = g * step;
+    int8_t* q = xq + at * G;
     float d = 0.f;
-    const int32_t sum = g < ngroups ? quantize_group(x + g * G, xq + g * G, &d) : 0;
-    dx[g] = d;
-    xs[g] = d * static_cast<float>(sum);
+    std::memset(q, 0, G);
+    const int32_t sum = g < ngroups ? quantize_group(x + g * G, q, &d) : 0;
+    dx[at] = d;
+    xs[at] = d * static_cast<float>(sum);
     if (l != nullptr) {
       int32_t lo = 0, hi = 0;
-      for (int j = 0; j < 16; ++j) { lo += xq[g * G + j]; hi += xq[g * G + 16 + j]; }
-      l[g] = 32.f * d * static_cast<float>(lo);
-      h[g] = 32.f * d * static_cast<float>(hi);
+      for (int j = 0; j < 16; ++j) { lo += q[j]; hi += q[16 + j]; }
+      l[at] = 32.f * d * static_cast<float>(lo);
+      h[at] = 32.f * d * static_cast<float>(hi);
     }
   }
 #endif
@@ -246,36 +249,25 @@ void quantize_row(const float* x, int64_t K, int64_t gp, int8_t* xq, float* dx, 
 // x [M, K] quantized in `order`, its rows' groups padded to a multiple of pad_to.
 QuantizedX quantize_x(const float* x, int64_t M, int64_t K, int order, int64_t pad_to) {
   const int64_t ng = K / G, gp = (ng + pad_to - 1) / pad_to * pad_to;
-  const bool halves = order == GROUPED;
+  const bool grouped = order == GROUPED;   // also the halves' sums (q6)
   QuantizedX out;
   out.gp = gp;
   out.m = M;
   out.q.resize(M * gp * G);
   out.d.resize(M * gp);
   out.s.resize(M * gp);
-  if (halves) {
+  if (grouped) {
     out.l.resize(M * gp);
     out.h.resize(M * gp);
   }
+  // PLAIN: row m's groups from m * gp on; GROUPED: group g of row m at g * M + m
+  const int64_t step = grouped ? M : 1, first = grouped ? 1 : gp;
   for (int64_t m = 0; m < M; ++m)
-    quantize_row(x + m * K, K, gp, out.q.data() + m * gp * G, out.d.data() + m * gp,
-                 out.s.data() + m * gp, halves ? out.l.data() + m * gp : nullptr,
-                 halves ? out.h.data() + m * gp : nullptr);
-  if (order == PLAIN || M == 1) return out;   // one row: GROUPED is PLAIN
-  QuantizedX grouped;                         // each row's groups to g * M + m
-  grouped.gp = gp;
-  grouped.m = M;
-  grouped.q.resize(M * gp * G);
-  for (Buf<float>* b : {&grouped.d, &grouped.s, &grouped.l, &grouped.h}) b->resize(M * gp);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t g = 0; g < gp; ++g) {
-      std::memcpy(grouped.q.data() + (g * M + m) * G, out.q.data() + (m * gp + g) * G, G);
-      grouped.d[g * M + m] = out.d[m * gp + g];
-      grouped.s[g * M + m] = out.s[m * gp + g];
-      grouped.l[g * M + m] = out.l[m * gp + g];
-      grouped.h[g * M + m] = out.h[m * gp + g];
-    }
-  return grouped;
+    quantize_row(x + m * K, K, gp, step, out.q.data() + m * first * G,
+                 out.d.data() + m * first, out.s.data() + m * first,
+                 grouped ? out.l.data() + m * first : nullptr,
+                 grouped ? out.h.data() + m * first : nullptr);
+  return out;
 }
 
 #if defined(DUET_VNNI)
