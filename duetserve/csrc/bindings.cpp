@@ -23,6 +23,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_dequant_bf16", &q4_dequant_bf16, nogil, "rows [a, b) of a packed q4 weight (K columns) as bf16");
   m.def("f32_gemv", &f32_gemv, nogil, "x[M,K] f32 @ W[N,K] f32 ^T -> [M,N] f32 (few rows)");
   m.def("rms_norm", &rms_norm, nogil, "x * rsqrt(mean(x^2) + eps) * w, float32, one pass");
+  m.def("add_rms_norm", &add_rms_norm, nogil, "x += delta (in place), then rms_norm(x, w)");
   m.def("silu_mul", &silu_mul, nogil, "silu(gate) * up of [T, 2I] -> [T, I] float32");
   m.def("argmax_rows", &argmax_rows, nogil, "first index of each row's maximum, [M, V] float32 -> [M] int64");
   m.def("rope_kv_write", &rope_kv_write, nogil,

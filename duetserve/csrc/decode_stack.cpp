@@ -6,12 +6,15 @@
 // per layer, the same kernels the Python modules call for such a step, in the same order:
 //   h = rms_norm(x); qkv = linear(h) (+ bias); q = rope_kv_write(qkv) (writes the cache);
 //   o = paged_decode_attention(q); x += linear(o);
-//   h = rms_norm(x); x += linear(silu(gate) * up of linear(h)).
+//   h = rms_norm(x); x += linear(silu(gate) * up of linear(h)),
+// then the model's final norm; each residual add is fused with the norm that follows it
+// (add_rms_norm: the same float32 operations).
 // so the result equals the module path's bit for bit for low-bit linears (a test checks
 // it). A linear is q4, q4k or q6 (packed, N), q8 (q, scale) or dense float32 (weight), each with an
 // optional bias; dense ones run f32_gemv up to the row count the loader measured it faster
 // than oneDNN's GEMM (models/kernels.py: calibrate_dense_gemv_rows; the module path uses the
 // same bound and the stack runs no bigger dense steps).
+#include <cstring>
 #include <vector>
 
 #include "ops.h"
@@ -39,7 +42,7 @@ struct Linear {
     else if (kind == 7) y = stacked_gemv(x, {a, c}, ns);
     else if (x.size(0) <= gemv_rows) y = f32_gemv(x, a);
     else return bias.defined() ? at::linear(x, a, bias) : at::linear(x, a);
-    return bias.defined() ? y + bias : y;
+    return bias.defined() ? y.add_(bias) : y;
   }
 };
 
@@ -80,10 +83,11 @@ struct Layer {
 class DecodeStack {
  public:
   // layers[i] = [input_norm, post_attention_norm, qkv(4 slots), o(4), gate_up(4), down(4)];
-  // dense_gemv_rows: dense linears run f32_gemv up to this many rows.
-  DecodeStack(const std::vector<std::vector<torch::Tensor>>& layers, int64_t H, int64_t KVH,
-              double eps, double scale, int64_t dense_gemv_rows)
-      : H_(H), KVH_(KVH), eps_(eps), scale_(scale) {
+  // final_norm: the model's norm after the last layer (same eps); dense_gemv_rows: dense
+  // linears run f32_gemv up to this many rows.
+  DecodeStack(const std::vector<std::vector<torch::Tensor>>& layers, torch::Tensor final_norm,
+              int64_t H, int64_t KVH, double eps, double scale, int64_t dense_gemv_rows)
+      : final_norm_(final_norm), H_(H), KVH_(KVH), eps_(eps), scale_(scale) {
     for (const auto& t : layers) {
       TORCH_CHECK(t.size() == 18, "a layer is 2 norms + 4 linears of 4 slots");
       Layer l;
@@ -97,26 +101,70 @@ class DecodeStack {
     }
   }
 
-  // x [T, d] float32 (the embeddings; not mutated) -> hidden states [T, d] before the final
-  // norm. Mutates k_caches[i], v_caches[i] (the step's K/V at slot_mapping).
-  torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
+  // The step from its token ids: ids, positions [T] int64; embed [V, d] float32 (the
+  // embedding table); cos_table, sin_table [P, D] float32 (the rotary tables, rows by
+  // position). Gathers the embeddings and the step's rotary rows itself (plain row
+  // copies: after a step's weight stream has evicted the caches, torch's embedding and
+  // index ops cost ~50 us each), then runs the layers. Returns the final hidden states
+  // [T, d] (after the final norm), or an empty tensor, with nothing run, when a position
+  // is past the tables (the caller grows them and calls again). Mutates k_caches[i],
+  // v_caches[i] (the step's K/V at slot_mapping).
+  torch::Tensor forward(torch::Tensor ids, torch::Tensor positions, torch::Tensor embed,
+                        torch::Tensor cos_table, torch::Tensor sin_table,
                         torch::Tensor slot_mapping, torch::Tensor block_tables,
                         torch::Tensor context_lens, const std::vector<torch::Tensor>& k_caches,
                         const std::vector<torch::Tensor>& v_caches) const {
     TORCH_CHECK(k_caches.size() == layers_.size() && v_caches.size() == layers_.size(),
                 "one K and one V cache per layer");
-    TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2, "x: float32 [T, d]");
+    TORCH_CHECK(ids.scalar_type() == torch::kInt64 && positions.scalar_type() == torch::kInt64 &&
+                ids.dim() == 1 && positions.sizes() == ids.sizes(), "ids, positions: int64 [T]");
+    TORCH_CHECK(embed.scalar_type() == torch::kFloat32 && embed.dim() == 2 &&
+                embed.is_contiguous(), "embed: contiguous float32 [V, d]");
+    TORCH_CHECK(cos_table.scalar_type() == torch::kFloat32 && cos_table.is_contiguous() &&
+                sin_table.is_contiguous() && sin_table.sizes() == cos_table.sizes() &&
+                cos_table.dim() == 2, "rotary tables: contiguous float32 [P, D], alike");
+    ids = ids.contiguous();
+    positions = positions.contiguous();
+    const int64_t T = ids.size(0), V = embed.size(0), d = embed.size(1);
+    const int64_t P = cos_table.size(0), D = cos_table.size(1);
+    const int64_t* ip = ids.data_ptr<int64_t>();
+    const int64_t* pp = positions.data_ptr<int64_t>();
+    for (int64_t t = 0; t < T; ++t) {
+      TORCH_CHECK(0 <= ip[t] && ip[t] < V, "token id ", ip[t], " is outside the vocabulary of ",
+                  V);
+      TORCH_CHECK(pp[t] >= 0, "negative position");
+      if (pp[t] >= P) return torch::empty({0}, embed.options());
+    }
+    auto x = torch::empty({T, d}, embed.options());   // the residual stream (added to in place)
+    auto cos = torch::empty({T, 1, D}, embed.options()), sin = torch::empty_like(cos);
+    for (int64_t t = 0; t < T; ++t) {
+      std::memcpy(x.data_ptr<float>() + t * d, embed.data_ptr<float>() + ip[t] * d, d * 4);
+      std::memcpy(cos.data_ptr<float>() + t * D, cos_table.data_ptr<float>() + pp[t] * D, D * 4);
+      std::memcpy(sin.data_ptr<float>() + t * D, sin_table.data_ptr<float>() + pp[t] * D, D * 4);
+    }
+    return layers(x, cos, sin, slot_mapping, block_tables, context_lens, k_caches, v_caches);
+  }
+
+ private:
+  // The layers and the final norm over x [T, d] (mutated: the residual stream).
+  torch::Tensor layers(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
+                       const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
+                       const torch::Tensor& context_lens,
+                       const std::vector<torch::Tensor>& k_caches,
+                       const std::vector<torch::Tensor>& v_caches) const {
     const int64_t T = x.size(0);
-    x = x.contiguous();
+    torch::Tensor delta;   // the last layer's MLP output, added with the next layer's norm
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& l = layers_[i];
-      torch::Tensor qkv = l.qkv(rms_norm(x, l.in_norm, eps_)).contiguous();
+      torch::Tensor h = delta.defined() ? add_rms_norm(x, delta, l.in_norm, eps_)
+                                        : rms_norm(x, l.in_norm, eps_);
+      torch::Tensor qkv = l.qkv(h).contiguous();
       torch::Tensor q = rope_kv_write(qkv, cos, sin, k_caches[i], v_caches[i], slot_mapping,
                                       H_, KVH_);
       torch::Tensor att = paged_decode_attention(q, k_caches[i], v_caches[i], block_tables,
                                                  context_lens, scale_);
-      x = x + l.o(att.reshape({T, -1}));
-      torch::Tensor gu = l.gate_up(rms_norm(x, l.post_norm, eps_));
+      torch::Tensor gu = l.gate_up(add_rms_norm(x, l.o(att.reshape({T, -1})), l.post_norm,
+                                                eps_));
       torch::Tensor act;
       if (T <= kSiluMulRows && gu.is_contiguous()) {
         act = silu_mul(gu);     // rows independent of T: a verify row equals a decode
@@ -124,21 +172,22 @@ class DecodeStack {
         auto parts = gu.chunk(2, -1);
         act = at::silu(parts[0]) * parts[1];
       }
-      x = x + l.down(act);
+      delta = l.down(act);
     }
-    return x;
+    return delta.defined() ? add_rms_norm(x, delta, final_norm_, eps_)
+                           : rms_norm(x, final_norm_, eps_);
   }
 
- private:
   std::vector<Layer> layers_;
+  torch::Tensor final_norm_;
   int64_t H_, KVH_;
   double eps_, scale_;
 };
 
 void bind_decode_stack(pybind11::module& m) {
   pybind11::class_<DecodeStack>(m, "DecodeStack")
-      .def(pybind11::init<const std::vector<std::vector<torch::Tensor>>&, int64_t, int64_t,
-                          double, double, int64_t>())
+      .def(pybind11::init<const std::vector<std::vector<torch::Tensor>>&, torch::Tensor,
+                          int64_t, int64_t, double, double, int64_t>())
       .def("forward", &DecodeStack::forward,
            pybind11::call_guard<pybind11::gil_scoped_release>());   // see bindings.cpp
 }

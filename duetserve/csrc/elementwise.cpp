@@ -1,11 +1,35 @@
 // Small fused row ops for decode steps, where torch's per-op dispatch costs more than the
-// arithmetic: rms_norm (one pass, float32) and silu(gate) * up; and a row argmax.
+// arithmetic: rms_norm (one pass, float32; with the residual add before it) and
+// silu(gate) * up; and a row argmax.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <atomic>
 #include <cmath>
 #include <type_traits>
 #include "simd_exp.h"   // exp16 (AVX-512 builds)
+
+namespace {
+// Rows [b, e) of y = x * rsqrt(mean(x^2) + eps) * w (d columns); with `delta`, first
+// x += delta row by row (x is then read back from where it was written).
+void rms_rows(float* xp, const float* delta, const float* wp, float* yp, int64_t d, float eps,
+              int64_t b, int64_t e) {
+  for (int64_t r = b; r < e; ++r) {
+    float* xr = xp + r * d;
+    if (delta != nullptr) {
+      const float* dr = delta + r * d;
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) xr[i] += dr[i];
+    }
+    float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < d; ++i) ss += xr[i] * xr[i];
+    const float inv = 1.f / std::sqrt(ss / d + eps);
+    float* yr = yp + r * d;
+#pragma omp simd
+    for (int64_t i = 0; i < d; ++i) yr[i] = xr[i] * inv * wp[i];
+  }
+}
+}  // namespace
 
 // x [T, d] float32, w [d] float32 -> x * rsqrt(mean(x^2) + eps) * w
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
@@ -14,20 +38,27 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   x = x.contiguous();
   const int64_t d = x.size(-1), rows = x.numel() / d;
   auto y = torch::empty_like(x);
-  const float* xp = x.data_ptr<float>();
-  const float* wp = w.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
   at::parallel_for(0, rows, 64, [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r) {
-      const float* xr = xp + r * d;
-      float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-      for (int64_t i = 0; i < d; ++i) ss += xr[i] * xr[i];
-      const float inv = 1.f / std::sqrt(ss / d + static_cast<float>(eps));
-      float* yr = yp + r * d;
-#pragma omp simd
-      for (int64_t i = 0; i < d; ++i) yr[i] = xr[i] * inv * wp[i];
-    }
+    rms_rows(x.data_ptr<float>(), nullptr, w.data_ptr<float>(), y.data_ptr<float>(), d,
+             static_cast<float>(eps), b, e);
+  });
+  return y;
+}
+
+// The residual add and the norm after it in one pass: x += delta, then rms_norm(x, w).
+// x [T, d] float32 contiguous (mutated: it holds the sum), delta [T, d] float32. The sum
+// and the norm are the same float32 operations as torch's add and rms_norm above, so
+// the result equals x = x + delta; rms_norm(x) bit for bit.
+torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor delta, torch::Tensor w, double eps) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && delta.scalar_type() == torch::kFloat32 &&
+              w.scalar_type() == torch::kFloat32 && x.is_contiguous() &&
+              x.sizes() == delta.sizes(), "add_rms_norm: contiguous float32 x, delta alike");
+  delta = delta.contiguous();
+  const int64_t d = x.size(-1), rows = x.numel() / d;
+  auto y = torch::empty_like(x);
+  at::parallel_for(0, rows, 64, [&](int64_t b, int64_t e) {
+    rms_rows(x.data_ptr<float>(), delta.data_ptr<float>(), w.data_ptr<float>(),
+             y.data_ptr<float>(), d, static_cast<float>(eps), b, e);
   });
   return y;
 }

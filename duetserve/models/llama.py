@@ -88,12 +88,12 @@ class LlamaForCausalLM(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [T]. Writes K/V of every token into kv_caches.
         Returns final hidden states [T, d] (normed)."""
-        x = self.embed_tokens(input_ids)
-        meta.cos, meta.sin = self.rotary.tables(positions)
         if self._stack is _UNBUILT:
             self._stack = NativeDecodeStack.build(self)
-        if self._stack is not None and self._stack.applies(x, meta):
-            return self.norm(self._stack.forward(x, kv_caches, meta))
+        if self._stack is not None and self._stack.applies(self, input_ids.shape[0], meta):
+            return self._stack.forward(self, input_ids, positions, kv_caches, meta)
+        x = self.embed_tokens(input_ids)
+        meta.cos, meta.sin = self.rotary.tables(positions)
         for layer, kv in zip(self.layers, kv_caches):
             x = layer(x, kv, meta)
         return self.norm(x)

@@ -133,7 +133,11 @@ class ModelRunner:
         self.sampler.prefetch_masks(states)      # grammar masks overlap the forward pass
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
         prompt_lps = self._prompt_logprobs(so, batch.order, hidden)
-        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        # logits rows are increasing: as many as the rows means every row, in order (a
+        # decode-only step), and the gather is skipped
+        wanted = hidden if len(batch.logits_indices) == hidden.shape[0] \
+            else hidden[batch.logits_indices]
+        logits = self.model.compute_logits(wanted)
         kept: dict[str, list[int]] = {}
         if spec:
             kept = self.speculator.verify(logits, {r: rows[r] for r in rows if r in spec},
