@@ -301,6 +301,12 @@ def test_fused_row_ops():
     x, w = torch.randn(7, 96), torch.randn(96)
     torch.testing.assert_close(native.rms_norm(x, w, 1e-6),
                                F.rms_norm(x, (96,), w, 1e-6), atol=1e-6, rtol=1e-5)
+    # the residual add fused into the norm: x holds x + delta after, and the norm is
+    # rms_norm of that sum, bit for bit (the decode stack relies on it)
+    delta, stream = torch.randn(7, 96), x.clone()
+    normed = native.add_rms_norm(stream, delta, w, 1e-6)
+    assert torch.equal(stream, x + delta)
+    assert torch.equal(normed, native.rms_norm(x + delta, w, 1e-6))
     g = torch.randn(5, 2 * 37) * 8        # a row's last 16-lane vector is partial
     g[0, 0], g[0, 1], g[0, 2] = 100.0, -100.0, 0.0
     whole = native.silu_mul(g)
