@@ -102,8 +102,8 @@ class DecodeStack {
   }
 
   // The step from its token ids: ids, positions [T] int64; embed [V, d] float32 (the
-  // embedding table); cos_table, sin_table [P, D] float32 (the rotary tables, rows by
-  // position). Gathers the embeddings and the step's rotary rows itself (plain row
+  // embedding table; or, with ids empty, the step's own T embedding rows in order);
+  // cos_table, sin_table [P, D] float32 (the rotary tables, rows by position). Gathers the embeddings and the step's rotary rows itself (plain row
   // copies: after a step's weight stream has evicted the caches, torch's embedding and
   // index ops cost ~50 us each), then runs the layers. Returns the final hidden states
   // [T, d] (after the final norm), or an empty tensor, with nothing run, when a position
@@ -116,29 +116,33 @@ class DecodeStack {
                         const std::vector<torch::Tensor>& v_caches) const {
     TORCH_CHECK(k_caches.size() == layers_.size() && v_caches.size() == layers_.size(),
                 "one K and one V cache per layer");
-    TORCH_CHECK(ids.scalar_type() == torch::kInt64 && positions.scalar_type() == torch::kInt64 &&
-                ids.dim() == 1 && positions.sizes() == ids.sizes(), "ids, positions: int64 [T]");
     TORCH_CHECK(embed.scalar_type() == torch::kFloat32 && embed.dim() == 2 &&
                 embed.is_contiguous(), "embed: contiguous float32 [V, d]");
+    const bool rows_given = ids.numel() == 0;   // embed holds the step's rows
+    TORCH_CHECK(ids.scalar_type() == torch::kInt64 && positions.scalar_type() == torch::kInt64 &&
+                ids.dim() == 1 && positions.dim() == 1 &&
+                positions.size(0) == (rows_given ? embed.size(0) : ids.size(0)),
+                "ids: int64 [T] (or empty), positions: int64 [T]");
     TORCH_CHECK(cos_table.scalar_type() == torch::kFloat32 && cos_table.is_contiguous() &&
                 sin_table.is_contiguous() && sin_table.sizes() == cos_table.sizes() &&
                 cos_table.dim() == 2, "rotary tables: contiguous float32 [P, D], alike");
     ids = ids.contiguous();
     positions = positions.contiguous();
-    const int64_t T = ids.size(0), V = embed.size(0), d = embed.size(1);
+    const int64_t T = positions.size(0), V = embed.size(0), d = embed.size(1);
     const int64_t P = cos_table.size(0), D = cos_table.size(1);
     const int64_t* ip = ids.data_ptr<int64_t>();
     const int64_t* pp = positions.data_ptr<int64_t>();
     for (int64_t t = 0; t < T; ++t) {
-      TORCH_CHECK(0 <= ip[t] && ip[t] < V, "token id ", ip[t], " is outside the vocabulary of ",
-                  V);
+      TORCH_CHECK(rows_given || (0 <= ip[t] && ip[t] < V), "token id ", ip[t],
+                  " is outside the vocabulary of ", V);
       TORCH_CHECK(pp[t] >= 0, "negative position");
       if (pp[t] >= P) return torch::empty({0}, embed.options());
     }
     auto x = torch::empty({T, d}, embed.options());   // the residual stream (added to in place)
     auto cos = torch::empty({T, 1, D}, embed.options()), sin = torch::empty_like(cos);
     for (int64_t t = 0; t < T; ++t) {
-      std::memcpy(x.data_ptr<float>() + t * d, embed.data_ptr<float>() + ip[t] * d, d * 4);
+      const int64_t row = rows_given ? t : ip[t];
+      std::memcpy(x.data_ptr<float>() + t * d, embed.data_ptr<float>() + row * d, d * 4);
       std::memcpy(cos.data_ptr<float>() + t * D, cos_table.data_ptr<float>() + pp[t] * D, D * 4);
       std::memcpy(sin.data_ptr<float>() + t * D, sin_table.data_ptr<float>() + pp[t] * D, D * 4);
     }

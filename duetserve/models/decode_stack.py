@@ -26,6 +26,7 @@ from duetserve.models.quant import (Int4KWeight, Int4Weight, Int6Weight, Int8Wei
                                     StackedWeight)
 
 _EMPTY = torch.empty(0)
+_EMPTY_IDS = torch.empty(0, dtype=torch.int64)
 
 
 def _linear_slots(mod: nn.Module) -> list[torch.Tensor] | None:
@@ -116,7 +117,7 @@ class NativeDecodeStack:
             embed = emb.weight.detach()           # the table, rows gathered in C++
         else:                                     # low-bit or file-backed: the step's rows
             embed = emb(input_ids).float().contiguous()
-            input_ids = torch.arange(input_ids.shape[0])
+            input_ids = _EMPTY_IDS                # (embed holds the rows in order)
         out = self.stack.forward(input_ids, positions, embed, rotary.cos, rotary.sin, *args)
         if out.numel() == 0:         # a position past the tables: grow them, run again
             rotary.tables(positions)

@@ -473,6 +473,37 @@ def test_native_decode_stack_equals_module_path(tiny_checkpoints, tmp_path, vari
             torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
 
 
+def test_native_decode_stack_grows_the_rotary_tables(tiny_checkpoints):
+    """A decode step whose position is past the rotary tables: the stack runs nothing,
+    the tables grow and the step runs again, giving the tokens and logprobs of an engine
+    whose tables were never short."""
+    from duetserve.config import EngineConfig
+    from duetserve.engine.engine_core import EngineCore
+    from duetserve.sampling_params import SamplingParams
+    outs = []
+    for short in (False, True):
+        eng = EngineCore(EngineConfig(model=tiny_checkpoints["qwen2-qkv-bias"], num_threads=2,
+                                      kv_cache_memory=0.01, quantization="int4",
+                                      enable_prefix_caching=False))
+        model = eng.runner.model
+        for m in model.modules():     # tiny shapes calibrate to the dense path: force low-bit
+            if hasattr(m, "policy"):
+                m.policy.lowbit_max_rows = 8
+        model._stack = _UNBUILT
+        if short:
+            model.rotary._tabulate(4)     # positions 0-3; the prompt and decodes go past
+        eng.add_request("a", [3, 4, 5], SamplingParams(temperature=0, max_tokens=8,
+                                                       ignore_eos=True, logprobs=2))
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                if o.finished:
+                    outs.append(o.outputs[0])
+        assert model._stack is not None and model._stack.calls >= 6
+        if short:
+            assert model.rotary.cos.shape[0] >= 11     # grown past the last position (10)
+    assert outs[0].token_ids == outs[1].token_ids and outs[0].logprobs == outs[1].logprobs
+
+
 @pytest.mark.parametrize("rows,n,k", [(1, 49152 // 64, 576), (3, 37, 100), (4, 64, 1536)])
 def test_f32_gemv_equals_linear(rows, n, k):
     """The native float32 GEMV (decode steps and the LM head of float32 models) equals
