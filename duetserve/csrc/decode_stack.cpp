@@ -7,10 +7,9 @@
 //   h = rms_norm(x); qkv = linear(h) (+ bias); q = rope_kv_write(qkv) (writes the cache);
 //   o = paged_decode_attention(q); x += linear(o);
 //   h = rms_norm(x); x += linear(silu(gate) * up of linear(h)),
-// then the model's final norm; each residual add is fused with the norm that follows it
-// (add_rms_norm: the same float32 operations).
-// so the result equals the module path's bit for bit for low-bit linears (a test checks
-// it). A linear is q4, q4k or q6 (packed, N), q8 (q, scale) or dense float32 (weight), each with an
+// then the model's final norm, each residual add fused with the norm that follows it
+// (add_rms_norm: the same float32 operations), so the result equals the module path's bit
+// for bit for low-bit linears (a test checks it). A linear is q4, q4k or q6 (packed, N), q8 (q, scale) or dense float32 (weight), each with an
 // optional bias; dense ones run f32_gemv up to the row count the loader measured it faster
 // than oneDNN's GEMM (models/kernels.py: calibrate_dense_gemv_rows; the module path uses the
 // same bound and the stack runs no bigger dense steps).
