@@ -18,6 +18,12 @@ to the machine's speed then (sim/speed.py): calibration, as a user would recalib
 before planning on this machine, not fitting on results. The unscaled profile's figures
 are kept beside (`sim_unscaled`, `*-sim-unscaled.json`); --no-speed-probe skips it.
 
+--repeats N measures every mix and level N times, in rounds (every cell once a round), so
+the repeats of a cell sample different stretches of the machine's speed; each cell then
+compares the medians over its repeats (sim / real), and records each real percentile's
+spread over the repeats (max / min: the run-to-run noise the ratios sit in). The max-rate
+runs pool the requests of --slo-repeats runs per rate.
+
 Run it alone on the machine, under the exclusive benchmark lock:
 
     flock -x /tmp/duet-bench.lock .venv/bin/python benchmarks/sim_fidelity.py \\
@@ -181,6 +187,103 @@ def crossing(points: list[tuple[float, float]], target: float = 0.9) -> float | 
     return best
 
 
+def rep_tag(mix: str, level: float, rep: int, repeats: int) -> str:
+    """File prefix of one measured run: MIX-LEVEL, or MIX-LEVEL-repK when repeated."""
+    tag = f"{mix}-{level:g}"
+    return tag if repeats == 1 else f"{tag}-rep{rep}"
+
+
+def measure(plan: dict, rep: int, args, loaded, engine_config, profile, config, id_range,
+            slo: dict, out: Path) -> dict:
+    """One measured run of PLAN (its conversations and arrivals are the same every repeat)
+    and its simulation; writes OUT/TAG-{real,sim,steps,stepinfo,probe}.json. Returns the
+    repeat's record (ratios, step errors, the engine's scheduler settings)."""
+    mix, level, rate, n = plan["mix"], plan["level"], plan["rate"], plan["conversations"]
+    convs = conversations(mix, n, args.seed, id_range)
+    offsets = arrival_offsets(n, rate, 1.0, args.seed).tolist()
+    tag = rep_tag(mix, level, rep, args.repeats)
+    log(f"{mix} @ {rate:.3f}/s ({level:g} x capacity), {n} conversations"
+        + (f", repeat {rep} of {args.repeats}" if args.repeats > 1 else ""))
+    run_profile, probe_rec = profile, None
+    if not args.no_speed_probe:
+        run_profile, probe_rec = speed_probe(loaded, engine_config, profile, id_range, out,
+                                             tag)
+    engine, res, frac = real_run(loaded, engine_config, convs, offsets, args.max_foreign)
+    real = doc(f"engine {mix} @ {rate:.3g}/s", res.records, res.duration_s, rate, slo,
+               {"foreign_cpu_core_fraction": frac})
+    sres, sim = sim_doc(f"sim {mix} @ {rate:.3g}/s", convs, run_profile, config, rate,
+                        args.seed, id_range, slo)
+    for name, d in (("real", real), ("sim", sim)):
+        (out / f"{tag}-{name}.json").write_text(json.dumps(d))
+    # the engine's own steps (start s, seconds, slices), to check a cost model
+    (out / f"{tag}-steps.json").write_text(json.dumps(res.steps))
+    (out / f"{tag}-stepinfo.json").write_text(json.dumps(
+        {"minor_faults": res.step_faults, "cold": res.step_cold}))
+    rec = {"rep": rep, "tag": tag, "requests": len(res.records),
+           "real_duration_s": res.duration_s, "sim_duration_s": sres.duration_s,
+           "sim_wall_s": sres.wall_s, "foreign_cpu_core_fraction": frac,
+           "steal_core_fraction": res.steal_s / res.duration_s,
+           "engine_rusage": res.rusage, "speed_probe": probe_rec,
+           "real_summary": real["runs"][0]["summary"], "sim_summary": sim["runs"][0]["summary"],
+           "step_errors": step_errors(run_profile, res.steps, res.step_cold),
+           "step_errors_unscaled": step_errors(profile, res.steps, res.step_cold),
+           # this run's engine: a re-measured start-up step cost changes its StepBudget
+           # (benchmarks/sim_replay_diff.py replays with it)
+           "scheduler": asdict(engine.scheduler.config)}
+    log(json.dumps(ratios(real, sim)))
+    log(f"  steps: {rec['step_errors']}")
+    return rec
+
+
+def median_summary(summaries: list[dict]) -> dict:
+    """Per latency key and percentile, the median over repeats (one run: itself)."""
+    return {key: {p: float(np.median([s[key][p] for s in summaries]))
+                  for p in ("p50", "p90", "p99")} for key, _ in KEYS}
+
+
+def aggregate(plan: dict, profile, config, args, id_range, slo: dict, out: Path) -> dict:
+    """PLAN's entry in fidelity.json: sim / real ratios of the percentiles' medians over
+    its repeats (the probe-scaled simulation differs per repeat; the unscaled one does
+    not), each real percentile's spread over the repeats (max / min), and the pooled
+    records as OUT/MIX-LEVEL-{real,sim,sim-unscaled}.json for the CDF overlays."""
+    mix, level, rate, n = plan["mix"], plan["level"], plan["rate"], plan["conversations"]
+    reps = plan["reps"]
+    tag = f"{mix}-{level:g}"
+    convs = conversations(mix, n, args.seed, id_range)
+    _, unscaled = sim_doc(f"sim (unscaled) {mix} @ {rate:.3g}/s", convs, profile, config,
+                          rate, args.seed, id_range, slo)
+    (out / f"{tag}-sim-unscaled.json").write_text(json.dumps(unscaled))
+    as_doc = lambda summary: {"runs": [{"summary": summary}]}  # noqa: E731
+    real = as_doc(median_summary([r["real_summary"] for r in reps]))
+    sim = as_doc(median_summary([r["sim_summary"] for r in reps]))
+    if args.repeats > 1:              # pooled records of every repeat, for the CDFs
+        for kind in ("real", "sim"):
+            docs = [json.loads((out / f"{r['tag']}-{kind}.json").read_text()) for r in reps]
+            pooled = docs[0]
+            pooled["runs"][0]["requests"] = [q for d in docs for q in d["runs"][0]["requests"]]
+            (out / f"{tag}-{kind}.json").write_text(json.dumps(pooled))
+    pooled_real = json.loads((out / f"{tag}-real.json").read_text())
+    pooled_sim = json.loads((out / f"{tag}-sim.json").read_text())
+    plot([(pooled_real["label"], pooled_real), (pooled_sim["label"], pooled_sim)],
+         str(out / f"{tag}-cdf.png"), f"{mix} at {rate:.3g} conversations/s ({level:g} x "
+         f"simulated capacity)" + (f", {len(reps)} runs pooled" if len(reps) > 1 else ""))
+    spread = {f"{name} {p}": max(r["real_summary"][key][p] for r in reps)
+              / max(1e-9, min(r["real_summary"][key][p] for r in reps))
+              for key, name in KEYS for p in ("p50", "p90", "p99")}
+    total = lambda k: float(np.median([r[k]["total_time_ratio"] for r in reps]))  # noqa: E731
+    return {"mix": mix, "level": level, "rate": rate, "conversations": n,
+            "repeats": len(reps), "requests": reps[0]["requests"],
+            "real_duration_s": float(np.median([r["real_duration_s"] for r in reps])),
+            "sim_duration_s": float(np.median([r["sim_duration_s"] for r in reps])),
+            "ratios": ratios(real, sim), "ratios_unscaled": ratios(real, unscaled),
+            "real_spread": spread,
+            "speed_probe": None if reps[0]["speed_probe"] is None else {
+                "factor": float(np.median([r["speed_probe"]["factor"] for r in reps]))},
+            "step_errors": {"total_time_ratio": total("step_errors")},
+            "step_errors_unscaled": {"total_time_ratio": total("step_errors_unscaled")},
+            "scheduler": reps[-1]["scheduler"], "per_repeat": reps}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="out/sim/fidelity")
@@ -200,6 +303,12 @@ def main() -> int:
     ap.add_argument("--slo-step", type=float, default=1.25,
                     help="factor between an extra rate and the last one")
     ap.add_argument("--skip-fidelity", action="store_true")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="measure every mix and level this many times, in rounds; cells "
+                         "compare the simulation with the medians over the repeats")
+    ap.add_argument("--slo-repeats", type=int, default=None,
+                    help="real runs per rate in the max-rate search, their requests pooled "
+                         "(default: --repeats)")
     ap.add_argument("--no-speed-probe", action="store_true",
                     help="simulate with the calibrated profile as saved (no probe before runs)")
     args = ap.parse_args()
@@ -228,58 +337,29 @@ def main() -> int:
     slo = dict(kv.split("=") for kv in args.slo.split(","))
     slo = {k: float(v) for k, v in slo.items()}
     if not args.skip_fidelity:
+        plans = []
         for mix in args.mixes.split(","):
             cap = capacity(mix, profile, config, id_range, args.seed)
             log(f"{mix}: simulated capacity {cap:.3f} conversations/s")
             for level in (float(x) for x in args.levels.split(",")):
                 rate = cap * level
                 n = max(16, int(round(rate * args.run_seconds)))
-                convs = conversations(mix, n, args.seed, id_range)
-                offsets = arrival_offsets(n, rate, 1.0, args.seed).tolist()
-                log(f"{mix} @ {rate:.3f}/s ({level:g} x capacity), {n} conversations")
-                tag = f"{mix}-{level:g}"
-                run_profile, probe_rec = profile, None
-                if not args.no_speed_probe:
-                    run_profile, probe_rec = speed_probe(loaded, engine_config, profile,
-                                                         id_range, out, tag)
-                engine, res, frac = real_run(loaded, engine_config, convs, offsets,
-                                             args.max_foreign)
-                real = doc(f"engine {mix} @ {rate:.3g}/s", res.records, res.duration_s, rate,
-                           slo, {"foreign_cpu_core_fraction": frac})
-                sres, sim = sim_doc(f"sim {mix} @ {rate:.3g}/s", convs, run_profile, config,
-                                    rate, args.seed, id_range, slo)
-                _, unscaled = sim_doc(f"sim (unscaled) {mix} @ {rate:.3g}/s", convs, profile,
-                                      config, rate, args.seed, id_range, slo)
-                for name, d in (("real", real), ("sim", sim), ("sim-unscaled", unscaled)):
-                    (out / f"{tag}-{name}.json").write_text(json.dumps(d))
-                # the engine's own steps (start s, seconds, slices), to check a cost model
-                (out / f"{tag}-steps.json").write_text(json.dumps(res.steps))
-                (out / f"{tag}-stepinfo.json").write_text(json.dumps(
-                    {"minor_faults": res.step_faults, "cold": res.step_cold}))
-                plot([(real["label"], real), (sim["label"], sim)], str(out / f"{tag}-cdf.png"),
-                     f"{mix} at {rate:.3g} conversations/s ({level:g} x simulated capacity)")
-                entry = {"mix": mix, "level": level, "rate": rate, "conversations": n,
-                         "requests": len(res.records), "real_duration_s": res.duration_s,
-                         "sim_duration_s": sres.duration_s, "sim_wall_s": sres.wall_s,
-                         "foreign_cpu_core_fraction": frac,
-                         "steal_core_fraction": res.steal_s / res.duration_s,
-                         "engine_rusage": res.rusage,
-                         "ratios": ratios(real, sim),
-                         "ratios_unscaled": ratios(real, unscaled),
-                         "speed_probe": probe_rec,
-                         "step_errors": step_errors(run_profile, res.steps, res.step_cold),
-                         "step_errors_unscaled": step_errors(profile, res.steps,
-                                                             res.step_cold),
-                         # this run's engine: a re-measured start-up step cost changes
-                         # its StepBudget (benchmarks/sim_replay_diff.py replays with it)
-                         "scheduler": asdict(engine.scheduler.config)}
-                results["runs"].append(entry)
-                log(json.dumps(entry["ratios"]))
-                log(f"  steps: {entry['step_errors']}")
+                plans.append({"mix": mix, "level": level, "rate": rate, "conversations": n,
+                              "reps": []})
+        # repeats run in rounds (every mix and level once a round), so that each cell's
+        # repeats sample different stretches of the machine's speed
+        for rep in range(1, args.repeats + 1):
+            for plan in plans:
+                plan["reps"].append(measure(plan, rep, args, loaded, engine_config, profile,
+                                            config, id_range, slo, out))
+                if rep == args.repeats:
+                    results["runs"].append(aggregate(plan, profile, config, args, id_range,
+                                                     slo, out))
                 (out / "fidelity.json").write_text(json.dumps(results, indent=1))
     if args.slo_mix:
         mix = args.slo_mix
         n_for = lambda rate: max(16, int(round(rate * args.run_seconds)))  # noqa: E731
+        slo_repeats = args.slo_repeats or args.repeats
         cap = capacity(mix, profile, config, id_range, args.seed)
         unscaled_profile, probe_rec = profile, None
         if not args.no_speed_probe:        # one probe before the max-rate runs
@@ -298,10 +378,16 @@ def main() -> int:
             n = n_for(rate)
             convs = conversations(mix, n, args.seed, id_range)
             offsets = arrival_offsets(n, rate, 1.0, args.seed).tolist()
-            _, res, frac = real_run(loaded, engine_config, convs, offsets, args.max_foreign)
+            records, fracs = [], []
+            for _ in range(slo_repeats):      # attainment over every repeat's requests
+                _, res, frac = real_run(loaded, engine_config, convs, offsets,
+                                        args.max_foreign)
+                records += res.records
+                fracs.append(frac)
+            frac = max(fracs)
             sres = simulate(convs, profile, ClusterSpec(1), rate, 1.0, args.seed, None,
                             config, id_range)
-            points_real.append((rate, attainment(res.records, slo)))
+            points_real.append((rate, attainment(records, slo)))
             points_sim.append((rate, attainment(sres.records, slo)))
             log(f"  {rate:.3f}/s: attainment real {points_real[-1][1]:.3f}, sim "
                 f"{points_sim[-1][1]:.3f} (foreign CPU {frac:.2f})")
@@ -319,7 +405,7 @@ def main() -> int:
                                "sim_interpolated": crossing(points_sim),
                                "real_interpolated": r_real,
                                "ratio": r_sim / r_real if r_real else None,
-                               "speed_probe": probe_rec,
+                               "speed_probe": probe_rec, "repeats": slo_repeats,
                                "sim_bisection_unscaled": r_sim_unscaled,
                                "ratio_unscaled": r_sim_unscaled / r_real if r_real else None}
         log(f"max rate: sim {r_sim:.3f}, real {r_real}")

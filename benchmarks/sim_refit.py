@@ -37,8 +37,8 @@ from duetserve.sim.run import run_json, simulate
 from duetserve.sim.speed import probe_ratio, rescaled
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sim_fidelity import (PERCENTILES, attainment, conversations, ratios,  # noqa: E402
-                          sim_max_rate)
+from sim_fidelity import (PERCENTILES, attainment, conversations, median_summary,  # noqa: E402
+                          ratios, sim_max_rate)
 from sim_fidelity_plot import within_target  # noqa: E402
 
 
@@ -153,20 +153,28 @@ def main() -> int:
         tag = f"{run['mix']}-{run['level']:g}"
         if args.runs and tag not in args.runs.split(","):
             continue
-        steps = json.loads((d / f"{tag}-steps.json").read_text())
-        run_profile = probed(profile, d, tag, reference) or profile
-        factor = run_profile.meta.get("speed_scale", {}).get("factor")
-        print(f"\n{tag} @ {run['rate']:.3f}/s, {run['requests']} requests"
-              + (f", speed factor {factor:.3f}" if factor else ""))
-        for k, v in step_report(steps, step_cold(d, tag, steps), run_profile.cost).items():
-            print(f"  {k:20s} {v['steps']:5d} steps  meas {v['meas_ms']:7.1f} ms  "
-                  f"pred {v['pred_ms']:7.1f} ms  ratio {v['ratio']:.3f}")
-        real = json.loads((d / f"{tag}-real.json").read_text())
+        # a run measured N times (sim_fidelity.py --repeats): files TAG-repK-*, cells the
+        # medians over the repeats, as the benchmark computes them
+        n_rep = run.get("repeats", 1)
+        tags = [tag] if n_rep == 1 else [f"{tag}-rep{k}" for k in range(1, n_rep + 1)]
         convs = conversations(run["mix"], run["conversations"], 1, DEFAULT_ID_RANGE)
-        sres = simulate(convs, run_profile, ClusterSpec(1), run["rate"], 1.0, 1, None, config,
-                        DEFAULT_ID_RANGE)
-        sim = {"runs": [run_json(sres, run["rate"], 1.0, None, PERCENTILES, slo)]}
-        r = ratios(real, sim)
+        print(f"\n{tag} @ {run['rate']:.3f}/s, {run['requests']} requests"
+              + (f", {n_rep} repeats" if n_rep > 1 else ""))
+        reals, sims = [], []
+        for t in tags:
+            steps = json.loads((d / f"{t}-steps.json").read_text())
+            run_profile = probed(profile, d, t, reference) or profile
+            factor = run_profile.meta.get("speed_scale", {}).get("factor")
+            print(f"  {t}" + (f", speed factor {factor:.3f}" if factor else ""))
+            for k, v in step_report(steps, step_cold(d, t, steps), run_profile.cost).items():
+                print(f"    {k:20s} {v['steps']:5d} steps  meas {v['meas_ms']:7.1f} ms  "
+                      f"pred {v['pred_ms']:7.1f} ms  ratio {v['ratio']:.3f}")
+            reals.append(json.loads((d / f"{t}-real.json").read_text())["runs"][0]["summary"])
+            sres = simulate(convs, run_profile, ClusterSpec(1), run["rate"], 1.0, 1, None,
+                            config, DEFAULT_ID_RANGE)
+            sims.append(run_json(sres, run["rate"], 1.0, None, PERCENTILES, slo)["summary"])
+        r = ratios({"runs": [{"summary": median_summary(reals)}]},
+                   {"runs": [{"summary": median_summary(sims)}]})
         print("  " + "  ".join(f"{k} {v['real_ms']:.0f}/{v['sim_ms']:.0f} ({v['ratio']:.2f})"
                                for k, v in r.items()))
         for k, v in r.items():
