@@ -80,7 +80,8 @@ def conversations(mix: str, n: int, seed: int, id_range: tuple[int, int]):
 def capacity(mix: str, profile, config, id_range, seed: int) -> float:
     """Simulated throughput (conversations/s) with everything queued at once."""
     convs = conversations(mix, 200, seed, id_range)
-    res = simulate(convs, profile, ClusterSpec(1), math.inf, 1.0, seed, None, config, id_range)
+    res = simulate(convs, profile, ClusterSpec(1), math.inf, 1.0, seed, None, config, id_range,
+                   noise=False)
     return len(convs) / res.duration_s
 
 
@@ -127,8 +128,10 @@ def speed_probe(loaded, engine_config, profile, id_range, out: Path, tag: str):
                     "seconds": res.seconds}
 
 
-def sim_doc(label: str, convs, profile, config, rate, seed, id_range, slo):
-    sres = simulate(convs, profile, ClusterSpec(1), rate, 1.0, seed, None, config, id_range)
+def sim_doc(label: str, convs, profile, config, rate, seed, id_range, slo, noise=True,
+            noise_seed=None):
+    sres = simulate(convs, profile, ClusterSpec(1), rate, 1.0, seed, None, config, id_range,
+                    noise, noise_seed)
     return sres, {"schema": "duet-bench-serve/1", "label": label, "config": {},
                   "runs": [run_json(sres, rate, 1.0, None, PERCENTILES, slo)]}
 
@@ -157,13 +160,23 @@ def attainment(records, slo: dict) -> float:
     return sum(meets_slo(r, slo) for r in records) / max(1, len(records))
 
 
-def sim_max_rate(mix, profile, config, id_range, seed, slo, n_for, lo, hi, tol=0.01) -> float:
+def sim_attainment(mix, profile, config, id_range, seed, slo, n, rate, paths) -> float:
+    """SLO attainment over the requests of `paths` simulations (noise paths 1..paths, as
+    the engine's side pools that many runs; one without noise when paths is 0)."""
+    convs = conversations(mix, n, seed, id_range)
+    records = []
+    for k in range(1, paths + 1) if paths else (0,):
+        records += simulate(convs, profile, ClusterSpec(1), rate, 1.0, seed, None, config,
+                            id_range, paths > 0, k).records
+    return attainment(records, slo)
+
+
+def sim_max_rate(mix, profile, config, id_range, seed, slo, n_for, lo, hi, tol=0.01,
+                 paths: int = 0) -> float:
     """Bisection on the simulator (its own workload size at each rate, as the real runs)."""
     def ok(rate: float) -> bool:
-        n = n_for(rate)
-        convs = conversations(mix, n, seed, id_range)
-        res = simulate(convs, profile, ClusterSpec(1), rate, 1.0, seed, None, config, id_range)
-        return attainment(res.records, slo) >= 0.9
+        return sim_attainment(mix, profile, config, id_range, seed, slo, n_for(rate), rate,
+                              paths) >= 0.9
     while not ok(lo):
         lo /= 2
     while ok(hi):
@@ -211,8 +224,11 @@ def measure(plan: dict, rep: int, args, loaded, engine_config, profile, config, 
     engine, res, frac = real_run(loaded, engine_config, convs, offsets, args.max_foreign)
     real = doc(f"engine {mix} @ {rate:.3g}/s", res.records, res.duration_s, rate, slo,
                {"foreign_cpu_core_fraction": frac})
+    # repeat K's simulation draws noise path K (sim/noise.py), as repeat K met its own
     sres, sim = sim_doc(f"sim {mix} @ {rate:.3g}/s", convs, run_profile, config, rate,
-                        args.seed, id_range, slo)
+                        args.seed, id_range, slo, not args.no_noise, rep)
+    _, quiet = sim_doc(f"sim (no noise) {mix} @ {rate:.3g}/s", convs, run_profile, config,
+                       rate, args.seed, id_range, slo, False)
     for name, d in (("real", real), ("sim", sim)):
         (out / f"{tag}-{name}.json").write_text(json.dumps(d))
     # the engine's own steps (start s, seconds, slices), to check a cost model
@@ -225,6 +241,7 @@ def measure(plan: dict, rep: int, args, loaded, engine_config, profile, config, 
            "steal_core_fraction": res.steal_s / res.duration_s,
            "engine_rusage": res.rusage, "speed_probe": probe_rec,
            "real_summary": real["runs"][0]["summary"], "sim_summary": sim["runs"][0]["summary"],
+           "sim_summary_no_noise": quiet["runs"][0]["summary"],
            "step_errors": step_errors(run_profile, res.steps, res.step_cold),
            "step_errors_unscaled": step_errors(profile, res.steps, res.step_cold),
            # this run's engine: a re-measured start-up step cost changes its StepBudget
@@ -250,10 +267,12 @@ def aggregate(plan: dict, profile, config, args, id_range, slo: dict, out: Path)
     reps = plan["reps"]
     tag = f"{mix}-{level:g}"
     convs = conversations(mix, n, args.seed, id_range)
-    _, unscaled = sim_doc(f"sim (unscaled) {mix} @ {rate:.3g}/s", convs, profile, config,
-                          rate, args.seed, id_range, slo)
-    (out / f"{tag}-sim-unscaled.json").write_text(json.dumps(unscaled))
     as_doc = lambda summary: {"runs": [{"summary": summary}]}  # noqa: E731
+    unscaled_runs = [sim_doc(f"sim (unscaled) {mix} @ {rate:.3g}/s", convs, profile, config,
+                             rate, args.seed, id_range, slo, not args.no_noise, r["rep"])[1]
+                     for r in reps]
+    (out / f"{tag}-sim-unscaled.json").write_text(json.dumps(unscaled_runs[0]))
+    unscaled = as_doc(median_summary([d["runs"][0]["summary"] for d in unscaled_runs]))
     real = as_doc(median_summary([r["real_summary"] for r in reps]))
     sim = as_doc(median_summary([r["sim_summary"] for r in reps]))
     if args.repeats > 1:              # pooled records of every repeat, for the CDFs
@@ -276,6 +295,8 @@ def aggregate(plan: dict, profile, config, args, id_range, slo: dict, out: Path)
             "real_duration_s": float(np.median([r["real_duration_s"] for r in reps])),
             "sim_duration_s": float(np.median([r["sim_duration_s"] for r in reps])),
             "ratios": ratios(real, sim), "ratios_unscaled": ratios(real, unscaled),
+            "ratios_no_noise": ratios(real, as_doc(median_summary(
+                [r["sim_summary_no_noise"] for r in reps]))),
             "real_spread": spread,
             "speed_probe": None if reps[0]["speed_probe"] is None else {
                 "factor": float(np.median([r["speed_probe"]["factor"] for r in reps]))},
@@ -309,6 +330,8 @@ def main() -> int:
     ap.add_argument("--slo-repeats", type=int, default=None,
                     help="real runs per rate in the max-rate search, their requests pooled "
                          "(default: --repeats)")
+    ap.add_argument("--no-noise", action="store_true",
+                    help="simulate without the profile's step-time noise (sim/noise.py)")
     ap.add_argument("--no-speed-probe", action="store_true",
                     help="simulate with the calibrated profile as saved (no probe before runs)")
     args = ap.parse_args()
@@ -365,10 +388,13 @@ def main() -> int:
         if not args.no_speed_probe:        # one probe before the max-rate runs
             profile, probe_rec = speed_probe(loaded, engine_config, profile, id_range, out,
                                              "max-rate")
+        paths = 0 if args.no_noise else slo_repeats
         r_sim = sim_max_rate(mix, profile, config, id_range, args.seed, slo, n_for,
-                             cap * 0.3, cap * 1.0)
+                             cap * 0.3, cap * 1.0, paths=paths)
         r_sim_unscaled = sim_max_rate(mix, unscaled_profile, config, id_range, args.seed,
-                                      slo, n_for, cap * 0.3, cap * 1.0)
+                                      slo, n_for, cap * 0.3, cap * 1.0, paths=paths)
+        r_sim_no_noise = sim_max_rate(mix, profile, config, id_range, args.seed, slo, n_for,
+                                      cap * 0.3, cap * 1.0)
         log(f"{mix}: simulated max rate meeting the P90 SLO {slo}: {r_sim:.3f}/s")
         points_real, points_sim = [], []
         rates = [r_sim * float(x) for x in args.slo_factors.split(",")]
@@ -385,10 +411,9 @@ def main() -> int:
                 records += res.records
                 fracs.append(frac)
             frac = max(fracs)
-            sres = simulate(convs, profile, ClusterSpec(1), rate, 1.0, args.seed, None,
-                            config, id_range)
             points_real.append((rate, attainment(records, slo)))
-            points_sim.append((rate, attainment(sres.records, slo)))
+            points_sim.append((rate, sim_attainment(mix, profile, config, id_range,
+                                                    args.seed, slo, n, rate, paths)))
             log(f"  {rate:.3f}/s: attainment real {points_real[-1][1]:.3f}, sim "
                 f"{points_sim[-1][1]:.3f} (foreign CPU {frac:.2f})")
             # the engine's crossing must be bracketed: extend the rates upward while the
@@ -407,6 +432,8 @@ def main() -> int:
                                "ratio": r_sim / r_real if r_real else None,
                                "speed_probe": probe_rec, "repeats": slo_repeats,
                                "sim_bisection_unscaled": r_sim_unscaled,
+                               "sim_bisection_no_noise": r_sim_no_noise,
+                               "ratio_no_noise": r_sim_no_noise / r_real if r_real else None,
                                "ratio_unscaled": r_sim_unscaled / r_real if r_real else None}
         log(f"max rate: sim {r_sim:.3f}, real {r_real}")
     results["total_s"] = time.perf_counter() - t_start

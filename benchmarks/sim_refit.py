@@ -32,6 +32,8 @@ from duetserve.bench.token_workload import DEFAULT_ID_RANGE
 from duetserve.sim.cluster import ClusterSpec
 from duetserve.sim.cost import shape_for
 from duetserve.sim.fit import fit_cost
+from duetserve.sim.noise import estimate as estimate_noise
+from duetserve.sim.noise import log_ratios
 from duetserve.sim.profile import calibrated_profile, load_profile
 from duetserve.sim.run import run_json, simulate
 from duetserve.sim.speed import probe_ratio, rescaled
@@ -84,6 +86,29 @@ def probed(profile, d: Path, tag: str, reference: dict | None):
     return rescaled(base, probe_ratio(profile.cost, now["samples"], now["cold"]))
 
 
+def scenario_noise(raw: dict, profile) -> dict | None:
+    """sim/noise.py's estimate from the samples file's serving scenario under `profile`'s
+    cost. Files from before start times were saved: each trace's steps placed back to back
+    (idle spells dropped), the traces told apart by the profile's step counts."""
+    g = raw.get("grid_steps", len(raw["samples"]))
+    samples, cold = raw["samples"][g:], raw.get("cold", [False] * len(raw["samples"]))[g:]
+    starts = raw.get("serving_starts")
+    if starts is None:
+        counts = [t["steps"] for t in profile.meta.get("serving", {}).get("traces", [])] \
+            or [len(samples)]
+        starts, i = [], 0
+        for n in counts:
+            starts.append(list(np.cumsum([0.0] + [dt for _, dt in samples[i:i + n - 1]])))
+            i += n
+    traces, i = [], 0
+    for st in starts:
+        n = len(st)
+        traces.append((st, log_ratios(profile.cost, samples[i:i + n], cold[i:i + n])))
+        i += n
+    noise = estimate_noise(traces)
+    return noise.to_json() if noise is not None else None
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("dir")
@@ -96,10 +121,16 @@ def main() -> int:
                     help="of the profile's samples, the grid's only (no serving scenario)")
     ap.add_argument("--flash-above", type=int, default=None,
                     help="split of chunks after context (default: the profile's)")
+    ap.add_argument("--breakpoint", type=int, default=None,
+                    help="kernel breakpoint of the refit (default: the profile's `few_rows`, "
+                         "the engine's switch; 0 or absent: fitted)")
     ap.add_argument("--save-profile", default=None)
     ap.add_argument("--runs", default="", help="only these runs (mix-level), default all")
     ap.add_argument("--no-probe", action="store_true",
                     help="simulate with the profile unscaled even where a run has a probe")
+    ap.add_argument("--noise", choices=("profile", "estimate", "none"), default="profile",
+                    help="step-time noise of the simulations: the profile's (sim/noise.py), "
+                         "re-estimated from its serving scenario under the cost in use, or none")
     ap.add_argument("--max-rate", action="store_true",
                     help="also the simulator's max rate meeting the run's P90 SLO")
     args = ap.parse_args()
@@ -120,8 +151,10 @@ def main() -> int:
             cold += step_cold(d, tag, steps)
         flash_above = doc["cost"].get("flash_above", 0) if args.flash_above is None \
             else args.flash_above
+        few_rows = doc.get("meta", {}).get("few_rows", 0) if args.breakpoint is None \
+            else args.breakpoint
         cost, report = fit_cost(samples, doc["cost"].get("arrival_s", 0.0), cold, flash_above,
-                                doc["cost"].get("chunk_rows", 0))
+                                doc["cost"].get("chunk_rows", 0), few_rows)
         print(f"refit over {len(samples)} steps: {cost.describe()}")
         print(f"  {json.dumps(report)}")
         profile = calibrated_profile(doc["name"], cost, doc["scheduler"],
@@ -148,6 +181,11 @@ def main() -> int:
                 for k, v in step_report(steps, flags[lo:hi], profile.cost).items():
                     print(f"  {k:20s} {v['steps']:5d} steps  meas {v['meas_ms']:7.1f} ms  "
                           f"pred {v['pred_ms']:7.1f} ms  ratio {v['ratio']:.3f}")
+        if args.noise == "estimate":
+            profile.meta["noise"] = scenario_noise(raw, profile)
+    if args.noise == "none":
+        profile.meta["noise"] = None
+    print(f"noise: {profile.step_noise.describe() if profile.step_noise else 'none'}")
     met = {"p50/p90": 0, "cells p50/p90": 0, "p99": 0, "cells p99": 0}
     for run in fid["runs"]:
         tag = f"{run['mix']}-{run['level']:g}"
@@ -171,7 +209,7 @@ def main() -> int:
                       f"pred {v['pred_ms']:7.1f} ms  ratio {v['ratio']:.3f}")
             reals.append(json.loads((d / f"{t}-real.json").read_text())["runs"][0]["summary"])
             sres = simulate(convs, run_profile, ClusterSpec(1), run["rate"], 1.0, 1, None,
-                            config, DEFAULT_ID_RANGE)
+                            config, DEFAULT_ID_RANGE, noise_seed=len(reals))
             sims.append(run_json(sres, run["rate"], 1.0, None, PERCENTILES, slo)["summary"])
         r = ratios({"runs": [{"summary": median_summary(reals)}]},
                    {"runs": [{"summary": median_summary(sims)}]})

@@ -65,6 +65,7 @@ class Calibration:
 
     samples: list[tuple[list[tuple[int, int, bool]], float]] = field(default_factory=list)
     cold: list[bool] = field(default_factory=list)    # per sample: see sim/cost.py cold_rows
+    starts: list[float] = field(default_factory=list)  # per sample: its start (perf_counter s)
     arrival_s: list[float] = field(default_factory=list)
     seconds: float = 0.0
     foreign_cpu_s: float = 0.0     # CPU other processes used meanwhile (bench/cpu_meter.py)
@@ -111,6 +112,7 @@ class _Driver:
             self.idle[id(self.engine)] = not self.engine.has_unfinished_requests()
         if record and items:
             self.cal.cold.append(cold)
+            self.cal.starts.append(t0)
             slices = [(s.num_new_tokens, s.num_computed_before,
                        s.num_computed_before + s.num_new_tokens >= self.prompt_len[s.req_id])
                       for s in items]
@@ -172,6 +174,7 @@ def measure_grid(engines: dict[str, Any], grid=GRID, repeats: int = REPEATS,
         _scenario(d, "ramp", (4, 48, 1))
     d.cal.samples.clear()
     d.cal.cold.clear()
+    d.cal.starts.clear()
     d.cal.arrival_s.clear()
     whole = ForeignCpu()
     ru0 = resource.getrusage(resource.RUSAGE_SELF)
@@ -194,6 +197,7 @@ def measure_grid(engines: dict[str, Any], grid=GRID, repeats: int = REPEATS,
                     break
                 del d.cal.samples[mark:]
                 del d.cal.cold[mark:]
+                del d.cal.starts[mark:]
                 d.cal.num_redone += 1
                 wait_until_quiet(max_foreign / 2, 5.0, 300.0)
     d.cal.seconds = time.perf_counter() - t0

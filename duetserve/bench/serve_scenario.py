@@ -73,6 +73,7 @@ class ServingSteps:
 
     samples: list[tuple[list[tuple[int, int, bool]], float]] = field(default_factory=list)
     cold: list[bool] = field(default_factory=list)
+    starts: list[float] = field(default_factory=list)   # per sample: s from the trace's start
     conversations: int = 0
     requests: int = 0              # turns that finished (every one must)
     duration_s: float = 0.0
@@ -130,6 +131,7 @@ def measure_serving(engine, convs: list[TokenConversation], offsets: list[float]
     if failed:
         raise RuntimeError(f"serving scenario: {len(failed)} requests failed: {failed[0]}")
     out.samples = [(slices, dt) for _, dt, slices in res.steps]
+    out.starts = [start for start, _, _ in res.steps]
     out.cold = list(res.step_cold)
     out.conversations = len(convs)
     out.requests = len(res.records)

@@ -110,9 +110,12 @@ def calibrate(model: str | None, num_threads: int, quick: bool = False,
     from duetserve.config import EngineConfig
     from duetserve.engine.engine_core import EngineCore
     from duetserve.engine.step_cost import cache_key
+    from duetserve.models.kernels import few_row_limit
     from duetserve.models.native import cpu_name
     from duetserve.bench.speed_probe import run_probe
     from duetserve.sim.fit import fit_cost
+    from duetserve.sim.noise import estimate as estimate_noise
+    from duetserve.sim.noise import log_ratios
     from duetserve.sim.speed import probe_ratio
     from duetserve.worker.kv_cache import kv_bytes_per_token
 
@@ -131,8 +134,9 @@ def calibrate(model: str | None, num_threads: int, quick: bool = False,
     arrival_s = statistics.median(cal.arrival_s)
     flash_above = flash_above_entries(engine.model_config.num_attention_heads)
     chunk_rows = engine.runner.chunk_rows
+    few_rows = few_row_limit(engine.runner.model)     # the engine's kernel switch
     grid_cost, grid_report = fit_cost(cal.samples, arrival_s, cal.cold, flash_above,
-                                      chunk_rows)
+                                      chunk_rows, few_rows)
     id_range = id_range_for_vocab(engine.model_config.vocab_size)
     fresh = lambda: EngineCore(config, served.loaded)     # noqa: E731  serving settings
     # the speed the fit is measured at, for rescaling the profile later (sim/speed.py):
@@ -144,7 +148,14 @@ def calibrate(model: str | None, num_threads: int, quick: bool = False,
     for _, steps in serving:
         samples += steps.samples
         cold += steps.cold
-    cost, report = fit_cost(samples, arrival_s, cold, flash_above, chunk_rows)
+    cost, report = fit_cost(samples, arrival_s, cold, flash_above, chunk_rows, few_rows)
+    # the machine's step-time noise around the fit, over every step measured with its
+    # start time: the grid's and the serving scenario's traces'
+    noise = estimate_noise([(cal.starts, log_ratios(cost, cal.samples, cal.cold))]
+                           + [(steps.starts, log_ratios(cost, steps.samples, steps.cold))
+                              for _, steps in serving])
+    if say is not None and noise is not None:
+        say(noise.describe())
     speed = probe_ratio(cost, probe.samples, probe.cold)
     if say is not None:
         say(f"speed probe: {speed['steps']} steps in {probe.seconds:.1f} s, measured / "
@@ -159,7 +170,9 @@ def calibrate(model: str | None, num_threads: int, quick: bool = False,
             "rusage": cal.rusage,
             "kv_bytes_per_token": kv_bytes_per_token(engine.model_config, engine.kv_dtype),
             "serving": serving_summary(serving), "grid_steps": len(cal.samples),
-            "flash_above": flash_above, "chunk_rows": chunk_rows, "speed_probe": speed,
+            "flash_above": flash_above, "chunk_rows": chunk_rows, "few_rows": few_rows,
+            "noise": noise.to_json() if noise is not None else None,
+            "speed_probe": speed,
             "fit": report, "grid_only_fit": grid_report, "pid": os.getpid()}
     profile = calibrated_profile(path.stem, cost, scheduler, meta,
                                  f"{Path(engine.loaded.path).name}, {num_threads} threads, "
@@ -169,6 +182,8 @@ def calibrate(model: str | None, num_threads: int, quick: bool = False,
     raw = path.with_suffix(".samples.json")     # raw steps, to refit without measuring
     raw.write_text(json.dumps({"samples": samples, "cold": cold, "arrival_s": cal.arrival_s,
                                "grid_steps": len(cal.samples),
+                               "grid_starts": [t - cal.starts[0] for t in cal.starts],
+                               "serving_starts": [steps.starts for _, steps in serving],
                                "probe": {"samples": probe.samples, "cold": probe.cold}}))
     return profile, path
 

@@ -81,6 +81,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="before simulating, run the speed probe (~25 s of engine steps of "
                    "fixed shapes) and rescale the calibrated profile to this machine's "
                    "speed now")
+    g.add_argument("--no-noise", action="store_true",
+                   help="steps take exactly the cost model's time (a calibrated profile "
+                   "otherwise multiplies each by a draw from the step-time noise its "
+                   "calibration measured, sim/noise.py)")
 
 
 def resolve_profile(args: argparse.Namespace):
@@ -161,7 +165,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     runs = []
     for rate in rates:
         result = simulate(convs, profile, cluster, rate, args.burstiness, args.seed,
-                          args.max_concurrency, config)
+                          args.max_concurrency, config, noise=not args.no_noise)
         entry = run_json(result, bench_serve.rate_json(rate), args.burstiness,
                          args.max_concurrency, percentiles, slo)
         print(format_summary(entry["summary"], f"{label} @ {rate:g} req/s"))
@@ -175,6 +179,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                        rates=[bench_serve.rate_json(r) for r in rates], percentiles=percentiles,
                        slo_ms=slo, simulated=True, profile=profile.name,
                        cost_model=profile.cost.describe(), cluster=cluster.describe(),
+                       step_noise=None if args.no_noise or profile.step_noise is None
+                       else profile.step_noise.to_json(),
                        scheduler=asdict(config))
     return {"schema": bench_serve.SCHEMA, "label": label, "config": config_json, "runs": runs}
 

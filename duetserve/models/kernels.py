@@ -291,3 +291,14 @@ def finish_dense(model: torch.nn.Module) -> str:
     if hasattr(model, "dense_gemv_rows"):
         model.dense_gemv_rows = rows
     return f"float32 linears: native GEMV up to {rows} rows, oneDNN GEMM above (measured)"
+
+
+def few_row_limit(model: torch.nn.Module) -> int:
+    """The most rows a step may have for this model's linears to run their few-row kernels
+    (low-bit GEMVs: the policies' `lowbit_max_rows`; float32 linears: the native GEMV's
+    `dense_gemv_rows`); above it they run dense GEMMs. The one place the simulator's cost
+    model (sim/cost.py `breakpoint`) reads the engine's kernel switch from."""
+    limits = {m.policy.lowbit_max_rows for m in model.modules() if isinstance(m, QuantLinear)}
+    if limits:
+        return min(limits)
+    return int(getattr(model, "dense_gemv_rows", 0) or 0)

@@ -2,8 +2,8 @@
 
 Each sample is one real step: its slices (num_new, num_computed_before, sampled) and its
 wall time. The fit is non-negative least squares on relative error (every step counts by
-its relative miss, so 10 ms decodes weigh as much as 1 s prefills), over every candidate
-kernel breakpoint; the best breakpoint wins. Steps the machine stalled on (a foreign
+its relative miss, so 10 ms decodes weigh as much as 1 s prefills), at the engine's kernel
+breakpoint when it is given, else over every candidate breakpoint (the best wins). Steps the machine stalled on (a foreign
 process, page-cache reclaim) are dropped when they miss by more than OUTLIER_FACTOR x the
 median miss after a first fit, and counted in the report.
 
@@ -69,12 +69,14 @@ def _fit_one(shapes: list[StepShape], seconds: np.ndarray, breakpoint: int,
 
 def fit_cost(samples: Sequence[Sample], arrival_s: float = 0.0,
              cold: Sequence[bool] | None = None, flash_above: int = 0,
-             chunk_rows: int = 0) -> tuple[CalibratedCost, dict]:
+             chunk_rows: int = 0, breakpoint: int = 0) -> tuple[CalibratedCost, dict]:
     """The best CalibratedCost for `samples`, and a report of the fit (RMS and median
     relative error, outliers dropped, per-breakpoint RMS). `cold[i]`: sample i was the
     first step after the engine went idle (None: none was). `flash_above`: the engine's
     split of chunks after context and `chunk_rows` its chunks run as decode rows (sim/cost.py
-    StepShape), kept in the cost."""
+    StepShape), kept in the cost. `breakpoint`: the engine's kernel switch (rows up to
+    which its few-row kernels run, models/kernels.py few_row_limit) when known; 0: the
+    best of BREAKPOINTS is fitted."""
     if cold is not None and len(cold) != len(samples):
         raise ValueError(f"{len(cold)} cold flags for {len(samples)} samples")
     flags = cold if cold is not None else [False] * len(samples)
@@ -86,7 +88,7 @@ def fit_cost(samples: Sequence[Sample], arrival_s: float = 0.0,
     keep = np.ones(len(samples), dtype=bool)
     best = None
     scores = {}
-    for bp in BREAKPOINTS:
+    for bp in (breakpoint,) if breakpoint > 0 else BREAKPOINTS:
         coef, _ = _fit_one(shapes, seconds, bp, keep)
         miss = np.abs(_design(shapes, bp) @ coef / seconds - 1.0)
         keep_bp = miss <= OUTLIER_FACTOR * max(np.median(miss), 0.01)

@@ -29,13 +29,15 @@ from duetserve.errors import RequestError
 from duetserve.outputs import ModelRunnerOutput, SchedulerOutput
 from duetserve.request import Request
 from duetserve.sim.cost import StepCostModel, StepShape
+from duetserve.sim.noise import NoiseSampler
 
 
 class SimInstance:
     """Mutates: its scheduler and the Requests handed to it."""
 
     def __init__(self, index: int, config: SchedulerConfig, cost: StepCostModel,
-                 role: str = "both", id_range: tuple[int, int] = (1000, 40000)) -> None:
+                 role: str = "both", id_range: tuple[int, int] = (1000, 40000),
+                 noise: NoiseSampler | None = None) -> None:
         self.index = index
         self.role = role                      # "both" | "prefill" | "decode"
         self.scheduler = Scheduler(config)
@@ -44,6 +46,7 @@ class SimInstance:
         self.flash_above = int(getattr(cost, "flash_above", 0))    # see sim/cost.py
         self.chunk_rows = int(getattr(cost, "chunk_rows", 0))
         self.id_range = id_range
+        self.noise = noise                    # the machine's step-time noise (sim/noise.py)
         self.pending: list[Request] = []
         self.busy = False
         # req_id -> (tokens whose KV arrived by transfer, num_preemptions when it arrived)
@@ -82,9 +85,11 @@ class SimInstance:
                 refused.append((request, str(e)))
         return refused
 
-    def begin_step(self) -> float | None:
-        """Admit pending requests, schedule one step and return its duration in seconds
-        (None: nothing to run, the instance goes idle). Mutates the scheduler."""
+    def begin_step(self, now: float = 0.0) -> float | None:
+        """Admit pending requests, schedule one step starting at simulated time `now` and
+        return its duration in seconds (None: nothing to run, the instance goes idle): the
+        cost model's time, times the noise sampler's factor when there is one. Mutates the
+        scheduler, the noise sampler."""
         num_added = len(self.pending)
         self.pending = []
         so = self.scheduler.schedule()
@@ -114,6 +119,8 @@ class SimInstance:
             elif req_id in sampled:
                 shape.num_logits += 1
         duration = self.cost.step_seconds(shape) + self.arrival_s * num_added
+        if self.noise is not None:
+            duration *= self.noise.factor(now)
         self._so, self._sampled = so, sampled
         self.busy = True
         self.num_steps += 1

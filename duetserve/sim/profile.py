@@ -37,6 +37,7 @@ from duetserve.metrics.hardware import get_hardware
 from duetserve.metrics.known_models import get_known_model
 from duetserve.sim.cost import CalibratedCost, RooflineCost, StepCostModel
 from duetserve.sim.gpu import Efficiency, kv_blocks, roofline_cost
+from duetserve.sim.noise import StepNoise
 
 SCHEMA = "duet-sim-profile/1"
 SCHEDULER_KEYS = ("max_num_batched_tokens", "max_num_seqs", "num_blocks", "block_size",
@@ -88,6 +89,16 @@ class SimProfile:
         budget, policy = derive_step_budget(step_cost, max_step_ms, values["max_num_seqs"])
         values["max_num_batched_tokens"] = budget
         return SchedulerConfig(**values, step_budget=policy)
+
+    @property
+    def step_noise(self) -> StepNoise | None:
+        """The machine's step-time noise the calibration measured (meta "noise",
+        sim/noise.py); None for profiles without one (GPU rooflines, older calibrations)."""
+        try:
+            return StepNoise.from_json(self.meta.get("noise"))
+        except (KeyError, TypeError, ValueError):
+            raise ConfigError(f"bad noise entry {self.meta.get('noise')!r} in profile "
+                              f"{self.name} (expected white, slow, tau_s)") from None
 
     def to_json(self) -> dict:
         return {"schema": SCHEMA, "name": self.name, "kind": self.kind,

@@ -30,6 +30,7 @@ from duetserve.request import Request
 from duetserve.sampling_params import SamplingParams
 from duetserve.sim.cluster import ClusterSpec, Link, Router
 from duetserve.sim.cost import StepCostModel
+from duetserve.sim.noise import StepNoise
 from duetserve.sim.instance import SimInstance
 
 _SEND, _KICK, _STEP_END, _KV_ARRIVED = 0, 1, 2, 3
@@ -51,19 +52,24 @@ class Simulation:
                  cluster: ClusterSpec, config: SchedulerConfig, cost: StepCostModel,
                  max_concurrency: int | None = None,
                  id_range: tuple[int, int] = (1000, 40000),
-                 decode_config: SchedulerConfig | None = None) -> None:
+                 decode_config: SchedulerConfig | None = None,
+                 noise: StepNoise | None = None, noise_seed: int = 0) -> None:
         self.convs, self.offsets = convs, [float(x) for x in offsets]
         self.cluster = cluster
         self.max_len = config.max_model_len
+        # each instance its own machine's noise path (sim/noise.py), seeded
+        sampler = lambda i: None if noise is None else noise.sampler(  # noqa: E731
+            noise_seed * 1_000_003 + i)
         if cluster.disaggregated:
-            self.prefill = [SimInstance(i, config, cost, "prefill", id_range)
+            self.prefill = [SimInstance(i, config, cost, "prefill", id_range, sampler(i))
                             for i in range(cluster.num_prefill)]
             self.decode = [SimInstance(cluster.num_prefill + i, decode_config or config,
-                                       cost, "decode", id_range)
+                                       cost, "decode", id_range,
+                                       sampler(cluster.num_prefill + i))
                            for i in range(cluster.num_decode)]
             self.links = [Link(cluster.bandwidth, cluster.latency) for _ in self.prefill]
         else:
-            self.prefill = [SimInstance(i, config, cost, "both", id_range)
+            self.prefill = [SimInstance(i, config, cost, "both", id_range, sampler(i))
                             for i in range(cluster.num_instances)]
             self.decode, self.links = [], []
         self.router = Router(cluster.router)
@@ -135,7 +141,7 @@ class Simulation:
     def _begin(self, inst: SimInstance) -> None:
         for request, error in inst.admit_pending():
             self._fail(self._turns[request.req_id], error)
-        duration = inst.begin_step()
+        duration = inst.begin_step(self.now)
         if duration is not None:
             self._push(self.now + duration, _STEP_END, inst)
 

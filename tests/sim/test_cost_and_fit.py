@@ -145,6 +145,15 @@ def test_fit_recovers_a_known_cost_and_breakpoint() -> None:
     assert report["num_outliers"] == 1
     assert report["rms_rel_error"] < 1e-6
     assert cost.arrival_s == 0.0003
+    # the engine's own kernel switch, when given, is the breakpoint (not fitted): at the
+    # true one the fit is exact again; at another it is what the engine says, and worse
+    given, report = fit_cost(samples, arrival_s=0.0003, cold=cold, flash_above=20_000,
+                             breakpoint=4)
+    assert given.breakpoint == 4 and list(report["rms_by_breakpoint"]) == ["4"]
+    assert given.coef == pytest.approx(truth.coef, rel=1e-6, abs=1e-12)
+    other, report = fit_cost(samples, arrival_s=0.0003, cold=cold, flash_above=20_000,
+                             breakpoint=16)
+    assert other.breakpoint == 16 and report["rms_rel_error"] > 1e-3
 
 
 def test_profiles_round_trip_and_reject_bad_files(tmp_path) -> None:

@@ -24,6 +24,7 @@ from duetserve.config import EngineConfig
 from duetserve.engine.engine_core import EngineCore
 from duetserve.entrypoints.sim_calibrate import calibrate, rescale_to_now
 from duetserve.loader import load_model
+from duetserve.models.kernels import few_row_limit
 from duetserve.sim.cluster import ClusterSpec
 from duetserve.sim.fit import fit_cost
 from duetserve.sim.profile import calibrated_profile, load_profile
@@ -42,7 +43,14 @@ def test_simulation_tracks_the_engine_on_a_tiny_model(tiny_checkpoints, tmp_path
     serving = profile.meta["serving"]
     assert serving["steps"] > 0 and serving["requests"] == 2 * serving["conversations"] > 0
     assert raw["grid_steps"] + serving["steps"] == len(raw["samples"])
+    # every step's start time is kept (the step-time noise is measured on them)
+    assert len(raw["grid_starts"]) == raw["grid_steps"]
+    assert sum(map(len, raw["serving_starts"])) == serving["steps"]
+    assert all(b >= a for a, b in zip(raw["grid_starts"], raw["grid_starts"][1:]))
     assert profile.cost.flash_above == profile.meta["flash_above"] > 0
+    # the kernel breakpoint is the engine's own switch (models/kernels.py), not fitted
+    assert profile.meta["few_rows"] == few_row_limit(loaded.model) > 0
+    assert profile.cost.breakpoint == profile.meta["few_rows"]
     assert profile.cost.chunk_rows == profile.meta["chunk_rows"] > 0    # the engine's layout
     # the speed probe ran on its own engine; its steps are kept apart from the fit's
     probe = profile.meta["speed_probe"]
