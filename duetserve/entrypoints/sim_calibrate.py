@@ -229,6 +229,9 @@ def format_report(profile: SimProfile, path: Path) -> str:
             f"{t['name']}: {t['steps']} steps at "
             f"{', '.join(f'{r:.3g}' for r in t['rates'])} conversations/s"
             for t in serving.get("traces", [])) + ")",
+        "  " + (profile.step_noise.describe() if profile.step_noise
+                else "step-time noise: not measured") + " (simulations draw from it; "
+        "--no-noise: none)",
         f"  engine defaults: {profile.scheduler}",
         f"  measured in {profile.meta['measured_s']:.0f} s ({profile.meta['total_s']:.0f} s "
         f"with start-up); other processes used {profile.meta['foreign_cpu_s']:.1f} CPU s "

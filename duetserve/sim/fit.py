@@ -3,9 +3,10 @@
 Each sample is one real step: its slices (num_new, num_computed_before, sampled) and its
 wall time. The fit is non-negative least squares on relative error (every step counts by
 its relative miss, so 10 ms decodes weigh as much as 1 s prefills), at the engine's kernel
-breakpoint when it is given, else over every candidate breakpoint (the best wins). Steps the machine stalled on (a foreign
-process, page-cache reclaim) are dropped when they miss by more than OUTLIER_FACTOR x the
-median miss after a first fit, and counted in the report.
+breakpoint when it is given, else over every candidate breakpoint (the best wins). Steps
+the machine stalled on (a foreign process, page-cache reclaim) are dropped when they miss
+by more than OUTLIER_FACTOR x the median miss after a first fit, and counted in the
+report.
 
 Relative least squares fits the typical step, which sits below the mean when the noise
 has a long tail (a garbage collection, a busy neighbour). Latencies are sums of steps
