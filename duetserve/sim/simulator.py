@@ -30,8 +30,8 @@ from duetserve.request import Request
 from duetserve.sampling_params import SamplingParams
 from duetserve.sim.cluster import ClusterSpec, Link, Router
 from duetserve.sim.cost import StepCostModel
-from duetserve.sim.noise import StepNoise
 from duetserve.sim.instance import SimInstance
+from duetserve.sim.noise import StepNoise
 
 _SEND, _KICK, _STEP_END, _KV_ARRIVED = 0, 1, 2, 3
 
