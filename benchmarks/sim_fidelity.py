@@ -260,8 +260,8 @@ def median_summary(summaries: list[dict]) -> dict:
 
 def aggregate(plan: dict, profile, config, args, id_range, slo: dict, out: Path) -> dict:
     """PLAN's entry in fidelity.json: sim / real ratios of the percentiles' medians over
-    its repeats (the probe-scaled simulation differs per repeat; the unscaled one does
-    not), each real percentile's spread over the repeats (max / min), and the pooled
+    its repeats (repeat K's simulations, probe-scaled and unscaled, draw noise path K),
+    each real percentile's spread over the repeats (max / min), and the pooled
     records as OUT/MIX-LEVEL-{real,sim,sim-unscaled}.json for the CDF overlays."""
     mix, level, rate, n = plan["mix"], plan["level"], plan["rate"], plan["conversations"]
     reps = plan["reps"]

@@ -40,7 +40,7 @@ from duetserve.sim.speed import probe_ratio, rescaled
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sim_fidelity import (PERCENTILES, attainment, conversations, median_summary,  # noqa: E402
-                          ratios, sim_max_rate)
+                          ratios, rep_tag, sim_max_rate)
 from sim_fidelity_plot import within_target  # noqa: E402
 
 
@@ -194,12 +194,12 @@ def main() -> int:
         # a run measured N times (sim_fidelity.py --repeats): files TAG-repK-*, cells the
         # medians over the repeats, as the benchmark computes them
         n_rep = run.get("repeats", 1)
-        tags = [tag] if n_rep == 1 else [f"{tag}-rep{k}" for k in range(1, n_rep + 1)]
         convs = conversations(run["mix"], run["conversations"], 1, DEFAULT_ID_RANGE)
         print(f"\n{tag} @ {run['rate']:.3f}/s, {run['requests']} requests"
               + (f", {n_rep} repeats" if n_rep > 1 else ""))
         reals, sims = [], []
-        for t in tags:
+        for rep in range(1, n_rep + 1):
+            t = rep_tag(run["mix"], run["level"], rep, n_rep)
             steps = json.loads((d / f"{t}-steps.json").read_text())
             run_profile = probed(profile, d, t, reference) or profile
             factor = run_profile.meta.get("speed_scale", {}).get("factor")
@@ -209,7 +209,7 @@ def main() -> int:
                       f"pred {v['pred_ms']:7.1f} ms  ratio {v['ratio']:.3f}")
             reals.append(json.loads((d / f"{t}-real.json").read_text())["runs"][0]["summary"])
             sres = simulate(convs, run_profile, ClusterSpec(1), run["rate"], 1.0, 1, None,
-                            config, DEFAULT_ID_RANGE, noise_seed=len(reals))
+                            config, DEFAULT_ID_RANGE, noise_seed=rep)
             sims.append(run_json(sres, run["rate"], 1.0, None, PERCENTILES, slo)["summary"])
         r = ratios({"runs": [{"summary": median_summary(reals)}]},
                    {"runs": [{"summary": median_summary(sims)}]})
