@@ -18,6 +18,14 @@ to the machine's speed then (sim/speed.py): calibration, as a user would recalib
 before planning on this machine, not fitting on results. The unscaled profile's figures
 are kept beside (`sim_unscaled`, `*-sim-unscaled.json`); --no-speed-probe skips it.
 
+A third simulation of each run is a diagnostic, not a prediction: the profile rescaled to
+the run's own steps (measured / predicted total, sim/speed.at_run_speed), so that the ratio
+left (`ratios_run_speed`) is the simulator's own error (scheduling, the cost model's shape,
+queueing) with the machine's speed during that run taken out. With repeats, the runs' own
+measured / predicted totals are split (`speed_decomposition`, in logs) into an overall
+offset from the calibration, a round effect (the machine's speed over a round), a mix
+effect (the cost model's shape on that workload) and what is left (run-to-run speed).
+
 --repeats N measures every mix and level N times, in rounds (every cell once a round), so
 the repeats of a cell sample different stretches of the machine's speed; each cell then
 compares the medians over its repeats (sim / real), and records each real percentile's
@@ -55,6 +63,7 @@ from duetserve.sim.cluster import ClusterSpec
 from duetserve.sim.cost import shape_for
 from duetserve.sim.profile import load_profile
 from duetserve.sim.run import run_json, simulate
+from duetserve.sim.speed import at_run_speed
 
 MIXES = {
     "chat": dict(dataset="chat", input_len="32:128", output_len="32:96", num_turns=3),
@@ -229,6 +238,9 @@ def measure(plan: dict, rep: int, args, loaded, engine_config, profile, config, 
                         args.seed, id_range, slo, not args.no_noise, rep)
     _, quiet = sim_doc(f"sim (no noise) {mix} @ {rate:.3g}/s", convs, run_profile, config,
                        rate, args.seed, id_range, slo, False)
+    at_speed = at_run_speed(profile, [(sl, dt) for _, dt, sl in res.steps], res.step_cold)
+    _, own = sim_doc(f"sim (run speed) {mix} @ {rate:.3g}/s", convs, at_speed, config, rate,
+                     args.seed, id_range, slo, not args.no_noise, rep)
     for name, d in (("real", real), ("sim", sim)):
         (out / f"{tag}-{name}.json").write_text(json.dumps(d))
     # the engine's own steps (start s, seconds, slices), to check a cost model
@@ -242,14 +254,33 @@ def measure(plan: dict, rep: int, args, loaded, engine_config, profile, config, 
            "engine_rusage": res.rusage, "speed_probe": probe_rec,
            "real_summary": real["runs"][0]["summary"], "sim_summary": sim["runs"][0]["summary"],
            "sim_summary_no_noise": quiet["runs"][0]["summary"],
+           "sim_summary_run_speed": own["runs"][0]["summary"],
+           "run_speed_factor": at_speed.meta["speed_scale"]["factor"],
            "step_errors": step_errors(run_profile, res.steps, res.step_cold),
            "step_errors_unscaled": step_errors(profile, res.steps, res.step_cold),
            # this run's engine: a re-measured start-up step cost changes its StepBudget
            # (benchmarks/sim_replay_diff.py replays with it)
            "scheduler": asdict(engine.scheduler.config)}
     log(json.dumps(ratios(real, sim)))
-    log(f"  steps: {rec['step_errors']}")
+    log(f"  steps: {rec['step_errors']}; run speed factor {rec['run_speed_factor']:.3f}")
     return rec
+
+
+def speed_decomposition(plans: list[dict]) -> dict:
+    """The runs' own measured / predicted step totals (run_speed_factor) in logs, as a
+    two-way layout (repeat round x cell): exp of the overall mean (the machine during the
+    runs against the calibration), of each round's and each cell's mean offset, and the
+    residual's standard deviation (run-to-run speed not explained by either)."""
+    m = np.log([[r["run_speed_factor"] for r in p["reps"]] for p in plans]).T
+    grand = m.mean()
+    rounds, cells = m.mean(axis=1) - grand, m.mean(axis=0) - grand
+    resid = m - grand - rounds[:, None] - cells[None, :]
+    dof = max(1, (m.shape[0] - 1) * (m.shape[1] - 1))
+    return {"overall": float(np.exp(grand)),
+            "rounds": [float(np.exp(x)) for x in rounds],
+            "cells": {f"{p['mix']}-{p['level']:g}": float(np.exp(x))
+                      for p, x in zip(plans, cells)},
+            "residual_sd": float(np.sqrt((resid ** 2).sum() / dof))}
 
 
 def median_summary(summaries: list[dict]) -> dict:
@@ -297,6 +328,8 @@ def aggregate(plan: dict, profile, config, args, id_range, slo: dict, out: Path)
             "ratios": ratios(real, sim), "ratios_unscaled": ratios(real, unscaled),
             "ratios_no_noise": ratios(real, as_doc(median_summary(
                 [r["sim_summary_no_noise"] for r in reps]))),
+            "ratios_run_speed": ratios(real, as_doc(median_summary(
+                [r["sim_summary_run_speed"] for r in reps]))),
             "real_spread": spread,
             "speed_probe": None if reps[0]["speed_probe"] is None else {
                 "factor": float(np.median([r["speed_probe"]["factor"] for r in reps]))},
@@ -379,6 +412,9 @@ def main() -> int:
                     results["runs"].append(aggregate(plan, profile, config, args, id_range,
                                                      slo, out))
                 (out / "fidelity.json").write_text(json.dumps(results, indent=1))
+        if args.repeats > 1:
+            results["speed_decomposition"] = speed_decomposition(plans)
+            log(f"run speed factors: {json.dumps(results['speed_decomposition'])}")
     if args.slo_mix:
         mix = args.slo_mix
         n_for = lambda rate: max(16, int(round(rate * args.run_seconds)))  # noqa: E731
@@ -396,7 +432,7 @@ def main() -> int:
         r_sim_no_noise = sim_max_rate(mix, profile, config, id_range, args.seed, slo, n_for,
                                       cap * 0.3, cap * 1.0)
         log(f"{mix}: simulated max rate meeting the P90 SLO {slo}: {r_sim:.3f}/s")
-        points_real, points_sim = [], []
+        points_real, points_sim, slo_steps, slo_cold = [], [], [], []
         rates = [r_sim * float(x) for x in args.slo_factors.split(",")]
         extra = 0
         while rates:
@@ -410,6 +446,8 @@ def main() -> int:
                                         args.max_foreign)
                 records += res.records
                 fracs.append(frac)
+                slo_steps += [(sl, dt) for _, dt, sl in res.steps]
+                slo_cold += res.step_cold
             frac = max(fracs)
             points_real.append((rate, attainment(records, slo)))
             points_sim.append((rate, sim_attainment(mix, profile, config, id_range,
@@ -425,6 +463,12 @@ def main() -> int:
                 elif all(a < 0.9 for _, a in points_real):
                     rates, extra = [min(points_real)[0] / args.slo_step], extra + 1
         r_real = crossing(points_real)
+        # the diagnostic: the simulator's max rate at the speed of the max-rate runs' steps
+        at_speed = at_run_speed(unscaled_profile, slo_steps, slo_cold)
+        r_sim_run_speed = sim_max_rate(mix, at_speed, config, id_range, args.seed, slo,
+                                       n_for, cap * 0.3, cap * 1.0, paths=paths)
+        (out / "max-rate-steps.json").write_text(json.dumps({"samples": slo_steps,
+                                                             "cold": slo_cold}))
         results["max_rate"] = {"mix": mix, "slo_ms": slo, "sim_bisection": r_sim,
                                "sim_points": points_sim, "real_points": points_real,
                                "sim_interpolated": crossing(points_sim),
@@ -434,8 +478,12 @@ def main() -> int:
                                "sim_bisection_unscaled": r_sim_unscaled,
                                "sim_bisection_no_noise": r_sim_no_noise,
                                "ratio_no_noise": r_sim_no_noise / r_real if r_real else None,
-                               "ratio_unscaled": r_sim_unscaled / r_real if r_real else None}
-        log(f"max rate: sim {r_sim:.3f}, real {r_real}")
+                               "ratio_unscaled": r_sim_unscaled / r_real if r_real else None,
+                               "run_speed_factor": at_speed.meta["speed_scale"]["factor"],
+                               "sim_bisection_run_speed": r_sim_run_speed,
+                               "ratio_run_speed": r_sim_run_speed / r_real if r_real else None}
+        log(f"max rate: sim {r_sim:.3f} (unscaled {r_sim_unscaled:.3f}, at the runs' speed "
+            f"{r_sim_run_speed:.3f}), real {r_real}")
     results["total_s"] = time.perf_counter() - t_start
     (out / "fidelity.json").write_text(json.dumps(results, indent=1))
     log(f"done in {results['total_s']:.0f} s; wrote {out / 'fidelity.json'}")

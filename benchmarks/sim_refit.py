@@ -12,6 +12,9 @@ step from the engine's own steps (`*-steps.json`). Two reports:
 
     PYTHONPATH=. .venv/bin/python benchmarks/sim_refit.py out/sim/fidelity [--refit]
 
+--run-speed: each run simulated at its own steps' speed (sim/speed.at_run_speed), the
+fidelity benchmark's diagnostic that takes the machine's speed out of the comparison.
+
 Runs measured with the speed probe (`TAG-probe.json` beside them, the calibration's probe
 in the profile's samples file) are simulated, as the benchmark did, with the profile
 rescaled by the probe taken before the run, the factor recomputed under the cost model in
@@ -36,7 +39,7 @@ from duetserve.sim.noise import estimate as estimate_noise
 from duetserve.sim.noise import log_ratios
 from duetserve.sim.profile import calibrated_profile, load_profile
 from duetserve.sim.run import run_json, simulate
-from duetserve.sim.speed import probe_ratio, rescaled
+from duetserve.sim.speed import at_run_speed, probe_ratio, rescaled
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sim_fidelity import (PERCENTILES, attainment, conversations, median_summary,  # noqa: E402
@@ -128,6 +131,9 @@ def main() -> int:
     ap.add_argument("--runs", default="", help="only these runs (mix-level), default all")
     ap.add_argument("--no-probe", action="store_true",
                     help="simulate with the profile unscaled even where a run has a probe")
+    ap.add_argument("--run-speed", action="store_true",
+                    help="simulate each run with the profile rescaled to that run's own "
+                         "steps (sim/speed.at_run_speed: the diagnostic, not a prediction)")
     ap.add_argument("--noise", choices=("profile", "estimate", "none"), default="profile",
                     help="step-time noise of the simulations: the profile's (sim/noise.py), "
                          "re-estimated from its serving scenario under the cost in use, or none")
@@ -202,6 +208,9 @@ def main() -> int:
             t = rep_tag(run["mix"], run["level"], rep, n_rep)
             steps = json.loads((d / f"{t}-steps.json").read_text())
             run_profile = probed(profile, d, t, reference) or profile
+            if args.run_speed:
+                run_profile = at_run_speed(profile, [(sl, dt) for _, dt, sl in steps],
+                                           step_cold(d, t, steps))
             factor = run_profile.meta.get("speed_scale", {}).get("factor")
             print(f"  {t}" + (f", speed factor {factor:.3f}" if factor else ""))
             for k, v in step_report(steps, step_cold(d, t, steps), run_profile.cost).items():
@@ -225,7 +234,12 @@ def main() -> int:
         slo_mr = mr["slo_ms"]
         n_for = lambda rate: max(16, int(round(rate * 45.0)))  # noqa: E731 (as the benchmark)
         real = mr["real_interpolated"]
-        profile = probed(profile, d, "max-rate", reference) or profile
+        steps_path = d / "max-rate-steps.json"
+        if args.run_speed and steps_path.exists():
+            raw_steps = json.loads(steps_path.read_text())
+            profile = at_run_speed(profile, raw_steps["samples"], raw_steps["cold"])
+        else:
+            profile = probed(profile, d, "max-rate", reference) or profile
         r_sim = sim_max_rate(mr["mix"], profile, config, DEFAULT_ID_RANGE, 1, slo_mr, n_for,
                              mr["sim_bisection"] * 0.5, mr["sim_bisection"] * 1.5)
         att = []

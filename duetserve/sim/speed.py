@@ -7,6 +7,11 @@ factor is now / then, and every coefficient of the cost model is multiplied by i
 (`rescaled`): a machine running 10% slower than during the calibration gets steps 10%
 longer. One factor for every term, since the drift seen here moved decode-only and
 prefill steps alike (docs/simulator.md §3).
+
+`at_run_speed` is the fidelity benchmark's diagnostic, not a prediction: the profile
+rescaled to a measured run's own steps (the same measured / predicted total), so that
+what is left between the run and its simulation is the simulator's error (scheduling,
+the cost model's shape, queueing) and not the machine's speed at that minute.
 """
 from __future__ import annotations
 
@@ -65,14 +70,29 @@ def probe_reference(profile) -> dict:
     return reference
 
 
+def _with_cost_scaled(profile, factor: float, record: dict):
+    """A copy of `profile` with its cost times `factor` and `record` as meta["speed_scale"]."""
+    cost = profile.cost.scaled(factor)
+    meta = {**profile.meta, "speed_scale": {"factor": factor, **record}}
+    return replace(profile, cost=cost, cost_json=cost.to_json(), meta=meta)
+
+
+def at_run_speed(profile, samples: Sequence, cold: Sequence[bool]):
+    """A copy of the calibrated `profile` with its cost scaled by the measured / predicted
+    total of a run's own steps (samples: (slices, seconds); `probe_ratio`'s total, stalls
+    dropped), recorded as meta["speed_scale"] with source "run". ValueError when the
+    profile is not calibrated or there are no steps. Mutates nothing."""
+    if profile.kind != "calibrated":
+        raise ValueError(f"only a calibrated profile can be rescaled (this one: {profile.kind})")
+    now = probe_ratio(profile.cost, samples, cold)
+    return _with_cost_scaled(profile, now["ratio"], {"source": "run", "now": now})
+
+
 def rescaled(profile, now: dict):
     """A copy of the calibrated `profile` (sim/profile.SimProfile) with its cost scaled by
     speed_factor(profile's recorded probe, `now`); the factor and both probe records go
     into the copy's meta ("speed_scale"). ValueError when the profile has no probe record
     (calibrated before the probe existed) or is not calibrated. Mutates nothing."""
     reference = probe_reference(profile)
-    factor = speed_factor(reference, now)
-    cost = profile.cost.scaled(factor)
-    meta = {**profile.meta, "speed_scale": {"factor": factor, "reference": reference,
-                                            "now": now}}
-    return replace(profile, cost=cost, cost_json=cost.to_json(), meta=meta)
+    return _with_cost_scaled(profile, speed_factor(reference, now),
+                             {"source": "probe", "reference": reference, "now": now})

@@ -1,5 +1,5 @@
-"""The speed probe's arithmetic (sim/speed.py): measured / predicted probe time and the
-profile rescaled by now / then (no engine; the probe's steps are synthetic here, the
+"""The speed probe's arithmetic (sim/speed.py): measured / predicted probe time, the
+profile rescaled by now / then, and to a run's own steps (no engine; the probe's steps are synthetic here, the
 engine runs it in tests/sim/test_fidelity_tiny.py)."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from duetserve.sim.cost import FEATURES, CalibratedCost, shape_of
 from duetserve.sim.gpu import efficiency_for
 from duetserve.sim.profile import calibrated_profile, profile_from_json, roofline_profile
-from duetserve.sim.speed import probe_ratio, rescaled, speed_factor
+from duetserve.sim.speed import at_run_speed, probe_ratio, rescaled, speed_factor
 
 
 def _cost() -> CalibratedCost:
@@ -87,3 +87,24 @@ def test_rescaled_profile_runs_at_the_probed_speed() -> None:
         rescaled(gpu, now)
     with pytest.raises(ValueError, match="must be > 0"):
         speed_factor({"ratio": 0.0}, now)
+
+
+def test_profile_at_a_runs_own_speed_predicts_its_total() -> None:
+    """The fidelity benchmark's diagnostic: scaled to a run's steps (no calibration-time
+    probe needed), the profile predicts that run's total step time (stalls aside)."""
+    cost = _cost()
+    profile = calibrated_profile("p", cost, {"max_num_seqs": 8}, {})
+    samples, cold = _samples(1.3, 1.1, stall=20.0)
+    at = at_run_speed(profile, samples, cold)
+    kept = samples[:-1]                     # the stalled step is dropped, as by the probe
+    assert sum(at.cost.step_seconds(shape_of(sl)) for sl, _ in kept) == pytest.approx(
+        sum(dt for _, dt in kept))
+    assert at.meta["speed_scale"]["source"] == "run"
+    assert at.meta["speed_scale"]["factor"] == pytest.approx(probe_ratio(cost, samples,
+                                                                         cold)["ratio"])
+    assert profile.cost == cost and "speed_scale" not in profile.meta
+    with pytest.raises(ValueError, match="no steps"):
+        at_run_speed(profile, [], [])
+    gpu = roofline_profile("llama-3-8b", "h100-sxm", efficiency_for("h100-sxm"))
+    with pytest.raises(ValueError, match="only a calibrated profile"):
+        at_run_speed(gpu, samples, cold)
