@@ -127,6 +127,9 @@ def main() -> int:
     ap.add_argument("--breakpoint", type=int, default=None,
                     help="kernel breakpoint of the refit (default: the profile's `few_rows`, "
                          "the engine's switch; 0 or absent: fitted)")
+    ap.add_argument("--decode-split", default=None,
+                    help="THREADS,KV_HEADS of the engine's paged decode attention for the "
+                         "refit (default: the profile's; 0,0: the rows' context summed)")
     ap.add_argument("--save-profile", default=None)
     ap.add_argument("--runs", default="", help="only these runs (mix-level), default all")
     ap.add_argument("--no-probe", action="store_true",
@@ -159,8 +162,10 @@ def main() -> int:
             else args.flash_above
         few_rows = doc.get("meta", {}).get("few_rows", 0) if args.breakpoint is None \
             else args.breakpoint
+        split = tuple(doc["cost"].get("decode_split", (0, 0))) if args.decode_split is None \
+            else tuple(int(x) for x in args.decode_split.split(","))
         cost, report = fit_cost(samples, doc["cost"].get("arrival_s", 0.0), cold, flash_above,
-                                doc["cost"].get("chunk_rows", 0), few_rows)
+                                doc["cost"].get("chunk_rows", 0), few_rows, split)
         print(f"refit over {len(samples)} steps: {cost.describe()}")
         print(f"  {json.dumps(report)}")
         profile = calibrated_profile(doc["name"], cost, doc["scheduler"],

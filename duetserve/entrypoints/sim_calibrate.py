@@ -135,8 +135,12 @@ def calibrate(model: str | None, num_threads: int, quick: bool = False,
     flash_above = flash_above_entries(engine.model_config.num_attention_heads)
     chunk_rows = engine.runner.chunk_rows
     few_rows = few_row_limit(engine.runner.model)     # the engine's kernel switch
+    # its paged decode attention's split of (row, KV head) items over threads (chunk rows
+    # exist only with the paged decode, worker/batch.py)
+    decode_split = (torch.get_num_threads(), engine.model_config.num_key_value_heads) \
+        if chunk_rows else (0, 0)
     grid_cost, grid_report = fit_cost(cal.samples, arrival_s, cal.cold, flash_above,
-                                      chunk_rows, few_rows)
+                                      chunk_rows, few_rows, decode_split)
     id_range = id_range_for_vocab(engine.model_config.vocab_size)
     fresh = lambda: EngineCore(config, served.loaded)     # noqa: E731  serving settings
     # the speed the fit is measured at, for rescaling the profile later (sim/speed.py):
@@ -148,7 +152,8 @@ def calibrate(model: str | None, num_threads: int, quick: bool = False,
     for _, steps in serving:
         samples += steps.samples
         cold += steps.cold
-    cost, report = fit_cost(samples, arrival_s, cold, flash_above, chunk_rows, few_rows)
+    cost, report = fit_cost(samples, arrival_s, cold, flash_above, chunk_rows, few_rows,
+                            decode_split)
     # the machine's step-time noise around the fit, over every step measured with its
     # start time: the grid's and the serving scenario's traces'
     noise = estimate_noise([(cal.starts, log_ratios(cost, cal.samples, cal.cold))]
@@ -171,6 +176,7 @@ def calibrate(model: str | None, num_threads: int, quick: bool = False,
             "kv_bytes_per_token": kv_bytes_per_token(engine.model_config, engine.kv_dtype),
             "serving": serving_summary(serving), "grid_steps": len(cal.samples),
             "flash_above": flash_above, "chunk_rows": chunk_rows, "few_rows": few_rows,
+            "decode_split": list(decode_split),
             "noise": noise.to_json() if noise is not None else None,
             "speed_probe": speed,
             "fit": report, "grid_only_fit": grid_report, "pid": os.getpid()}

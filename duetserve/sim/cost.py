@@ -26,7 +26,7 @@ Both are frozen; nothing here mutates anything.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Iterable, Protocol
 
 KNOT_ROWS = 3      # rows_few_over: where the few-row slope changes (measured, §3)
@@ -56,6 +56,12 @@ class StepShape:
     cold: bool = False           # the first step after the engine went idle (see below)
     flash_above: int = 0         # the split of chunks after context (0: all score matrix)
     chunk_rows: int = 0          # chunks of up to this many tokens run as decode rows
+    # (threads, KV heads) of the engine's paged decode attention, which splits its
+    # (row, KV head) items into one contiguous run per thread (at::parallel_for); (0, 0):
+    # not known, the decode rows' context counts as their sum
+    decode_split: tuple[int, int] = (0, 0)
+    decode_lens: list[int] = field(default_factory=list)       # KV entries per decode row
+    chunk_lens: list[int] = field(default_factory=list)        # same, chunks as decode rows
 
     def add(self, num_new: int, num_computed: int, sampled: bool) -> None:
         """Count one request's slice. Mutates self."""
@@ -65,9 +71,11 @@ class StepShape:
         if num_new == 1:
             self.num_decodes += 1
             self.decode_context += num_computed
+            self.decode_lens.append(num_computed + 1)
         elif num_new <= self.chunk_rows:     # the engine's layout (worker/batch.py): one
             self.num_decodes += num_new      # decode row per token, context = position
             self.decode_context += num_new * num_computed + num_new * (num_new - 1) // 2
+            self.chunk_lens.extend(range(num_computed + 1, num_computed + num_new + 1))
         else:
             self.num_prefills += 1
             self.prefill_context += num_computed
@@ -82,12 +90,40 @@ class StepShape:
                 self.fresh_pairs += num_new * (num_new + 1) // 2
 
 
+    def decode_busiest(self) -> float:
+        """decode_context as the engine's decode attention spends it: threads x the KV
+        entries of its busiest thread, over KV heads (equal to decode_context when the
+        items split evenly; more when one long row lands on one thread). The rows in the
+        engine's order (worker/batch.py): decodes by context, then chunk rows; each row
+        is KV-heads items of its length; each thread takes a contiguous run of
+        ceil(items / threads). decode_context itself when `decode_split` is unknown."""
+        threads, heads = self.decode_split
+        if threads <= 1 or heads <= 0 or not (self.decode_lens or self.chunk_lens):
+            return float(self.decode_context)
+        lens = sorted(self.decode_lens) + self.chunk_lens
+        items = len(lens) * heads
+        used = min(threads, items)
+        run = -(-items // used)
+        busiest = 0
+        for t in range(used):
+            lo, hi = t * run, min(items, (t + 1) * run)
+            # rows whose items overlap [lo, hi): row r covers [r*heads, (r+1)*heads)
+            total = sum(lens[r] * (min(hi, (r + 1) * heads) - max(lo, r * heads))
+                        for r in range(lo // heads, (hi - 1) // heads + 1))
+            busiest = max(busiest, total)
+        # the same units as decode_context (which counts c, not c + 1, per row)
+        return busiest * threads / heads - self.num_decodes
+
+
 def shape_of(items: Iterable[tuple[int, int, bool]], cold: bool = False,
-             flash_above: int = 0, chunk_rows: int = 0) -> StepShape:
+             flash_above: int = 0, chunk_rows: int = 0,
+             decode_split: tuple[int, int] = (0, 0)) -> StepShape:
     """StepShape of (num_new, num_computed_before, sampled) per scheduled request; `cold`:
     the engine had no requests after its previous step (or had just started);
-    `flash_above`, `chunk_rows`: see StepShape (a cost model's own: `shape_for(cost, ...)`)."""
-    shape = StepShape(cold=cold, flash_above=flash_above, chunk_rows=chunk_rows)
+    `flash_above`, `chunk_rows`, `decode_split`: see StepShape (a cost model's own:
+    `shape_for(cost, ...)`)."""
+    shape = StepShape(cold=cold, flash_above=flash_above, chunk_rows=chunk_rows,
+                      decode_split=decode_split)
     for n, c, sampled in items:
         if n > 0:
             shape.add(n, c, sampled)
@@ -98,7 +134,8 @@ def shape_for(cost: "StepCostModel", items: Iterable[tuple[int, int, bool]],
               cold: bool = False) -> StepShape:
     """shape_of with the engine's layout of chunks that `cost` was fitted with."""
     return shape_of(items, cold, int(getattr(cost, "flash_above", 0)),
-                    int(getattr(cost, "chunk_rows", 0)))
+                    int(getattr(cost, "chunk_rows", 0)),
+                    tuple(getattr(cost, "decode_split", (0, 0))))
 
 
 class StepCostModel(Protocol):
@@ -118,7 +155,9 @@ class CalibratedCost:
         rows_many       T if T >  breakpoint  dense GEMM FLOPs per row
         logits          sampled positions     LM head rows, sampling, detokenizing
         decode_context  sum c over decode     KV bytes read by decode attention (a chunk
-                        rows                  of <= chunk_rows tokens: one row a token)
+                        rows                  of <= chunk_rows tokens: one row a token);
+                                              with decode_split, as its busiest thread
+                                              reads them (StepShape.decode_busiest)
         prefill_context sum c over prefills   cached context gathered for a prefill chunk
         fresh_pairs     sum n(n+1)/2, c == 0  flash attention of fresh prompts
         chunk_scores    sum n*(c+n), c > 0    masked score matrix of chunks after context
@@ -140,18 +179,21 @@ class CalibratedCost:
     paid by the step after an arrival. `flash_above`: the engine's split of chunks after
     context (StepShape; from the model's head count, not fitted). `chunk_rows`: chunks of
     up to this many tokens run as decode rows (StepShape; the engine's setting, 0 in
-    profiles calibrated before it did)."""
+    profiles calibrated before it did). `decode_split`: the engine's (threads, KV heads)
+    of its paged decode attention (StepShape; (0, 0) in profiles calibrated before it was
+    recorded: the sum of the rows' context)."""
 
     coef: tuple[float, ...]
     breakpoint: int
     arrival_s: float = 0.0
     flash_above: int = 0
     chunk_rows: int = 0
+    decode_split: tuple[int, int] = (0, 0)
 
     def features(self, s: StepShape) -> tuple[float, ...]:
         many = s.num_tokens > self.breakpoint
         return (1.0, s.num_reqs, 0 if many else s.num_tokens, 1.0 if many else 0.0,
-                s.num_tokens if many else 0, s.num_logits, s.decode_context,
+                s.num_tokens if many else 0, s.num_logits, s.decode_busiest(),
                 s.prefill_context, s.fresh_pairs, s.chunk_scores, s.chunk_pairs,
                 0.0 if many or not s.num_prefills else 1.0, s.num_tokens if s.cold else 0,
                 0 if many else max(0, s.num_tokens - KNOT_ROWS))
@@ -165,18 +207,21 @@ class CalibratedCost:
         if not factor > 0:
             raise ValueError(f"scale factor must be > 0, got {factor}")
         return CalibratedCost(tuple(c * factor for c in self.coef), self.breakpoint,
-                              self.arrival_s * factor, self.flash_above, self.chunk_rows)
+                              self.arrival_s * factor, self.flash_above, self.chunk_rows,
+                              self.decode_split)
 
     def describe(self) -> str:
         terms = ", ".join(f"{name} {c * 1e3:.4g} ms" for name, c in zip(FEATURES, self.coef))
         return (f"calibrated (breakpoint {self.breakpoint} rows, chunks after context on "
                 f"flash above {self.flash_above} entries, chunks of up to {self.chunk_rows} "
-                f"tokens as decode rows): {terms}")
+                f"tokens as decode rows, decode attention split (threads, KV heads) "
+                f"{self.decode_split}): {terms}")
 
     def to_json(self) -> dict:
         return {"kind": "calibrated", "features": list(FEATURES), "coef_s": list(self.coef),
                 "breakpoint": self.breakpoint, "arrival_s": self.arrival_s,
-                "flash_above": self.flash_above, "chunk_rows": self.chunk_rows}
+                "flash_above": self.flash_above, "chunk_rows": self.chunk_rows,
+                "decode_split": list(self.decode_split)}
 
     @classmethod
     def from_json(cls, d: dict) -> "CalibratedCost":
@@ -185,7 +230,8 @@ class CalibratedCost:
                              "re-run `duet simulate --calibrate`")
         return cls(tuple(float(c) for c in d["coef_s"]), int(d["breakpoint"]),
                    float(d.get("arrival_s", 0.0)), int(d.get("flash_above", 0)),
-                   int(d.get("chunk_rows", 0)))
+                   int(d.get("chunk_rows", 0)),
+                   tuple(int(x) for x in d.get("decode_split", (0, 0))))
 
 
 @dataclass(frozen=True)

@@ -70,18 +70,20 @@ def _fit_one(shapes: list[StepShape], seconds: np.ndarray, breakpoint: int,
 
 def fit_cost(samples: Sequence[Sample], arrival_s: float = 0.0,
              cold: Sequence[bool] | None = None, flash_above: int = 0,
-             chunk_rows: int = 0, breakpoint: int = 0) -> tuple[CalibratedCost, dict]:
+             chunk_rows: int = 0, breakpoint: int = 0,
+             decode_split: tuple[int, int] = (0, 0)) -> tuple[CalibratedCost, dict]:
     """The best CalibratedCost for `samples`, and a report of the fit (RMS and median
     relative error, outliers dropped, per-breakpoint RMS). `cold[i]`: sample i was the
     first step after the engine went idle (None: none was). `flash_above`: the engine's
     split of chunks after context and `chunk_rows` its chunks run as decode rows (sim/cost.py
-    StepShape), kept in the cost. `breakpoint`: the engine's kernel switch (rows up to
+    StepShape), kept in the cost, as is `decode_split` (its decode attention's threads and
+    KV heads). `breakpoint`: the engine's kernel switch (rows up to
     which its few-row kernels run, models/kernels.py few_row_limit) when known; 0: the
     best of BREAKPOINTS is fitted."""
     if cold is not None and len(cold) != len(samples):
         raise ValueError(f"{len(cold)} cold flags for {len(samples)} samples")
     flags = cold if cold is not None else [False] * len(samples)
-    shapes = [shape_of(slices, bool(c), flash_above, chunk_rows)
+    shapes = [shape_of(slices, bool(c), flash_above, chunk_rows, decode_split)
               for (slices, _), c in zip(samples, flags)]
     seconds = np.array([s for _, s in samples], dtype=np.float64)
     if len(samples) < 2 * len(FEATURES):
@@ -100,7 +102,7 @@ def fit_cost(samples: Sequence[Sample], arrival_s: float = 0.0,
     bp, coef, rms, keep = best
     scale = seconds[keep].sum() / (_design(shapes, bp)[keep] @ coef).sum()
     cost = CalibratedCost(tuple(float(c * scale) for c in coef), bp, arrival_s, flash_above,
-                          chunk_rows)
+                          chunk_rows, tuple(decode_split))
     pred = np.array([cost.step_seconds(s) for s in shapes])
     rel = pred / seconds - 1.0
     report = {"num_steps": len(samples), "num_outliers": int((~keep).sum()),

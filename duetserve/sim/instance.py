@@ -45,6 +45,7 @@ class SimInstance:
         self.arrival_s = float(getattr(cost, "arrival_s", 0.0))
         self.flash_above = int(getattr(cost, "flash_above", 0))    # see sim/cost.py
         self.chunk_rows = int(getattr(cost, "chunk_rows", 0))
+        self.decode_split = tuple(getattr(cost, "decode_split", (0, 0)))
         self.id_range = id_range
         self.noise = noise                    # the machine's step-time noise (sim/noise.py)
         self.pending: list[Request] = []
@@ -99,7 +100,7 @@ class SimInstance:
             return None
         requests = self.scheduler.requests
         shape = StepShape(cold=self.cold, flash_above=self.flash_above,
-                          chunk_rows=self.chunk_rows)
+                          chunk_rows=self.chunk_rows, decode_split=self.decode_split)
         self.cold = False
         sampled = []
         for req_id, n in so.num_scheduled_tokens.items():

@@ -26,6 +26,44 @@ def test_shape_sums() -> None:
     assert s.chunk_pairs == 0
 
 
+def test_decode_context_is_priced_on_the_busiest_thread_of_the_split() -> None:
+    """The engine's paged decode attention gives each thread a contiguous run of its
+    (row, KV head) items (csrc/paged_attention.cpp, at::parallel_for), rows ordered as
+    worker/batch.py lays them out: decodes by context, then chunk rows. With the split
+    known, decode_context counts as threads x the busiest thread's KV entries / KV heads
+    (less the rows' own token, as decode_context counts c): the sum when items divide
+    evenly, more when one long row sits on one thread. The split travels with the cost."""
+    even = shape_of([(1, 99, True), (1, 99, True)], decode_split=(2, 3))
+    assert even.decode_busiest() == even.decode_context == 198
+    one = shape_of([(1, 699, True)], decode_split=(2, 3))      # 3 items: 2 on one thread
+    assert one.decode_busiest() == pytest.approx(2 * 700 * 2 / 3 - 1)
+    # a decode at 709 and a 4-token chunk after 37 cached (rows 38..41 long): 15 items,
+    # runs of 8; the first thread holds the long row's 3 and 5 short ones
+    items = [(1, 709, True), (4, 37, False)]
+    mixed = shape_of(items, chunk_rows=8, decode_split=(2, 3))
+    busiest = 3 * 710 + 3 * 38 + 2 * 39
+    assert mixed.decode_busiest() == pytest.approx(busiest * 2 / 3 - 5)
+    assert mixed.decode_context == 709 + 4 * 37 + 6                 # unchanged
+    # decodes are sorted by context before the split, chunk rows stay after them
+    assert shape_of([(1, 699, True), (1, 9, True)], decode_split=(2, 1)).decode_busiest() \
+        == shape_of([(1, 9, True), (1, 699, True)], decode_split=(2, 1)).decode_busiest() \
+        == pytest.approx(700 * 2 - 2)
+    # split unknown or one thread: the plain sum
+    assert shape_of(items, chunk_rows=8).decode_busiest() == mixed.decode_context
+    assert shape_of(items, chunk_rows=8, decode_split=(1, 3)).decode_busiest() \
+        == mixed.decode_context
+    coef = [0.0] * len(FEATURES)
+    coef[FEATURES.index("decode_context")] = 1e-6
+    cost = CalibratedCost(tuple(coef), 16, chunk_rows=8, decode_split=(2, 3))
+    assert cost.step_seconds(shape_for(cost, items)) == pytest.approx(
+        mixed.decode_busiest() * 1e-6)
+    assert CalibratedCost.from_json(cost.to_json()) == cost
+    assert cost.scaled(2.0).decode_split == (2, 3)
+    old = cost.to_json()
+    del old["decode_split"]                                 # profiles from before it
+    assert CalibratedCost.from_json(old).decode_split == (0, 0)
+
+
 def test_long_chunks_after_context_count_as_flash_pairs() -> None:
     """Above `flash_above` score entries n*(c+n) a chunk after context runs two flash calls
     (models/attention.py _after_prefix): pairs n*c + n(n+1)/2, no score matrix."""

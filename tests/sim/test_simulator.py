@@ -247,3 +247,34 @@ def test_a_step_after_the_engine_went_idle_is_cold() -> None:
     run_one("b")
     # a: prefill (cold: fresh engine), two decodes; b after idle: cold again, then warm
     assert seen == [True, False, False, True, False, False]
+
+
+def test_the_instance_lays_out_steps_as_its_cost_model_was_fitted() -> None:
+    """The simulated step's shape carries the cost's engine layout (chunk rows, the decode
+    attention's thread split), as shape_for builds it for the engine's own steps."""
+    from duetserve.request import Request
+    from duetserve.sampling_params import SamplingParams
+    from duetserve.sim.cost import StepShape
+
+    seen: list[tuple] = []
+
+    class Recorder:
+        arrival_s = 0.0
+        chunk_rows = 8
+        decode_split = (2, 3)
+
+        def step_seconds(self, shape: StepShape) -> float:
+            seen.append((shape.chunk_rows, shape.decode_split, shape.num_decodes,
+                         shape.decode_busiest()))
+            return 0.01
+
+    inst = SimInstance(0, SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4,
+                                          num_blocks=64, block_size=16, max_model_len=256),
+                       Recorder())
+    inst.submit(Request("a", list(range(5, 45)), SamplingParams(max_tokens=2, ignore_eos=True),
+                        arrival_time=0.0))
+    assert inst.admit_pending() == []
+    while inst.begin_step() is not None:
+        inst.end_step()
+    # the 40-token prefill, then one decode after 40 cached: 3 items on 2 threads
+    assert seen == [(8, (2, 3), 0, 0.0), (8, (2, 3), 1, pytest.approx(2 * 41 * 2 / 3 - 1))]
