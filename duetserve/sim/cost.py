@@ -89,7 +89,6 @@ class StepShape:
             else:
                 self.fresh_pairs += num_new * (num_new + 1) // 2
 
-
     def decode_busiest(self) -> float:
         """decode_context as the engine's decode attention spends it: threads x the KV
         entries of its busiest thread, over KV heads (equal to decode_context when the
