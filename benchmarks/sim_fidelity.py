@@ -117,6 +117,11 @@ def real_run(loaded, engine_config, convs, offsets, max_foreign: float):
     return engine, res, frac
 
 
+def step_samples(steps) -> list:
+    """A run's steps (start s, seconds, slices) as fit samples (slices, seconds)."""
+    return [(sl, dt) for _, dt, sl in steps]
+
+
 def speed_probe(loaded, engine_config, profile, id_range, out: Path, tag: str):
     """Run the speed probe on a fresh engine; the profile rescaled to it (sim/speed.py)
     and the probe's record. Saves the probe's steps to OUT/TAG-probe.json (for offline
@@ -238,7 +243,7 @@ def measure(plan: dict, rep: int, args, loaded, engine_config, profile, config, 
                         args.seed, id_range, slo, not args.no_noise, rep)
     _, quiet = sim_doc(f"sim (no noise) {mix} @ {rate:.3g}/s", convs, run_profile, config,
                        rate, args.seed, id_range, slo, False)
-    at_speed = at_run_speed(profile, [(sl, dt) for _, dt, sl in res.steps], res.step_cold)
+    at_speed = at_run_speed(profile, step_samples(res.steps), res.step_cold)
     _, own = sim_doc(f"sim (run speed) {mix} @ {rate:.3g}/s", convs, at_speed, config, rate,
                      args.seed, id_range, slo, not args.no_noise, rep)
     for name, d in (("real", real), ("sim", sim)):
@@ -446,7 +451,7 @@ def main() -> int:
                                         args.max_foreign)
                 records += res.records
                 fracs.append(frac)
-                slo_steps += [(sl, dt) for _, dt, sl in res.steps]
+                slo_steps += step_samples(res.steps)
                 slo_cold += res.step_cold
             frac = max(fracs)
             points_real.append((rate, attainment(records, slo)))

@@ -43,7 +43,7 @@ from duetserve.sim.speed import at_run_speed, probe_ratio, rescaled
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sim_fidelity import (PERCENTILES, attainment, conversations, median_summary,  # noqa: E402
-                          ratios, rep_tag, sim_max_rate)
+                          ratios, rep_tag, sim_max_rate, step_samples)
 from sim_fidelity_plot import within_target  # noqa: E402
 
 
@@ -156,7 +156,7 @@ def main() -> int:
             cold += raw.get("cold", [False] * len(raw["samples"]))[:keep]
         for tag in filter(None, args.fit_runs.split(",")):
             steps = json.loads((d / f"{tag}-steps.json").read_text())
-            samples += [(sl, dt) for _, dt, sl in steps]
+            samples += step_samples(steps)
             cold += step_cold(d, tag, steps)
         flash_above = doc["cost"].get("flash_above", 0) if args.flash_above is None \
             else args.flash_above
@@ -214,7 +214,7 @@ def main() -> int:
             steps = json.loads((d / f"{t}-steps.json").read_text())
             run_profile = probed(profile, d, t, reference) or profile
             if args.run_speed:
-                run_profile = at_run_speed(profile, [(sl, dt) for _, dt, sl in steps],
+                run_profile = at_run_speed(profile, step_samples(steps),
                                            step_cold(d, t, steps))
             factor = run_profile.meta.get("speed_scale", {}).get("factor")
             print(f"  {t}" + (f", speed factor {factor:.3f}" if factor else ""))

@@ -61,13 +61,17 @@ def speed_factor(reference: dict, now: dict) -> float:
 def probe_reference(profile) -> dict:
     """The speed-probe record a calibration stored in `profile`'s meta. ValueError when
     the profile is not calibrated or predates the probe (nothing to rescale against)."""
-    if profile.kind != "calibrated":
-        raise ValueError(f"only a calibrated profile can be rescaled (this one: {profile.kind})")
+    _check_calibrated(profile)
     reference = profile.meta.get("speed_probe")
     if not reference:
         raise ValueError("the profile has no speed-probe record: re-run `duet simulate "
                          "--calibrate`")
     return reference
+
+
+def _check_calibrated(profile) -> None:
+    if profile.kind != "calibrated":
+        raise ValueError(f"only a calibrated profile can be rescaled (this one: {profile.kind})")
 
 
 def _with_cost_scaled(profile, factor: float, record: dict):
@@ -82,8 +86,7 @@ def at_run_speed(profile, samples: Sequence, cold: Sequence[bool]):
     total of a run's own steps (samples: (slices, seconds); `probe_ratio`'s total, stalls
     dropped), recorded as meta["speed_scale"] with source "run". ValueError when the
     profile is not calibrated or there are no steps. Mutates nothing."""
-    if profile.kind != "calibrated":
-        raise ValueError(f"only a calibrated profile can be rescaled (this one: {profile.kind})")
+    _check_calibrated(profile)
     now = probe_ratio(profile.cost, samples, cold)
     return _with_cost_scaled(profile, now["ratio"], {"source": "run", "now": now})
 
