@@ -30,7 +30,14 @@ effect (the cost model's shape on that workload) and what is left (run-to-run sp
 the repeats of a cell sample different stretches of the machine's speed; each cell then
 compares the medians over its repeats (sim / real), and records each real percentile's
 spread over the repeats (max / min: the run-to-run noise the ratios sit in). The max-rate
-runs pool the requests of --slo-repeats runs per rate.
+runs pool the requests of --slo-repeats runs per rate, also in rounds (every rate once a
+round).
+
+The simulator's side is its expectation, not one draw per real repeat: each cell's
+simulated percentiles are the medians over --sim-paths noise paths (sim/noise.py; path K
+uses repeat ((K-1) mod N)'s probe), and each simulated attainment pools as many paths.
+With one path per repeat (the earlier protocol), the simulated max rate moved by up to 15%
+between paths on the same profile (docs/simulator.md §3).
 
 Run it alone on the machine, under the exclusive benchmark lock:
 
@@ -252,6 +259,7 @@ def measure(plan: dict, rep: int, args, loaded, engine_config, profile, config, 
     (out / f"{tag}-steps.json").write_text(json.dumps(res.steps))
     (out / f"{tag}-stepinfo.json").write_text(json.dumps(
         {"minor_faults": res.step_faults, "cold": res.step_cold}))
+    plan.setdefault("profiles", []).append((run_profile, at_speed))   # not serialised
     rec = {"rep": rep, "tag": tag, "requests": len(res.records),
            "real_duration_s": res.duration_s, "sim_duration_s": sres.duration_s,
            "sim_wall_s": sres.wall_s, "foreign_cpu_core_fraction": frac,
@@ -288,6 +296,12 @@ def speed_decomposition(plans: list[dict]) -> dict:
             "residual_sd": float(np.sqrt((resid ** 2).sum() / dof))}
 
 
+def sim_paths(args, repeats: int) -> int:
+    """Noise paths the simulator draws for a cell or a max-rate attainment: --sim-paths,
+    at least one per real repeat (none without noise: the simulation is deterministic)."""
+    return 1 if args.no_noise else max(repeats, args.sim_paths)
+
+
 def median_summary(summaries: list[dict]) -> dict:
     """Per latency key and percentile, the median over repeats (one run: itself)."""
     return {key: {p: float(np.median([s[key][p] for s in summaries]))
@@ -304,13 +318,21 @@ def aggregate(plan: dict, profile, config, args, id_range, slo: dict, out: Path)
     tag = f"{mix}-{level:g}"
     convs = conversations(mix, n, args.seed, id_range)
     as_doc = lambda summary: {"runs": [{"summary": summary}]}  # noqa: E731
-    unscaled_runs = [sim_doc(f"sim (unscaled) {mix} @ {rate:.3g}/s", convs, profile, config,
-                             rate, args.seed, id_range, slo, not args.no_noise, r["rep"])[1]
-                     for r in reps]
-    (out / f"{tag}-sim-unscaled.json").write_text(json.dumps(unscaled_runs[0]))
-    unscaled = as_doc(median_summary([d["runs"][0]["summary"] for d in unscaled_runs]))
+    paths = sim_paths(args, len(reps))
+
+    def over_paths(label: str, pick) -> dict:
+        """The medians over noise paths 1..paths; path K simulates with pick(repeat
+        ((K-1) mod repeats)'s profiles), so path K <= repeats is repeat K's own."""
+        docs = [sim_doc(f"{label} {mix} @ {rate:.3g}/s", convs,
+                        pick(plan["profiles"][(k - 1) % len(reps)]), config, rate, args.seed,
+                        id_range, slo, not args.no_noise, k)[1] for k in range(1, paths + 1)]
+        return docs[0], as_doc(median_summary([d["runs"][0]["summary"] for d in docs]))
+
+    first_unscaled, unscaled = over_paths("sim (unscaled)", lambda _: profile)
+    (out / f"{tag}-sim-unscaled.json").write_text(json.dumps(first_unscaled))
     real = as_doc(median_summary([r["real_summary"] for r in reps]))
-    sim = as_doc(median_summary([r["sim_summary"] for r in reps]))
+    sim = over_paths("sim", lambda ps: ps[0])[1]
+    run_speed = over_paths("sim (run speed)", lambda ps: ps[1])[1]
     if args.repeats > 1:              # pooled records of every repeat, for the CDFs
         for kind in ("real", "sim"):
             docs = [json.loads((out / f"{r['tag']}-{kind}.json").read_text()) for r in reps]
@@ -333,8 +355,7 @@ def aggregate(plan: dict, profile, config, args, id_range, slo: dict, out: Path)
             "ratios": ratios(real, sim), "ratios_unscaled": ratios(real, unscaled),
             "ratios_no_noise": ratios(real, as_doc(median_summary(
                 [r["sim_summary_no_noise"] for r in reps]))),
-            "ratios_run_speed": ratios(real, as_doc(median_summary(
-                [r["sim_summary_run_speed"] for r in reps]))),
+            "ratios_run_speed": ratios(real, run_speed), "sim_paths": paths,
             "real_spread": spread,
             "speed_probe": None if reps[0]["speed_probe"] is None else {
                 "factor": float(np.median([r["speed_probe"]["factor"] for r in reps]))},
@@ -368,6 +389,10 @@ def main() -> int:
     ap.add_argument("--slo-repeats", type=int, default=None,
                     help="real runs per rate in the max-rate search, their requests pooled "
                          "(default: --repeats)")
+    ap.add_argument("--sim-paths", type=int, default=20,
+                    help="noise paths simulated per cell (medians over them) and per "
+                         "max-rate attainment (pooled): the simulator's expectation, not "
+                         "one draw per real repeat")
     ap.add_argument("--no-noise", action="store_true",
                     help="simulate without the profile's step-time noise (sim/noise.py)")
     ap.add_argument("--no-speed-probe", action="store_true",
@@ -429,44 +454,63 @@ def main() -> int:
         if not args.no_speed_probe:        # one probe before the max-rate runs
             profile, probe_rec = speed_probe(loaded, engine_config, profile, id_range, out,
                                              "max-rate")
-        paths = 0 if args.no_noise else slo_repeats
+        paths = 0 if args.no_noise else sim_paths(args, slo_repeats)
         r_sim = sim_max_rate(mix, profile, config, id_range, args.seed, slo, n_for,
                              cap * 0.3, cap * 1.0, paths=paths)
         r_sim_unscaled = sim_max_rate(mix, unscaled_profile, config, id_range, args.seed,
                                       slo, n_for, cap * 0.3, cap * 1.0, paths=paths)
         r_sim_no_noise = sim_max_rate(mix, profile, config, id_range, args.seed, slo, n_for,
                                       cap * 0.3, cap * 1.0)
-        log(f"{mix}: simulated max rate meeting the P90 SLO {slo}: {r_sim:.3f}/s")
-        points_real, points_sim, slo_steps, slo_cold = [], [], [], []
-        rates = [r_sim * float(x) for x in args.slo_factors.split(",")]
-        extra = 0
-        while rates:
-            rate = rates.pop(0)
+        log(f"{mix}: simulated max rate meeting the P90 SLO {slo}: {r_sim:.3f}/s "
+            f"(unscaled {r_sim_unscaled:.3f}, {paths} noise paths)")
+        records, fracs, slo_steps, slo_cold = {}, {}, [], []
+
+        def run_at(rate: float) -> None:
+            """One real run at `rate` (its own workload size); mutates the pools above."""
             n = n_for(rate)
             convs = conversations(mix, n, args.seed, id_range)
             offsets = arrival_offsets(n, rate, 1.0, args.seed).tolist()
-            records, fracs = [], []
-            for _ in range(slo_repeats):      # attainment over every repeat's requests
-                _, res, frac = real_run(loaded, engine_config, convs, offsets,
-                                        args.max_foreign)
-                records += res.records
-                fracs.append(frac)
-                slo_steps += step_samples(res.steps)
-                slo_cold += res.step_cold
-            frac = max(fracs)
-            points_real.append((rate, attainment(records, slo)))
+            _, res, frac = real_run(loaded, engine_config, convs, offsets, args.max_foreign)
+            records.setdefault(rate, []).extend(res.records)
+            fracs.setdefault(rate, []).append(frac)
+            slo_steps.extend(step_samples(res.steps))
+            slo_cold.extend(res.step_cold)
+
+        def point(rate: float) -> None:
+            """Attainment at `rate`: the engine's pooled runs, the simulator's paths."""
+            n = n_for(rate)
+            points_real.append((rate, attainment(records[rate], slo)))
             points_sim.append((rate, sim_attainment(mix, profile, config, id_range,
                                                     args.seed, slo, n, rate, paths)))
-            log(f"  {rate:.3f}/s: attainment real {points_real[-1][1]:.3f}, sim "
-                f"{points_sim[-1][1]:.3f} (foreign CPU {frac:.2f})")
-            # the engine's crossing must be bracketed: extend the rates upward while the
-            # highest one measured still meets the SLO (and downward while none does)
-            if not rates and extra < args.slo_extra:
-                top = max(points_real)
-                if top[1] >= 0.9:
-                    rates, extra = [top[0] * args.slo_step], extra + 1
-                elif all(a < 0.9 for _, a in points_real):
-                    rates, extra = [min(points_real)[0] / args.slo_step], extra + 1
+            points_unscaled.append((rate, sim_attainment(mix, unscaled_profile, config,
+                                                         id_range, args.seed, slo, n, rate,
+                                                         paths)))
+            log(f"  {rate:.3f}/s: attainment real {points_real[-1][1]:.3f} over "
+                f"{len(fracs[rate])} runs, sim {points_sim[-1][1]:.3f} (unscaled "
+                f"{points_unscaled[-1][1]:.3f}; foreign CPU {max(fracs[rate]):.2f})")
+
+        points_real, points_sim, points_unscaled = [], [], []
+        rates = [r_sim * float(x) for x in args.slo_factors.split(",")]
+        # in rounds (every rate once a round), so that a slow stretch of the machine is
+        # shared by the rates rather than landing on one of them
+        for _ in range(slo_repeats):
+            for rate in rates:
+                run_at(rate)
+        for rate in rates:
+            point(rate)
+        # the engine's crossing must be bracketed: extend the rates upward while the
+        # highest one measured still meets the SLO (and downward while none does)
+        for _ in range(args.slo_extra):
+            top = max(points_real)
+            if top[1] >= 0.9:
+                rate = top[0] * args.slo_step
+            elif all(a < 0.9 for _, a in points_real):
+                rate = min(points_real)[0] / args.slo_step
+            else:
+                break
+            for _ in range(slo_repeats):
+                run_at(rate)
+            point(rate)
         r_real = crossing(points_real)
         # the diagnostic: the simulator's max rate at the speed of the max-rate runs' steps
         at_speed = at_run_speed(unscaled_profile, slo_steps, slo_cold)
@@ -477,6 +521,9 @@ def main() -> int:
         results["max_rate"] = {"mix": mix, "slo_ms": slo, "sim_bisection": r_sim,
                                "sim_points": points_sim, "real_points": points_real,
                                "sim_interpolated": crossing(points_sim),
+                               "sim_points_unscaled": points_unscaled,
+                               "sim_interpolated_unscaled": crossing(points_unscaled),
+                               "sim_paths": paths,
                                "real_interpolated": r_real,
                                "ratio": r_sim / r_real if r_real else None,
                                "speed_probe": probe_rec, "repeats": slo_repeats,

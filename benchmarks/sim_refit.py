@@ -42,8 +42,8 @@ from duetserve.sim.run import run_json, simulate
 from duetserve.sim.speed import at_run_speed, probe_ratio, rescaled
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sim_fidelity import (PERCENTILES, attainment, conversations, median_summary,  # noqa: E402
-                          ratios, rep_tag, sim_max_rate, step_samples)
+from sim_fidelity import (PERCENTILES, conversations, median_summary, ratios,  # noqa: E402
+                          rep_tag, sim_attainment, sim_max_rate, step_samples)
 from sim_fidelity_plot import within_target  # noqa: E402
 
 
@@ -140,6 +140,9 @@ def main() -> int:
     ap.add_argument("--noise", choices=("profile", "estimate", "none"), default="profile",
                     help="step-time noise of the simulations: the profile's (sim/noise.py), "
                          "re-estimated from its serving scenario under the cost in use, or none")
+    ap.add_argument("--sim-paths", type=int, default=0,
+                    help="noise paths simulated per run (default: one per repeat, as the "
+                         "benchmark); path K uses repeat ((K-1) mod repeats)+1's profile")
     ap.add_argument("--max-rate", action="store_true",
                     help="also the simulator's max rate meeting the run's P90 SLO")
     args = ap.parse_args()
@@ -208,7 +211,7 @@ def main() -> int:
         convs = conversations(run["mix"], run["conversations"], 1, DEFAULT_ID_RANGE)
         print(f"\n{tag} @ {run['rate']:.3f}/s, {run['requests']} requests"
               + (f", {n_rep} repeats" if n_rep > 1 else ""))
-        reals, sims = [], []
+        reals, sims, rep_profiles = [], [], []
         for rep in range(1, n_rep + 1):
             t = rep_tag(run["mix"], run["level"], rep, n_rep)
             steps = json.loads((d / f"{t}-steps.json").read_text())
@@ -222,8 +225,10 @@ def main() -> int:
                 print(f"    {k:20s} {v['steps']:5d} steps  meas {v['meas_ms']:7.1f} ms  "
                       f"pred {v['pred_ms']:7.1f} ms  ratio {v['ratio']:.3f}")
             reals.append(json.loads((d / f"{t}-real.json").read_text())["runs"][0]["summary"])
-            sres = simulate(convs, run_profile, ClusterSpec(1), run["rate"], 1.0, 1, None,
-                            config, DEFAULT_ID_RANGE, noise_seed=rep)
+            rep_profiles.append(run_profile)
+        for k in range(1, max(n_rep, args.sim_paths) + 1):   # path k: repeat k's profile
+            sres = simulate(convs, rep_profiles[(k - 1) % n_rep], ClusterSpec(1), run["rate"],
+                            1.0, 1, None, config, DEFAULT_ID_RANGE, noise_seed=k)
             sims.append(run_json(sres, run["rate"], 1.0, None, PERCENTILES, slo)["summary"])
         r = ratios({"runs": [{"summary": median_summary(reals)}]},
                    {"runs": [{"summary": median_summary(sims)}]})
@@ -245,15 +250,14 @@ def main() -> int:
             profile = at_run_speed(profile, raw_steps["samples"], raw_steps["cold"])
         else:
             profile = probed(profile, d, "max-rate", reference) or profile
+        paths = 0 if args.noise == "none" else max(mr.get("repeats", 1), args.sim_paths)
         r_sim = sim_max_rate(mr["mix"], profile, config, DEFAULT_ID_RANGE, 1, slo_mr, n_for,
-                             mr["sim_bisection"] * 0.5, mr["sim_bisection"] * 1.5)
-        att = []
-        for rate, _ in mr["real_points"]:
-            convs = conversations(mr["mix"], n_for(rate), 1, DEFAULT_ID_RANGE)
-            res = simulate(convs, profile, ClusterSpec(1), rate, 1.0, 1, None, config,
-                           DEFAULT_ID_RANGE)
-            att.append(attainment(res.records, slo_mr))
-        print(f"\nmax rate ({mr['mix']}, {slo_mr}): sim {r_sim:.3f}, real {real}, ratio "
+                             mr["sim_bisection"] * 0.5, mr["sim_bisection"] * 1.5,
+                             paths=paths)
+        att = [sim_attainment(mr["mix"], profile, config, DEFAULT_ID_RANGE, 1, slo_mr,
+                              n_for(rate), rate, paths) for rate, _ in mr["real_points"]]
+        print(f"\nmax rate ({mr['mix']}, {slo_mr}, {paths} noise paths): sim {r_sim:.3f}, "
+              f"real {real}, ratio "
               f"{r_sim / real if real else None}")
         print("  real points " + ", ".join(f"{r:.3f}: {a:.2f}" for r, a in mr["real_points"]))
         print("  sim there   " + ", ".join(f"{a:.2f}" for a in att))
