@@ -309,10 +309,12 @@ def median_summary(summaries: list[dict]) -> dict:
 
 
 def aggregate(plan: dict, profile, config, args, id_range, slo: dict, out: Path) -> dict:
-    """PLAN's entry in fidelity.json: sim / real ratios of the percentiles' medians over
-    its repeats (repeat K's simulations, probe-scaled and unscaled, draw noise path K),
-    each real percentile's spread over the repeats (max / min), and the pooled
-    records as OUT/MIX-LEVEL-{real,sim,sim-unscaled}.json for the CDF overlays."""
+    """PLAN's entry in fidelity.json: sim / real ratios of the percentiles' medians, the
+    engine's over its repeats, the simulator's over sim_paths() noise paths (path K with
+    repeat ((K-1) mod repeats)'s probe-scaled and run-speed profiles), each real
+    percentile's spread over the repeats (max / min), and the pooled records as
+    OUT/MIX-LEVEL-{real,sim,sim-unscaled}.json for the CDF overlays (real: the repeats;
+    sim: the repeats' probe-scaled paths; sim-unscaled: every noise path)."""
     mix, level, rate, n = plan["mix"], plan["level"], plan["rate"], plan["conversations"]
     reps = plan["reps"]
     tag = f"{mix}-{level:g}"
@@ -326,10 +328,13 @@ def aggregate(plan: dict, profile, config, args, id_range, slo: dict, out: Path)
         docs = [sim_doc(f"{label} {mix} @ {rate:.3g}/s", convs,
                         pick(plan["profiles"][(k - 1) % len(reps)]), config, rate, args.seed,
                         id_range, slo, not args.no_noise, k)[1] for k in range(1, paths + 1)]
-        return docs[0], as_doc(median_summary([d["runs"][0]["summary"] for d in docs]))
+        return docs, as_doc(median_summary([d["runs"][0]["summary"] for d in docs]))
 
-    first_unscaled, unscaled = over_paths("sim (unscaled)", lambda _: profile)
-    (out / f"{tag}-sim-unscaled.json").write_text(json.dumps(first_unscaled))
+    unscaled_docs, unscaled = over_paths("sim (unscaled)", lambda _: profile)
+    pooled_unscaled = unscaled_docs[0]      # every path's requests, for the CDFs
+    pooled_unscaled["runs"][0]["requests"] = [q for d in unscaled_docs
+                                              for q in d["runs"][0]["requests"]]
+    (out / f"{tag}-sim-unscaled.json").write_text(json.dumps(pooled_unscaled))
     real = as_doc(median_summary([r["real_summary"] for r in reps]))
     sim = over_paths("sim", lambda ps: ps[0])[1]
     run_speed = over_paths("sim (run speed)", lambda ps: ps[1])[1]

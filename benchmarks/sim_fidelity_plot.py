@@ -1,7 +1,12 @@
 """One figure of TTFT and TPOT CDF overlays (engine vs simulation) for every run that
 benchmarks/sim_fidelity.py wrote, plus the markdown table of docs/simulator.md.
 
-    .venv/bin/python benchmarks/sim_fidelity_plot.py out/sim/fidelity docs/sim_fidelity_cdf.png
+    .venv/bin/python benchmarks/sim_fidelity_plot.py out/sim/fidelity docs/sim_fidelity_cdf.png \
+        [sim-unscaled]
+
+The third argument picks the simulated side of the overlays: `sim` (default: the repeats'
+probe-scaled simulations, pooled) or `sim-unscaled` (the calibrated profile as saved,
+every noise path pooled).
 """
 from __future__ import annotations
 
@@ -17,18 +22,18 @@ def cdf(ax, values, label, style) -> None:
     ax.step(v, np.arange(1, len(v) + 1) / len(v), where="post", label=label, ls=style)
 
 
-def main(src: str, dst: str) -> int:
+def main(src: str, dst: str, sim_kind: str = "sim") -> int:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     d = json.loads((Path(src) / "fidelity.json").read_text())
     runs = d["runs"]
-    fig, axes = plt.subplots(len(runs) // 2, 4, figsize=(18, 3.2 * (len(runs) // 2)),
-                             squeeze=False)
+    rows = (len(runs) + 1) // 2                  # two runs a row
+    fig, axes = plt.subplots(rows, 4, figsize=(18, 3.2 * rows), squeeze=False)
     for i, r in enumerate(runs):
         tag = f"{r['mix']}-{r['level']:g}"
         row, col = i // 2, (i % 2) * 2
-        for kind, style in (("real", "-"), ("sim", "--")):
+        for kind, style in (("real", "-"), (sim_kind, "--")):
             doc = json.loads((Path(src) / f"{tag}-{kind}.json").read_text())
             reqs = [q for q in doc["runs"][0]["requests"] if q["success"]]
             name = "engine" if kind == "real" else "simulated"
@@ -85,4 +90,4 @@ def within_target(key: str, ratio: float | None) -> bool:
 
 
 if __name__ == "__main__":
-    sys.exit(main(*sys.argv[1:3]))
+    sys.exit(main(*sys.argv[1:4]))
