@@ -322,9 +322,10 @@ def aggregate(plan: dict, profile, config, args, id_range, slo: dict, out: Path)
     as_doc = lambda summary: {"runs": [{"summary": summary}]}  # noqa: E731
     paths = sim_paths(args, len(reps))
 
-    def over_paths(label: str, pick) -> dict:
-        """The medians over noise paths 1..paths; path K simulates with pick(repeat
-        ((K-1) mod repeats)'s profiles), so path K <= repeats is repeat K's own."""
+    def over_paths(label: str, pick) -> tuple[list[dict], dict]:
+        """Every path's document and the medians over noise paths 1..paths; path K
+        simulates with pick(repeat ((K-1) mod repeats)'s profiles), so path K <= repeats
+        is repeat K's own."""
         docs = [sim_doc(f"{label} {mix} @ {rate:.3g}/s", convs,
                         pick(plan["profiles"][(k - 1) % len(reps)]), config, rate, args.seed,
                         id_range, slo, not args.no_noise, k)[1] for k in range(1, paths + 1)]
