@@ -129,24 +129,34 @@ def step_samples(steps) -> list:
     return [(sl, dt) for _, dt, sl in steps]
 
 
-def speed_probe(loaded, engine_config, profile, id_range, out: Path, tag: str):
-    """Run the speed probe on a fresh engine; the profile rescaled to it (sim/speed.py)
-    and the probe's record. Saves the probe's steps to OUT/TAG-probe.json (for offline
-    refits, benchmarks/sim_refit.py)."""
+def speed_probe(loaded, engine_config, profile, id_range, out: Path, tag: str) -> dict:
+    """Run the speed probe on a fresh engine; saves its steps to OUT/TAG-probe.json (for
+    offline refits, benchmarks/sim_refit.py) and returns them ({"samples", "cold",
+    "seconds"}), logging its ratio under `profile` (the simulations rescale by it later,
+    under the profile they use: probe_scaled)."""
     from duetserve.bench.speed_probe import run_probe
     from duetserve.engine.engine_core import EngineCore
-    from duetserve.sim.speed import probe_ratio, rescaled
+    from duetserve.sim.speed import probe_ratio
     wait_until_quiet(0.1, 5.0, 600.0)
     res = run_probe(EngineCore(engine_config, loaded), id_range)
+    raw = {"samples": res.samples, "cold": res.cold}
+    (out / f"{tag}-probe.json").write_text(json.dumps(raw))
     now = probe_ratio(profile.cost, res.samples, res.cold)
-    (out / f"{tag}-probe.json").write_text(json.dumps({"samples": res.samples,
-                                                       "cold": res.cold}))
-    scaled = rescaled(profile, now)
     log(f"  speed probe: {now['steps']} steps in {res.seconds:.1f} s, measured / predicted "
-        f"{now['ratio']:.3f} (decode-only {now['decode_ratio']:.3f}); speed factor "
-        f"{scaled.meta['speed_scale']['factor']:.3f}")
+        f"{now['ratio']:.3f} (decode-only {now['decode_ratio']:.3f})")
+    return {**raw, "seconds": res.seconds}
+
+
+def probe_scaled(profile, probe: dict | None):
+    """`profile` rescaled to a probe from speed_probe (sim/speed.py), and the probe's
+    record; (profile, None) without a probe."""
+    from duetserve.sim.speed import probe_ratio, rescaled
+    if probe is None:
+        return profile, None
+    now = probe_ratio(profile.cost, probe["samples"], probe["cold"])
+    scaled = rescaled(profile, now)
     return scaled, {**now, "factor": scaled.meta["speed_scale"]["factor"],
-                    "seconds": res.seconds}
+                    "seconds": probe["seconds"]}
 
 
 def sim_doc(label: str, convs, profile, config, rate, seed, id_range, slo, noise=True,
@@ -227,56 +237,70 @@ def rep_tag(mix: str, level: float, rep: int, repeats: int) -> str:
     return tag if repeats == 1 else f"{tag}-rep{rep}"
 
 
-def measure(plan: dict, rep: int, args, loaded, engine_config, profile, config, id_range,
+def measure(plan: dict, rep: int, args, loaded, engine_config, profile, id_range,
             slo: dict, out: Path) -> dict:
-    """One measured run of PLAN (its conversations and arrivals are the same every repeat)
-    and its simulation; writes OUT/TAG-{real,sim,steps,stepinfo,probe}.json. Returns the
-    repeat's record (ratios, step errors, the engine's scheduler settings)."""
+    """One measured run of PLAN (its conversations and arrivals are the same every repeat),
+    after a speed probe unless --no-speed-probe (its ratio logged under `profile`); writes
+    OUT/TAG-{real,steps,stepinfo,probe}.json. Returns the repeat's record, its simulated
+    side still to come (simulate_rep); the probe and the run's steps ride along in it
+    under "_raw" (not serialised)."""
     mix, level, rate, n = plan["mix"], plan["level"], plan["rate"], plan["conversations"]
     convs = conversations(mix, n, args.seed, id_range)
     offsets = arrival_offsets(n, rate, 1.0, args.seed).tolist()
     tag = rep_tag(mix, level, rep, args.repeats)
     log(f"{mix} @ {rate:.3f}/s ({level:g} x capacity), {n} conversations"
         + (f", repeat {rep} of {args.repeats}" if args.repeats > 1 else ""))
-    run_profile, probe_rec = profile, None
+    probe = None
     if not args.no_speed_probe:
-        run_profile, probe_rec = speed_probe(loaded, engine_config, profile, id_range, out,
-                                             tag)
+        probe = speed_probe(loaded, engine_config, profile, id_range, out, tag)
     engine, res, frac = real_run(loaded, engine_config, convs, offsets, args.max_foreign)
     real = doc(f"engine {mix} @ {rate:.3g}/s", res.records, res.duration_s, rate, slo,
                {"foreign_cpu_core_fraction": frac})
-    # repeat K's simulation draws noise path K (sim/noise.py), as repeat K met its own
-    sres, sim = sim_doc(f"sim {mix} @ {rate:.3g}/s", convs, run_profile, config, rate,
-                        args.seed, id_range, slo, not args.no_noise, rep)
-    _, quiet = sim_doc(f"sim (no noise) {mix} @ {rate:.3g}/s", convs, run_profile, config,
-                       rate, args.seed, id_range, slo, False)
-    at_speed = at_run_speed(profile, step_samples(res.steps), res.step_cold)
-    _, own = sim_doc(f"sim (run speed) {mix} @ {rate:.3g}/s", convs, at_speed, config, rate,
-                     args.seed, id_range, slo, not args.no_noise, rep)
-    for name, d in (("real", real), ("sim", sim)):
-        (out / f"{tag}-{name}.json").write_text(json.dumps(d))
+    (out / f"{tag}-real.json").write_text(json.dumps(real))
     # the engine's own steps (start s, seconds, slices), to check a cost model
     (out / f"{tag}-steps.json").write_text(json.dumps(res.steps))
     (out / f"{tag}-stepinfo.json").write_text(json.dumps(
         {"minor_faults": res.step_faults, "cold": res.step_cold}))
-    plan.setdefault("profiles", []).append((run_profile, at_speed))   # not serialised
-    rec = {"rep": rep, "tag": tag, "requests": len(res.records),
-           "real_duration_s": res.duration_s, "sim_duration_s": sres.duration_s,
-           "sim_wall_s": sres.wall_s, "foreign_cpu_core_fraction": frac,
-           "steal_core_fraction": res.steal_s / res.duration_s,
-           "engine_rusage": res.rusage, "speed_probe": probe_rec,
-           "real_summary": real["runs"][0]["summary"], "sim_summary": sim["runs"][0]["summary"],
-           "sim_summary_no_noise": quiet["runs"][0]["summary"],
-           "sim_summary_run_speed": own["runs"][0]["summary"],
-           "run_speed_factor": at_speed.meta["speed_scale"]["factor"],
-           "step_errors": step_errors(run_profile, res.steps, res.step_cold),
-           "step_errors_unscaled": step_errors(profile, res.steps, res.step_cold),
-           # this run's engine: a re-measured start-up step cost changes its StepBudget
-           # (benchmarks/sim_replay_diff.py replays with it)
-           "scheduler": asdict(engine.scheduler.config)}
-    log(json.dumps(ratios(real, sim)))
+    return {"rep": rep, "tag": tag, "requests": len(res.records),
+            "real_duration_s": res.duration_s, "foreign_cpu_core_fraction": frac,
+            "steal_core_fraction": res.steal_s / res.duration_s,
+            "engine_rusage": res.rusage, "real_summary": real["runs"][0]["summary"],
+            # this run's engine: a re-measured start-up step cost changes its StepBudget
+            # (benchmarks/sim_replay_diff.py replays with it)
+            "scheduler": asdict(engine.scheduler.config),
+            "_raw": {"probe": probe, "steps": res.steps, "cold": res.step_cold,
+                     "real": real}}
+
+
+def simulate_rep(plan: dict, rec: dict, args, profile, config, id_range, slo: dict,
+                 out: Path) -> None:
+    """The simulated side of one measured repeat (`rec` from measure) under `profile`:
+    probe-scaled, without noise and at the run's own speed; writes OUT/TAG-sim.json,
+    fills in `rec` (dropping "_raw") and appends the repeat's (probe-scaled, run-speed)
+    profiles to plan["profiles"] (not serialised) for aggregate."""
+    mix, level, rate, n = plan["mix"], plan["level"], plan["rate"], plan["conversations"]
+    raw = rec.pop("_raw")
+    convs = conversations(mix, n, args.seed, id_range)
+    run_profile, probe_rec = probe_scaled(profile, raw["probe"])
+    # repeat K's simulation draws noise path K (sim/noise.py), as repeat K met its own
+    sres, sim = sim_doc(f"sim {mix} @ {rate:.3g}/s", convs, run_profile, config, rate,
+                        args.seed, id_range, slo, not args.no_noise, rec["rep"])
+    _, quiet = sim_doc(f"sim (no noise) {mix} @ {rate:.3g}/s", convs, run_profile, config,
+                       rate, args.seed, id_range, slo, False)
+    at_speed = at_run_speed(profile, step_samples(raw["steps"]), raw["cold"])
+    _, own = sim_doc(f"sim (run speed) {mix} @ {rate:.3g}/s", convs, at_speed, config, rate,
+                     args.seed, id_range, slo, not args.no_noise, rec["rep"])
+    (out / f"{rec['tag']}-sim.json").write_text(json.dumps(sim))
+    plan.setdefault("profiles", []).append((run_profile, at_speed))
+    rec.update({"sim_duration_s": sres.duration_s, "sim_wall_s": sres.wall_s,
+                "speed_probe": probe_rec, "sim_summary": sim["runs"][0]["summary"],
+                "sim_summary_no_noise": quiet["runs"][0]["summary"],
+                "sim_summary_run_speed": own["runs"][0]["summary"],
+                "run_speed_factor": at_speed.meta["speed_scale"]["factor"],
+                "step_errors": step_errors(run_profile, raw["steps"], raw["cold"]),
+                "step_errors_unscaled": step_errors(profile, raw["steps"], raw["cold"])})
+    log(f"{rec['tag']}: {json.dumps(ratios(raw['real'], sim))}")
     log(f"  steps: {rec['step_errors']}; run speed factor {rec['run_speed_factor']:.3f}")
-    return rec
 
 
 def speed_decomposition(plans: list[dict]) -> dict:
@@ -370,6 +394,122 @@ def aggregate(plan: dict, profile, config, args, id_range, slo: dict, out: Path)
             "scheduler": reps[-1]["scheduler"], "per_repeat": reps}
 
 
+def max_rate_runs(args, loaded, engine_config, profile, config, id_range, slo: dict,
+                  out: Path, calibrate_now) -> dict:
+    """The engine's side of the max rate meeting the P90 SLO on --slo-mix: runs at
+    --slo-factors x the simulated max rate of `profile` (rescaled to a speed probe taken
+    first unless --no-speed-probe), --slo-repeats runs per rate in rounds (every rate once a
+    round; with --interleave-calibration a calibration, calibrate_now(), before each
+    round), then more rates until the engine's crossing is bracketed. Writes
+    OUT/max-rate-steps.json; returns what max_rate_sims needs (pooled records per rate)."""
+    mix = args.slo_mix
+    n_for = lambda rate: max(16, int(round(rate * args.run_seconds)))  # noqa: E731
+    slo_repeats = args.slo_repeats or args.repeats
+    cap = capacity(mix, profile, config, id_range, args.seed)
+    probe = None
+    if not args.no_speed_probe:        # one probe before the max-rate runs
+        probe = speed_probe(loaded, engine_config, profile, id_range, out, "max-rate")
+    paths = 0 if args.no_noise else sim_paths(args, slo_repeats)
+    r_plan = sim_max_rate(mix, probe_scaled(profile, probe)[0], config, id_range, args.seed,
+                          slo, n_for, cap * 0.3, cap * 1.0, paths=paths)
+    log(f"{mix}: simulated max rate meeting the P90 SLO {slo}: {r_plan:.3f}/s ({paths} noise "
+        f"paths; the measured rates are factors of it)")
+    records, fracs, slo_steps, slo_cold = {}, {}, [], []
+
+    def run_at(rate: float) -> None:
+        """One real run at `rate` (its own workload size); mutates the pools above."""
+        n = n_for(rate)
+        convs = conversations(mix, n, args.seed, id_range)
+        offsets = arrival_offsets(n, rate, 1.0, args.seed).tolist()
+        _, res, frac = real_run(loaded, engine_config, convs, offsets, args.max_foreign)
+        records.setdefault(rate, []).extend(res.records)
+        fracs.setdefault(rate, []).append(frac)
+        slo_steps.extend(step_samples(res.steps))
+        slo_cold.extend(res.step_cold)
+
+    def points() -> list[tuple[float, float]]:
+        return [(rate, attainment(recs, slo)) for rate, recs in sorted(records.items())]
+
+    rates = [r_plan * float(x) for x in args.slo_factors.split(",")]
+    # in rounds (every rate once a round), so that a slow stretch of the machine is
+    # shared by the rates rather than landing on one of them
+    for _ in range(slo_repeats):
+        if args.interleave_calibration:
+            calibrate_now()
+        for rate in rates:
+            run_at(rate)
+    # the engine's crossing must be bracketed: extend the rates upward while the
+    # highest one measured still meets the SLO (and downward while none does)
+    for _ in range(args.slo_extra):
+        pts = points()
+        top = max(pts)
+        if top[1] >= 0.9:
+            rate = top[0] * args.slo_step
+        elif all(a < 0.9 for _, a in pts):
+            rate = min(pts)[0] / args.slo_step
+        else:
+            break
+        for _ in range(slo_repeats):
+            run_at(rate)
+    for rate, a in points():
+        log(f"  {rate:.3f}/s: attainment real {a:.3f} over {len(fracs[rate])} runs "
+            f"(foreign CPU {max(fracs[rate]):.2f})")
+    (out / "max-rate-steps.json").write_text(json.dumps({"samples": slo_steps,
+                                                         "cold": slo_cold}))
+    return {"mix": mix, "n_for": n_for, "cap": cap, "probe": probe, "paths": paths,
+            "repeats": slo_repeats, "planning_rate": r_plan, "records": records,
+            "steps": slo_steps, "cold": slo_cold}
+
+
+def max_rate_sims(args, runs: dict, profile, config, id_range, slo: dict) -> dict:
+    """fidelity.json's "max_rate": the simulator's side under `profile` (probe-scaled as
+    the runs' probe says, unscaled, without noise, at the runs' own speed) against the
+    engine's pooled attainments from max_rate_runs."""
+    mix, n_for, cap, paths = runs["mix"], runs["n_for"], runs["cap"], runs["paths"]
+    unscaled_profile = profile
+    scaled, probe_rec = probe_scaled(profile, runs["probe"])
+
+    def max_rate(prof, paths_: int) -> float:
+        return sim_max_rate(mix, prof, config, id_range, args.seed, slo, n_for, cap * 0.3,
+                            cap * 1.0, paths=paths_)
+
+    def sim_points(prof) -> list[tuple[float, float]]:
+        return [(rate, sim_attainment(mix, prof, config, id_range, args.seed, slo,
+                                      n_for(rate), rate, paths))
+                for rate in sorted(runs["records"])]
+
+    r_sim, r_sim_unscaled, r_sim_no_noise = (max_rate(scaled, paths),
+                                             max_rate(unscaled_profile, paths),
+                                             max_rate(scaled, 0))
+    points_real = [(rate, attainment(recs, slo))
+                   for rate, recs in sorted(runs["records"].items())]
+    points_sim, points_unscaled = sim_points(scaled), sim_points(unscaled_profile)
+    for (rate, a), (_, s), (_, u) in zip(points_real, points_sim, points_unscaled):
+        log(f"  {rate:.3f}/s: attainment real {a:.3f}, sim {s:.3f} (unscaled {u:.3f})")
+    r_real = crossing(points_real)
+    # the diagnostic: the simulator's max rate at the speed of the max-rate runs' steps
+    at_speed = at_run_speed(unscaled_profile, runs["steps"], runs["cold"])
+    r_sim_run_speed = max_rate(at_speed, paths)
+    log(f"max rate: sim {r_sim:.3f} (unscaled {r_sim_unscaled:.3f}, at the runs' speed "
+        f"{r_sim_run_speed:.3f}), real {r_real}")
+    ratio = lambda r: r / r_real if r_real else None  # noqa: E731
+    return {"mix": mix, "slo_ms": slo, "sim_bisection": r_sim,
+            "planning_rate": runs["planning_rate"],
+            "sim_points": points_sim, "real_points": points_real,
+            "sim_interpolated": crossing(points_sim),
+            "sim_points_unscaled": points_unscaled,
+            "sim_interpolated_unscaled": crossing(points_unscaled),
+            "sim_paths": paths, "real_interpolated": r_real, "ratio": ratio(r_sim),
+            "speed_probe": probe_rec, "repeats": runs["repeats"],
+            "sim_bisection_unscaled": r_sim_unscaled,
+            "sim_bisection_no_noise": r_sim_no_noise,
+            "ratio_no_noise": ratio(r_sim_no_noise),
+            "ratio_unscaled": ratio(r_sim_unscaled),
+            "run_speed_factor": at_speed.meta["speed_scale"]["factor"],
+            "sim_bisection_run_speed": r_sim_run_speed,
+            "ratio_run_speed": ratio(r_sim_run_speed)}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="out/sim/fidelity")
@@ -401,6 +541,13 @@ def main() -> int:
                          "one draw per real repeat")
     ap.add_argument("--no-noise", action="store_true",
                     help="simulate without the profile's step-time noise (sim/noise.py)")
+    ap.add_argument("--interleave-calibration", action="store_true",
+                    help="with --calibrate: calibrate again before every round (of the "
+                         "cells and of the max-rate runs) and simulate everything with "
+                         "one fit over all the calibrations (sim_calibrate.pooled_profile)")
+    ap.add_argument("--quick-calibration", action="store_true",
+                    help="calibrate with `duet simulate --calibrate --quick` (seconds, a "
+                         "rough fit: smoke runs of this script only)")
     ap.add_argument("--no-speed-probe", action="store_true",
                     help="simulate with the calibrated profile as saved (no probe before runs)")
     args = ap.parse_args()
@@ -418,18 +565,31 @@ def main() -> int:
     config = probe.scheduler.config
     id_range = id_range_for_vocab(probe.model_config.vocab_size)
     del probe
-    if args.calibrate:
+    if args.interleave_calibration and not args.calibrate:
+        ap.error("--interleave-calibration needs --calibrate")
+    calibrations: list[Path] = []
+
+    def calibrate_now():
+        """One calibration (OUT/profile.json, or OUT/profile-K.json when interleaved)."""
+        k = len(calibrations) + 1
         wait_until_quiet(0.1, 5.0, 600.0)
-        profile, path = calibrate(None, args.threads, out=out / "profile.json", loaded=loaded)
-        log(format_report(profile, path))
+        name = f"profile-{k}.json" if args.interleave_calibration else "profile.json"
+        prof, path = calibrate(None, args.threads, quick=args.quick_calibration,
+                               out=out / name, loaded=loaded)
+        log(format_report(prof, path))
+        calibrations.append(path)
+        return prof
+
+    if args.calibrate:
+        profile = calibrate_now()
     else:
         profile = load_profile(args.profile)
     results = {"profile": profile.to_json(), "scheduler": asdict(config), "runs": [],
                "max_rate": None}
     slo = dict(kv.split("=") for kv in args.slo.split(","))
     slo = {k: float(v) for k, v in slo.items()}
+    plans = []
     if not args.skip_fidelity:
-        plans = []
         for mix in args.mixes.split(","):
             cap = capacity(mix, profile, config, id_range, args.seed)
             log(f"{mix}: simulated capacity {cap:.3f} conversations/s")
@@ -441,107 +601,38 @@ def main() -> int:
         # repeats run in rounds (every mix and level once a round), so that each cell's
         # repeats sample different stretches of the machine's speed
         for rep in range(1, args.repeats + 1):
+            if args.interleave_calibration and rep > 1:
+                calibrate_now()
             for plan in plans:
                 plan["reps"].append(measure(plan, rep, args, loaded, engine_config, profile,
-                                            config, id_range, slo, out))
-                if rep == args.repeats:
-                    results["runs"].append(aggregate(plan, profile, config, args, id_range,
-                                                     slo, out))
-                (out / "fidelity.json").write_text(json.dumps(results, indent=1))
-        if args.repeats > 1:
-            results["speed_decomposition"] = speed_decomposition(plans)
-            log(f"run speed factors: {json.dumps(results['speed_decomposition'])}")
+                                            id_range, slo, out))
+    max_rate = None
     if args.slo_mix:
-        mix = args.slo_mix
-        n_for = lambda rate: max(16, int(round(rate * args.run_seconds)))  # noqa: E731
-        slo_repeats = args.slo_repeats or args.repeats
-        cap = capacity(mix, profile, config, id_range, args.seed)
-        unscaled_profile, probe_rec = profile, None
-        if not args.no_speed_probe:        # one probe before the max-rate runs
-            profile, probe_rec = speed_probe(loaded, engine_config, profile, id_range, out,
-                                             "max-rate")
-        paths = 0 if args.no_noise else sim_paths(args, slo_repeats)
-        r_sim = sim_max_rate(mix, profile, config, id_range, args.seed, slo, n_for,
-                             cap * 0.3, cap * 1.0, paths=paths)
-        r_sim_unscaled = sim_max_rate(mix, unscaled_profile, config, id_range, args.seed,
-                                      slo, n_for, cap * 0.3, cap * 1.0, paths=paths)
-        r_sim_no_noise = sim_max_rate(mix, profile, config, id_range, args.seed, slo, n_for,
-                                      cap * 0.3, cap * 1.0)
-        log(f"{mix}: simulated max rate meeting the P90 SLO {slo}: {r_sim:.3f}/s "
-            f"(unscaled {r_sim_unscaled:.3f}, {paths} noise paths)")
-        records, fracs, slo_steps, slo_cold = {}, {}, [], []
-
-        def run_at(rate: float) -> None:
-            """One real run at `rate` (its own workload size); mutates the pools above."""
-            n = n_for(rate)
-            convs = conversations(mix, n, args.seed, id_range)
-            offsets = arrival_offsets(n, rate, 1.0, args.seed).tolist()
-            _, res, frac = real_run(loaded, engine_config, convs, offsets, args.max_foreign)
-            records.setdefault(rate, []).extend(res.records)
-            fracs.setdefault(rate, []).append(frac)
-            slo_steps.extend(step_samples(res.steps))
-            slo_cold.extend(res.step_cold)
-
-        def point(rate: float) -> None:
-            """Attainment at `rate`: the engine's pooled runs, the simulator's paths."""
-            n = n_for(rate)
-            points_real.append((rate, attainment(records[rate], slo)))
-            points_sim.append((rate, sim_attainment(mix, profile, config, id_range,
-                                                    args.seed, slo, n, rate, paths)))
-            points_unscaled.append((rate, sim_attainment(mix, unscaled_profile, config,
-                                                         id_range, args.seed, slo, n, rate,
-                                                         paths)))
-            log(f"  {rate:.3f}/s: attainment real {points_real[-1][1]:.3f} over "
-                f"{len(fracs[rate])} runs, sim {points_sim[-1][1]:.3f} (unscaled "
-                f"{points_unscaled[-1][1]:.3f}; foreign CPU {max(fracs[rate]):.2f})")
-
-        points_real, points_sim, points_unscaled = [], [], []
-        rates = [r_sim * float(x) for x in args.slo_factors.split(",")]
-        # in rounds (every rate once a round), so that a slow stretch of the machine is
-        # shared by the rates rather than landing on one of them
-        for _ in range(slo_repeats):
-            for rate in rates:
-                run_at(rate)
-        for rate in rates:
-            point(rate)
-        # the engine's crossing must be bracketed: extend the rates upward while the
-        # highest one measured still meets the SLO (and downward while none does)
-        for _ in range(args.slo_extra):
-            top = max(points_real)
-            if top[1] >= 0.9:
-                rate = top[0] * args.slo_step
-            elif all(a < 0.9 for _, a in points_real):
-                rate = min(points_real)[0] / args.slo_step
-            else:
-                break
-            for _ in range(slo_repeats):
-                run_at(rate)
-            point(rate)
-        r_real = crossing(points_real)
-        # the diagnostic: the simulator's max rate at the speed of the max-rate runs' steps
-        at_speed = at_run_speed(unscaled_profile, slo_steps, slo_cold)
-        r_sim_run_speed = sim_max_rate(mix, at_speed, config, id_range, args.seed, slo,
-                                       n_for, cap * 0.3, cap * 1.0, paths=paths)
-        (out / "max-rate-steps.json").write_text(json.dumps({"samples": slo_steps,
-                                                             "cold": slo_cold}))
-        results["max_rate"] = {"mix": mix, "slo_ms": slo, "sim_bisection": r_sim,
-                               "sim_points": points_sim, "real_points": points_real,
-                               "sim_interpolated": crossing(points_sim),
-                               "sim_points_unscaled": points_unscaled,
-                               "sim_interpolated_unscaled": crossing(points_unscaled),
-                               "sim_paths": paths,
-                               "real_interpolated": r_real,
-                               "ratio": r_sim / r_real if r_real else None,
-                               "speed_probe": probe_rec, "repeats": slo_repeats,
-                               "sim_bisection_unscaled": r_sim_unscaled,
-                               "sim_bisection_no_noise": r_sim_no_noise,
-                               "ratio_no_noise": r_sim_no_noise / r_real if r_real else None,
-                               "ratio_unscaled": r_sim_unscaled / r_real if r_real else None,
-                               "run_speed_factor": at_speed.meta["speed_scale"]["factor"],
-                               "sim_bisection_run_speed": r_sim_run_speed,
-                               "ratio_run_speed": r_sim_run_speed / r_real if r_real else None}
-        log(f"max rate: sim {r_sim:.3f} (unscaled {r_sim_unscaled:.3f}, at the runs' speed "
-            f"{r_sim_run_speed:.3f}), real {r_real}")
+        max_rate = max_rate_runs(args, loaded, engine_config, profile, config, id_range, slo,
+                                 out, calibrate_now)
+    if args.interleave_calibration:
+        # every simulated figure below uses one fit over all the calibrations, spread over
+        # the measured runs' time (the rates above came from the first calibration alone)
+        from duetserve.entrypoints.sim_calibrate import pooled_profile
+        profile = pooled_profile(calibrations, out / "profile.json")
+        fit = profile.meta["fit"]
+        log(f"pooled profile {out / 'profile.json'} over {len(calibrations)} calibrations, "
+            f"{fit['num_steps']} steps: {profile.cost.describe()}; RMS relative error "
+            f"{fit['rms_rel_error']:.3f}; "
+            + (profile.step_noise.describe() if profile.step_noise else "no noise measured"))
+        log(f"calibration levels under the pooled fit: "
+            f"{', '.join(f'{x:.3f}' for x in profile.meta['pooled']['levels'])}")
+        results["profile"] = profile.to_json()
+    for plan in plans:
+        for rec in plan["reps"]:
+            simulate_rep(plan, rec, args, profile, config, id_range, slo, out)
+        results["runs"].append(aggregate(plan, profile, config, args, id_range, slo, out))
+        (out / "fidelity.json").write_text(json.dumps(results, indent=1))
+    if args.repeats > 1 and plans:
+        results["speed_decomposition"] = speed_decomposition(plans)
+        log(f"run speed factors: {json.dumps(results['speed_decomposition'])}")
+    if max_rate is not None:
+        results["max_rate"] = max_rate_sims(args, max_rate, profile, config, id_range, slo)
     results["total_s"] = time.perf_counter() - t_start
     (out / "fidelity.json").write_text(json.dumps(results, indent=1))
     log(f"done in {results['total_s']:.0f} s; wrote {out / 'fidelity.json'}")

@@ -19,6 +19,7 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Sequence
 
 from duetserve.sim.profile import SimProfile, calibrated_profile, default_profile_dir
 
@@ -192,6 +193,67 @@ def calibrate(model: str | None, num_threads: int, quick: bool = False,
                                "serving_starts": [steps.starts for _, steps in serving],
                                "probe": {"samples": probe.samples, "cold": probe.cold}}))
     return profile, path
+
+
+def pooled_profile(paths: Sequence[str | Path], out: str | Path) -> SimProfile:
+    """One profile fitted over the steps of several calibrations (each `calibrate`'s
+    profile at `paths`, its samples file beside it), taken at different times so that the
+    fit's level is the machine's over all of them rather than one stretch's. The
+    engine's layout (breakpoint, flash split, chunk rows, decode split) and scheduler
+    settings are the first calibration's; the step-time noise is estimated over every
+    calibration's traces and the speed-probe record over all their probes pooled.
+    meta["pooled"] records each calibration's measured / predicted total under the
+    pooled fit (how far the machine's level moved between them). Saves the profile to
+    `out` and the pooled samples beside it; returns the profile. ValueError on no paths."""
+    from duetserve.sim.fit import fit_cost
+    from duetserve.sim.noise import estimate as estimate_noise
+    from duetserve.sim.noise import log_ratios
+    from duetserve.sim.speed import probe_ratio
+    if not paths:
+        raise ValueError("pooled_profile needs at least one calibration")
+    docs = [json.loads(Path(p).read_text()) for p in paths]
+    raws = [json.loads(Path(p).with_suffix(".samples.json").read_text()) for p in paths]
+    first = docs[0]
+    samples, cold, arrivals, probe_samples, probe_cold = [], [], [], [], []
+    for raw in raws:
+        samples += raw["samples"]
+        cold += raw.get("cold", [False] * len(raw["samples"]))
+        arrivals += raw.get("arrival_s", [])
+        probe_samples += raw.get("probe", {}).get("samples", [])
+        probe_cold += raw.get("probe", {}).get("cold", [])
+    c = first["cost"]
+    cost, report = fit_cost(samples, statistics.median(arrivals) if arrivals else 0.0, cold,
+                            c.get("flash_above", 0), c.get("chunk_rows", 0),
+                            first["meta"].get("few_rows", 0),
+                            tuple(c.get("decode_split", (0, 0))))
+    traces, levels = [], []
+    for raw in raws:
+        flags = raw.get("cold", [False] * len(raw["samples"]))
+        g = raw.get("grid_steps", len(raw["samples"]))
+        parts = [(raw.get("grid_starts"), 0, g)]
+        i = g
+        for starts in raw.get("serving_starts", []):
+            parts.append((starts, i, i + len(starts)))
+            i += len(starts)
+        for starts, lo, hi in parts:
+            if starts is not None and hi > lo:
+                traces.append((starts, log_ratios(cost, raw["samples"][lo:hi], flags[lo:hi])))
+        levels.append(probe_ratio(cost, raw["samples"], flags)["ratio"])
+    noise = estimate_noise(traces)
+    meta = {**first["meta"], "fit": report, "noise": noise.to_json() if noise else None,
+            "speed_probe": probe_ratio(cost, probe_samples, probe_cold) if probe_samples
+            else None,
+            "pooled": {"calibrations": [str(p) for p in paths], "levels": levels}}
+    out = Path(out)
+    profile = calibrated_profile(out.stem, cost, first["scheduler"], meta,
+                                 f"{first.get('description', '')}; pooled over "
+                                 f"{len(paths)} calibrations")
+    profile.save(out)
+    out.with_suffix(".samples.json").write_text(json.dumps(
+        {"samples": samples, "cold": cold, "arrival_s": arrivals,
+         "probe": {"samples": probe_samples, "cold": probe_cold},
+         "calibrations": [str(p) for p in paths]}))
+    return profile
 
 
 def rescale_to_now(profile: SimProfile, quick: bool = False, loaded=None,

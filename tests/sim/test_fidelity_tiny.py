@@ -22,7 +22,7 @@ from duetserve.bench.token_workload import (arrival_offsets, id_range_for_vocab,
                                              token_conversations)
 from duetserve.config import EngineConfig
 from duetserve.engine.engine_core import EngineCore
-from duetserve.entrypoints.sim_calibrate import calibrate, rescale_to_now
+from duetserve.entrypoints.sim_calibrate import calibrate, pooled_profile, rescale_to_now
 from duetserve.loader import load_model
 from duetserve.models.kernels import few_row_limit
 from duetserve.sim.cluster import ClusterSpec
@@ -60,6 +60,7 @@ def test_simulation_tracks_the_engine_on_a_tiny_model(tiny_checkpoints, tmp_path
     now = rescale_to_now(profile, quick=True, loaded=loaded, kv_cache_memory=0.05)
     factor = now.meta["speed_scale"]["factor"]
     assert factor > 0 and now.cost == profile.cost.scaled(factor)
+    check_pooling(saved, tmp_path)
 
     engine = EngineCore(EngineConfig(model=path, num_threads=2, kv_cache_memory=0.05,
                                      max_num_batched_tokens=32), loaded)
@@ -91,6 +92,27 @@ def test_simulation_tracks_the_engine_on_a_tiny_model(tiny_checkpoints, tmp_path
     for key in ("ttft_ms", "tpot_ms", "e2el_ms"):
         ratio = ss[key]["median"] / rs[key]["median"]
         assert 0.35 < ratio < 2.5, (key, ratio, report)
+
+
+def check_pooling(saved, tmp_path) -> None:
+    """sim_calibrate.pooled_profile over the calibration and a copy of it measured 25%
+    slower (every step and probe step): one fit over both sets of steps, each
+    calibration's level under it recorded (their ratio is the 1.25 put in)."""
+    slow = tmp_path / "slow.json"
+    slow.write_text(saved.read_text())
+    raw = json.loads(saved.with_suffix(".samples.json").read_text())
+    raw["samples"] = [(sl, 1.25 * dt) for sl, dt in raw["samples"]]
+    raw["probe"]["samples"] = [(sl, 1.25 * dt) for sl, dt in raw["probe"]["samples"]]
+    slow.with_suffix(".samples.json").write_text(json.dumps(raw))
+    pooled = pooled_profile([saved, slow], tmp_path / "pooled.json")
+    assert load_profile(tmp_path / "pooled.json").cost == pooled.cost
+    assert pooled.meta["fit"]["num_steps"] == 2 * len(raw["samples"])
+    fast_level, slow_level = pooled.meta["pooled"]["levels"]
+    assert slow_level / fast_level == pytest.approx(1.25, rel=1e-6)
+    assert pooled.cost.breakpoint == load_profile(saved).cost.breakpoint
+    assert pooled.meta["speed_probe"]["steps"] == 2 * len(raw["probe"]["samples"])
+    pooled_raw = json.loads((tmp_path / "pooled.samples.json").read_text())
+    assert len(pooled_raw["samples"]) == pooled.meta["fit"]["num_steps"]
 
 
 def test_replay_records_a_refusal_and_goes_on(tiny_checkpoints) -> None:
