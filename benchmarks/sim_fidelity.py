@@ -39,6 +39,16 @@ uses repeat ((K-1) mod N)'s probe), and each simulated attainment pools as many 
 With one path per repeat (the earlier protocol), the simulated max rate moved by up to 15%
 between paths on the same profile (docs/simulator.md §3).
 
+--interleave-calibration (with --calibrate) calibrates again before every round of the
+cells and of the max-rate runs, and simulates everything with one fit over all those
+calibrations (sim_calibrate.pooled_profile): the calibration then samples the same hour
+of the machine as the runs it predicts, instead of the three minutes before them (the
+machine's level moved 6-10% between a calibration and the runs after it, §3 of
+docs/simulator.md). Still a prediction: no measured run's steps enter the fit. The first
+calibration alone sets the rates (the cells' and the max-rate runs'); the real runs all
+come first and the simulations after them, under the pooled profile, whose record
+(meta["pooled"]["levels"]) says how far each calibration's level sat from it.
+
 Run it alone on the machine, under the exclusive benchmark lock:
 
     flock -x /tmp/duet-bench.lock .venv/bin/python benchmarks/sim_fidelity.py \\
@@ -457,6 +467,7 @@ def max_rate_runs(args, loaded, engine_config, profile, config, id_range, slo: d
     (out / "max-rate-steps.json").write_text(json.dumps({"samples": slo_steps,
                                                          "cold": slo_cold}))
     return {"mix": mix, "n_for": n_for, "cap": cap, "probe": probe, "paths": paths,
+            "profile": profile,
             "repeats": slo_repeats, "planning_rate": r_plan, "records": records,
             "steps": slo_steps, "cold": slo_cold}
 
@@ -478,9 +489,9 @@ def max_rate_sims(args, runs: dict, profile, config, id_range, slo: dict) -> dic
                                       n_for(rate), rate, paths))
                 for rate in sorted(runs["records"])]
 
-    r_sim, r_sim_unscaled, r_sim_no_noise = (max_rate(scaled, paths),
-                                             max_rate(unscaled_profile, paths),
-                                             max_rate(scaled, 0))
+    # the rates were planned on the same profile unless the calibration was interleaved
+    r_sim = runs["planning_rate"] if profile is runs["profile"] else max_rate(scaled, paths)
+    r_sim_unscaled, r_sim_no_noise = max_rate(unscaled_profile, paths), max_rate(scaled, 0)
     points_real = [(rate, attainment(recs, slo))
                    for rate, recs in sorted(runs["records"].items())]
     points_sim, points_unscaled = sim_points(scaled), sim_points(unscaled_profile)
