@@ -214,10 +214,11 @@ def pooled_profile(paths: Sequence[str | Path], out: str | Path) -> SimProfile:
     docs = [json.loads(Path(p).read_text()) for p in paths]
     raws = [json.loads(Path(p).with_suffix(".samples.json").read_text()) for p in paths]
     first = docs[0]
+    flags = [raw.get("cold", [False] * len(raw["samples"])) for raw in raws]
     samples, cold, arrivals, probe_samples, probe_cold = [], [], [], [], []
-    for raw in raws:
+    for raw, fl in zip(raws, flags):
         samples += raw["samples"]
-        cold += raw.get("cold", [False] * len(raw["samples"]))
+        cold += fl
         arrivals += raw.get("arrival_s", [])
         probe_samples += raw.get("probe", {}).get("samples", [])
         probe_cold += raw.get("probe", {}).get("cold", [])
@@ -227,8 +228,7 @@ def pooled_profile(paths: Sequence[str | Path], out: str | Path) -> SimProfile:
                             first["meta"].get("few_rows", 0),
                             tuple(c.get("decode_split", (0, 0))))
     traces, levels = [], []
-    for raw in raws:
-        flags = raw.get("cold", [False] * len(raw["samples"]))
+    for raw, fl in zip(raws, flags):
         g = raw.get("grid_steps", len(raw["samples"]))
         parts = [(raw.get("grid_starts"), 0, g)]
         i = g
@@ -237,8 +237,8 @@ def pooled_profile(paths: Sequence[str | Path], out: str | Path) -> SimProfile:
             i += len(starts)
         for starts, lo, hi in parts:
             if starts is not None and hi > lo:
-                traces.append((starts, log_ratios(cost, raw["samples"][lo:hi], flags[lo:hi])))
-        levels.append(probe_ratio(cost, raw["samples"], flags)["ratio"])
+                traces.append((starts, log_ratios(cost, raw["samples"][lo:hi], fl[lo:hi])))
+        levels.append(probe_ratio(cost, raw["samples"], fl)["ratio"])
     noise = estimate_noise(traces)
     meta = {**first["meta"], "fit": report, "noise": noise.to_json() if noise else None,
             "speed_probe": probe_ratio(cost, probe_samples, probe_cold) if probe_samples
