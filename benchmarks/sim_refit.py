@@ -32,11 +32,11 @@ from pathlib import Path
 import numpy as np
 
 from duetserve.bench.token_workload import DEFAULT_ID_RANGE
+from duetserve.entrypoints.sim_calibrate import saved_traces
 from duetserve.sim.cluster import ClusterSpec
 from duetserve.sim.cost import shape_for
 from duetserve.sim.fit import fit_cost
 from duetserve.sim.noise import estimate as estimate_noise
-from duetserve.sim.noise import log_ratios
 from duetserve.sim.profile import calibrated_profile, load_profile
 from duetserve.sim.run import run_json, simulate
 from duetserve.sim.speed import at_run_speed, probe_ratio, rescaled
@@ -93,22 +93,17 @@ def scenario_noise(raw: dict, profile) -> dict | None:
     """sim/noise.py's estimate from the samples file's serving scenario under `profile`'s
     cost. Files from before start times were saved: each trace's steps placed back to back
     (idle spells dropped), the traces told apart by the profile's step counts."""
-    g = raw.get("grid_steps", len(raw["samples"]))
-    samples, cold = raw["samples"][g:], raw.get("cold", [False] * len(raw["samples"]))[g:]
-    starts = raw.get("serving_starts")
-    if starts is None:
+    if "serving_starts" not in raw:
+        g = raw.get("grid_steps", len(raw["samples"]))
+        samples = raw["samples"][g:]
         counts = [t["steps"] for t in profile.meta.get("serving", {}).get("traces", [])] \
             or [len(samples)]
         starts, i = [], 0
         for n in counts:
             starts.append(list(np.cumsum([0.0] + [dt for _, dt in samples[i:i + n - 1]])))
             i += n
-    traces, i = [], 0
-    for st in starts:
-        n = len(st)
-        traces.append((st, log_ratios(profile.cost, samples[i:i + n], cold[i:i + n])))
-        i += n
-    noise = estimate_noise(traces)
+        raw = {**raw, "serving_starts": starts}
+    noise = estimate_noise(saved_traces(raw, profile.cost, grid=False))
     return noise.to_json() if noise is not None else None
 
 

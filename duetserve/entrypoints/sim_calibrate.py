@@ -21,6 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
 
+from duetserve.entrypoints.cli import UserError
 from duetserve.sim.profile import SimProfile, calibrated_profile, default_profile_dir
 
 
@@ -195,6 +196,21 @@ def calibrate(model: str | None, num_threads: int, quick: bool = False,
     return profile, path
 
 
+def saved_traces(raw: dict, cost, grid: bool = True) -> list[tuple[list, list]]:
+    """The step traces a calibration's samples file holds, each as (start times, log
+    measured / predicted under `cost`: sim/noise.py's input): the grid's (when `grid`)
+    and each serving-scenario trace's, those whose start times were saved."""
+    from duetserve.sim.noise import log_ratios
+    samples = raw["samples"]
+    cold = raw.get("cold", [False] * len(samples))
+    g = raw.get("grid_steps", len(samples))
+    parts = [(raw.get("grid_starts") if grid else None, 0, g)]
+    for starts in raw.get("serving_starts", []):
+        parts.append((starts, parts[-1][2], parts[-1][2] + len(starts)))
+    return [(starts, log_ratios(cost, samples[lo:hi], cold[lo:hi]))
+            for starts, lo, hi in parts if starts is not None and hi > lo]
+
+
 def pooled_profile(paths: Sequence[str | Path], out: str | Path) -> SimProfile:
     """One profile fitted over the steps of several calibrations (each `calibrate`'s
     profile at `paths`, its samples file beside it), taken at different times so that the
@@ -207,13 +223,24 @@ def pooled_profile(paths: Sequence[str | Path], out: str | Path) -> SimProfile:
     `out` and the pooled samples beside it; returns the profile. ValueError on no paths."""
     from duetserve.sim.fit import fit_cost
     from duetserve.sim.noise import estimate as estimate_noise
-    from duetserve.sim.noise import log_ratios
     from duetserve.sim.speed import probe_ratio
     if not paths:
         raise ValueError("pooled_profile needs at least one calibration")
     docs = [json.loads(Path(p).read_text()) for p in paths]
-    raws = [json.loads(Path(p).with_suffix(".samples.json").read_text()) for p in paths]
     first = docs[0]
+    for p, doc in zip(paths, docs):
+        if doc.get("kind") != "calibrated" or "pooled" in doc.get("meta", {}):
+            raise ValueError(f"{p}: not one calibration (`duet simulate --calibrate`'s "
+                             f"profile); pool the calibrations themselves")
+        if not Path(p).with_suffix(".samples.json").exists():
+            raise ValueError(f"{p}: its measured steps ({Path(p).with_suffix('.samples.json')})"
+                             f" are missing; they are saved beside every calibration")
+        theirs = (doc["meta"].get("engine_key"), doc["meta"].get("threads"))
+        if theirs != (first["meta"].get("engine_key"), first["meta"].get("threads")):
+            raise ValueError(f"{p} calibrated another engine than {paths[0]} (its model, "
+                             f"threads, torch, CPU or duetserve's source differ): only "
+                             f"calibrations of one engine pool")
+    raws = [json.loads(Path(p).with_suffix(".samples.json").read_text()) for p in paths]
     flags = [raw.get("cold", [False] * len(raw["samples"])) for raw in raws]
     samples, cold, arrivals, probe_samples, probe_cold = [], [], [], [], []
     for raw, fl in zip(raws, flags):
@@ -229,15 +256,7 @@ def pooled_profile(paths: Sequence[str | Path], out: str | Path) -> SimProfile:
                             tuple(c.get("decode_split", (0, 0))))
     traces, levels = [], []
     for raw, fl in zip(raws, flags):
-        g = raw.get("grid_steps", len(raw["samples"]))
-        parts = [(raw.get("grid_starts"), 0, g)]
-        i = g
-        for starts in raw.get("serving_starts", []):
-            parts.append((starts, i, i + len(starts)))
-            i += len(starts)
-        for starts, lo, hi in parts:
-            if starts is not None and hi > lo:
-                traces.append((starts, log_ratios(cost, raw["samples"][lo:hi], fl[lo:hi])))
+        traces += saved_traces(raw, cost)
         levels.append(probe_ratio(cost, raw["samples"], fl)["ratio"])
     noise = estimate_noise(traces)
     meta = {**first["meta"], "fit": report, "noise": noise.to_json() if noise else None,
@@ -303,7 +322,31 @@ def format_report(profile: SimProfile, path: Path) -> str:
         f"  engine defaults: {profile.scheduler}",
         f"  measured in {profile.meta['measured_s']:.0f} s ({profile.meta['total_s']:.0f} s "
         f"with start-up); other processes used {profile.meta['foreign_cpu_s']:.1f} CPU s "
-        f"meanwhile ({profile.meta['scenarios_redone']} scenarios redone for it)"])
+        f"meanwhile ({profile.meta['scenarios_redone']} scenarios redone for it)"
+        + (f"; pooled over {len(profile.meta['pooled']['calibrations'])} calibrations (the "
+           "grid, scenario and timing figures are the first's)"
+           if "pooled" in profile.meta else "")])
+
+
+def main_pool(args: argparse.Namespace) -> int:
+    """`duet simulate --pool CAL... --profile-out OUT`: one fit over several calibrations
+    taken at different times (pooled_profile); prints the report and each calibration's
+    level under the pooled fit. UserError on a bad set."""
+    if not args.profile_out:
+        raise UserError("--pool needs --profile-out: where to save the pooled profile")
+    out = Path(args.profile_out)
+    if any(Path(p).resolve() == out.resolve() for p in args.pool):
+        raise UserError(f"--profile-out {out} is one of the calibrations pooled: pick a new "
+                        "path (the calibrations' own steps are kept for pooling again)")
+    try:
+        profile = pooled_profile(args.pool, out)
+    except (OSError, ValueError) as e:
+        raise UserError(f"--pool: {e}") from None
+    print(format_report(profile, out))
+    print("  levels (each calibration's measured / predicted under the pooled fit): "
+          + ", ".join(f"{Path(p).name} {x:.3f}"
+                      for p, x in zip(args.pool, profile.meta["pooled"]["levels"])))
+    return 0
 
 
 def main_calibrate(args: argparse.Namespace) -> int:

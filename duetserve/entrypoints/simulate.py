@@ -77,6 +77,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quick", action="store_true", help="--calibrate on a small grid")
     g.add_argument("--num-threads", type=int, default=2, help="engine threads (calibration)")
     g.add_argument("--profile-out", default=None, help="where --calibrate saves the profile")
+    g.add_argument("--pool", nargs="+", default=None, metavar="CALIBRATION",
+                   help="fit one profile over several calibrations' steps (take them at "
+                   "different times: one calibration is a draw of the machine's speed "
+                   "then) and save it to --profile-out; prints each one's level")
     g.add_argument("--speed-probe", action="store_true",
                    help="before simulating, run the speed probe (~25 s of engine steps of "
                    "fixed shapes) and rescale the calibrated profile to this machine's "
@@ -187,9 +191,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(args: argparse.Namespace) -> int:
     """Entry point of `duet simulate`."""
+    if args.calibrate and args.pool:
+        raise UserError("--calibrate and --pool: calibrate first (--profile-out CAL-K.json), "
+                        "then pool the calibrations")
     if args.calibrate:
         from duetserve.entrypoints.sim_calibrate import main_calibrate
         return main_calibrate(args)
+    if args.pool:
+        from duetserve.entrypoints.sim_calibrate import main_pool
+        return main_pool(args)
     doc = run(args)
     if args.output_json:
         print(f"wrote {write_json(args.output_json, doc)}")

@@ -22,6 +22,7 @@ from duetserve.bench.token_workload import (arrival_offsets, id_range_for_vocab,
                                              token_conversations)
 from duetserve.config import EngineConfig
 from duetserve.engine.engine_core import EngineCore
+from duetserve.entrypoints.cli import main as cli_main
 from duetserve.entrypoints.sim_calibrate import calibrate, pooled_profile, rescale_to_now
 from duetserve.loader import load_model
 from duetserve.models.kernels import few_row_limit
@@ -31,7 +32,8 @@ from duetserve.sim.profile import calibrated_profile, load_profile
 from duetserve.sim.run import simulate
 
 
-def test_simulation_tracks_the_engine_on_a_tiny_model(tiny_checkpoints, tmp_path) -> None:
+def test_simulation_tracks_the_engine_on_a_tiny_model(tiny_checkpoints, tmp_path,
+                                                      capsys) -> None:
     path = tiny_checkpoints["llama-gqa-untied"]
     loaded = load_model(path, "auto", quantization="auto")    # as EngineCore loads it
     _, saved = calibrate(path, 2, quick=True, out=tmp_path / "tiny.json", kv_cache_memory=0.05,
@@ -60,7 +62,7 @@ def test_simulation_tracks_the_engine_on_a_tiny_model(tiny_checkpoints, tmp_path
     now = rescale_to_now(profile, quick=True, loaded=loaded, kv_cache_memory=0.05)
     factor = now.meta["speed_scale"]["factor"]
     assert factor > 0 and now.cost == profile.cost.scaled(factor)
-    check_pooling(saved, tmp_path)
+    check_pooling(saved, tmp_path, capsys)
 
     engine = EngineCore(EngineConfig(model=path, num_threads=2, kv_cache_memory=0.05,
                                      max_num_batched_tokens=32), loaded)
@@ -94,10 +96,11 @@ def test_simulation_tracks_the_engine_on_a_tiny_model(tiny_checkpoints, tmp_path
         assert 0.35 < ratio < 2.5, (key, ratio, report)
 
 
-def check_pooling(saved, tmp_path) -> None:
+def check_pooling(saved, tmp_path, capsys) -> None:
     """sim_calibrate.pooled_profile over the calibration and a copy of it measured 25%
     slower (every step and probe step): one fit over both sets of steps, each
-    calibration's level under it recorded (their ratio is the 1.25 put in)."""
+    calibration's level under it recorded (their ratio is the 1.25 put in); then `duet
+    simulate --pool`, and the sets it refuses."""
     slow = tmp_path / "slow.json"
     slow.write_text(saved.read_text())
     raw = json.loads(saved.with_suffix(".samples.json").read_text())
@@ -113,6 +116,30 @@ def check_pooling(saved, tmp_path) -> None:
     assert pooled.meta["speed_probe"]["steps"] == 2 * len(raw["probe"]["samples"])
     pooled_raw = json.loads((tmp_path / "pooled.samples.json").read_text())
     assert len(pooled_raw["samples"]) == pooled.meta["fit"]["num_steps"]
+    # `duet simulate --pool`: the same fit from the command line, each level printed
+    out = tmp_path / "cli-pooled.json"
+    assert cli_main(["simulate", "--pool", str(saved), str(slow), "--profile-out",
+                     str(out)]) == 0
+    assert load_profile(out).cost == pooled.cost
+    assert f"slow.json {slow_level:.3f}" in capsys.readouterr().out
+    # what cannot pool is refused with the reason, and nothing is written
+    other = tmp_path / "other-threads.json"
+    doc = json.loads(saved.read_text())
+    doc["meta"]["threads"] += 1
+    other.write_text(json.dumps(doc))
+    other.with_suffix(".samples.json").write_text(saved.with_suffix(".samples.json").read_text())
+    bad = tmp_path / "bad.json"
+    for argv, why in [([str(saved), str(other)], "calibrated another engine"),
+                      ([str(saved), str(out)], "not one calibration"),
+                      ([str(saved), str(tmp_path / "none.json")], "No such file"),
+                      ([str(saved)], "--pool needs --profile-out")]:
+        tail = ["--profile-out", str(bad)] if "needs" not in why else []
+        assert cli_main(["simulate", "--pool", *argv, *tail]) == 2
+        assert why in capsys.readouterr().err
+        assert not bad.exists()
+    assert cli_main(["simulate", "--pool", str(saved), str(slow), "--profile-out",
+                     str(slow)]) == 2
+    assert "one of the calibrations pooled" in capsys.readouterr().err
 
 
 def test_replay_records_a_refusal_and_goes_on(tiny_checkpoints) -> None:
