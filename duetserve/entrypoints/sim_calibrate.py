@@ -220,7 +220,9 @@ def pooled_profile(paths: Sequence[str | Path], out: str | Path) -> SimProfile:
     calibration's traces and the speed-probe record over all their probes pooled.
     meta["pooled"] records each calibration's measured / predicted total under the
     pooled fit (how far the machine's level moved between them). Saves the profile to
-    `out` and the pooled samples beside it; returns the profile. ValueError on no paths."""
+    `out` and the pooled samples beside it; returns the profile. ValueError, before
+    writing anything, on no paths or on a set that cannot pool (a path that is not one
+    calibration, missing steps, calibrations of different engines)."""
     from duetserve.sim.fit import fit_cost
     from duetserve.sim.noise import estimate as estimate_noise
     from duetserve.sim.speed import probe_ratio
