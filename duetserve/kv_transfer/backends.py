@@ -2,9 +2,9 @@
 
     ShmReader        same host: map the peer's memory file, copy with numpy (memcpy)
     MooncakeAgent    Mooncake Transfer Engine, protocol tcp, P2P handshake (no etcd):
-                     every segment submitted as its own asynchronous read, then waited
-                     for with short sleeps (see MooncakeAgent.read for why not the
-                     synchronous batch read)
+                     every segment its own asynchronous read, at most MAX_IN_FLIGHT in
+                     flight per process, waited for with short sleeps (see
+                     MooncakeAgent.read for why not the synchronous batch read)
 
 `read(source, peer, local, segs)` copies `(src_offset, dst_offset, nbytes)` segments
 (layout.segments) from the peer's memory region to this instance's `local` memory and
@@ -17,6 +17,7 @@ import os
 import socket
 import threading
 import time
+from collections import deque
 
 import numpy as np
 
@@ -78,12 +79,22 @@ def mooncake_available() -> str | None:
 
 class MooncakeAgent:
     """One Mooncake Transfer Engine per process with `memory` registered. A prefill
-    instance publishes `session` ("host:rpc_port"); a decode instance reads from it."""
+    instance publishes `session` ("host:rpc_port"); a decode instance reads from it.
+
+    NOTE: at most MAX_IN_FLIGHT segment reads are submitted and not yet ended, over all
+    the loads of this process (reader threads share `_slots`). Mooncake 0.3.13's TCP
+    transport queues at most 1,024 transfers per peer (MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER)
+    and lets an overflow wait 1 s for admission, then rejects it: before the window, one
+    read of 3,000 small segments here failed (status -1) or stayed "running" until our
+    timeout. Sixteen prompts x two samples of SmolLM2 are ~1,900 one-block (layer, k/v)
+    segments at once: CI's disaggregation test failed so."""
 
     name = "mooncake"
     POLL_S = 0.0002       # sleep between status checks of an unfinished read
     FIRST_WAIT = 0.8      # share of a read's expected time slept before the first check
     RATE_MIN_BYTES = 16 << 20   # reads this large estimate the rate and sleep first
+    MAX_IN_FLIGHT = 256   # segment reads submitted and not yet ended, all loads together
+    RETRIES = 2           # a failed segment is read again this many times
 
     def __init__(self, memory: SharedKVMemory, host: str, timeout_s: float = 30.0) -> None:
         why = mooncake_available()
@@ -98,6 +109,7 @@ class MooncakeAgent:
         self.timeout_s = timeout_s
         # bytes/s of recent successful reads: a decaying maximum (see read); 0 = unknown
         self.rate = 0.0
+        self._slots = threading.BoundedSemaphore(self.MAX_IN_FLIGHT)
         self.register(memory)
 
     def register(self, memory: SharedKVMemory) -> None:
@@ -108,53 +120,84 @@ class MooncakeAgent:
 
     def read(self, source: KVSource, peer: PeerRegion, local: SharedKVMemory,
              segs: list[tuple[int, int, int]]) -> int:
-        """Every segment as its own asynchronous read, all in flight at once, then waited
-        for in order with POLL_S sleeps; a read of RATE_MIN_BYTES or more first sleeps
-        FIRST_WAIT of the time it should take at `rate` (polling from the start woke the
-        reader ~250 times per 117 MB read, ~4-5 ms of its CPU on the cores the bytes
-        need). NOTE: Mooncake's synchronous batch read (and get_batch_transfer_status)
-        spins on the status without sleeping: on a 2-core host that spinning thread
-        took a core from the two that move the bytes, and the read ran at 0.35-0.6x
-        raw TCP; sleeping here brings it to about raw TCP
+        """Every segment as its own asynchronous read, as many in flight as the shared
+        window allows (MAX_IN_FLIGHT), waited for oldest first with POLL_S sleeps; a
+        failed segment is read again up to RETRIES times. A read of RATE_MIN_BYTES or
+        more first sleeps FIRST_WAIT of the time its first submitted bytes should take at
+        `rate` (polling from the start woke the reader ~250 times per 117 MB read, ~4-5
+        ms of its CPU on the cores the bytes need). NOTE: Mooncake's synchronous batch
+        read (and get_batch_transfer_status) spins on the status without sleeping: on a
+        2-core host that spinning thread took a core from the two that move the bytes,
+        and the read ran at 0.35-0.6x raw TCP; sleeping here brings it to about raw TCP
         (docs/benchmarks.md). transfer_check_status looks at a batch's first request
         only, hence one request per batch. Returns only when no read can still write
-        `local` (or after timeout_s, see docs/disaggregation.md)."""
+        `local` (or after timeout_s, see docs/disaggregation.md). Mutates `rate`."""
         if not source.mooncake_session:
             raise TransferError("the prefill instance did not publish a Mooncake session "
                                 "(start it with Mooncake available)")
         if not segs:
             return 0
-        eng, session = self.engine, source.mooncake_session
+        session = source.mooncake_session
         total = sum(n for _, _, n in segs)
         t0 = time.monotonic()
-        batches, error = [], None
-        for s, d, n in segs:
-            b = eng.batch_transfer_async_read(session, [local.base_addr + d],
-                                              [peer.addr + s], [n])
-            if not b:
-                error = f"Mooncake could not start a read from {session}"
-                break
-            batches.append(b)
         deadline = t0 + self.timeout_s
-        if batches and self.rate > 0 and total >= self.RATE_MIN_BYTES:
-            time.sleep(min(self.FIRST_WAIT * total / self.rate, self.timeout_s))
-        for b in batches:
-            while True:
-                status = eng.transfer_check_status(b)    # 1 done, 0 running, < 0 failed
-                if status == 1:
+        # (segment, reads of it so far); in flight: (batch, segment, reads so far)
+        pending = deque((seg, 0) for seg in segs)
+        in_flight: deque[tuple[int, tuple[int, int, int], int]] = deque()
+        error, slept = None, False
+        try:
+            while pending or in_flight:
+                submitted = 0
+                while pending and error is None and self._take_slot(not in_flight, deadline):
+                    (s, d, n), tries = pending.popleft()
+                    b = self.engine.batch_transfer_async_read(
+                        session, [local.base_addr + d], [peer.addr + s], [n])
+                    if not b:
+                        self._slots.release()
+                        error = f"Mooncake could not start a read from {session}"
+                        break
+                    in_flight.append((b, (s, d, n), tries + 1))
+                    submitted += n
+                if not in_flight:
                     break
+                if not slept and self.rate > 0 and total >= self.RATE_MIN_BYTES:
+                    time.sleep(min(self.FIRST_WAIT * submitted / self.rate, self.timeout_s))
+                slept = True
+                b, seg, tries = in_flight[0]
+                status = self.engine.transfer_check_status(b)  # 1 done, 0 running, < 0 failed
+                if 0 <= status != 1:
+                    if time.monotonic() > deadline:
+                        raise TransferError(f"Mooncake read from {session} did not end "
+                                            f"within {self.timeout_s:.1f} s")
+                    time.sleep(self.POLL_S)
+                    continue
+                in_flight.popleft()
+                self._slots.release()
                 if status < 0:
-                    error = error or f"Mooncake read from {session} failed (status {status})"
-                    break
-                if time.monotonic() > deadline:
-                    raise TransferError(f"Mooncake read from {session} did not end within "
-                                        f"{self.timeout_s:.1f} s")
-                time.sleep(self.POLL_S)
+                    if tries <= self.RETRIES and error is None:
+                        pending.appendleft((seg, tries))
+                    else:
+                        error = error or (f"Mooncake read from {session} failed (status "
+                                          f"{status}, {tries} attempts)")
+                        pending.clear()
+        finally:
+            for _ in in_flight:     # timed out: these may never end; free their slots
+                self._slots.release()
         if error is not None:
             raise TransferError(error)
         if total >= self.RATE_MIN_BYTES:     # smaller ones measure latency more than rate
             self._observe(total / max(time.monotonic() - t0, 1e-9))
         return total
+
+    def _take_slot(self, wait: bool, deadline: float) -> bool:
+        """One place in the window: waits (until `deadline`, then TransferError) only when
+        `wait`, i.e. when the caller has no read in flight to wait for instead."""
+        if not wait:
+            return self._slots.acquire(blocking=False)
+        if self._slots.acquire(timeout=max(deadline - time.monotonic(), 0.0)):
+            return True
+        raise TransferError(f"no Mooncake read could start within {self.timeout_s:.1f} s "
+                            f"({self.MAX_IN_FLIGHT} reads of other loads in flight)")
 
     def _observe(self, rate: float) -> None:
         """Mutates `rate`: the new read's rate, or 0.9x the old one if higher (a slower

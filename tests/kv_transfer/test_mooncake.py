@@ -83,3 +83,59 @@ def test_read_sleeping_first_still_copies_everything(agents, monkeypatch) -> Non
     rate = b.rate
     b.read(_source(a.session, src), _source(a.session, src).cache, dst, [(0, 0, 4096)])
     assert b.rate == rate
+
+
+def test_read_of_more_segments_than_mooncake_queues(agents) -> None:
+    """3,000 segments in one read: more than Mooncake queues per peer (1,024). Before the
+    in-flight window, the overflow was rejected and the read stalled until its timeout."""
+    a, src, b, dst = agents
+    src.tensor.copy_(torch.randint(0, 256, (src.nbytes,), dtype=torch.uint8))
+    dst.tensor.zero_()
+    n = 3000
+    segs = [((i * 7919) % n * 64, i * 64, 64) for i in range(n)]   # shuffled sources
+    assert b.read(_source(a.session, src), _source(a.session, src).cache, dst, segs) \
+        == n * 64
+    for s, d, x in segs:
+        assert torch.equal(dst.tensor[d:d + x], src.tensor[s:s + x])
+    assert b._slots.acquire(blocking=False)     # the window is whole again: every slot
+    for _ in range(b.MAX_IN_FLIGHT - 1):        # came back
+        assert b._slots.acquire(blocking=False)
+    assert not b._slots.acquire(blocking=False)
+    for _ in range(b.MAX_IN_FLIGHT):
+        b._slots.release()
+
+
+class _FailingFirstChecks:
+    """The agent's engine, but the first status check of `fail` reads reports failure."""
+
+    def __init__(self, engine, fail: int) -> None:
+        self._engine, self.fail, self.reads = engine, fail, 0
+
+    def batch_transfer_async_read(self, *args):
+        self.reads += 1
+        return self._engine.batch_transfer_async_read(*args)
+
+    def transfer_check_status(self, batch):
+        status = self._engine.transfer_check_status(batch)
+        if status == 1 and self.fail > 0:
+            self.fail -= 1
+            return -1
+        return status
+
+
+def test_failed_segment_is_read_again(agents, monkeypatch) -> None:
+    """A segment that fails is read again (RETRIES times at most), and the bytes end up
+    right; one that keeps failing fails the read, naming the attempts."""
+    a, src, b, dst = agents
+    src.tensor.copy_(torch.randint(0, 256, (src.nbytes,), dtype=torch.uint8))
+    dst.tensor.zero_()
+    segs = [(0, 8192, 4096), (4096, 0, 4096)]
+    flaky = _FailingFirstChecks(b.engine, fail=b.RETRIES)
+    monkeypatch.setattr(b, "engine", flaky)
+    assert b.read(_source(a.session, src), _source(a.session, src).cache, dst, segs) == 8192
+    assert flaky.reads == len(segs) + b.RETRIES
+    for s, d, x in segs:
+        assert torch.equal(dst.tensor[d:d + x], src.tensor[s:s + x])
+    monkeypatch.setattr(b, "engine", _FailingFirstChecks(flaky._engine, fail=10))
+    with pytest.raises(TransferError, match=f"{b.RETRIES + 1} attempts"):
+        b.read(_source(a.session, src), _source(a.session, src).cache, dst, segs[:1])
