@@ -45,7 +45,9 @@ calibrations (sim_calibrate.pooled_profile): the calibration then samples the sa
 of the machine as the runs it predicts, instead of the three minutes before them (the
 machine's level moved 6-10% between a calibration and the runs after it, §3 of
 docs/simulator.md). Still a prediction: no measured run's steps enter the fit. The first
-calibration alone sets the rates (the cells' and the max-rate runs'); the real runs all
+--rate-calibrations calibrations (default 1; more are taken back to back and pooled) set
+the rates (the cells' and the max-rate runs'): one calibration is a +-5% draw of the
+machine's level, and a fast draw puts every 0.8 cell nearer saturation; the real runs all
 come first and the simulations after them, under the pooled profile, whose record
 (meta["pooled"]["levels"]) says how far each calibration's level sat from it.
 
@@ -556,6 +558,9 @@ def main() -> int:
                     help="with --calibrate: calibrate again before every round (of the "
                          "cells and of the max-rate runs) and simulate everything with "
                          "one fit over all the calibrations (sim_calibrate.pooled_profile)")
+    ap.add_argument("--rate-calibrations", type=int, default=1,
+                    help="with --interleave-calibration: calibrate this many times before "
+                         "the first round and set the rates from their pooled fit")
     ap.add_argument("--quick-calibration", action="store_true",
                     help="calibrate with `duet simulate --calibrate --quick` (seconds, a "
                          "rough fit: smoke runs of this script only)")
@@ -578,6 +583,9 @@ def main() -> int:
     del probe
     if args.interleave_calibration and not args.calibrate:
         ap.error("--interleave-calibration needs --calibrate")
+    if args.rate_calibrations < 1 or (args.rate_calibrations > 1
+                                      and not args.interleave_calibration):
+        ap.error("--rate-calibrations takes N >= 1, and N > 1 needs --interleave-calibration")
     calibrations: list[Path] = []
 
     def calibrate_now():
@@ -593,6 +601,14 @@ def main() -> int:
 
     if args.calibrate:
         profile = calibrate_now()
+        if args.rate_calibrations > 1:
+            from duetserve.entrypoints.sim_calibrate import pooled_profile
+            for _ in range(args.rate_calibrations - 1):
+                calibrate_now()
+            profile = pooled_profile(calibrations, out / "profile-rates.json")
+            log(f"rates from {len(calibrations)} calibrations pooled "
+                f"({out / 'profile-rates.json'}): levels under it "
+                f"{', '.join(f'{x:.3f}' for x in profile.meta['pooled']['levels'])}")
     else:
         profile = load_profile(args.profile)
     results = {"profile": profile.to_json(), "scheduler": asdict(config), "runs": [],
@@ -623,7 +639,7 @@ def main() -> int:
                                  out, calibrate_now)
     if args.interleave_calibration:
         # every simulated figure below uses one fit over all the calibrations, spread over
-        # the measured runs' time (the rates above came from the first calibration alone)
+        # the measured runs' time (the rates above came from the first --rate-calibrations)
         from duetserve.entrypoints.sim_calibrate import pooled_profile
         profile = pooled_profile(calibrations, out / "profile.json")
         fit = profile.meta["fit"]
