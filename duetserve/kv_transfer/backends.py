@@ -150,8 +150,12 @@ class MooncakeAgent:
                 submitted = 0
                 while pending and error is None and self._take_slot(not in_flight, deadline):
                     (s, d, n), tries = pending.popleft()
-                    b = self.engine.batch_transfer_async_read(
-                        session, [local.base_addr + d], [peer.addr + s], [n])
+                    try:
+                        b = self.engine.batch_transfer_async_read(
+                            session, [local.base_addr + d], [peer.addr + s], [n])
+                    except BaseException:
+                        self._slots.release()
+                        raise
                     if not b:
                         self._slots.release()
                         error = f"Mooncake could not start a read from {session}"
