@@ -3,7 +3,7 @@ output folder) under its profile: the calibrations' own steps, then each cell's 
 pooled. Kinds: decode-only (every slice one token after context), prefill-only (no such
 slice), mixed (both). Offline; shows where the cost model's shape misses a workload.
 
-    .venv/bin/python benchmarks/sim_step_kinds.py out/sim/r23
+    .venv/bin/python benchmarks/sim_step_kinds.py out/sim/r23 [--profile OTHER.json]
 """
 from __future__ import annotations
 
@@ -47,11 +47,15 @@ def run_steps(folder: Path, mix: str, level: str):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("run", help="a sim_fidelity output folder (profile.json, *-steps.json)")
+    ap.add_argument("--profile", default=None,
+                    help="predict with this profile (its own steps as the first row) "
+                         "instead of the run's")
     args = ap.parse_args()
     folder = Path(args.run)
-    profile = load_profile(folder / "profile.json")
+    prof_path = Path(args.profile) if args.profile else folder / "profile.json"
+    profile = load_profile(prof_path)
     rows = []
-    samples = folder / "profile.samples.json"
+    samples = prof_path.with_suffix(".samples.json")
     if samples.exists():
         cal = json.loads(samples.read_text())
         rows.append(("calibrations", tally(profile, [(sl, s, c) for (sl, s), c in
