@@ -571,7 +571,7 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     from duetserve.config import EngineConfig
     from duetserve.engine.engine_core import EngineCore
-    from duetserve.entrypoints.sim_calibrate import calibrate, format_report
+    from duetserve.entrypoints.sim_calibrate import calibrate, format_report, pooled_profile
 
     t_start = time.perf_counter()
     engine_config = EngineConfig(num_threads=args.threads)
@@ -602,7 +602,6 @@ def main() -> int:
     if args.calibrate:
         profile = calibrate_now()
         if args.rate_calibrations > 1:
-            from duetserve.entrypoints.sim_calibrate import pooled_profile
             for _ in range(args.rate_calibrations - 1):
                 calibrate_now()
             profile = pooled_profile(calibrations, out / "profile-rates.json")
@@ -640,7 +639,6 @@ def main() -> int:
     if args.interleave_calibration:
         # every simulated figure below uses one fit over all the calibrations, spread over
         # the measured runs' time (the rates above came from the first --rate-calibrations)
-        from duetserve.entrypoints.sim_calibrate import pooled_profile
         profile = pooled_profile(calibrations, out / "profile.json")
         fit = profile.meta["fit"]
         log(f"pooled profile {out / 'profile.json'} over {len(calibrations)} calibrations, "
