@@ -1,7 +1,8 @@
 """Measured / predicted step time by step kind, in a fidelity run (benchmarks/sim_fidelity.py's
 output folder) under its profile: the calibrations' own steps, then each cell's real runs
-pooled. Kinds: decode-only (every slice one token after context), prefill-only (no such
-slice), mixed (both). Offline; shows where the cost model's shape misses a workload.
+pooled. Kinds as benchmarks/sim_refit.py's step_class: decode-only (every slice one
+token), prefill-only (none), mixed (both). Offline; shows where the cost model's shape
+misses a workload.
 
     .venv/bin/python benchmarks/sim_step_kinds.py out/sim/r23 [--profile OTHER.json]
 """
@@ -12,6 +13,8 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
+from sim_refit import step_class, step_cold  # noqa: E402 (benchmarks/ is the script's dir)
+
 from duetserve.sim.cost import shape_for
 from duetserve.sim.profile import load_profile
 
@@ -19,18 +22,12 @@ KINDS = ("decode-only", "prefill-only", "mixed")
 CELLS = [(m, lv) for m in ("chat", "prefill-heavy", "decode-heavy") for lv in ("0.4", "0.8")]
 
 
-def kind(slices: list) -> str:
-    decodes = sum(1 for n, c, _ in slices if n == 1 and c > 0)
-    return "decode-only" if decodes == len(slices) else "prefill-only" if not decodes \
-        else "mixed"
-
-
 def tally(profile, steps) -> dict[str, list[float]]:
     """{kind or "all": [measured s, predicted s, steps]}; steps: (slices, seconds, cold)."""
     acc: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0])
     for slices, secs, cold in steps:
         pred = profile.cost.step_seconds(shape_for(profile.cost, slices, cold))
-        for k in (kind(slices), "all"):
+        for k in (step_class(slices, profile.cost.breakpoint).split()[0], "all"):
             acc[k][0] += secs
             acc[k][1] += pred
             acc[k][2] += 1
@@ -39,8 +36,8 @@ def tally(profile, steps) -> dict[str, list[float]]:
 
 def run_steps(folder: Path, mix: str, level: str):
     for f in sorted(folder.glob(f"{mix}-{level}-rep*-steps.json")):
-        cold = json.loads(f.with_name(f.name.replace("-steps", "-stepinfo")).read_text())["cold"]
-        for (_, secs, slices), c in zip(json.loads(f.read_text()), cold):
+        steps = json.loads(f.read_text())
+        for (_, secs, slices), c in zip(steps, step_cold(folder, f.name[:-11], steps)):
             yield slices, secs, c
 
 

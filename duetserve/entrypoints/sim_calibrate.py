@@ -229,20 +229,21 @@ def pooled_profile(paths: Sequence[str | Path], out: str | Path) -> SimProfile:
     if not paths:
         raise ValueError("pooled_profile needs at least one calibration")
     docs = [json.loads(Path(p).read_text()) for p in paths]
+    sample_paths = [Path(p).with_suffix(".samples.json") for p in paths]
     first = docs[0]
-    for p, doc in zip(paths, docs):
+    for p, doc, sp in zip(paths, docs, sample_paths):
         if doc.get("kind") != "calibrated" or "pooled" in doc.get("meta", {}):
             raise ValueError(f"{p}: not one calibration (`duet simulate --calibrate`'s "
                              f"profile); pool the calibrations themselves")
-        if not Path(p).with_suffix(".samples.json").exists():
-            raise ValueError(f"{p}: its measured steps ({Path(p).with_suffix('.samples.json')})"
-                             f" are missing; they are saved beside every calibration")
+        if not sp.exists():
+            raise ValueError(f"{p}: its measured steps ({sp}) are missing; they are saved "
+                             "beside every calibration")
         theirs = (doc["meta"].get("engine_key"), doc["meta"].get("threads"))
         if theirs != (first["meta"].get("engine_key"), first["meta"].get("threads")):
             raise ValueError(f"{p} calibrated another engine than {paths[0]} (its model, "
                              f"threads, torch, CPU or duetserve's source differ): only "
                              f"calibrations of one engine pool")
-    raws = [json.loads(Path(p).with_suffix(".samples.json").read_text()) for p in paths]
+    raws = [json.loads(sp.read_text()) for sp in sample_paths]
     flags = [raw.get("cold", [False] * len(raw["samples"])) for raw in raws]
     samples, cold, arrivals, probe_samples, probe_cold = [], [], [], [], []
     for raw, fl in zip(raws, flags):
