@@ -4,7 +4,14 @@ pooled. Kinds as benchmarks/sim_refit.py's step_class: decode-only (every slice 
 token), prefill-only (none), mixed (both). Offline; shows where the cost model's shape
 misses a workload.
 
-    .venv/bin/python benchmarks/sim_step_kinds.py out/sim/r23 [--profile OTHER.json]
+--by-rows: instead, the median measured / predicted of the steps whose rows all run as
+decode rows (no prefill slice; decodes and chunks of up to the engine's chunk_rows) by row
+count band, warm steps only; the calibrations split into their grid and their serving
+scenario. A flat row means the fit's row terms hold for that workload; a tilt means they
+do not (docs/simulator.md §3, "row tilt").
+
+    .venv/bin/python benchmarks/sim_step_kinds.py out/sim/r23 [--profile OTHER.json] \
+        [--by-rows]
 """
 from __future__ import annotations
 
@@ -13,6 +20,7 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
+import numpy as np
 from sim_refit import step_class, step_cold  # noqa: E402 (benchmarks/ is the script's dir)
 
 from duetserve.sim.cost import shape_for
@@ -20,6 +28,7 @@ from duetserve.sim.profile import load_profile
 
 KINDS = ("decode-only", "prefill-only", "mixed")
 CELLS = [(m, lv) for m in ("chat", "prefill-heavy", "decode-heavy") for lv in ("0.4", "0.8")]
+BANDS = ((1, 1), (2, 4), (5, 8), (9, 16))
 
 
 def tally(profile, steps) -> dict[str, list[float]]:
@@ -34,11 +43,50 @@ def tally(profile, steps) -> dict[str, list[float]]:
     return acc
 
 
+def row_bands(cost, steps) -> dict[tuple[int, int], list[float]]:
+    """{band: [measured / predicted of each warm step in it]} over the steps (slices,
+    seconds, cold) whose rows all run as decode rows, by row count (BANDS)."""
+    out: dict[tuple[int, int], list[float]] = defaultdict(list)
+    for slices, secs, cold in steps:
+        if cold:
+            continue
+        shape = shape_for(cost, slices, cold)
+        if shape.num_prefills:
+            continue
+        for lo, hi in BANDS:
+            if lo <= shape.num_tokens <= hi:
+                out[(lo, hi)].append(secs / cost.step_seconds(shape))
+    return out
+
+
+def band_cells(bands: dict[tuple[int, int], list[float]]) -> list[str]:
+    return [f"{np.median(bands[b]):.3f} ({len(bands[b])})" if bands.get(b) else "-"
+            for b in BANDS]
+
+
 def run_steps(folder: Path, mix: str, level: str):
     for f in sorted(folder.glob(f"{mix}-{level}-rep*-steps.json")):
         steps = json.loads(f.read_text())
         for (_, secs, slices), c in zip(steps, step_cold(folder, f.name[:-11], steps)):
             yield slices, secs, c
+
+
+def calibration_parts(prof_path: Path):
+    """[(name, steps)] of the calibration behind PROF_PATH: its pooled samples, or split
+    into grid and serving scenario where each calibration's own samples file says where
+    its grid ends (PROFILE-K.samples.json beside it, or the file itself)."""
+    own = sorted(prof_path.parent.glob(f"{prof_path.stem}-[0-9]*.samples.json")) \
+        or [prof_path.with_suffix(".samples.json")]
+    grid, serving = [], []
+    for path in own:
+        if not path.exists():
+            continue
+        raw = json.loads(path.read_text())
+        cut = raw.get("grid_steps")
+        for i, ((slices, secs), c) in enumerate(zip(raw["samples"], raw["cold"])):
+            (grid if cut is None or i < cut else serving).append((slices, secs, c))
+    return [(name, steps) for name, steps in (("calibration grid", grid),
+                                              ("calibration serving", serving)) if steps]
 
 
 def main() -> int:
@@ -47,10 +95,23 @@ def main() -> int:
     ap.add_argument("--profile", default=None,
                     help="predict with this profile (its own steps as the first row) "
                          "instead of the run's")
+    ap.add_argument("--by-rows", action="store_true",
+                    help="median measured / predicted of decode-row steps by row count")
     args = ap.parse_args()
     folder = Path(args.run)
     prof_path = Path(args.profile) if args.profile else folder / "profile.json"
     profile = load_profile(prof_path)
+    if args.by_rows:
+        rows = [(name, row_bands(profile.cost, steps))
+                for name, steps in calibration_parts(prof_path)]
+        rows += [(f"{m} {lv}", row_bands(profile.cost, run_steps(folder, m, lv)))
+                 for m, lv in CELLS]
+        print("| steps | " + " | ".join(f"{lo}-{hi} rows" if hi > lo else f"{lo} row"
+                                        for lo, hi in BANDS) + " |")
+        print("|---|" + "---|" * len(BANDS))
+        for name, bands in rows:
+            print(f"| {name} | " + " | ".join(band_cells(bands)) + " |")
+        return 0
     rows = []
     samples = prof_path.with_suffix(".samples.json")
     if samples.exists():

@@ -1,0 +1,78 @@
+"""Does the cost model's row tilt follow the workload or the hour? (docs/simulator.md §3)
+
+In the fidelity runs, decode-heavy steps of one row ran under the fit and steps of 5-16
+rows over it, while chat's sat flat (benchmarks/sim_step_kinds.py --by-rows). This
+replays four workloads in turn, each on a fresh engine in one process (bench/replay.py, as
+the fidelity runs do), for ROUNDS rounds, and prints the same bands for each replay under
+one profile: decode-heavy and chat as in benchmarks/sim_fidelity.py, decode-heavy's short
+prompts with short outputs, and its long outputs with long prompts. Replays of one round
+run minutes apart, so the machine's speed shifts all bands of a row together; a tilt that
+follows the workload within a round is the cost model's shape, not the machine.
+
+    /tmp/gate.sh env PYTHONPATH=. .venv/bin/python benchmarks/sim_workload_tilt.py \
+        --profile out/sim/r23/profile.json --rounds 2 --out out/sim/tilt.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import sim_fidelity as sf  # noqa: E402 (benchmarks/ is the script's dir)
+from sim_step_kinds import BANDS, band_cells, row_bands  # noqa: E402
+
+from duetserve.bench.replay import replay
+from duetserve.bench.token_workload import arrival_offsets, id_range_for_vocab
+from duetserve.sim.profile import load_profile
+
+# (name, dataset settings, rate /s, conversations): about 20-40 s each on SmolLM2, 2 threads
+WORKLOADS = (
+    ("decode-heavy", sf.MIXES["decode-heavy"], 3.3, 70),
+    ("chat", sf.MIXES["chat"], 0.8, 25),
+    ("short in, short out", dict(dataset="random", input_len="16:64", output_len="24:48"),
+     8.0, 150),
+    ("long in, long out", dict(dataset="random", input_len="96:256", output_len="96:192"),
+     1.5, 40),
+)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--profile", required=True)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default=None, help="write the bands as JSON here")
+    args = ap.parse_args()
+    from duetserve.config import EngineConfig
+    from duetserve.engine.engine_core import EngineCore
+    cost = load_profile(args.profile).cost
+    config = EngineConfig(num_threads=args.threads)
+    first = EngineCore(config)
+    loaded, id_range = first.loaded, id_range_for_vocab(first.model_config.vocab_size)
+    del first
+    for name, spec, _, _ in WORKLOADS:
+        sf.MIXES.setdefault(name, spec)
+    print("| round | workload | seconds | " + " | ".join(
+        f"{lo}-{hi} rows" if hi > lo else f"{lo} row" for lo, hi in BANDS) + " |")
+    print("|---|---|---|" + "---|" * len(BANDS))
+    results = []
+    for rnd in range(1, args.rounds + 1):
+        for name, _, rate, n in WORKLOADS:
+            convs = sf.conversations(name, n, 0, id_range)
+            engine = EngineCore(config, loaded)
+            res = replay(engine, convs, arrival_offsets(n, rate, 1.0, 0).tolist())
+            del engine
+            bands = row_bands(cost, [(sl, s, c) for (_, s, sl), c in
+                                     zip(res.steps, res.step_cold)])
+            print(f"| {rnd} | {name} | {res.duration_s:.0f} | "
+                  + " | ".join(band_cells(bands)) + " |", flush=True)
+            results.append({"round": rnd, "workload": name, "seconds": res.duration_s,
+                            "bands": {f"{lo}-{hi}": v for (lo, hi), v in bands.items()}})
+    if args.out:
+        Path(args.out).write_text(json.dumps({"profile": args.profile, "runs": results}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

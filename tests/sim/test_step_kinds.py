@@ -1,0 +1,52 @@
+"""benchmarks/sim_step_kinds.py --by-rows: which steps land in which row band, and how a
+calibration's samples split into its grid and its serving scenario."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from duetserve.sim.cost import FEATURES, CalibratedCost
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+sim_step_kinds = pytest.importorskip("sim_step_kinds")
+
+
+def _cost() -> CalibratedCost:
+    coef = [0.0] * len(FEATURES)
+    coef[FEATURES.index("step")] = 1e-3
+    coef[FEATURES.index("rows_few")] = 1e-3
+    return CalibratedCost(tuple(coef), 32, chunk_rows=8)     # t = (1 + rows) ms
+
+
+def test_row_bands_take_warm_decode_row_steps_by_rows() -> None:
+    cost = _cost()
+    steps = [
+        ([(1, 10, True)], 0.004, False),                     # 1 row: 2 ms predicted
+        ([(1, 10, True)] * 3, 0.004, False),                 # 3 rows: 4 ms
+        ([(1, 10, True), (5, 0, False)], 0.014, False),      # decode + 5-token chunk: 6 rows
+        ([(1, 10, True)] * 3, 0.040, True),                  # cold: left out
+        ([(20, 0, True)], 0.1, False),                       # a prefill slice: left out
+    ]
+    bands = sim_step_kinds.row_bands(cost, steps)
+    assert dict(bands) == {(1, 1): [2.0], (2, 4): [1.0], (5, 8): [2.0]}
+    assert sim_step_kinds.band_cells(bands) == ["2.000 (1)", "1.000 (1)", "2.000 (1)", "-"]
+
+
+def test_calibration_parts_split_each_calibration_at_its_grid(tmp_path) -> None:
+    def samples(n_grid: int, n_serving: int) -> dict:
+        rows = [[[[1, 5, True]], 0.01]] * (n_grid + n_serving)
+        return {"samples": rows, "cold": [False] * len(rows), "grid_steps": n_grid}
+    (tmp_path / "profile-1.samples.json").write_text(json.dumps(samples(2, 3)))
+    (tmp_path / "profile-2.samples.json").write_text(json.dumps(samples(1, 4)))
+    (tmp_path / "profile.samples.json").write_text(json.dumps(samples(3, 7)))  # pooled
+    parts = dict(sim_step_kinds.calibration_parts(tmp_path / "profile.json"))
+    assert len(parts["calibration grid"]) == 3
+    assert len(parts["calibration serving"]) == 7
+    single = tmp_path / "one"
+    single.mkdir()
+    (single / "cal.samples.json").write_text(json.dumps(samples(4, 1)))
+    parts = dict(sim_step_kinds.calibration_parts(single / "cal.json"))
+    assert (len(parts["calibration grid"]), len(parts["calibration serving"])) == (4, 1)
