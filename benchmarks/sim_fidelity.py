@@ -527,6 +527,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="out/sim/fidelity")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--kv-prefault", action="store_true",
+                    help="every engine (calibrations and measured runs) maps its whole KV "
+                         "cache at start: a long-running server's steps, without first-use "
+                         "page faults of new blocks (EngineConfig.kv_prefault)")
     ap.add_argument("--profile", default=None, help="use this profile instead of calibrating")
     ap.add_argument("--calibrate", action="store_true")
     ap.add_argument("--mixes", default=",".join(MIXES))
@@ -574,7 +578,7 @@ def main() -> int:
     from duetserve.entrypoints.sim_calibrate import calibrate, format_report, pooled_profile
 
     t_start = time.perf_counter()
-    engine_config = EngineConfig(num_threads=args.threads)
+    engine_config = EngineConfig(num_threads=args.threads, kv_prefault=args.kv_prefault)
     probe = EngineCore(engine_config)     # loads the weights as `duet serve` does (auto/auto)
     loaded = probe.loaded
     log(f"model: {loaded.describe()}")
@@ -594,7 +598,7 @@ def main() -> int:
         wait_until_quiet(0.1, 5.0, 600.0)
         name = f"profile-{k}.json" if args.interleave_calibration else "profile.json"
         prof, path = calibrate(None, args.threads, quick=args.quick_calibration,
-                               out=out / name, loaded=loaded)
+                               out=out / name, loaded=loaded, kv_prefault=args.kv_prefault)
         log(format_report(prof, path))
         calibrations.append(path)
         return prof
@@ -611,7 +615,7 @@ def main() -> int:
     else:
         profile = load_profile(args.profile)
     results = {"profile": profile.to_json(), "scheduler": asdict(config), "runs": [],
-               "max_rate": None}
+               "max_rate": None, "kv_prefault": args.kv_prefault}
     slo = dict(kv.split("=") for kv in args.slo.split(","))
     slo = {k: float(v) for k, v in slo.items()}
     plans = []

@@ -173,6 +173,11 @@ class EngineConfig:
     max_model_len: int | None = None    # None: the checkpoint's context length
     block_size: int = 16
     kv_cache_memory: float = 2.0        # GiB of KV cache
+    # Map every page of the KV cache at start (worker/kv_cache.py), as a long-running
+    # server's cache ends up: resident memory = the whole cache from the start, and no
+    # first-use page faults while serving (180 4 KiB pages a new block on SmolLM2).
+    # False: pages are mapped as blocks are first used (an idle engine holds none).
+    kv_prefault: bool = False
     num_gpu_blocks_override: int | None = None  # exact number of KV blocks (tests)
     # Token budget per step. None: derived from max_step_ms and the step cost measured at
     # start-up (engine/step_cost.py), so long prompts are chunked finely enough that

@@ -133,7 +133,8 @@ class EngineCore:
         self.runner = ModelRunner(self.loaded.model, mcfg, num_blocks, config.block_size,
                                   dtype, config.device, self.grammars,
                                   kv_buffer=shared[1].tensor if shared else None,
-                                  speculator=self.speculator)
+                                  speculator=self.speculator,
+                                  kv_prefault=config.kv_prefault)
         self.step_cost: StepCost | None = None
         self.max_step_ms: float | None = None
         self.step_budget: StepBudget | None = None

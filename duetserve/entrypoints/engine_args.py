@@ -35,6 +35,10 @@ def add_engine_arguments(p: argparse.ArgumentParser, positional_model: bool = Fa
                         "reads (math stays float32). auto: the activations' dtype")
     g.add_argument("--kv-cache-memory", type=float, default=d.kv_cache_memory,
                    help="GiB of KV cache (default %(default)s)")
+    g.add_argument("--kv-prefault", action="store_true",
+                   help="map every KV cache page at start (resident memory = the whole "
+                        "cache at once) so that serving never pays first-use page faults "
+                        "of new blocks; default: map pages as blocks are first used")
     g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
                    help="token budget per step (prefill chunks + decodes); default: derived "
                         "from --max-step-ms and the step cost measured at start-up")
@@ -74,6 +78,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             quantization=args.quantization,
             max_model_len=args.max_model_len, block_size=args.block_size,
             kv_cache_memory=args.kv_cache_memory, kv_cache_dtype=args.kv_cache_dtype,
+            kv_prefault=args.kv_prefault,
             max_num_batched_tokens=args.max_num_batched_tokens, max_step_ms=args.max_step_ms,
             max_num_seqs=args.max_num_seqs, max_n=args.max_n,
             max_waiting_requests=args.max_waiting_requests,

@@ -98,12 +98,15 @@ def serving_summary(measured) -> dict:
 
 def calibrate(model: str | None, num_threads: int, quick: bool = False,
               out: str | Path | None = None, kv_cache_memory: float = 2.0,
-              verbose: bool = True, loaded=None, max_foreign: float | None = None
-              ) -> tuple[SimProfile, Path]:
+              verbose: bool = True, loaded=None, max_foreign: float | None = None,
+              kv_prefault: bool = False) -> tuple[SimProfile, Path]:
     """Build the engine (on `loaded` weights when given), measure the grid and the serving
     scenario, fit on both, save.
     `max_foreign`: redo a scenario when other processes used more of a core meanwhile
-    (default bench.calibrate.MAX_FOREIGN; inf: never wait). Returns (profile, path)."""
+    (default bench.calibrate.MAX_FOREIGN; inf: never wait). `kv_prefault`: every engine
+    maps its whole KV cache at start (EngineConfig.kv_prefault), so the steps are a
+    long-running server's, without first-use page faults of new blocks; for simulating
+    engines run with --kv-prefault. Returns (profile, path)."""
     import torch
 
     from duetserve.bench.calibrate import (CALIBRATION_BUDGET, GRID, MAX_FOREIGN, QUICK_GRID,
@@ -122,7 +125,8 @@ def calibrate(model: str | None, num_threads: int, quick: bool = False,
     from duetserve.worker.kv_cache import kv_bytes_per_token
 
     t0 = time.perf_counter()
-    config = EngineConfig(model=model, num_threads=num_threads, kv_cache_memory=kv_cache_memory)
+    config = EngineConfig(model=model, num_threads=num_threads, kv_cache_memory=kv_cache_memory,
+                          kv_prefault=kv_prefault)
     served = EngineCore(config, loaded)              # the settings `duet serve` would use
     scheduler = served_scheduler_settings(served)
     engine = EngineCore(replace(config, max_num_batched_tokens=CALIBRATION_BUDGET),
@@ -178,7 +182,7 @@ def calibrate(model: str | None, num_threads: int, quick: bool = False,
             "kv_bytes_per_token": kv_bytes_per_token(engine.model_config, engine.kv_dtype),
             "serving": serving_summary(serving), "grid_steps": len(cal.samples),
             "flash_above": flash_above, "chunk_rows": chunk_rows, "few_rows": few_rows,
-            "decode_split": list(decode_split),
+            "decode_split": list(decode_split), "kv_prefault": kv_prefault,
             "noise": noise.to_json() if noise is not None else None,
             "speed_probe": speed,
             "fit": report, "grid_only_fit": grid_report, "pid": os.getpid()}
@@ -354,6 +358,6 @@ def main_pool(args: argparse.Namespace) -> int:
 
 def main_calibrate(args: argparse.Namespace) -> int:
     profile, path = calibrate(args.model, args.num_threads, args.quick, args.profile_out,
-                              verbose=not args.no_progress)
+                              verbose=not args.no_progress, kv_prefault=args.kv_prefault)
     print(format_report(profile, path))
     return 0

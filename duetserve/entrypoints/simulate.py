@@ -76,6 +76,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="measure this machine's engine over a step grid, fit and save a profile")
     g.add_argument("--quick", action="store_true", help="--calibrate on a small grid")
     g.add_argument("--num-threads", type=int, default=2, help="engine threads (calibration)")
+    g.add_argument("--kv-prefault", action="store_true",
+                   help="--calibrate engines that map their whole KV cache at start, as "
+                        "`duet serve --kv-prefault` does (no first-use page faults)")
     g.add_argument("--profile-out", default=None, help="where --calibrate saves the profile")
     g.add_argument("--pool", nargs="+", default=None, metavar="CALIBRATION",
                    help="fit one profile over several calibrations' steps (take them at "

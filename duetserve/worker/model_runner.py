@@ -37,19 +37,21 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, num_blocks: int,
                  block_size: int, dtype: torch.dtype, device: str = "cpu",
                  grammars: GrammarCompiler | None = None,
-                 kv_buffer: torch.Tensor | None = None, speculator=None) -> None:
+                 kv_buffer: torch.Tensor | None = None, speculator=None,
+                 kv_prefault: bool = False) -> None:
         """`grammars` compiles the constraints of guided requests (None: the runner
         refuses them). `kv_buffer`: uint8 memory to hold the KV cache (shareable memory
         of a disaggregated instance); None allocates it. `speculator`: a
         spec_decode.Speculator (verifies the drafts the scheduler sends, proposes the next
-        ones); None: no speculative decoding."""
+        ones); None: no speculative decoding. `kv_prefault`: map every page of the KV
+        cache now (worker/kv_cache.py allocate_kv_cache)."""
         self.model = model
         self.config = model_config
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.device = device
         self.kv_caches = allocate_kv_cache(model_config, num_blocks, block_size, dtype, device,
-                                           kv_buffer)
+                                           kv_buffer, prefault=kv_prefault)
         self.requests: dict[str, RunnerRequestState] = {}
         self.grammars = grammars
         masker = None if grammars is None else GrammarMasker(grammars, model_config.vocab_size)
