@@ -176,7 +176,8 @@ class EngineConfig:
     # Map every page of the KV cache at start (worker/kv_cache.py), as a long-running
     # server's cache ends up: resident memory = the whole cache from the start, and no
     # first-use page faults while serving (180 4 KiB pages a new block on SmolLM2).
-    # False: pages are mapped as blocks are first used (an idle engine holds none).
+    # False: pages are mapped as blocks are first used (an idle engine holds none). A
+    # disaggregated instance's shared KV memory (kv_transfer) is left as it is.
     kv_prefault: bool = False
     num_gpu_blocks_override: int | None = None  # exact number of KV blocks (tests)
     # Token budget per step. None: derived from max_step_ms and the step cost measured at
