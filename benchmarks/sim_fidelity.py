@@ -98,7 +98,11 @@ def log(msg: str) -> None:
 
 
 def conversations(mix: str, n: int, seed: int, id_range: tuple[int, int]):
-    spec = MIXES[mix]
+    return conversations_of(MIXES[mix], n, seed, id_range)
+
+
+def conversations_of(spec: dict, n: int, seed: int, id_range: tuple[int, int]):
+    """Token conversations of a MIXES-style dataset spec."""
     convs = make_dataset(spec["dataset"], num_prompts=n, input_len=spec["input_len"],
                          output_len=spec["output_len"], num_turns=spec.get("num_turns", 3),
                          seed=seed)

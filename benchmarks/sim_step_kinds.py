@@ -59,6 +59,10 @@ def row_bands(cost, steps) -> dict[tuple[int, int], list[float]]:
     return out
 
 
+def band_names() -> list[str]:
+    return [f"{lo}-{hi} rows" if hi > lo else f"{lo} row" for lo, hi in BANDS]
+
+
 def band_cells(bands: dict[tuple[int, int], list[float]]) -> list[str]:
     return [f"{np.median(bands[b]):.3f} ({len(bands[b])})" if bands.get(b) else "-"
             for b in BANDS]
@@ -106,8 +110,7 @@ def main() -> int:
                 for name, steps in calibration_parts(prof_path)]
         rows += [(f"{m} {lv}", row_bands(profile.cost, run_steps(folder, m, lv)))
                  for m, lv in CELLS]
-        print("| steps | " + " | ".join(f"{lo}-{hi} rows" if hi > lo else f"{lo} row"
-                                        for lo, hi in BANDS) + " |")
+        print("| steps | " + " | ".join(band_names()) + " |")
         print("|---|" + "---|" * len(BANDS))
         for name, bands in rows:
             print(f"| {name} | " + " | ".join(band_cells(bands)) + " |")

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 import sim_fidelity as sf  # noqa: E402 (benchmarks/ is the script's dir)
-from sim_step_kinds import BANDS, band_cells, row_bands  # noqa: E402
+from sim_step_kinds import band_cells, band_names, row_bands  # noqa: E402
 
 from duetserve.bench.replay import replay
 from duetserve.bench.token_workload import arrival_offsets, id_range_for_vocab
@@ -51,15 +51,12 @@ def main() -> int:
     first = EngineCore(config)
     loaded, id_range = first.loaded, id_range_for_vocab(first.model_config.vocab_size)
     del first
-    for name, spec, _, _ in WORKLOADS:
-        sf.MIXES.setdefault(name, spec)
-    print("| round | workload | seconds | " + " | ".join(
-        f"{lo}-{hi} rows" if hi > lo else f"{lo} row" for lo, hi in BANDS) + " |")
+    print("| round | workload | seconds | " + " | ".join(band_names()) + " |")
     print("|---|---|---|" + "---|" * len(BANDS))
     results = []
     for rnd in range(1, args.rounds + 1):
-        for name, _, rate, n in WORKLOADS:
-            convs = sf.conversations(name, n, 0, id_range)
+        for name, spec, rate, n in WORKLOADS:
+            convs = sf.conversations_of(spec, n, 0, id_range)
             engine = EngineCore(config, loaded)
             res = replay(engine, convs, arrival_offsets(n, rate, 1.0, 0).tolist())
             del engine
