@@ -52,7 +52,7 @@ def main() -> int:
     loaded, id_range = first.loaded, id_range_for_vocab(first.model_config.vocab_size)
     del first
     print("| round | workload | seconds | " + " | ".join(band_names()) + " |")
-    print("|---|---|---|" + "---|" * len(BANDS))
+    print("|---|---|---|" + "---|" * len(band_names()))
     results = []
     for rnd in range(1, args.rounds + 1):
         for name, spec, rate, n in WORKLOADS:
