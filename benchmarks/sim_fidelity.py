@@ -417,7 +417,8 @@ def max_rate_runs(args, loaded, engine_config, profile, config, id_range, slo: d
     first unless --no-speed-probe), --slo-repeats runs per rate in rounds (every rate once a
     round; with --interleave-calibration a calibration, calibrate_now(), before each
     round), then more rates until the engine's crossing is bracketed. Writes
-    OUT/max-rate-steps.json; returns what max_rate_sims needs (pooled records per rate)."""
+    OUT/max-rate-steps.json and the pooled records per rate, OUT/max-rate-real.json;
+    returns what max_rate_sims needs (pooled records and each run's attainment per rate)."""
     mix = args.slo_mix
     n_for = lambda rate: max(16, int(round(rate * args.run_seconds)))  # noqa: E731
     slo_repeats = args.slo_repeats or args.repeats
@@ -430,7 +431,7 @@ def max_rate_runs(args, loaded, engine_config, profile, config, id_range, slo: d
                           slo, n_for, cap * 0.3, cap * 1.0, paths=paths)
     log(f"{mix}: simulated max rate meeting the P90 SLO {slo}: {r_plan:.3f}/s ({paths} noise "
         f"paths; the measured rates are factors of it)")
-    records, fracs, slo_steps, slo_cold = {}, {}, [], []
+    records, fracs, per_run, slo_steps, slo_cold = {}, {}, {}, [], []
 
     def run_at(rate: float) -> None:
         """One real run at `rate` (its own workload size); mutates the pools above."""
@@ -440,6 +441,8 @@ def max_rate_runs(args, loaded, engine_config, profile, config, id_range, slo: d
         _, res, frac = real_run(loaded, engine_config, convs, offsets, args.max_foreign)
         records.setdefault(rate, []).extend(res.records)
         fracs.setdefault(rate, []).append(frac)
+        per_run.setdefault(rate, []).append(attainment(res.records, slo))
+        log(f"  {rate:.3f}/s: this run's attainment {per_run[rate][-1]:.3f}")
         slo_steps.extend(step_samples(res.steps))
         slo_cold.extend(res.step_cold)
 
@@ -472,8 +475,10 @@ def max_rate_runs(args, loaded, engine_config, profile, config, id_range, slo: d
             f"(foreign CPU {max(fracs[rate]):.2f})")
     (out / "max-rate-steps.json").write_text(json.dumps({"samples": slo_steps,
                                                          "cold": slo_cold}))
+    (out / "max-rate-real.json").write_text(json.dumps(
+        {f"{rate:.6g}": [r.to_json() for r in recs] for rate, recs in records.items()}))
     return {"mix": mix, "n_for": n_for, "cap": cap, "probe": probe, "paths": paths,
-            "profile": profile,
+            "profile": profile, "per_run": per_run,
             "repeats": slo_repeats, "planning_rate": r_plan, "records": records,
             "steps": slo_steps, "cold": slo_cold}
 
@@ -518,6 +523,7 @@ def max_rate_sims(args, runs: dict, profile, config, id_range, slo: dict) -> dic
             "sim_interpolated_unscaled": crossing(points_unscaled),
             "sim_paths": paths, "real_interpolated": r_real, "ratio": ratio(r_sim),
             "speed_probe": probe_rec, "repeats": runs["repeats"],
+            "real_per_run": sorted(runs["per_run"].items()),
             "sim_bisection_unscaled": r_sim_unscaled,
             "sim_bisection_no_noise": r_sim_no_noise,
             "ratio_no_noise": ratio(r_sim_no_noise),

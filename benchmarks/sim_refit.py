@@ -37,6 +37,7 @@ from duetserve.sim.cluster import ClusterSpec
 from duetserve.sim.cost import shape_for
 from duetserve.sim.fit import fit_cost
 from duetserve.sim.noise import estimate as estimate_noise
+from duetserve.sim.noise import level_of
 from duetserve.sim.profile import calibrated_profile, load_profile
 from duetserve.sim.run import run_json, simulate
 from duetserve.sim.speed import at_run_speed, probe_ratio, rescaled
@@ -135,6 +136,10 @@ def main() -> int:
     ap.add_argument("--noise", choices=("profile", "estimate", "none"), default="profile",
                     help="step-time noise of the simulations: the profile's (sim/noise.py), "
                          "re-estimated from its serving scenario under the cost in use, or none")
+    ap.add_argument("--level", choices=("profile", "pooled", "none"), default="profile",
+                    help="the noise's run-to-run level (sim/noise.py): the profile's, the "
+                         "spread of its pooled calibrations' levels (for profiles pooled "
+                         "before it was measured), or none")
     ap.add_argument("--sim-paths", type=int, default=0,
                     help="noise paths simulated per run (default: one per repeat, as the "
                          "benchmark); path K uses repeat ((K-1) mod repeats)+1's profile")
@@ -194,6 +199,12 @@ def main() -> int:
             profile.meta["noise"] = scenario_noise(raw, profile)
     if args.noise == "none":
         profile.meta["noise"] = None
+    if args.level != "profile" and profile.meta.get("noise"):
+        levels = profile.meta.get("pooled", {}).get("levels", [])
+        if args.level == "pooled" and len(levels) < 3:
+            ap.error(f"--level pooled needs a profile pooled over 3+ calibrations ({ppath})")
+        profile.meta["noise"] = {**profile.meta["noise"],
+                                 "level": level_of(levels) if args.level == "pooled" else 0.0}
     print(f"noise: {profile.step_noise.describe() if profile.step_noise else 'none'}")
     met = {"p50/p90": 0, "cells p50/p90": 0, "p99": 0, "cells p99": 0}
     for run in fid["runs"]:

@@ -221,7 +221,8 @@ def pooled_profile(paths: Sequence[str | Path], out: str | Path) -> SimProfile:
     fit's level is the machine's over all of them rather than one stretch's. The
     engine's layout (breakpoint, flash split, chunk rows, decode split) and scheduler
     settings are the first calibration's; the step-time noise is estimated over every
-    calibration's traces and the speed-probe record over all their probes pooled.
+    calibration's traces (its run-to-run `level` from the spread of their levels, three
+    calibrations or more) and the speed-probe record over all their probes pooled.
     meta["pooled"] records each calibration's measured / predicted total under the
     pooled fit (how far the machine's level moved between them). Saves the profile to
     `out` and the pooled samples beside it; returns the profile. ValueError, before
@@ -229,6 +230,7 @@ def pooled_profile(paths: Sequence[str | Path], out: str | Path) -> SimProfile:
     calibration, missing steps, calibrations of different engines)."""
     from duetserve.sim.fit import fit_cost
     from duetserve.sim.noise import estimate as estimate_noise
+    from duetserve.sim.noise import level_of
     from duetserve.sim.speed import probe_ratio
     if not paths:
         raise ValueError("pooled_profile needs at least one calibration")
@@ -266,6 +268,8 @@ def pooled_profile(paths: Sequence[str | Path], out: str | Path) -> SimProfile:
         traces += saved_traces(raw, cost)
         levels.append(probe_ratio(cost, raw["samples"], fl)["ratio"])
     noise = estimate_noise(traces)
+    if noise is not None:           # the run-to-run part: the levels' spread
+        noise = replace(noise, level=level_of(levels))
     meta = {**first["meta"], "fit": report, "noise": noise.to_json() if noise else None,
             "speed_probe": probe_ratio(cost, probe_samples, probe_cold) if probe_samples
             else None,

@@ -8,19 +8,23 @@ matters for what a plan is judged on: tails (p90, p99) and queueing near saturat
 the simulator can multiply each step's predicted time by a factor drawn from a model of
 that noise:
 
-    factor(t) = exp(w + s(t) - (white² + slow²) / 2)
+    factor(t) = exp(w + s(t) + L - (white² + slow² + level²) / 2)
 
     w     per step, independent, normal with standard deviation `white`
     s(t)  an Ornstein-Uhlenbeck process in simulated time: stationary standard deviation
           `slow`, correlation exp(-dt / tau_s) between two steps dt apart (a drift that
           lasts seconds, shared by every step in that stretch)
+    L     per noise path (one simulated run), normal with standard deviation `level`: the
+          machine's speed from one run to the next, minutes apart
 
 The mean factor is 1 (a log-normal's mean is exp(sigma² / 2)), so the calibrated level is
-kept and only the spread is added. `estimate` measures the three numbers from the
+kept and only the spread is added. `estimate` measures the first three numbers from the
 calibration's serving scenario: the log of measured / predicted time of each step, in
 time bins (the spread inside a bin is `white`, the spread of the bins' means is `slow`,
-the correlation of neighbouring bins gives `tau_s`). It sees the machine during the
-calibration, never the runs a fidelity check judges.
+the correlation of neighbouring bins gives `tau_s`). One calibration cannot see `level`
+(each trace's mean is taken out); `level_of` measures it from several calibrations taken
+minutes apart (sim_calibrate.pooled_profile: the spread of their levels under one fit).
+Both see the machine during calibrations, never the runs a fidelity check judges.
 
 Nothing here mutates anything but a `NoiseSampler`'s own state.
 """
@@ -39,15 +43,17 @@ OUTLIER_MADS = 6.0       # steps further from the median (in MADs) are stalls, n
 
 @dataclass(frozen=True)
 class StepNoise:
-    """Log-normal step-time noise: `white` per step, `slow` with time constant `tau_s`."""
+    """Log-normal step-time noise: `white` per step, `slow` with time constant `tau_s`,
+    `level` per run (0: not measured)."""
 
     white: float
     slow: float
     tau_s: float
+    level: float = 0.0
 
     def __post_init__(self) -> None:
-        if not (self.white >= 0 and self.slow >= 0 and self.tau_s > 0):
-            raise ValueError(f"noise needs white, slow >= 0 and tau_s > 0, got {self}")
+        if not (self.white >= 0 and self.slow >= 0 and self.tau_s > 0 and self.level >= 0):
+            raise ValueError(f"noise needs white, slow, level >= 0 and tau_s > 0, got {self}")
 
     def sampler(self, seed: int) -> "NoiseSampler":
         return NoiseSampler(self, seed)
@@ -57,11 +63,13 @@ class StepNoise:
 
     @classmethod
     def from_json(cls, d: dict | None) -> "StepNoise | None":
-        return None if not d else cls(float(d["white"]), float(d["slow"]), float(d["tau_s"]))
+        return None if not d else cls(float(d["white"]), float(d["slow"]), float(d["tau_s"]),
+                                      float(d.get("level", 0.0)))
 
     def describe(self) -> str:
         return (f"step-time noise: {100 * self.white:.1f}% per step, {100 * self.slow:.1f}% "
-                f"drift over ~{self.tau_s:.1f} s")
+                f"drift over ~{self.tau_s:.1f} s"
+                + (f", {100 * self.level:.1f}% from run to run" if self.level else ""))
 
 
 class NoiseSampler:
@@ -72,7 +80,11 @@ class NoiseSampler:
         self.rng = np.random.default_rng(seed)
         self.drift = float(self.rng.normal(0.0, noise.slow))   # stationary start
         self.t = 0.0
-        self.bias = (noise.white ** 2 + noise.slow ** 2) / 2.0
+        # the run's level from a generator of its own, so that the per-step draws of a
+        # seed are the same with and without it
+        run_level = float(np.random.default_rng([seed, 1]).normal(0.0, noise.level)) \
+            if noise.level > 0 else 0.0
+        self.bias = (noise.white ** 2 + noise.slow ** 2 + noise.level ** 2) / 2.0 - run_level
 
     def factor(self, now: float) -> float:
         """The multiplier of a step that starts at simulated time `now` (non-decreasing
@@ -136,6 +148,17 @@ def estimate(traces: Sequence[tuple[Sequence[float], Sequence[float]]],
     x = -math.log(min(max(c2 / c1, 0.01), 0.99))
     slow2 = c1 * x * x / (1.0 - math.exp(-x)) ** 2
     return StepNoise(white, math.sqrt(slow2), bin_s / x)
+
+
+def level_of(levels: Sequence[float]) -> float:
+    """StepNoise.level from the levels (measured / predicted total under one fit) of
+    calibrations taken minutes apart: the standard deviation of their logs; 0 for fewer
+    than three (too few to tell a spread)."""
+    if len(levels) < 3:
+        return 0.0
+    if min(levels) <= 0:
+        raise ValueError(f"levels must be positive, got {list(levels)}")
+    return float(np.std(np.log(np.asarray(levels, dtype=np.float64)), ddof=1))
 
 
 def log_ratios(cost, samples: Sequence[tuple[Sequence[tuple[int, int, bool]], float]],

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from duetserve.bench.bench_metrics import summarize
@@ -28,6 +29,7 @@ from duetserve.loader import load_model
 from duetserve.models.kernels import few_row_limit
 from duetserve.sim.cluster import ClusterSpec
 from duetserve.sim.fit import fit_cost
+from duetserve.sim.noise import level_of
 from duetserve.sim.profile import calibrated_profile, load_profile
 from duetserve.sim.run import simulate
 
@@ -114,6 +116,17 @@ def check_pooling(saved, tmp_path, capsys) -> None:
     assert slow_level / fast_level == pytest.approx(1.25, rel=1e-6)
     assert pooled.cost.breakpoint == load_profile(saved).cost.breakpoint
     assert pooled.meta["speed_probe"]["steps"] == 2 * len(raw["probe"]["samples"])
+    assert pooled.step_noise is None or pooled.step_noise.level == 0.0    # two: no spread
+    # three calibrations: the run-to-run noise is their levels' spread
+    mid = tmp_path / "mid.json"
+    mid.write_text(saved.read_text())
+    raw_mid = json.loads(saved.with_suffix(".samples.json").read_text())
+    raw_mid["samples"] = [(sl, 1.1 * dt) for sl, dt in raw_mid["samples"]]
+    mid.with_suffix(".samples.json").write_text(json.dumps(raw_mid))
+    three = pooled_profile([saved, slow, mid], tmp_path / "pooled3.json")
+    assert three.step_noise.level == pytest.approx(level_of(three.meta["pooled"]["levels"]))
+    assert three.step_noise.level == pytest.approx(
+        float(np.std(np.log([1.0, 1.25, 1.1]), ddof=1)), rel=1e-6)
     pooled_raw = json.loads((tmp_path / "pooled.samples.json").read_text())
     assert len(pooled_raw["samples"]) == pooled.meta["fit"]["num_steps"]
     # `duet simulate --pool`: the same fit from the command line, each level printed

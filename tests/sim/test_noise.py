@@ -11,7 +11,7 @@ from duetserve.bench.token_workload import TokenTurn
 from duetserve.config import SchedulerConfig
 from duetserve.sim.cluster import ClusterSpec
 from duetserve.sim.cost import FEATURES, CalibratedCost
-from duetserve.sim.noise import StepNoise, estimate
+from duetserve.sim.noise import StepNoise, estimate, level_of
 from duetserve.sim.profile import calibrated_profile, profile_from_json
 from duetserve.sim.run import simulate
 
@@ -70,6 +70,41 @@ def test_sampler_has_mean_one_and_is_seeded() -> None:
     assert [c.factor(t) for t in times[:50]] != list(f[:50])
     with pytest.raises(ValueError):
         StepNoise(white=-0.1, slow=0.0, tau_s=1.0)
+
+
+def test_level_is_one_draw_per_path_that_keeps_the_mean_and_the_per_step_draws() -> None:
+    times = np.arange(0.0, 20.0, 0.01)
+    base, lev = StepNoise(0.05, 0.08, 2.0), StepNoise(0.05, 0.08, 2.0, level=0.1)
+    assert StepNoise.from_json(lev.to_json()) == lev
+    assert StepNoise.from_json(base.to_json() | {"level": 0.0}) == base
+    assert "from run to run" in lev.describe() and "run to run" not in base.describe()
+    logs_base, logs_lev = [], []
+    for seed in range(400):
+        a, b = base.sampler(seed), lev.sampler(seed)
+        fa = np.log([a.factor(t) for t in times[:40]])
+        fb = np.log([b.factor(t) for t in times[:40]])
+        shift = fb - fa                   # the same per-step draws, one shift per path
+        assert np.ptp(shift) < 1e-9
+        logs_base.append(fa.mean())
+        logs_lev.append(fb.mean())
+    spread = np.std(np.array(logs_lev) - np.array(logs_base))
+    assert spread == pytest.approx(0.1, rel=0.15)
+    path = lev.sampler(5)                 # mean 1 over paths and steps
+    means = [np.mean([lev.sampler(s).factor(t) for t in times[::50]]) for s in range(400)]
+    assert np.mean(means) == pytest.approx(1.0, abs=0.02)
+    assert path.factor(0.0) == lev.sampler(5).factor(0.0)
+    with pytest.raises(ValueError):
+        StepNoise(0.05, 0.0, 1.0, level=-0.01)
+
+
+def test_level_of_is_the_spread_of_the_calibrations_logs() -> None:
+    assert level_of([1.0, 1.1]) == 0.0                   # two: too few to tell
+    assert level_of([1.0, 1.0, 1.0]) == 0.0
+    got = level_of([0.9, 1.0, 1.1])
+    assert got == pytest.approx(np.std(np.log([0.9, 1.0, 1.1]), ddof=1))
+    assert level_of([1.8, 2.0, 2.2]) == pytest.approx(got)     # scale-free
+    with pytest.raises(ValueError):
+        level_of([1.0, 0.0, 1.0])
 
 
 def test_simulation_with_noise_keeps_the_work_and_spreads_the_times() -> None:
