@@ -31,7 +31,8 @@ the repeats of a cell sample different stretches of the machine's speed; each ce
 compares the medians over its repeats (sim / real), and records each real percentile's
 spread over the repeats (max / min: the run-to-run noise the ratios sit in). The max-rate
 runs pool the requests of --slo-repeats runs per rate, also in rounds (every rate once a
-round).
+round); each run's own attainment is logged and kept (`real_per_run`: how far one run's
+attainment moves at one rate), the pooled records in OUT/max-rate-real.json.
 
 The simulator's side is its expectation, not one draw per real repeat: each cell's
 simulated percentiles are the medians over --sim-paths noise paths (sim/noise.py; path K
