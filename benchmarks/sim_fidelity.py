@@ -32,7 +32,10 @@ compares the medians over its repeats (sim / real), and records each real percen
 spread over the repeats (max / min: the run-to-run noise the ratios sit in). The max-rate
 runs pool the requests of --slo-repeats runs per rate, also in rounds (every rate once a
 round); each run's own attainment is logged and kept (`real_per_run`: how far one run's
-attainment moves at one rate), the pooled records in OUT/max-rate-real.json.
+attainment moves at one rate), the pooled records in OUT/max-rate-real.json. The engine's
+crossing comes with a bootstrap over those runs (`real_interval`, 5-95%: how far the
+machine's noise alone moves it with this many runs; `ratio_interval`, the simulator's
+max rate over it).
 
 The simulator's side is its expectation, not one draw per real repeat: each cell's
 simulated percentiles are the medians over --sim-paths noise paths (sim/noise.py; path K
@@ -246,6 +249,30 @@ def crossing(points: list[tuple[float, float]], target: float = 0.9) -> float | 
             if a1 < target and math.isfinite(r1):
                 return r0 + (r1 - r0) * (a0 - target) / (a0 - a1)
     return best
+
+
+def crossing_interval(per_run: dict[float, list[float]], target: float = 0.9,
+                      resamples: int = 2000, seed: int = 0,
+                      quantiles: tuple[float, float] = (0.05, 0.95)) -> dict:
+    """How far the engine's crossing moves with the machine's noise: a bootstrap over
+    the runs at each rate (`per_run`: each run's attainment; the runs of a rate replay one
+    trace, so their pooled attainment is the mean). Returns the crossing's `quantiles`
+    over the resamples that bracket it ("lo", "hi"; None when under half do) and the
+    share that do ("bracketed")."""
+    rng = np.random.default_rng(seed)
+    rates = sorted(per_run)
+    found = []
+    for _ in range(resamples):
+        pts = [(r, float(np.mean(rng.choice(per_run[r], size=len(per_run[r])))))
+               for r in rates]
+        c = crossing(pts, target)
+        if c is not None and any(a < target for _, a in pts):
+            found.append(c)
+    share = len(found) / resamples
+    lo, hi = (float(np.quantile(found, q)) for q in quantiles) if share >= 0.5 \
+        else (None, None)
+    return {"lo": lo, "hi": hi, "quantiles": list(quantiles), "resamples": resamples,
+            "bracketed": share}
 
 
 def rep_tag(mix: str, level: float, rep: int, repeats: int) -> str:
@@ -510,6 +537,10 @@ def max_rate_sims(args, runs: dict, profile, config, id_range, slo: dict) -> dic
     for (rate, a), (_, s), (_, u) in zip(points_real, points_sim, points_unscaled):
         log(f"  {rate:.3f}/s: attainment real {a:.3f}, sim {s:.3f} (unscaled {u:.3f})")
     r_real = crossing(points_real)
+    interval = crossing_interval(runs["per_run"])
+    if interval["lo"] is not None:
+        log(f"  the engine's crossing over its runs resampled: {interval['lo']:.3f}-"
+            f"{interval['hi']:.3f}/s (5-95%)")
     # the diagnostic: the simulator's max rate at the speed of the max-rate runs' steps
     at_speed = at_run_speed(unscaled_profile, runs["steps"], runs["cold"])
     r_sim_run_speed = max_rate(at_speed, paths)
@@ -525,6 +556,9 @@ def max_rate_sims(args, runs: dict, profile, config, id_range, slo: dict) -> dic
             "sim_paths": paths, "real_interpolated": r_real, "ratio": ratio(r_sim),
             "speed_probe": probe_rec, "repeats": runs["repeats"],
             "real_per_run": sorted(runs["per_run"].items()),
+            "real_interval": interval,
+            "ratio_interval": None if interval["lo"] is None
+            else [r_sim / interval["hi"], r_sim / interval["lo"]],
             "sim_bisection_unscaled": r_sim_unscaled,
             "sim_bisection_no_noise": r_sim_no_noise,
             "ratio_no_noise": ratio(r_sim_no_noise),

@@ -2,27 +2,13 @@
 calibration's samples split into its grid and its serving scenario."""
 from __future__ import annotations
 
-import importlib
 import json
-import sys
-from pathlib import Path
+
+from bench_scripts import import_benchmark
 
 from duetserve.sim.cost import FEATURES, CalibratedCost
 
-
-def _import_script():
-    """benchmarks/sim_step_kinds.py, imported as its own directory's script. sys.path is
-    restored afterwards (the scripts add their directory, whose spec_decode.py would then
-    shadow tests/spec_decode)."""
-    saved = list(sys.path)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    try:
-        return importlib.import_module("sim_step_kinds")
-    finally:
-        sys.path[:] = saved
-
-
-sim_step_kinds = _import_script()
+sim_step_kinds = import_benchmark("sim_step_kinds")
 
 
 def _cost() -> CalibratedCost:
