@@ -30,8 +30,9 @@ def num_blocks_for_memory(cfg: ModelConfig, dtype: torch.dtype, block_size: int,
     return max(1, int(memory_gib * GiB) // per_block)
 
 
-def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """Zeroed CPU tensor whose pages are mapped on first touch, in 4 KiB pages.
+def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, huge: bool = False) -> torch.Tensor:
+    """Zeroed CPU tensor whose pages are mapped on first touch, in 4 KiB pages (`huge`:
+    in 2 MiB pages where the kernel has them, for a cache written whole at once).
 
     An anonymous mapping reads as zeros and costs no resident memory until written, so
     an idle KV cache is free (torch.zeros would write every byte). Zeroed so that padded
@@ -42,11 +43,17 @@ def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     transparent huge pages (numpy madvises them for large arrays) each of those writes
     faulted, zeroed and possibly compacted a whole 2 MiB page: a decode step that opened
     a block took 40-60 ms instead of 17 (SmolLM2: 180 huge pages, 360 MiB zeroed) and
-    an idle engine held hundreds of MiB it had not used."""
+    an idle engine held hundreds of MiB it had not used. A prefaulted cache pays that once,
+    at start, and then gains from them: a serving pool's blocks end up scattered, and the
+    decode attention's reads of scattered blocks took a TLB miss per 2 KiB block in 4 KiB
+    pages (benchmarks/kv_scatter.py: 12 streams 1.17-1.32x the in-order step in 4 KiB
+    pages, 1.08-1.09x in 2 MiB ones)."""
     elem = torch.empty((), dtype=dtype).element_size()
     nbytes = max(1, int(np.prod(shape)) * elem)
     area = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+    if huge and hasattr(mmap, "MADV_HUGEPAGE"):
+        area.madvise(mmap.MADV_HUGEPAGE)
+    elif hasattr(mmap, "MADV_NOHUGEPAGE"):
         area.madvise(mmap.MADV_NOHUGEPAGE)
     # the tensor holds the mapping's buffer, so the mapping lives as long as the tensor
     return torch.frombuffer(area, dtype=torch.uint8)[:nbytes].view(dtype).view(shape)
@@ -59,14 +66,15 @@ def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int,
     """Per layer (k, v) views of one cache tensor; `buffer` (zeroed uint8 CPU memory of
     exactly the cache's bytes) is used in place when given. `prefault`: write the lazily
     mapped CPU cache once (zeros over zeros) so that every page is mapped now rather than
-    on the first use of its block (2 GiB: ~0.6 s on the 2-core EPYC); a given `buffer` is
+    on the first use of its block, in 2 MiB pages where the kernel gives them (2 GiB:
+    engine start 1.8-2.9 s, 1.2-1.5 s in 4 KiB pages, on the 2-core EPYC); a given `buffer` is
     left as it is (its owner maps it)."""
     shape = (cfg.num_hidden_layers, 2, cfg.num_key_value_heads, num_blocks, block_size,
              cfg.head_dim)
     if buffer is not None:
         cache = buffer.view(dtype).view(shape)
     elif str(device) == "cpu":
-        cache = _lazy_zeros(shape, dtype)
+        cache = _lazy_zeros(shape, dtype, huge=prefault)
         if prefault:
             cache.zero_()
     else:

@@ -2,8 +2,10 @@
 a block takes no page faults (by default they are mapped as blocks are first used)."""
 from __future__ import annotations
 
+import os
 import resource
 
+import pytest
 import torch
 
 from duetserve.config import ModelConfig
@@ -39,3 +41,30 @@ def test_prefault_maps_the_cache_at_allocation() -> None:
     eager = allocate_kv_cache(cfg, num_blocks, 16, torch.float32, "cpu", prefault=True)
     assert float(eager[-1][1].abs().sum()) == 0.0
     assert _faults_writing_every_page(eager) < pages // 20
+
+
+def _vm_flags(ptr: int) -> list[str]:
+    """The VmFlags of the mapping holding address `ptr` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= ptr < hi
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {ptr:#x}")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs Linux /proc")
+def test_a_prefaulted_cache_asks_for_huge_pages_and_a_lazy_one_refuses_them() -> None:
+    """Prefaulted, every page is written at start, so 2 MiB pages cost nothing later and
+    spare the scattered blocks of a serving pool a TLB miss each (benchmarks/kv_scatter.py);
+    lazily mapped, a block's first write would fault a whole 2 MiB page."""
+    cfg = _config()
+    lazy = allocate_kv_cache(cfg, 1024, 16, torch.float32, "cpu")
+    eager = allocate_kv_cache(cfg, 1024, 16, torch.float32, "cpu", prefault=True)
+    assert "nh" in _vm_flags(lazy[0][0].data_ptr())        # MADV_NOHUGEPAGE
+    assert "hg" in _vm_flags(eager[0][0].data_ptr())       # MADV_HUGEPAGE
+    assert "hg" not in _vm_flags(lazy[0][0].data_ptr())
