@@ -7,6 +7,7 @@ import resource
 
 import pytest
 import torch
+from proc_maps import vm_flags
 
 from duetserve.config import ModelConfig
 from duetserve.worker.kv_cache import allocate_kv_cache
@@ -43,20 +44,6 @@ def test_prefault_maps_the_cache_at_allocation() -> None:
     assert _faults_writing_every_page(eager) < pages // 20
 
 
-def _vm_flags(ptr: int) -> list[str]:
-    """The VmFlags of the mapping holding address `ptr` (/proc/self/smaps)."""
-    inside = False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo <= ptr < hi
-            elif inside and head == "VmFlags:":
-                return line.split()[1:]
-    raise AssertionError(f"no mapping holds {ptr:#x}")
-
-
 @pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs Linux /proc")
 def test_a_prefaulted_cache_asks_for_huge_pages_and_a_lazy_one_refuses_them() -> None:
     """Prefaulted, every page is written at start, so 2 MiB pages cost nothing later and
@@ -65,6 +52,6 @@ def test_a_prefaulted_cache_asks_for_huge_pages_and_a_lazy_one_refuses_them() ->
     cfg = _config()
     lazy = allocate_kv_cache(cfg, 1024, 16, torch.float32, "cpu")
     eager = allocate_kv_cache(cfg, 1024, 16, torch.float32, "cpu", prefault=True)
-    assert "nh" in _vm_flags(lazy[0][0].data_ptr())        # MADV_NOHUGEPAGE
-    assert "hg" in _vm_flags(eager[0][0].data_ptr())       # MADV_HUGEPAGE
-    assert "hg" not in _vm_flags(lazy[0][0].data_ptr())
+    assert "nh" in vm_flags(lazy[0][0].data_ptr())        # MADV_NOHUGEPAGE
+    assert "hg" in vm_flags(eager[0][0].data_ptr())       # MADV_HUGEPAGE
+    assert "hg" not in vm_flags(lazy[0][0].data_ptr())
