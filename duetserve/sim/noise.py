@@ -14,8 +14,8 @@ that noise:
     s(t)  an Ornstein-Uhlenbeck process in simulated time: stationary standard deviation
           `slow`, correlation exp(-dt / tau_s) between two steps dt apart (a drift that
           lasts seconds, shared by every step in that stretch)
-    L     per noise path (one simulated run), normal with standard deviation `level`: the
-          machine's speed from one run to the next, minutes apart
+    L     per noise path (one instance's simulated run), normal with standard deviation
+          `level`: the machine's speed from one run to the next, minutes apart
 
 The mean factor is 1 (a log-normal's mean is exp(sigma² / 2)), so the calibrated level is
 kept and only the spread is added. `estimate` measures the first three numbers from the
