@@ -29,7 +29,10 @@ effect (the cost model's shape on that workload) and what is left (run-to-run sp
 --repeats N measures every mix and level N times, in rounds (every cell once a round), so
 the repeats of a cell sample different stretches of the machine's speed; each cell then
 compares the medians over its repeats (sim / real), and records each real percentile's
-spread over the repeats (max / min: the run-to-run noise the ratios sit in). The max-rate
+spread over the repeats (max / min: the run-to-run noise the ratios sit in) and a bootstrap
+of the median over the repeats (`real_interval`, 5-95%, over the median: how far the
+engine's own figure moves with this many repeats, the bound a cell's ratio can be resolved
+to). The max-rate
 runs pool the requests of --slo-repeats runs per rate, also in rounds (every rate once a
 round); each run's own attainment is logged and kept (`real_per_run`: how far one run's
 attainment moves at one rate), the pooled records in OUT/max-rate-real.json. The engine's
@@ -370,6 +373,26 @@ def sim_paths(args, repeats: int) -> int:
     return 1 if args.no_noise else max(repeats, args.sim_paths)
 
 
+def median_interval(values: list[float], resamples: int = 2000, seed: int = 0,
+                    quantiles: tuple[float, float] = (0.05, 0.95)) -> list[float]:
+    """How far the median of `values` (one figure per repeat) moves when the repeats are
+    resampled with replacement: its `quantiles` over the resamples, each over the median
+    itself (1.0 within a repeat that agrees with the others; [1, 1] for one repeat)."""
+    v = np.asarray(values, dtype=float)
+    mid = float(np.median(v))
+    if mid <= 0:
+        return [1.0, 1.0]
+    boot = np.median(np.random.default_rng(seed).choice(v, size=(resamples, len(v))), axis=1)
+    return [float(np.quantile(boot, q)) / mid for q in quantiles]
+
+
+def real_intervals(summaries: list[dict], seed: int = 0) -> dict:
+    """median_interval of each latency percentile over the repeats' summaries, keyed as
+    the ratios are ("TTFT p90", ...)."""
+    return {f"{name} {p}": median_interval([s[key][p] for s in summaries], seed=seed)
+            for key, name in KEYS for p in ("p50", "p90", "p99")}
+
+
 def median_summary(summaries: list[dict]) -> dict:
     """Per latency key and percentile, the median over repeats (one run: itself)."""
     return {key: {p: float(np.median([s[key][p] for s in summaries]))
@@ -431,6 +454,7 @@ def aggregate(plan: dict, profile, config, args, id_range, slo: dict, out: Path)
                 [r["sim_summary_no_noise"] for r in reps]))),
             "ratios_run_speed": ratios(real, run_speed), "sim_paths": paths,
             "real_spread": spread,
+            "real_interval": real_intervals([r["real_summary"] for r in reps]),
             "speed_probe": None if reps[0]["speed_probe"] is None else {
                 "factor": float(np.median([r["speed_probe"]["factor"] for r in reps]))},
             "step_errors": {"total_time_ratio": total("step_errors")},

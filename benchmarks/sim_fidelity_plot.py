@@ -1,5 +1,8 @@
 """One figure of TTFT and TPOT CDF overlays (engine vs simulation) for every run that
-benchmarks/sim_fidelity.py wrote, plus the markdown table of docs/simulator.md.
+benchmarks/sim_fidelity.py wrote, plus the markdown table of docs/simulator.md and, for runs of several repeats, the
+engine's own interval of each cell figure (how far its median over the repeats moves when
+they are resampled; a cell whose interval is wider than its target cannot be resolved to
+it by this many repeats).
 
     .venv/bin/python benchmarks/sim_fidelity_plot.py out/sim/fidelity docs/sim_fidelity_cdf.png \
         [sim-unscaled]
@@ -80,7 +83,35 @@ def main(src: str, dst: str, sim_kind: str = "sim") -> int:
                 group[1] += 1
         print("unscaled profile (no speed probe): "
               + ", ".join(f"{k} {a} of {b}" for k, (a, b) in met_u.items()))
+    if all(len(r["per_repeat"]) > 1 for r in runs):
+        engine_intervals(runs)
     return 0
+
+
+def engine_intervals(runs: list[dict]) -> None:
+    """Print the engine's own 5-95% interval of each cell figure (sim_fidelity's
+    `real_interval`, over the median of its repeats; computed from the repeats for runs
+    written before it was recorded) and how many are wider than the cell's target."""
+    from sim_fidelity import real_intervals   # noqa: E402 (benchmarks/ is the script's dir)
+    print()
+    print("the engine's own figure, bootstrap over its repeats (5-95%, over the median):")
+    print("| mix | load | " + " | ".join(runs[0]["ratios"]) + " |")
+    print("|---|---|" + "---|" * len(runs[0]["ratios"]))
+    wider = {"p50/p90": [0, 0], "p99": [0, 0]}
+    for r in runs:
+        got = r.get("real_interval") or real_intervals([x["real_summary"]
+                                                        for x in r["per_repeat"]])
+        cells = []
+        for key in r["ratios"]:
+            lo, hi = got[key]
+            group = wider["p99" if key.endswith("p99") else "p50/p90"]
+            out = not (within_target(key, lo) and within_target(key, hi))
+            group[0] += out
+            group[1] += 1
+            cells.append(f"{lo:.2f}-{hi:.2f}" + (" *" if out else ""))
+        print(f"| {r['mix']} | {r['level']:g} | " + " | ".join(cells) + " |")
+    print("wider than the target (*): " + ", ".join(f"{k} {a} of {b}"
+                                                   for k, (a, b) in wider.items()))
 
 
 def within_target(key: str, ratio: float | None) -> bool:

@@ -29,3 +29,23 @@ def test_crossing_interval_brackets_the_pooled_crossing_and_shrinks_with_agreein
     # a curve that stays above the target: nothing bracketed, no interval
     high = sim_fidelity.crossing_interval({1.0: [0.99, 0.95], 2.0: [0.93, 0.97]})
     assert high["bracketed"] == 0.0 and high["lo"] is None
+
+
+def test_median_interval_is_tight_for_agreeing_repeats_and_wide_for_a_stray_one() -> None:
+    assert sim_fidelity.median_interval([5.0, 5.0, 5.0, 5.0]) == [1.0, 1.0]
+    assert sim_fidelity.median_interval([7.0]) == [1.0, 1.0]
+    lo, hi = sim_fidelity.median_interval([10.0, 10.5, 9.5, 20.0])
+    assert 0.9 <= lo < 1.0 < hi          # the stray repeat moves the median up, not down
+    wide_lo, wide_hi = sim_fidelity.median_interval([6.0, 12.0, 9.0, 20.0])
+    assert wide_lo < 0.8 and wide_hi > 1.2
+    assert sim_fidelity.median_interval([6.0, 12.0, 9.0, 20.0], seed=0) == [wide_lo, wide_hi]
+
+
+def test_real_intervals_key_each_percentile_as_the_ratios_are() -> None:
+    reps = [{"ttft_ms": {"p50": a, "p90": 2 * a, "p99": 3 * a},
+             "tpot_ms": {"p50": 1.0, "p90": 1.0, "p99": 1.0}} for a in (10.0, 11.0, 30.0)]
+    got = sim_fidelity.real_intervals(reps)
+    assert set(got) == {f"{n} {p}" for n in ("TTFT", "TPOT") for p in ("p50", "p90", "p99")}
+    assert got["TPOT p90"] == [1.0, 1.0]
+    assert got["TTFT p50"] == got["TTFT p90"]        # a scale does not change the interval
+    assert got["TTFT p50"][0] < 1.0 < got["TTFT p50"][1]
