@@ -10,7 +10,12 @@ run minutes apart, so the machine's speed shifts all bands of a row together; a 
 follows the workload within a round is the cost model's shape, not the machine.
 
     /tmp/gate.sh env PYTHONPATH=. .venv/bin/python benchmarks/sim_workload_tilt.py \
-        --profile out/sim/r23/profile.json --rounds 2 --out out/sim/tilt.json
+        --profile out/sim/r23/profile.json --rounds 2 --out out/sim/tilt.json \
+        [--workloads decode-heavy,chat] [--kv lazy,prefault]
+
+--kv replays each workload once per KV cache mode in turn (lazy: mapped on first touch,
+4 KiB pages; prefault: written at start, 2 MiB pages; EngineConfig.kv_prefault), so a
+change of tilt between them within a round is the cache's pages, not the hour.
 """
 from __future__ import annotations
 
@@ -43,29 +48,41 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=None, help="write the bands as JSON here")
+    ap.add_argument("--workloads", default=",".join(w[0] for w in WORKLOADS),
+                    help="comma-separated names of WORKLOADS to replay, in this order")
+    ap.add_argument("--kv", default="lazy",
+                    help="comma-separated KV cache modes to alternate: lazy, prefault")
     args = ap.parse_args()
+    by_name = {w[0]: w for w in WORKLOADS}
+    workloads = [by_name[w] for w in args.workloads.split(",")]
+    modes = args.kv.split(",")
+    if set(modes) - {"lazy", "prefault"}:
+        ap.error(f"--kv: unknown mode in {args.kv!r} (lazy, prefault)")
     from duetserve.config import EngineConfig
     from duetserve.engine.engine_core import EngineCore
     cost = load_profile(args.profile).cost
-    config = EngineConfig(num_threads=args.threads)
-    first = EngineCore(config)
+    configs = {m: EngineConfig(num_threads=args.threads, kv_prefault=m == "prefault")
+               for m in modes}
+    first = EngineCore(configs[modes[0]])
     loaded, id_range = first.loaded, id_range_for_vocab(first.model_config.vocab_size)
     del first
-    print("| round | workload | seconds | " + " | ".join(band_names()) + " |")
-    print("|---|---|---|" + "---|" * len(band_names()))
+    print("| round | workload | KV cache | seconds | " + " | ".join(band_names()) + " |")
+    print("|---|---|---|---|" + "---|" * len(band_names()))
     results = []
     for rnd in range(1, args.rounds + 1):
-        for name, spec, rate, n in WORKLOADS:
+        for name, spec, rate, n in workloads:
             convs = sf.conversations_of(spec, n, 0, id_range)
-            engine = EngineCore(config, loaded)
-            res = replay(engine, convs, arrival_offsets(n, rate, 1.0, 0).tolist())
-            del engine
-            bands = row_bands(cost, [(sl, s, c) for (_, s, sl), c in
-                                     zip(res.steps, res.step_cold)])
-            print(f"| {rnd} | {name} | {res.duration_s:.0f} | "
-                  + " | ".join(band_cells(bands)) + " |", flush=True)
-            results.append({"round": rnd, "workload": name, "seconds": res.duration_s,
-                            "bands": {f"{lo}-{hi}": v for (lo, hi), v in bands.items()}})
+            for mode in modes:
+                engine = EngineCore(configs[mode], loaded)
+                res = replay(engine, convs, arrival_offsets(n, rate, 1.0, 0).tolist())
+                del engine
+                bands = row_bands(cost, [(sl, s, c) for (_, s, sl), c in
+                                         zip(res.steps, res.step_cold)])
+                print(f"| {rnd} | {name} | {mode} | {res.duration_s:.0f} | "
+                      + " | ".join(band_cells(bands)) + " |", flush=True)
+                results.append({"round": rnd, "workload": name, "kv": mode,
+                                "seconds": res.duration_s,
+                                "bands": {f"{lo}-{hi}": v for (lo, hi), v in bands.items()}})
     if args.out:
         Path(args.out).write_text(json.dumps({"profile": args.profile, "runs": results}))
     return 0
