@@ -376,8 +376,8 @@ def sim_paths(args, repeats: int) -> int:
 def median_interval(values: list[float], resamples: int = 2000, seed: int = 0,
                     quantiles: tuple[float, float] = (0.05, 0.95)) -> list[float]:
     """How far the median of `values` (one figure per repeat) moves when the repeats are
-    resampled with replacement: its `quantiles` over the resamples, each over the median
-    itself (1.0 within a repeat that agrees with the others; [1, 1] for one repeat)."""
+    resampled with replacement: its `quantiles` over the resamples, each divided by the
+    median itself ([1, 1] when the repeats agree, or for one repeat)."""
     v = np.asarray(values, dtype=float)
     mid = float(np.median(v))
     if mid <= 0:

@@ -1,8 +1,8 @@
 """One figure of TTFT and TPOT CDF overlays (engine vs simulation) for every run that
-benchmarks/sim_fidelity.py wrote, plus the markdown table of docs/simulator.md and, for runs of several repeats, the
-engine's own interval of each cell figure (how far its median over the repeats moves when
-they are resampled; a cell whose interval is wider than its target cannot be resolved to
-it by this many repeats).
+benchmarks/sim_fidelity.py wrote, plus the markdown table of docs/simulator.md and, for
+runs of several repeats, the engine's own interval of each cell figure (how far its median
+over the repeats moves when they are resampled; a cell whose interval is wider than its
+target cannot be resolved to it by this many repeats).
 
     .venv/bin/python benchmarks/sim_fidelity_plot.py out/sim/fidelity docs/sim_fidelity_cdf.png \
         [sim-unscaled]
