@@ -726,6 +726,11 @@ def main() -> int:
             simulate_rep(plan, rec, args, profile, config, id_range, slo, out)
         results["runs"].append(aggregate(plan, profile, config, args, id_range, slo, out))
         (out / "fidelity.json").write_text(json.dumps(results, indent=1))
+        if args.repeats > 1:
+            run = results["runs"][-1]
+            log(f"{run['mix']}-{run['level']:g}: the engine's own interval over its repeats "
+                "(5-95%, over the median): " + ", ".join(
+                    f"{k} {lo:.2f}-{hi:.2f}" for k, (lo, hi) in run["real_interval"].items()))
     if args.repeats > 1 and plans:
         results["speed_decomposition"] = speed_decomposition(plans)
         log(f"run speed factors: {json.dumps(results['speed_decomposition'])}")
