@@ -10,8 +10,16 @@ count band, warm steps only; the calibrations split into their grid and their se
 scenario. A flat row means the fit's row terms hold for that workload; a tilt means they
 do not (docs/simulator.md §3, "row tilt").
 
+--per-repeat: with --by-rows, one row per measured repeat instead of a cell's repeats
+pooled (whether a cell's tilt holds within each run or comes from runs at different
+speeds).
+
+--after-prefill: instead, the median measured / predicted of the same warm decode-row
+steps split by what ran just before: a step with a prefill slice, or not (the cost of
+decoding right after a prefill has evicted the caches, which the fit has no term for).
+
     .venv/bin/python benchmarks/sim_step_kinds.py out/sim/r23 [--profile OTHER.json] \
-        [--by-rows]
+        [--by-rows [--per-repeat] | --after-prefill]
 """
 from __future__ import annotations
 
@@ -68,11 +76,34 @@ def band_cells(bands: dict[tuple[int, int], list[float]]) -> list[str]:
             for b in BANDS]
 
 
-def run_steps(folder: Path, mix: str, level: str):
+def repeat_steps(folder: Path, mix: str, level: str):
+    """(tag, [(slices, seconds, cold)] in step order) of each measured repeat of a cell."""
     for f in sorted(folder.glob(f"{mix}-{level}-rep*-steps.json")):
         steps = json.loads(f.read_text())
-        for (_, secs, slices), c in zip(steps, step_cold(folder, f.name[:-11], steps)):
-            yield slices, secs, c
+        tag = f.name[:-len("-steps.json")]
+        yield tag, [(slices, secs, c) for (_, secs, slices), c
+                    in zip(steps, step_cold(folder, tag, steps))]
+
+
+def run_steps(folder: Path, mix: str, level: str):
+    for _, steps in repeat_steps(folder, mix, level):
+        yield from steps
+
+
+def after_prefill(cost, steps) -> dict[str, list[float]]:
+    """{"after a prefill", "after no prefill": [measured / predicted]} of the warm steps
+    whose rows all run as decode rows (as row_bands takes them), by whether the step just
+    before had a prefill slice; `steps` (slices, seconds, cold) in one run's order (its
+    first step has no step before it and is left out)."""
+    out: dict[str, list[float]] = {"after a prefill": [], "after no prefill": []}
+    prev = None
+    for slices, secs, cold in steps:
+        shape = shape_for(cost, slices, cold)
+        if prev is not None and not cold and not shape.num_prefills and shape.num_tokens:
+            key = "after a prefill" if prev else "after no prefill"
+            out[key].append(secs / cost.step_seconds(shape))
+        prev = shape.num_prefills > 0
+    return out
 
 
 def calibration_parts(prof_path: Path):
@@ -101,15 +132,35 @@ def main() -> int:
                          "instead of the run's")
     ap.add_argument("--by-rows", action="store_true",
                     help="median measured / predicted of decode-row steps by row count")
+    ap.add_argument("--per-repeat", action="store_true",
+                    help="with --by-rows: a row per measured repeat, not per cell")
+    ap.add_argument("--after-prefill", action="store_true",
+                    help="median measured / predicted of decode-row steps by whether the "
+                         "step before had a prefill slice")
     args = ap.parse_args()
     folder = Path(args.run)
     prof_path = Path(args.profile) if args.profile else folder / "profile.json"
     profile = load_profile(prof_path)
+    if args.after_prefill:
+        print("| steps | after a prefill | after no prefill |")
+        print("|---|---|---|")
+        for m, lv in CELLS:
+            acc: dict[str, list[float]] = {"after a prefill": [], "after no prefill": []}
+            for _, steps in repeat_steps(folder, m, lv):
+                for k, v in after_prefill(profile.cost, steps).items():
+                    acc[k] += v
+            print(f"| {m} {lv} | " + " | ".join(f"{np.median(v):.3f} ({len(v)})" if v else "-"
+                                                for v in acc.values()) + " |")
+        return 0
     if args.by_rows:
         rows = [(name, row_bands(profile.cost, steps))
                 for name, steps in calibration_parts(prof_path)]
-        rows += [(f"{m} {lv}", row_bands(profile.cost, run_steps(folder, m, lv)))
-                 for m, lv in CELLS]
+        if args.per_repeat:
+            rows += [(tag, row_bands(profile.cost, steps)) for m, lv in CELLS
+                     for tag, steps in repeat_steps(folder, m, lv)]
+        else:
+            rows += [(f"{m} {lv}", row_bands(profile.cost, run_steps(folder, m, lv)))
+                     for m, lv in CELLS]
         print("| steps | " + " | ".join(band_names()) + " |")
         print("|---|" + "---|" * len(BANDS))
         for name, bands in rows:

@@ -47,3 +47,31 @@ def test_calibration_parts_split_each_calibration_at_its_grid(tmp_path) -> None:
     (single / "cal.samples.json").write_text(json.dumps(samples(4, 1)))
     parts = dict(sim_step_kinds.calibration_parts(single / "cal.json"))
     assert (len(parts["calibration grid"]), len(parts["calibration serving"])) == (4, 1)
+
+
+def test_after_prefill_splits_decode_row_steps_by_the_step_before() -> None:
+    cost = _cost()
+    steps = [
+        ([(1, 10, True)], 0.010, False),                     # first step: nothing before it
+        ([(20, 0, True)], 0.1, False),                       # a prefill slice: not counted
+        ([(1, 10, True)], 0.004, False),                     # after a prefill: 2 ms -> 2.0
+        ([(1, 10, True)] * 3, 0.004, False),                 # after no prefill: 1.0
+        ([(1, 10, True), (20, 0, False)], 0.05, False),      # mixed: a prefill slice
+        ([(1, 10, True)], 0.006, True),                      # cold: left out
+        ([(1, 10, True)], 0.003, False),                     # after no prefill: 1.5
+    ]
+    got = sim_step_kinds.after_prefill(cost, steps)
+    assert got == {"after a prefill": [2.0], "after no prefill": [1.0, 1.5]}
+
+
+def test_repeat_steps_keep_each_repeat_in_order_with_its_cold_flags(tmp_path) -> None:
+    for rep, secs in ((1, [0.1, 0.2]), (2, [0.3])):
+        tag = f"chat-0.8-rep{rep}"
+        (tmp_path / f"{tag}-steps.json").write_text(json.dumps(
+            [[i, s, [[1, 5, True]]] for i, s in enumerate(secs)]))
+        (tmp_path / f"{tag}-stepinfo.json").write_text(json.dumps(
+            {"cold": [True] + [False] * (len(secs) - 1)}))
+    reps = list(sim_step_kinds.repeat_steps(tmp_path, "chat", "0.8"))
+    assert [tag for tag, _ in reps] == ["chat-0.8-rep1", "chat-0.8-rep2"]
+    assert reps[0][1] == [([[1, 5, True]], 0.1, True), ([[1, 5, True]], 0.2, False)]
+    assert list(sim_step_kinds.run_steps(tmp_path, "chat", "0.8")) == reps[0][1] + reps[1][1]
