@@ -54,6 +54,8 @@ def main() -> int:
                     help="comma-separated KV cache modes to alternate: lazy, prefault")
     args = ap.parse_args()
     by_name = {w[0]: w for w in WORKLOADS}
+    if unknown := set(args.workloads.split(",")) - set(by_name):
+        ap.error(f"--workloads: unknown {sorted(unknown)} (known: {', '.join(by_name)})")
     workloads = [by_name[w] for w in args.workloads.split(",")]
     modes = args.kv.split(",")
     if set(modes) - {"lazy", "prefault"}:
