@@ -37,6 +37,7 @@ from duetserve.sim.profile import load_profile
 KINDS = ("decode-only", "prefill-only", "mixed")
 CELLS = [(m, lv) for m in ("chat", "prefill-heavy", "decode-heavy") for lv in ("0.4", "0.8")]
 BANDS = ((1, 1), (2, 4), (5, 8), (9, 16))
+AFTER = ("after a prefill", "after no prefill")   # after_prefill's split, in print order
 
 
 def tally(profile, steps) -> dict[str, list[float]]:
@@ -95,12 +96,12 @@ def after_prefill(cost, steps) -> dict[str, list[float]]:
     whose rows all run as decode rows (as row_bands takes them), by whether the step just
     before had a prefill slice; `steps` (slices, seconds, cold) in one run's order (its
     first step has no step before it and is left out)."""
-    out: dict[str, list[float]] = {"after a prefill": [], "after no prefill": []}
+    out: dict[str, list[float]] = {k: [] for k in AFTER}
     prev = None
     for slices, secs, cold in steps:
         shape = shape_for(cost, slices, cold)
         if prev is not None and not cold and not shape.num_prefills and shape.num_tokens:
-            key = "after a prefill" if prev else "after no prefill"
+            key = AFTER[0] if prev else AFTER[1]
             out[key].append(secs / cost.step_seconds(shape))
         prev = shape.num_prefills > 0
     return out
@@ -142,15 +143,15 @@ def main() -> int:
     prof_path = Path(args.profile) if args.profile else folder / "profile.json"
     profile = load_profile(prof_path)
     if args.after_prefill:
-        print("| steps | after a prefill | after no prefill |")
-        print("|---|---|---|")
+        print("| steps | " + " | ".join(AFTER) + " |")
+        print("|---|" + "---|" * len(AFTER))
         for m, lv in CELLS:
-            acc: dict[str, list[float]] = {"after a prefill": [], "after no prefill": []}
+            acc: dict[str, list[float]] = {k: [] for k in AFTER}
             for _, steps in repeat_steps(folder, m, lv):
                 for k, v in after_prefill(profile.cost, steps).items():
                     acc[k] += v
-            print(f"| {m} {lv} | " + " | ".join(f"{np.median(v):.3f} ({len(v)})" if v else "-"
-                                                for v in acc.values()) + " |")
+            print(f"| {m} {lv} | " + " | ".join(f"{np.median(acc[k]):.3f} ({len(acc[k])})"
+                                                if acc[k] else "-" for k in AFTER) + " |")
         return 0
     if args.by_rows:
         rows = [(name, row_bands(profile.cost, steps))
