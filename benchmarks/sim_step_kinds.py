@@ -18,8 +18,14 @@ speeds).
 steps split by what ran just before: a step with a prefill slice, or not (the cost of
 decoding right after a prefill has evicted the caches, which the fit has no term for).
 
+--prefill-kinds: instead, the steps with a prefill slice split by kind (prefill-only,
+mixed), by whether a prefill slice continues a prompt after context (a chunk after
+context) or starts one (fresh), and warm or cold: steps, total measured / predicted, and
+the median step's; the calibration grid and serving scenario first (which of these shapes
+the fit has seen warm).
+
     .venv/bin/python benchmarks/sim_step_kinds.py out/sim/r23 [--profile OTHER.json] \
-        [--by-rows [--per-repeat] | --after-prefill]
+        [--by-rows [--per-repeat] | --after-prefill | --prefill-kinds]
 """
 from __future__ import annotations
 
@@ -107,6 +113,36 @@ def after_prefill(cost, steps) -> dict[str, list[float]]:
     return out
 
 
+def prefill_kind(cost, slices, cold: bool) -> str | None:
+    """"prefill-only|mixed, fresh|chunk after context, warm|cold" of a step with a
+    prefill slice (more than one token; None for a decode-only step). A chunk after context:
+    some prefill slice has tokens computed before it."""
+    kind = step_class(slices, cost.breakpoint).split()[0]
+    if kind == "decode-only":
+        return None
+    after = any(n > 1 and c > 0 for n, c, _ in slices)
+    return f"{kind}, {'chunk after context' if after else 'fresh'}, {'cold' if cold else 'warm'}"
+
+
+def prefill_kinds(cost, steps) -> dict[str, list[tuple[float, float]]]:
+    """{prefill_kind: [(measured s, predicted s)]} over the steps (slices, seconds, cold)
+    that have a prefill slice."""
+    out: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for slices, secs, cold in steps:
+        key = prefill_kind(cost, slices, cold)
+        if key is not None:
+            out[key].append((secs, cost.step_seconds(shape_for(cost, slices, cold))))
+    return out
+
+
+def kind_cell(pairs: list[tuple[float, float]]) -> str:
+    """"total ratio / median ratio (steps)" of (measured, predicted) pairs, or "-"."""
+    if not pairs:
+        return "-"
+    total = sum(m for m, _ in pairs) / sum(p for _, p in pairs)
+    return f"{total:.3f} / {np.median([m / p for m, p in pairs]):.3f} ({len(pairs)})"
+
+
 def calibration_parts(prof_path: Path):
     """[(name, steps)] of the calibration behind PROF_PATH: its pooled samples, or split
     into grid and serving scenario where each calibration's own samples file says where
@@ -138,10 +174,26 @@ def main() -> int:
     ap.add_argument("--after-prefill", action="store_true",
                     help="median measured / predicted of decode-row steps by whether the "
                          "step before had a prefill slice")
+    ap.add_argument("--prefill-kinds", action="store_true",
+                    help="steps with a prefill slice by kind, fresh or chunk after "
+                         "context, warm or cold")
     args = ap.parse_args()
     folder = Path(args.run)
     prof_path = Path(args.profile) if args.profile else folder / "profile.json"
     profile = load_profile(prof_path)
+    if args.prefill_kinds:
+        rows = [(name, prefill_kinds(profile.cost, steps))
+                for name, steps in calibration_parts(prof_path)]
+        rows += [(f"{m} {lv}", prefill_kinds(profile.cost, run_steps(folder, m, lv)))
+                 for m, lv in CELLS]
+        keys = sorted({k for _, kinds in rows for k in kinds})
+        print("measured / predicted: total / median step (steps)")
+        print("| steps | " + " | ".join(keys) + " |")
+        print("|---|" + "---|" * len(keys))
+        for name, kinds in rows:
+            print(f"| {name} | " + " | ".join(kind_cell(kinds.get(k, [])) for k in keys)
+                  + " |")
+        return 0
     if args.after_prefill:
         print("| steps | " + " | ".join(AFTER) + " |")
         print("|---|" + "---|" * len(AFTER))

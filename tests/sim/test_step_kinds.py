@@ -75,3 +75,27 @@ def test_repeat_steps_keep_each_repeat_in_order_with_its_cold_flags(tmp_path) ->
     assert [tag for tag, _ in reps] == ["chat-0.8-rep1", "chat-0.8-rep2"]
     assert reps[0][1] == [([[1, 5, True]], 0.1, True), ([[1, 5, True]], 0.2, False)]
     assert list(sim_step_kinds.run_steps(tmp_path, "chat", "0.8")) == reps[0][1] + reps[1][1]
+
+
+def test_prefill_kinds_split_by_kind_context_and_cold() -> None:
+    cost = _cost()
+    steps = [
+        ([(1, 10, True)], 0.002, False),                     # decode-only: left out
+        ([(20, 0, True)], 0.042, False),                     # fresh prompt: 21 ms predicted
+        ([(20, 30, True)], 0.021, False),                    # the rest of a prompt
+        ([(20, 30, True)], 0.063, True),                     # the same, cold
+        ([(1, 10, True), (5, 7, False)], 0.014, False),      # decode + a chunk after 7
+        ([(1, 10, True), (5, 0, False)], 0.007, False),      # decode + a fresh chunk
+    ]
+    got = sim_step_kinds.prefill_kinds(cost, steps)
+    assert set(got) == {"prefill-only, fresh, warm", "prefill-only, chunk after context, warm",
+                        "prefill-only, chunk after context, cold",
+                        "mixed, chunk after context, warm", "mixed, fresh, warm"}
+    ratios = {k: round(m / p, 6) for k, [(m, p)] in got.items()}
+    assert ratios["prefill-only, fresh, warm"] == 2.0
+    assert ratios["prefill-only, chunk after context, warm"] == 1.0
+    assert ratios["prefill-only, chunk after context, cold"] == 3.0
+    assert ratios["mixed, chunk after context, warm"] == 2.0
+    assert ratios["mixed, fresh, warm"] == 1.0
+    assert sim_step_kinds.kind_cell(got["mixed, fresh, warm"]) == "1.000 / 1.000 (1)"
+    assert sim_step_kinds.kind_cell([]) == "-"
