@@ -65,6 +65,20 @@ def step_cold(d: Path, tag: str, steps) -> list[bool]:
     return json.loads(info.read_text())["cold"] if info.exists() else [False] * len(steps)
 
 
+def run_tags(d: Path, name: str) -> list[str]:
+    """The measured runs NAME stands for in folder D: itself (a run's tag, MIX-LEVEL or
+    MIX-LEVEL-repK), or a repeated cell's every repeat in order. SystemExit naming what
+    the folder holds when neither exists."""
+    if (d / f"{name}-steps.json").exists():
+        return [name]
+    reps = sorted(d.glob(f"{name}-rep*-steps.json"),
+                  key=lambda f: int(f.name[len(name) + 4:-len("-steps.json")] or 0))
+    if not reps:
+        have = sorted(f.name[:-len("-steps.json")] for f in d.glob("*-steps.json"))
+        raise SystemExit(f"no measured run {name!r} in {d} (runs there: {', '.join(have)})")
+    return [f.name[:-len("-steps.json")] for f in reps]
+
+
 def step_report(steps, cold, cost) -> dict:
     by: dict[str, list[tuple[float, float]]] = {}
     for (_, dt, slices), c in zip(steps, cold):
@@ -113,7 +127,9 @@ def main() -> int:
     ap.add_argument("dir")
     ap.add_argument("--profile", default=None, help="default DIR/profile.json")
     ap.add_argument("--refit", action="store_true")
-    ap.add_argument("--fit-runs", default="", help="runs (mix-level) whose steps join the fit")
+    ap.add_argument("--fit-runs", default="",
+                    help="runs (mix-level, or mix-level-repK) whose steps join the fit; a "
+                         "repeated cell's name: all its repeats")
     ap.add_argument("--no-grid", action="store_true",
                     help="refit without the profile's samples (grid and serving scenario)")
     ap.add_argument("--grid-only", action="store_true",
@@ -157,7 +173,8 @@ def main() -> int:
             keep = raw.get("grid_steps") if args.grid_only else None
             samples += raw["samples"][:keep]
             cold += raw.get("cold", [False] * len(raw["samples"]))[:keep]
-        for tag in filter(None, args.fit_runs.split(",")):
+        for tag in (t for name in filter(None, args.fit_runs.split(","))
+                    for t in run_tags(d, name)):
             steps = json.loads((d / f"{tag}-steps.json").read_text())
             samples += step_samples(steps)
             cold += step_cold(d, tag, steps)
