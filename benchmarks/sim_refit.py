@@ -65,18 +65,23 @@ def step_cold(d: Path, tag: str, steps) -> list[bool]:
     return json.loads(info.read_text())["cold"] if info.exists() else [False] * len(steps)
 
 
-def run_tags(d: Path, name: str) -> list[str]:
+def cell_tags(d: Path, name: str) -> list[str]:
     """The measured runs NAME stands for in folder D: itself (a run's tag, MIX-LEVEL or
-    MIX-LEVEL-repK), or a repeated cell's every repeat in order. SystemExit naming what
-    the folder holds when neither exists."""
+    MIX-LEVEL-repK), or a repeated cell's every repeat in order; [] when neither exists."""
     if (d / f"{name}-steps.json").exists():
         return [name]
     reps = sorted(d.glob(f"{name}-rep*-steps.json"),
                   key=lambda f: int(f.name[len(name) + 4:-len("-steps.json")] or 0))
-    if not reps:
+    return [f.name[:-len("-steps.json")] for f in reps]
+
+
+def run_tags(d: Path, name: str) -> list[str]:
+    """cell_tags, or SystemExit naming the runs the folder holds when there are none."""
+    tags = cell_tags(d, name)
+    if not tags:
         have = sorted(f.name[:-len("-steps.json")] for f in d.glob("*-steps.json"))
         raise SystemExit(f"no measured run {name!r} in {d} (runs there: {', '.join(have)})")
-    return [f.name[:-len("-steps.json")] for f in reps]
+    return tags
 
 
 def step_report(steps, cold, cost) -> dict:

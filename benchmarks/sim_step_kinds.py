@@ -35,7 +35,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
-from sim_refit import step_class, step_cold  # noqa: E402 (benchmarks/ is the script's dir)
+from sim_refit import cell_tags, step_class, step_cold  # noqa: E402 (benchmarks/ is the script's dir)
 
 from duetserve.sim.cost import shape_for
 from duetserve.sim.profile import load_profile
@@ -84,10 +84,10 @@ def band_cells(bands: dict[tuple[int, int], list[float]]) -> list[str]:
 
 
 def repeat_steps(folder: Path, mix: str, level: str):
-    """(tag, [(slices, seconds, cold)] in step order) of each measured repeat of a cell."""
-    for f in sorted(folder.glob(f"{mix}-{level}-rep*-steps.json")):
-        steps = json.loads(f.read_text())
-        tag = f.name[:-len("-steps.json")]
+    """(tag, [(slices, seconds, cold)] in step order) of each measured repeat of a cell
+    (sim_refit.cell_tags; none when the folder has no run of it)."""
+    for tag in cell_tags(folder, f"{mix}-{level}"):
+        steps = json.loads((folder / f"{tag}-steps.json").read_text())
         yield tag, [(slices, secs, c) for (_, secs, slices), c
                     in zip(steps, step_cold(folder, tag, steps))]
 
