@@ -600,6 +600,9 @@ def main() -> int:
                     help="every engine (calibrations and measured runs) maps its whole KV "
                          "cache at start: a long-running server's steps, without first-use "
                          "page faults of new blocks (EngineConfig.kv_prefault)")
+    ap.add_argument("--dtype", default="auto",
+                    help="the engine's --dtype, in the calibrations and the measured runs "
+                         "(float32: no bf16 GEMMs, so no AMX; docs/simulator.md §3, r28)")
     ap.add_argument("--profile", default=None, help="use this profile instead of calibrating")
     ap.add_argument("--calibrate", action="store_true")
     ap.add_argument("--mixes", default=",".join(MIXES))
@@ -647,8 +650,9 @@ def main() -> int:
     from duetserve.entrypoints.sim_calibrate import calibrate, format_report, pooled_profile
 
     t_start = time.perf_counter()
-    engine_config = EngineConfig(num_threads=args.threads, kv_prefault=args.kv_prefault)
-    probe = EngineCore(engine_config)     # loads the weights as `duet serve` does (auto/auto)
+    engine_config = EngineConfig(num_threads=args.threads, kv_prefault=args.kv_prefault,
+                                 dtype=args.dtype)
+    probe = EngineCore(engine_config)     # loads the weights as `duet serve --dtype` does
     loaded = probe.loaded
     log(f"model: {loaded.describe()}")
     config = probe.scheduler.config
@@ -667,7 +671,8 @@ def main() -> int:
         wait_until_quiet(0.1, 5.0, 600.0)
         name = f"profile-{k}.json" if args.interleave_calibration else "profile.json"
         prof, path = calibrate(None, args.threads, quick=args.quick_calibration,
-                               out=out / name, loaded=loaded, kv_prefault=args.kv_prefault)
+                               out=out / name, loaded=loaded, kv_prefault=args.kv_prefault,
+                               dtype=args.dtype)
         log(format_report(prof, path))
         calibrations.append(path)
         return prof

@@ -99,14 +99,15 @@ def serving_summary(measured) -> dict:
 def calibrate(model: str | None, num_threads: int, quick: bool = False,
               out: str | Path | None = None, kv_cache_memory: float = 2.0,
               verbose: bool = True, loaded=None, max_foreign: float | None = None,
-              kv_prefault: bool = False) -> tuple[SimProfile, Path]:
+              kv_prefault: bool = False, dtype: str = "auto") -> tuple[SimProfile, Path]:
     """Build the engine (on `loaded` weights when given), measure the grid and the serving
     scenario, fit on both, save.
     `max_foreign`: redo a scenario when other processes used more of a core meanwhile
     (default bench.calibrate.MAX_FOREIGN; inf: never wait). `kv_prefault`: every engine
     maps its whole KV cache at start (EngineConfig.kv_prefault), so the steps are a
     long-running server's, without first-use page faults of new blocks; for simulating
-    engines run with --kv-prefault. Returns (profile, path)."""
+    engines run with --kv-prefault. `dtype`: the engine's --dtype (`loaded`, when given,
+    must have been loaded with it). Returns (profile, path)."""
     import torch
 
     from duetserve.bench.calibrate import (CALIBRATION_BUDGET, GRID, MAX_FOREIGN, QUICK_GRID,
@@ -126,7 +127,7 @@ def calibrate(model: str | None, num_threads: int, quick: bool = False,
 
     t0 = time.perf_counter()
     config = EngineConfig(model=model, num_threads=num_threads, kv_cache_memory=kv_cache_memory,
-                          kv_prefault=kv_prefault)
+                          kv_prefault=kv_prefault, dtype=dtype)
     served = EngineCore(config, loaded)              # the settings `duet serve` would use
     scheduler = served_scheduler_settings(served)
     engine = EngineCore(replace(config, max_num_batched_tokens=CALIBRATION_BUDGET),
@@ -174,7 +175,9 @@ def calibrate(model: str | None, num_threads: int, quick: bool = False,
     path = Path(out) if out else default_calibrated_path(model, num_threads)
     meta = {"model": engine.loaded.path, "threads": num_threads, "cpu": cpu_name(),
             "machine": platform.node(), "torch": torch.__version__,
-            "engine_key": cache_key(engine.loaded.path, "auto/auto/auto", num_threads),
+            "engine_key": cache_key(engine.loaded.path, f"{config.dtype}/{config.quantization}/"
+                                    f"{config.kv_cache_dtype}", num_threads),
+            "dtype": config.dtype,
             "grid": "quick" if quick else "full", "calibration_budget": CALIBRATION_BUDGET,
             "measured_s": cal.seconds, "total_s": time.perf_counter() - t0,
             "foreign_cpu_s": cal.foreign_cpu_s, "scenarios_redone": cal.num_redone,
@@ -362,6 +365,7 @@ def main_pool(args: argparse.Namespace) -> int:
 
 def main_calibrate(args: argparse.Namespace) -> int:
     profile, path = calibrate(args.model, args.num_threads, args.quick, args.profile_out,
-                              verbose=not args.no_progress, kv_prefault=args.kv_prefault)
+                              verbose=not args.no_progress, kv_prefault=args.kv_prefault,
+                              dtype=args.dtype)
     print(format_report(profile, path))
     return 0

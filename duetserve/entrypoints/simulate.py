@@ -16,7 +16,7 @@ from typing import Any
 
 from duetserve.bench import serve as bench_serve
 from duetserve.bench.bench_metrics import write_json
-from duetserve.config import ConfigError
+from duetserve.config import DTYPES, ConfigError
 from duetserve.entrypoints.cli import UserError
 
 PD_PATTERN = re.compile(r"^(\d+)P(\d+)D$", re.IGNORECASE)
@@ -79,6 +79,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-prefault", action="store_true",
                    help="--calibrate engines that map their whole KV cache at start, as "
                         "`duet serve --kv-prefault` does (no first-use page faults)")
+    g.add_argument("--dtype", default="auto", choices=DTYPES,
+                   help="--calibrate the engine `duet serve --dtype` this would run")
     g.add_argument("--profile-out", default=None, help="where --calibrate saves the profile")
     g.add_argument("--pool", nargs="+", default=None, metavar="CALIBRATION",
                    help="fit one profile over several calibrations' steps (take them at "

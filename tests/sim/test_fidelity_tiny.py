@@ -23,6 +23,7 @@ from duetserve.bench.token_workload import (arrival_offsets, id_range_for_vocab,
                                              token_conversations)
 from duetserve.config import EngineConfig
 from duetserve.engine.engine_core import EngineCore
+from duetserve.engine.step_cost import cache_key
 from duetserve.entrypoints.cli import main as cli_main
 from duetserve.entrypoints.sim_calibrate import calibrate, pooled_profile, rescale_to_now
 from duetserve.loader import load_model
@@ -43,6 +44,10 @@ def test_simulation_tracks_the_engine_on_a_tiny_model(tiny_checkpoints, tmp_path
     profile = load_profile(saved)
     raw = json.loads(saved.with_suffix(".samples.json").read_text())
     assert profile.kind == "calibrated" and len(raw["samples"]) == profile.meta["fit"]["num_steps"]
+    # the engine's settings are part of its key: calibrations of another --dtype never pool
+    assert profile.meta["dtype"] == "auto"
+    assert profile.meta["engine_key"] == cache_key(loaded.path, "auto/auto/auto", 2)
+    assert cache_key(loaded.path, "float32/auto/auto", 2) != profile.meta["engine_key"]
     # the fit covers the grid and the serving scenario's steps (requests on the wall clock)
     serving = profile.meta["serving"]
     assert serving["steps"] > 0 and serving["requests"] == 2 * serving["conversations"] > 0
