@@ -942,49 +942,71 @@ torch::Tensor f32_gemv(torch::Tensor x, torch::Tensor w) {
   return y;
 }
 
+#if defined(__AVX512F__)
+// A group's 32 values in element order from lo (lane 4v + j: element 8v + j) and hi (lane
+// 4v + j: element 8v + 4 + j), the order of the packed nibbles: as float32 ...
+inline void store_group(__m512 lo, __m512 hi, float* o) {
+  const __m512i i0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i i1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  _mm512_storeu_ps(o, _mm512_permutex2var_ps(lo, i0, hi));
+  _mm512_storeu_ps(o + 16, _mm512_permutex2var_ps(lo, i1, hi));
+}
+
+// ... or as bf16 (round to nearest even, as at::BFloat16 rounds)
+inline void store_group(__m512 lo, __m512 hi, at::BFloat16* o) {
 #if defined(__AVX512BF16__) && defined(__AVX512VL__)
-// A group's 32 values as bf16 in element order from lo (lane 4v + j: element 8v + j) and
-// hi (lane 4v + j: element 8v + 4 + j), the order of the packed nibbles.
-inline void store_group_bf16(__m512 lo, __m512 hi, at::BFloat16* o) {
   const __m512i i0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
   const __m512i i1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(o),
                       (__m256i)_mm512_cvtneps_pbh(_mm512_permutex2var_ps(lo, i0, hi)));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16),
                       (__m256i)_mm512_cvtneps_pbh(_mm512_permutex2var_ps(lo, i1, hi)));
+#else
+  alignas(64) float f[32];
+  store_group(lo, hi, f);
+  for (int k = 0; k < 32; ++k) o[k] = at::BFloat16(f[k]);
+#endif
 }
 #endif
 
 // One row's group of a q4 / q4k unit (p: the row's dword in the group's first nibble
-// vector; byte 64 v + j: elements 8v + j low, 8v + 4 + j high) -> d * q + m as bf16.
-inline void group_to_bf16(const uint8_t* p, float dv, float mv, at::BFloat16* o) {
-#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+// vector; byte 64 v + j: elements 8v + j low, 8v + 4 + j high) -> d * q + m as T (float
+// or at::BFloat16).
+template <typename T>
+inline void group_dequant(const uint8_t* p, float dv, float mv, T* o) {
+#if defined(__AVX512F__)
   int32_t w[4];   // byte 4v + j: element 8v + j (low nibble), 8v + 4 + j (high)
   for (int v = 0; v < 4; ++v) std::memcpy(&w[v], p + v * 64, 4);
   const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
   const __m512 dv16 = _mm512_set1_ps(dv), mv16 = _mm512_set1_ps(mv);
-  const __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(15))),
-                                    dv16, mv16);
-  const __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), dv16, mv16);
-  store_group_bf16(lo, hi, o);
+  const __m512 ql = _mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(15)));
+  const __m512 qh = _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4));
+  if constexpr (std::is_same<T, float>::value) {   // q * d, then + m: the torch path's
+    store_group(_mm512_add_ps(_mm512_mul_ps(ql, dv16), mv16),      // float32, bit for bit
+                _mm512_add_ps(_mm512_mul_ps(qh, dv16), mv16), o);
+  } else {                                         // rounded to bf16 anyway
+    store_group(_mm512_fmadd_ps(ql, dv16, mv16), _mm512_fmadd_ps(qh, dv16, mv16), o);
+  }
 #else
   for (int k = 0; k < G; ++k) {
     const uint8_t b = p[(k / 8) * 64 + k % 4];
-    o[k] = at::BFloat16(dv * float((k % 8) < 4 ? (b & 15) : (b >> 4)) + mv);
+    o[k] = T(dv * float((k % 8) < 4 ? (b & 15) : (b >> 4)) + mv);
   }
 #endif
 }
 
 // Rows [a, b) of a weight packed in blocks of ROWS rows (tiles_of: [tiles, row blocks, tu,
-// block], units of `cols` columns) as dense bfloat16 [b - a, K], for the many-row path
-// without a resident dense copy: row(W, nb, r, out) writes row r of row block nb.
-template <typename Row>
+// block], units of `cols` columns) as dense T (float or at::BFloat16) [b - a, K], for the
+// many-row path without a resident dense copy: row(W, nb, r, out) writes row r of row
+// block nb.
+template <typename T, typename Row>
 torch::Tensor packed_dequant(const torch::Tensor& packed, int64_t K, int64_t a, int64_t b,
                              int64_t cols, int64_t block, Row row) {
   const Tiles W = tiles_of(packed, K, cols, block);
   TORCH_CHECK(0 <= a && a < b && b <= packed.size(1) * ROWS, "row range out of bounds");
-  auto out = torch::empty({b - a, K}, packed.options().dtype(torch::kBFloat16));
-  at::BFloat16* op = out.data_ptr<at::BFloat16>();
+  auto out = torch::empty({b - a, K}, packed.options().dtype(
+      std::is_same<T, float>::value ? torch::kFloat32 : torch::kBFloat16));
+  T* op = out.template data_ptr<T>();
   at::parallel_for(a, b, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t n = r0; n < r1; ++n)
       row(W, n / ROWS, static_cast<int>(n % ROWS), op + (n - a) * K);
@@ -992,44 +1014,47 @@ torch::Tensor packed_dequant(const torch::Tensor& packed, int64_t K, int64_t a, 
   return out;
 }
 
-torch::Tensor q4_dequant_bf16(torch::Tensor packed, int64_t K, int64_t a, int64_t b) {
-  return packed_dequant(packed, K, a, b, G, Q4_BLOCK,
-                                 [&](const Tiles& W, int64_t nb, int r, at::BFloat16* orow) {
+template <typename T>
+torch::Tensor q4_dequant(const torch::Tensor& packed, int64_t K, int64_t a, int64_t b) {
+  return packed_dequant<T>(packed, K, a, b, G, Q4_BLOCK,
+                           [&](const Tiles& W, int64_t nb, int r, T* orow) {
     for (int64_t g = 0; g < K / G; ++g) {
       const uint8_t* blk = W.at(nb, g);
       const float dv = half_to_float(reinterpret_cast<const uint16_t*>(blk + 256)[r]);
       const float mv = half_to_float(reinterpret_cast<const uint16_t*>(blk + 288)[r]);
-      group_to_bf16(blk + r * 4, dv, mv, orow + g * G);
+      group_dequant(blk + r * 4, dv, mv, orow + g * G);
     }
   });
 }
 
-torch::Tensor q4k_dequant_bf16(torch::Tensor packed, int64_t K, int64_t a, int64_t b) {
+template <typename T>
+torch::Tensor q4k_dequant(const torch::Tensor& packed, int64_t K, int64_t a, int64_t b) {
   TORCH_CHECK(K % 256 == 0, "q4k: K must be a multiple of 256");
-  return packed_dequant(packed, K, a, b, 256, Q4K_BLOCK,
-                                 [&](const Tiles& W, int64_t nb, int r, at::BFloat16* orow) {
+  return packed_dequant<T>(packed, K, a, b, 256, Q4K_BLOCK,
+                           [&](const Tiles& W, int64_t nb, int r, T* orow) {
     for (int64_t s = 0; s < K / 256; ++s) {
       const uint8_t* blk = W.at(nb, s);
       for (int gl = 0; gl < 8; ++gl) {
         float dv, mv;
         q4k_dm(blk, r, gl, &dv, &mv);
-        group_to_bf16(blk + gl * 256 + r * 4, dv, mv, orow + (s * 8 + gl) * G);
+        group_dequant(blk + gl * 256 + r * 4, dv, mv, orow + (s * 8 + gl) * G);
       }
     }
   });
 }
 
-torch::Tensor q6_dequant_bf16(torch::Tensor packed, int64_t K, int64_t a, int64_t b) {
+template <typename T>
+torch::Tensor q6_dequant(const torch::Tensor& packed, int64_t K, int64_t a, int64_t b) {
   TORCH_CHECK(K % 128 == 0, "q6: K must be a multiple of 128");
   const int64_t nch = K / 128;
-  return packed_dequant(packed, K, a, b, CH * G, Q6_BLOCK,
-                                 [&](const Tiles& W, int64_t nb, int r, at::BFloat16* orow) {
+  return packed_dequant<T>(packed, K, a, b, CH * G, Q6_BLOCK,
+                           [&](const Tiles& W, int64_t nb, int r, T* orow) {
     for (int64_t c = 0; c < nch; ++c) {
       const uint8_t* blk = W.at(nb, c);
       for (int gi = 0; gi < CH; ++gi) {
         const uint8_t* grp = blk + gi * Q6_GROUP;
-        at::BFloat16* o = orow + (c * CH + gi) * G;
-#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+        T* o = orow + (c * CH + gi) * G;
+#if defined(__AVX512F__)
         int32_t nw[4], tw[4] = {0, 0, 0, 0};   // byte 4v + j: the row's nibbles / tops
         for (int v = 0; v < 4; ++v) std::memcpy(&nw[v], grp + v * 64 + r * 4, 4);
         for (int u = 0; u < 2; ++u) std::memcpy(&tw[u], grp + Q6_TOP + u * 64 + r * 4, 4);
@@ -1058,13 +1083,32 @@ torch::Tensor q6_dequant_bf16(torch::Tensor packed, int64_t K, int64_t a, int64_
                                                _mm512_set1_ps(q6_scale(blk, grp, r, 16)));
         const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(qlo, off)), sc);
         const __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(qhi, off)), sc);
-        store_group_bf16(lo, hi, o);
+        store_group(lo, hi, o);
 #else
         for (int k = 0; k < 32; ++k)
-          o[k] = at::BFloat16(q6_scale(blk, grp, r, k) * float(q6_q(grp, r, k) - 32));
+          o[k] = T(q6_scale(blk, grp, r, k) * float(q6_q(grp, r, k) - 32));
 #endif
       }
     }
   });
 
+}
+
+torch::Tensor q4_dequant_bf16(torch::Tensor packed, int64_t K, int64_t a, int64_t b) {
+  return q4_dequant<at::BFloat16>(packed, K, a, b);
+}
+torch::Tensor q4_dequant_f32(torch::Tensor packed, int64_t K, int64_t a, int64_t b) {
+  return q4_dequant<float>(packed, K, a, b);
+}
+torch::Tensor q4k_dequant_bf16(torch::Tensor packed, int64_t K, int64_t a, int64_t b) {
+  return q4k_dequant<at::BFloat16>(packed, K, a, b);
+}
+torch::Tensor q4k_dequant_f32(torch::Tensor packed, int64_t K, int64_t a, int64_t b) {
+  return q4k_dequant<float>(packed, K, a, b);
+}
+torch::Tensor q6_dequant_bf16(torch::Tensor packed, int64_t K, int64_t a, int64_t b) {
+  return q6_dequant<at::BFloat16>(packed, K, a, b);
+}
+torch::Tensor q6_dequant_f32(torch::Tensor packed, int64_t K, int64_t a, int64_t b) {
+  return q6_dequant<float>(packed, K, a, b);
 }

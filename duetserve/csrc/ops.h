@@ -11,14 +11,17 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor 
 torch::Tensor q4_gemv(torch::Tensor x, torch::Tensor packed, int64_t N);
 torch::Tensor q4k_gemv(torch::Tensor x, torch::Tensor packed, int64_t N);
 torch::Tensor q4k_dequant_bf16(torch::Tensor packed, int64_t K, int64_t a, int64_t b);
+torch::Tensor q4k_dequant_f32(torch::Tensor packed, int64_t K, int64_t a, int64_t b);
 torch::Tensor q6_gemv(torch::Tensor x, torch::Tensor packed, int64_t N);
 // Any packed form (q4, q4k or q6), told apart by its block size.
 torch::Tensor lowbit_gemv(torch::Tensor x, torch::Tensor packed, int64_t N);
 torch::Tensor q6_dequant_bf16(torch::Tensor packed, int64_t K, int64_t a, int64_t b);
+torch::Tensor q6_dequant_f32(torch::Tensor packed, int64_t K, int64_t a, int64_t b);
 torch::Tensor stacked_gemv(torch::Tensor x, std::vector<torch::Tensor> packed,
                            std::vector<int64_t> n);
 torch::Tensor q8_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor scale);
 torch::Tensor q4_dequant_bf16(torch::Tensor packed, int64_t K, int64_t a, int64_t b);
+torch::Tensor q4_dequant_f32(torch::Tensor packed, int64_t K, int64_t a, int64_t b);
 torch::Tensor f32_gemv(torch::Tensor x, torch::Tensor w);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor delta, torch::Tensor w, double eps);

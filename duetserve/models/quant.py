@@ -43,6 +43,8 @@ from duetserve.models.native import ops as _native_ops
 _NATIVE = _native_ops()   # compiled kernels (q4/q8 GEMV, q4 dequant) or None: plain torch
 GROUP = 32
 _DEQUANT_ROWS = 2048   # rows dequantized at a time on the many-row path without a dense copy
+# the native dequantization's output dtypes (csrc/lowbit_gemv.cpp: NAME_bf16, NAME_f32)
+_DEQUANT_SUFFIX = {torch.bfloat16: "_bf16", torch.float32: "_f32"}
 # K tiles: a 4-row block of a long row (K = 8960: 20-30 KB) streamed whole pushes the
 # activations (9-12 KB) out of L1 before the next block reuses them, so the packed forms
 # store K in tiles of at most this many columns, tile after tile (csrc/lowbit_gemv.cpp).
@@ -90,8 +92,8 @@ class _BlockWeight:
     """A weight packed in blocks of ROWS rows, `units` column units of COLS a row, in one
     uint8 tensor `packed` [tiles, ceil(N/ROWS), TU, BLOCK]: K in tiles of TU units (the last
     one padded with zero units), each tile holding every row block's TU units in turn
-    (`_tiled`). A native GEMV and bf16 dequantization (csrc/lowbit_gemv.cpp, named by
-    _GEMV and _DEQUANT) and plain-torch fallbacks. Subclasses define _unpack(ids) (rows
+    (`_tiled`). A native GEMV and bf16 / float32 dequantization (csrc/lowbit_gemv.cpp,
+    named by _GEMV and _DEQUANT + _DEQUANT_SUFFIX) and plain-torch fallbacks. Subclasses define _unpack(ids) (rows
     `ids` unpacked) and _decode(*unpacked, dtype) (-> dense rows)."""
 
     _GEMV = _DEQUANT = ""
@@ -146,8 +148,9 @@ class _BlockWeight:
                    b: int | None = None) -> torch.Tensor:
         """Rows [a, b) as a dense [b - a, K] tensor."""
         b = self.shape[0] if b is None else b
-        if _NATIVE is not None and dtype == torch.bfloat16:
-            return getattr(_NATIVE, self._DEQUANT)(self.packed, self.shape[1], a, b)
+        suffix = _DEQUANT_SUFFIX.get(dtype)
+        if _NATIVE is not None and suffix:
+            return getattr(_NATIVE, self._DEQUANT + suffix)(self.packed, self.shape[1], a, b)
         return self._decode(*self._unpack(torch.arange(a, b)), dtype)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
@@ -179,7 +182,7 @@ class Int4Weight(_BlockWeight):
     bits = 4
     COLS = 32
     BLOCK = 16 * 16 + 2 * 32
-    _GEMV, _DEQUANT = "q4_gemv", "q4_dequant_bf16"
+    _GEMV, _DEQUANT = "q4_gemv", "q4_dequant"
 
     def __init__(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> None:
         """q: [N, K] uint8 in 0..15; d, m: [N, K/32] float (w = d * q + m)."""
@@ -221,7 +224,7 @@ class Int4KWeight(_BlockWeight):
     bits = 4
     COLS = 256
     BLOCK = 8 * 256 + 4 * 48 + 2 * 32
-    _GEMV, _DEQUANT = "q4k_gemv", "q4k_dequant_bf16"
+    _GEMV, _DEQUANT = "q4k_gemv", "q4k_dequant"
 
     def __init__(self, q: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor,
                  d: torch.Tensor, dmin: torch.Tensor) -> None:
@@ -281,7 +284,7 @@ class Int6Weight(_BlockWeight):
 
     bits = 6
     BLOCK = 4 * (256 + 128 + 32) + 32
-    _GEMV, _DEQUANT = "q6_gemv", "q6_dequant_bf16"
+    _GEMV, _DEQUANT = "q6_gemv", "q6_dequant"
 
     def __init__(self, q: torch.Tensor, sc: torch.Tensor, d: torch.Tensor) -> None:
         """q: [N, K] uint8 in 0..63; sc: [N, K/16] int8; d: [N, K/128] float16."""

@@ -241,8 +241,9 @@ def test_k_tiles_compute_what_one_tile_does(monkeypatch, form, k):
         head = tiled.prefix(33)       # tiles apart: a strided view of the row blocks
         assert not head.packed.is_contiguous()
         assert torch.equal(gemv(x, head.packed, 33), gemv(x, whole.packed, 99)[:, :33])
-    dequant = getattr(native, f"{form}_dequant_bf16")
-    assert torch.equal(dequant(tiled.packed, k, 5, 70), dequant(whole.packed, k, 5, 70))
+    for dtype in ("bf16", "f32"):
+        dequant = getattr(native, f"{form}_dequant_{dtype}")
+        assert torch.equal(dequant(tiled.packed, k, 5, 70), dequant(whole.packed, k, 5, 70))
     ids = torch.tensor([0, 98, 33, 4, 4])
     assert torch.equal(tiled.rows(ids), whole.rows(ids))
     assert torch.equal(tiled.dequantize(), whole.dequantize())
@@ -277,24 +278,36 @@ def test_stacked_gemv_is_each_part_gemv(rows, forms, ns, k):
                        torch.cat([p.dequantize(torch.bfloat16) for p in parts])[2:-1])
 
 
+def _torch_dequant(qw) -> torch.Tensor:
+    """Every row of a packed weight dequantized by its plain-torch path, float32."""
+    return qw._decode(*qw._unpack(torch.arange(qw.shape[0])), torch.float32)
+
+
+def _check_dequant_slices(qw, form: str) -> None:
+    """The native float32 dequantization of row slices is the torch path's bit for bit
+    (`dequantize(float32)` takes it: the many-row path of --dtype float32); the bf16 one
+    is within bf16 rounding of it."""
+    ref, k = _torch_dequant(qw), qw.shape[1]
+    assert torch.equal(qw.dequantize(torch.float32), ref)
+    for a, b in ((0, qw.shape[0]), (64, 192), (5, 6), (qw.shape[0] - 1, qw.shape[0])):
+        got = getattr(native, f"{form}_dequant_f32")(qw.packed, k, a, b)
+        assert got.dtype == torch.float32 and torch.equal(got, ref[a:b])
+        got = getattr(native, f"{form}_dequant_bf16")(qw.packed, k, a, b)
+        assert got.dtype == torch.bfloat16 and got.shape == (b - a, k)
+        torch.testing.assert_close(got.float(), ref[a:b], atol=0, rtol=2 ** -8)
+
+
 def test_q4k_dequant_slices():
     gen = torch.Generator().manual_seed(0)
-    qw = _random_q4k(254, 512, gen)
-    ref = qw.dequantize(torch.float32)                 # plain-torch path, exact
-    for a, b in ((0, 254), (64, 192), (5, 6), (253, 254)):
-        got = native.q4k_dequant_bf16(qw.packed, 512, a, b)
-        assert got.dtype == torch.bfloat16 and got.shape == (b - a, 512)
-        torch.testing.assert_close(got.float(), ref[a:b], atol=0, rtol=2 ** -8)
+    _check_dequant_slices(_random_q4k(254, 512, gen), "q4k")
 
 
 def test_q6_dequant_slices():
     gen = torch.Generator().manual_seed(0)
     qw = _random_q6(254, 256, gen)
-    ref = qw.dequantize(torch.float32)                 # plain-torch path, exact
-    for a, b in ((0, 254), (64, 192), (5, 6), (253, 254)):
-        got = native.q6_dequant_bf16(qw.packed, 256, a, b)
-        assert got.dtype == torch.bfloat16 and got.shape == (b - a, 256)
-        assert torch.equal(got, ref[a:b].to(torch.bfloat16))
+    _check_dequant_slices(qw, "q6")
+    ref = _torch_dequant(qw)             # (d * sc) * (q - 32): bf16 rounds it exactly once
+    assert torch.equal(native.q6_dequant_bf16(qw.packed, 256, 0, 254), ref.to(torch.bfloat16))
 
 
 def test_fused_row_ops():
@@ -343,13 +356,9 @@ def test_q4_dequant_slices():
     from duetserve.models.quant import Int4Weight, int4_groups_from_float
     q, d, m = int4_groups_from_float(torch.randn(254, 96))   # rows and groups padded
     qw = Int4Weight(q, d, m)
-    ref = qw.dequantize(torch.float32)          # plain-torch path, float32
-    torch.testing.assert_close(ref, Int4Weight._decode(q.view(254, 3, 32), d.half(), m.half(),
-                                                       torch.float32), atol=0, rtol=0)
-    for a, b in ((0, 254), (64, 192), (5, 6), (253, 254)):
-        got = native.q4_dequant_bf16(qw.packed, 96, a, b)
-        assert got.dtype == torch.bfloat16 and got.shape == (b - a, 96)
-        torch.testing.assert_close(got.float(), ref[a:b], atol=0, rtol=2 ** -8)
+    torch.testing.assert_close(_torch_dequant(qw), Int4Weight._decode(
+        q.view(254, 3, 32), d.half(), m.half(), torch.float32), atol=0, rtol=0)
+    _check_dequant_slices(qw, "q4")
 
 
 def _as_q4k(qw):
