@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import time
 from pathlib import Path
 
 import numpy as np
+
+from duetserve.models.native import cpu_name
 
 
 def kernels(torch) -> dict:
@@ -119,15 +120,8 @@ def main() -> int:
     times, stamps = run(args.seconds, args.burst, args.threads)
     rows = {k: summary(times[k], stamps[k], args.window) for k in times}
     fine = {k: summary(times[k], stamps[k], 5.0)["window_means_ms"] for k in times}
-    doc = {"cpu": platform.processor() or platform.machine(), "threads": args.threads,
-           "seconds": args.seconds, "kernels": rows,
-           "correlation_5s_windows": window_correlations(fine)}
-    try:
-        doc["cpu"] = next(line.split(":", 1)[1].strip()
-                          for line in Path("/proc/cpuinfo").read_text().splitlines()
-                          if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    doc = {"cpu": cpu_name(), "threads": args.threads, "seconds": args.seconds,
+           "kernels": rows, "correlation_5s_windows": window_correlations(fine)}
     print(f"{doc['cpu']}, {args.threads} threads, {args.seconds:.0f} s")
     print(f"| kernel | bursts | min ms | p10 | median | p90 | max | p90/p10 | lag-1 "
           f"| {args.window:g}-s means max/min |")

@@ -943,24 +943,27 @@ torch::Tensor f32_gemv(torch::Tensor x, torch::Tensor w) {
 }
 
 #if defined(__AVX512F__)
-// A group's 32 values in element order from lo (lane 4v + j: element 8v + j) and hi (lane
-// 4v + j: element 8v + 4 + j), the order of the packed nibbles: as float32 ...
-inline void store_group(__m512 lo, __m512 hi, float* o) {
+// Elements 16 h .. 16 h + 15 of a group's 32 values, from lo (lane 4v + j: element 8v + j)
+// and hi (lane 4v + j: element 8v + 4 + j), the order of the packed nibbles.
+inline __m512 group_half(__m512 lo, __m512 hi, int h) {
   const __m512i i0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
   const __m512i i1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
-  _mm512_storeu_ps(o, _mm512_permutex2var_ps(lo, i0, hi));
-  _mm512_storeu_ps(o + 16, _mm512_permutex2var_ps(lo, i1, hi));
+  return _mm512_permutex2var_ps(lo, h == 0 ? i0 : i1, hi);
+}
+
+// The group in element order as float32 ...
+inline void store_group(__m512 lo, __m512 hi, float* o) {
+  _mm512_storeu_ps(o, group_half(lo, hi, 0));
+  _mm512_storeu_ps(o + 16, group_half(lo, hi, 1));
 }
 
 // ... or as bf16 (round to nearest even, as at::BFloat16 rounds)
 inline void store_group(__m512 lo, __m512 hi, at::BFloat16* o) {
 #if defined(__AVX512BF16__) && defined(__AVX512VL__)
-  const __m512i i0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-  const __m512i i1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(o),
-                      (__m256i)_mm512_cvtneps_pbh(_mm512_permutex2var_ps(lo, i0, hi)));
+                      (__m256i)_mm512_cvtneps_pbh(group_half(lo, hi, 0)));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16),
-                      (__m256i)_mm512_cvtneps_pbh(_mm512_permutex2var_ps(lo, i1, hi)));
+                      (__m256i)_mm512_cvtneps_pbh(group_half(lo, hi, 1)));
 #else
   alignas(64) float f[32];
   store_group(lo, hi, f);
