@@ -86,7 +86,7 @@ from duetserve.bench.replay import replay
 from duetserve.bench.token_workload import (arrival_offsets, id_range_for_vocab,
                                              token_conversations)
 from duetserve.sim.cluster import ClusterSpec
-from duetserve.sim.cost import shape_for
+from duetserve.sim.cost import run_shapes
 from duetserve.sim.profile import load_profile
 from duetserve.sim.run import run_json, simulate
 from duetserve.sim.speed import at_run_speed
@@ -191,8 +191,8 @@ def sim_doc(label: str, convs, profile, config, rate, seed, id_range, slo, noise
 
 
 def step_errors(profile, steps, cold) -> dict:
-    pred = np.array([profile.cost.step_seconds(shape_for(profile.cost, sl, c))
-                     for (_, _, sl), c in zip(steps, cold)])
+    pred = np.array([profile.cost.step_seconds(s) for s in
+                     run_shapes(profile.cost, [sl for _, _, sl in steps], cold)])
     real = np.array([dt for _, dt, _ in steps])
     rel = np.abs(pred / real - 1.0)
     return {"num_steps": len(steps), "median_abs_rel_error": float(np.median(rel)),

@@ -34,7 +34,7 @@ import numpy as np
 from duetserve.bench.token_workload import DEFAULT_ID_RANGE
 from duetserve.entrypoints.sim_calibrate import saved_traces
 from duetserve.sim.cluster import ClusterSpec
-from duetserve.sim.cost import shape_for
+from duetserve.sim.cost import run_shapes
 from duetserve.sim.fit import fit_cost
 from duetserve.sim.noise import estimate as estimate_noise
 from duetserve.sim.noise import level_of
@@ -86,8 +86,8 @@ def run_tags(d: Path, name: str) -> list[str]:
 
 def step_report(steps, cold, cost) -> dict:
     by: dict[str, list[tuple[float, float]]] = {}
-    for (_, dt, slices), c in zip(steps, cold):
-        pred = cost.step_seconds(shape_for(cost, slices, c))
+    for (_, dt, slices), shape in zip(steps, run_shapes(cost, [sl for _, _, sl in steps], cold)):
+        pred = cost.step_seconds(shape)
         by.setdefault(step_class(slices, cost.breakpoint), []).append((dt, pred))
     out = {}
     for k, v in sorted(by.items()):

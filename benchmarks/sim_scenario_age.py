@@ -65,7 +65,7 @@ def main() -> int:
     from duetserve.entrypoints.sim_calibrate import (flash_above_entries,
                                                      served_scheduler_settings)
     from duetserve.sim.cluster import ClusterSpec
-    from duetserve.sim.cost import shape_for
+    from duetserve.sim.cost import run_shapes
     from duetserve.sim.fit import fit_cost
     from duetserve.sim.profile import calibrated_profile
     from duetserve.sim.run import simulate
@@ -122,8 +122,8 @@ def main() -> int:
     probe("P2")
     summary = []
     for run in results["runs"]:
-        pred = np.array([grid_cost.step_seconds(shape_for(grid_cost, sl, c))
-                         for (sl, _), c in zip(run["samples"], run["cold"])])
+        pred = np.array([grid_cost.step_seconds(s) for s in run_shapes(
+            grid_cost, [sl for sl, _ in run["samples"]], run["cold"])])
         real = np.array([s for _, s in run["samples"]])
         dec = np.array([all(n == 1 for n, _, _ in sl) for sl, _ in run["samples"]])
         row = {"tag": run["tag"], "steps": len(real), "foreign": round(run["foreign"], 3),

@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 from sim_refit import cell_tags, step_class, step_cold  # noqa: E402 (benchmarks/ is the script's dir)
 
-from duetserve.sim.cost import shape_for
+from duetserve.sim.cost import run_shapes
 from duetserve.sim.profile import load_profile
 
 KINDS = ("decode-only", "prefill-only", "mixed")
@@ -46,11 +46,20 @@ BANDS = ((1, 1), (2, 4), (5, 8), (9, 16))
 AFTER = ("after a prefill", "after no prefill")   # after_prefill's split, in print order
 
 
+def shaped(cost, steps):
+    """(slices, seconds, cold, StepShape) of each step (slices, seconds, cold), the steps
+    in the order they ran (their rewarm counts: sim/cost.run_shapes)."""
+    steps = list(steps)
+    shapes = run_shapes(cost, [sl for sl, _, _ in steps], [cold for _, _, cold in steps])
+    for (slices, secs, cold), shape in zip(steps, shapes):
+        yield slices, secs, cold, shape
+
+
 def tally(profile, steps) -> dict[str, list[float]]:
     """{kind or "all": [measured s, predicted s, steps]}; steps: (slices, seconds, cold)."""
     acc: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0])
-    for slices, secs, cold in steps:
-        pred = profile.cost.step_seconds(shape_for(profile.cost, slices, cold))
+    for slices, secs, cold, shape in shaped(profile.cost, steps):
+        pred = profile.cost.step_seconds(shape)
         for k in (step_class(slices, profile.cost.breakpoint).split()[0], "all"):
             acc[k][0] += secs
             acc[k][1] += pred
@@ -62,10 +71,9 @@ def row_bands(cost, steps) -> dict[tuple[int, int], list[float]]:
     """{band: [measured / predicted of each warm step in it]} over the steps (slices,
     seconds, cold) whose rows all run as decode rows, by row count (BANDS)."""
     out: dict[tuple[int, int], list[float]] = defaultdict(list)
-    for slices, secs, cold in steps:
+    for slices, secs, cold, shape in shaped(cost, steps):
         if cold:
             continue
-        shape = shape_for(cost, slices, cold)
         if shape.num_prefills:
             continue
         for lo, hi in BANDS:
@@ -104,8 +112,7 @@ def after_prefill(cost, steps) -> dict[str, list[float]]:
     first step has no step before it and is left out)."""
     out: dict[str, list[float]] = {k: [] for k in AFTER}
     prev = None
-    for slices, secs, cold in steps:
-        shape = shape_for(cost, slices, cold)
+    for slices, secs, cold, shape in shaped(cost, steps):
         if prev is not None and not cold and not shape.num_prefills and shape.num_tokens:
             key = AFTER[0] if prev else AFTER[1]
             out[key].append(secs / cost.step_seconds(shape))
@@ -128,10 +135,10 @@ def prefill_kinds(cost, steps) -> dict[str, list[tuple[float, float]]]:
     """{prefill_kind: [(measured s, predicted s)]} over the steps (slices, seconds, cold)
     that have a prefill slice."""
     out: dict[str, list[tuple[float, float]]] = defaultdict(list)
-    for slices, secs, cold in steps:
+    for slices, secs, cold, shape in shaped(cost, steps):
         key = prefill_kind(cost, slices, cold)
         if key is not None:
-            out[key].append((secs, cost.step_seconds(shape_for(cost, slices, cold))))
+            out[key].append((secs, cost.step_seconds(shape)))
     return out
 
 

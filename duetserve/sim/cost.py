@@ -26,15 +26,22 @@ Both are frozen; nothing here mutates anything.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
-from typing import Iterable, Protocol
+from typing import Iterable, Protocol, Sequence
 
 KNOT_ROWS = 3      # rows_few_over: where the few-row slope changes (measured, §3)
+# rewarm: the steps after a cold step or a many-row one pay an excess that decays by e
+# every REWARM_STEPS steps, counted up to REWARM_LIMIT steps (measured on the Intel VM at
+# --dtype float32: decode steps 1.47x / 1.23x / 1.02x the fit without it over steps
+# 1-3 / 4-8 / 9-32 after a cold step; docs/simulator.md §3, "rewarm")
+REWARM_STEPS = 7.0
+REWARM_LIMIT = 32
 
 # Feature names of the calibrated model, in coefficient order (see CalibratedCost).
 FEATURES = ("step", "requests", "rows_few", "many_rows", "rows_many", "logits",
             "decode_context", "prefill_context", "fresh_pairs", "chunk_scores", "chunk_pairs",
-            "mixed_few", "cold_rows", "rows_few_over")
+            "mixed_few", "cold_rows", "rows_few_over", "rewarm")
 
 
 @dataclass(slots=True)
@@ -54,6 +61,9 @@ class StepShape:
                                  # n*(c+n) <= flash_above (the masked score matrix)
     chunk_pairs: int = 0         # sum of n*c + n(n+1)/2 over the longer ones (flash)
     cold: bool = False           # the first step after the engine went idle (see below)
+    rewarm: int = 0              # k >= 1: the k-th step after the last reset (a cold step
+                                 # or one on the many-row path); 0: a reset itself, before
+                                 # any, or not known (rewarm_counts)
     flash_above: int = 0         # the split of chunks after context (0: all score matrix)
     chunk_rows: int = 0          # chunks of up to this many tokens run as decode rows
     # (threads, KV heads) of the engine's paged decode attention, which splits its
@@ -113,16 +123,37 @@ class StepShape:
         # the same units as decode_context (which counts c, not c + 1, per row)
         return busiest * threads / heads - self.num_decodes
 
+    def rewarming(self) -> float:
+        """The rewarm feature: exp(-(k-1)/REWARM_STEPS) for the k-th step after a reset,
+        k <= REWARM_LIMIT; 0 otherwise."""
+        k = self.rewarm
+        return math.exp(-(k - 1) / REWARM_STEPS) if 1 <= k <= REWARM_LIMIT else 0.0
+
+
+def rewarm_counts(cold: Sequence[bool], rows: Sequence[int], breakpoint: int) -> list[int]:
+    """StepShape.rewarm of each step of a run, in the order they ran, from its cold flags
+    and row counts: 0 on a reset (a cold step, or more than `breakpoint` rows: the
+    many-row path) and before the first, then 1, 2, ... until the next reset."""
+    if len(cold) != len(rows):
+        raise ValueError(f"{len(cold)} cold flags for {len(rows)} steps")
+    out: list[int] = []
+    k: int | None = None           # steps since the last reset; None: none yet
+    for c, t in zip(cold, rows):
+        k = 0 if c or t > breakpoint else (None if k is None else k + 1)
+        out.append(k or 0)
+    return out
+
 
 def shape_of(items: Iterable[tuple[int, int, bool]], cold: bool = False,
              flash_above: int = 0, chunk_rows: int = 0,
-             decode_split: tuple[int, int] = (0, 0)) -> StepShape:
+             decode_split: tuple[int, int] = (0, 0), rewarm: int = 0) -> StepShape:
     """StepShape of (num_new, num_computed_before, sampled) per scheduled request; `cold`:
     the engine had no requests after its previous step (or had just started);
+    `rewarm`: the step's place after the last reset (rewarm_counts);
     `flash_above`, `chunk_rows`, `decode_split`: see StepShape (a cost model's own:
     `shape_for(cost, ...)`)."""
-    shape = StepShape(cold=cold, flash_above=flash_above, chunk_rows=chunk_rows,
-                      decode_split=decode_split)
+    shape = StepShape(cold=cold, rewarm=rewarm, flash_above=flash_above,
+                      chunk_rows=chunk_rows, decode_split=decode_split)
     for n, c, sampled in items:
         if n > 0:
             shape.add(n, c, sampled)
@@ -130,11 +161,21 @@ def shape_of(items: Iterable[tuple[int, int, bool]], cold: bool = False,
 
 
 def shape_for(cost: "StepCostModel", items: Iterable[tuple[int, int, bool]],
-              cold: bool = False) -> StepShape:
+              cold: bool = False, rewarm: int = 0) -> StepShape:
     """shape_of with the engine's layout of chunks that `cost` was fitted with."""
     return shape_of(items, cold, int(getattr(cost, "flash_above", 0)),
                     int(getattr(cost, "chunk_rows", 0)),
-                    tuple(getattr(cost, "decode_split", (0, 0))))
+                    tuple(getattr(cost, "decode_split", (0, 0))), rewarm)
+
+
+def run_shapes(cost: "StepCostModel", steps: Sequence[Sequence[tuple[int, int, bool]]],
+               cold: Sequence[bool]) -> list[StepShape]:
+    """shape_for of each step (its slices) of one run or of runs one after another, in the
+    order they ran, with their rewarm counts under `cost`'s kernel switch (a run starts
+    cold, so runs in sequence count apart)."""
+    rows = [sum(n for n, _, _ in sl) for sl in steps]
+    ks = rewarm_counts(cold, rows, int(getattr(cost, "breakpoint", 0)))
+    return [shape_for(cost, sl, c, k) for sl, c, k in zip(steps, cold, ks)]
 
 
 class StepCostModel(Protocol):
@@ -172,6 +213,12 @@ class CalibratedCost:
                         KNOT_ROWS < T <= bp   KNOT_ROWS rows (decode steps: 1-3 streams
                                               ~1.2 ms each, 4-16 ~1.8 ms, docs/simulator.md
                                               §3); a slope change, not a jump
+        rewarm          exp(-(k-1) /          the k-th step after a reset (a cold step
+                        REWARM_STEPS)         or a many-row one; k <= REWARM_LIMIT) runs
+                                              slower than the same step later: after the
+                                              engine idled or ran a long prefill, its
+                                              few-row steps take some steps to get back
+                                              to their speed (§3, "rewarm")
 
     `breakpoint` is the row count where the engine switches kernels (fitted).
     `arrival_s` is the engine's cost of adding one request (validation, detokenizer set-up),
@@ -195,7 +242,7 @@ class CalibratedCost:
                 s.num_tokens if many else 0, s.num_logits, s.decode_busiest(),
                 s.prefill_context, s.fresh_pairs, s.chunk_scores, s.chunk_pairs,
                 0.0 if many or not s.num_prefills else 1.0, s.num_tokens if s.cold else 0,
-                0 if many else max(0, s.num_tokens - KNOT_ROWS))
+                0 if many else max(0, s.num_tokens - KNOT_ROWS), s.rewarming())
 
     def step_seconds(self, shape: StepShape) -> float:
         return sum(c * f for c, f in zip(self.coef, self.features(shape)))
@@ -224,10 +271,13 @@ class CalibratedCost:
 
     @classmethod
     def from_json(cls, d: dict) -> "CalibratedCost":
-        if list(d.get("features", FEATURES)) != list(FEATURES):
+        names = list(d.get("features", FEATURES[:len(d["coef_s"])]))
+        if names != list(FEATURES[:len(names)]) or len(d["coef_s"]) != len(names):
             raise ValueError(f"profile features {d.get('features')} != {list(FEATURES)}: "
                              "re-run `duet simulate --calibrate`")
-        return cls(tuple(float(c) for c in d["coef_s"]), int(d["breakpoint"]),
+        # a profile fitted before the later features were added: they cost nothing
+        coef = [float(c) for c in d["coef_s"]] + [0.0] * (len(FEATURES) - len(names))
+        return cls(tuple(coef), int(d["breakpoint"]),
                    float(d.get("arrival_s", 0.0)), int(d.get("flash_above", 0)),
                    int(d.get("chunk_rows", 0)),
                    tuple(int(x) for x in d.get("decode_split", (0, 0))))

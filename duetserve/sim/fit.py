@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from duetserve.sim.cost import FEATURES, CalibratedCost, StepShape, shape_of
+from duetserve.sim.cost import FEATURES, CalibratedCost, StepShape, rewarm_counts, shape_of
 
 BREAKPOINTS = (0, 1, 2, 4, 8, 16, 32)
 OUTLIER_FACTOR = 6.0
@@ -74,7 +74,10 @@ def fit_cost(samples: Sequence[Sample], arrival_s: float = 0.0,
              decode_split: tuple[int, int] = (0, 0)) -> tuple[CalibratedCost, dict]:
     """The best CalibratedCost for `samples`, and a report of the fit (RMS and median
     relative error, outliers dropped, per-breakpoint RMS). `cold[i]`: sample i was the
-    first step after the engine went idle (None: none was). `flash_above`: the engine's
+    first step after the engine went idle (None: none was); the samples are in the order
+    they ran (the steps after a reset are counted from it, per candidate breakpoint:
+    rewarm_counts).
+    `flash_above`: the engine's
     split of chunks after context and `chunk_rows` its chunks run as decode rows (sim/cost.py
     StepShape), kept in the cost, as is `decode_split` (its decode attention's threads and
     KV heads). `breakpoint`: the engine's kernel switch (rows up to
@@ -85,6 +88,11 @@ def fit_cost(samples: Sequence[Sample], arrival_s: float = 0.0,
     flags = cold if cold is not None else [False] * len(samples)
     shapes = [shape_of(slices, bool(c), flash_above, chunk_rows, decode_split)
               for (slices, _), c in zip(samples, flags)]
+    rows = [s.num_tokens for s in shapes]
+
+    def count_rewarm(bp: int) -> None:         # mutates shapes' rewarm counts
+        for s, k in zip(shapes, rewarm_counts(flags, rows, bp)):
+            s.rewarm = k
     seconds = np.array([s for _, s in samples], dtype=np.float64)
     if len(samples) < 2 * len(FEATURES):
         raise ValueError(f"need at least {2 * len(FEATURES)} steps to fit, got {len(samples)}")
@@ -92,6 +100,7 @@ def fit_cost(samples: Sequence[Sample], arrival_s: float = 0.0,
     best = None
     scores = {}
     for bp in (breakpoint,) if breakpoint > 0 else BREAKPOINTS:
+        count_rewarm(bp)
         coef, _ = _fit_one(shapes, seconds, bp, keep)
         miss = np.abs(_design(shapes, bp) @ coef / seconds - 1.0)
         keep_bp = miss <= OUTLIER_FACTOR * max(np.median(miss), 0.01)
@@ -100,6 +109,7 @@ def fit_cost(samples: Sequence[Sample], arrival_s: float = 0.0,
         if best is None or rms < best[2]:
             best = (bp, coef, rms, keep_bp)
     bp, coef, rms, keep = best
+    count_rewarm(bp)
     scale = seconds[keep].sum() / (_design(shapes, bp)[keep] @ coef).sum()
     cost = CalibratedCost(tuple(float(c * scale) for c in coef), bp, arrival_s, flash_above,
                           chunk_rows, tuple(decode_split))

@@ -61,6 +61,7 @@ class SimInstance:
         # the engine releases freed heap memory when it runs out of requests (and after
         # its start-up measurement): its next step faults its transients back in
         self.cold = True
+        self.rewarm = 0             # StepShape.rewarm of the last step begun
 
     @property
     def num_outstanding(self) -> int:
@@ -90,7 +91,7 @@ class SimInstance:
         """Admit pending requests, schedule one step starting at simulated time `now` and
         return its duration in seconds (None: nothing to run, the instance goes idle): the
         cost model's time, times the noise sampler's factor when there is one. Mutates the
-        scheduler, the noise sampler."""
+        scheduler, the noise sampler, `cold` and `rewarm`."""
         num_added = len(self.pending)
         self.pending = []
         so = self.scheduler.schedule()
@@ -119,6 +120,9 @@ class SimInstance:
                 shape.add(n, c, c + n == req.num_tokens)
             elif req_id in sampled:
                 shape.num_logits += 1
+        # as rewarm_counts: a cold or many-row step resets the count, others add one
+        reset = shape.cold or shape.num_tokens > getattr(self.cost, "breakpoint", 0)
+        self.rewarm = shape.rewarm = 0 if reset else self.rewarm + 1
         duration = self.cost.step_seconds(shape) + self.arrival_s * num_added
         if self.noise is not None:
             duration *= self.noise.factor(now)

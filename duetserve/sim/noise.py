@@ -163,7 +163,9 @@ def level_of(levels: Sequence[float]) -> float:
 
 def log_ratios(cost, samples: Sequence[tuple[Sequence[tuple[int, int, bool]], float]],
                cold: Sequence[bool]) -> list[float]:
-    """log(measured / predicted) of each measured step (slices, seconds) under `cost`."""
-    from duetserve.sim.cost import shape_for
-    return [math.log(max(dt, 1e-9) / max(cost.step_seconds(shape_for(cost, sl, c)), 1e-9))
-            for (sl, dt), c in zip(samples, cold)]
+    """log(measured / predicted) of each measured step (slices, seconds; in the order
+    they ran) under `cost`."""
+    from duetserve.sim.cost import run_shapes
+    shapes = run_shapes(cost, [sl for sl, _ in samples], cold)
+    return [math.log(max(dt, 1e-9) / max(cost.step_seconds(s), 1e-9))
+            for (_, dt), s in zip(samples, shapes)]

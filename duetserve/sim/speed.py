@@ -20,7 +20,7 @@ from typing import Sequence
 
 import numpy as np
 
-from duetserve.sim.cost import CalibratedCost, shape_for
+from duetserve.sim.cost import CalibratedCost, run_shapes
 
 OUTLIER_RATIO = 3.0     # probe steps this far from the median measured/predicted are dropped
 
@@ -34,8 +34,8 @@ def probe_ratio(cost: CalibratedCost, samples: Sequence, cold: Sequence[bool]) -
         raise ValueError("the speed probe measured no steps")
     if len(cold) != len(samples):
         raise ValueError(f"{len(cold)} cold flags for {len(samples)} probe steps")
-    pred = np.array([cost.step_seconds(shape_for(cost, sl, c))
-                     for (sl, _), c in zip(samples, cold)])
+    pred = np.array([cost.step_seconds(s)
+                     for s in run_shapes(cost, [sl for sl, _ in samples], cold)])
     real = np.array([s for _, s in samples], dtype=np.float64)
     per = real / pred
     med = float(np.median(per))

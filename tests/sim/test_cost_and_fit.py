@@ -8,7 +8,8 @@ from duetserve.config import ConfigError
 from duetserve.metrics.cost_model import step_cost
 from duetserve.metrics.hardware import GPU_PROFILES
 from duetserve.metrics.known_models import LLAMA_3_8B
-from duetserve.sim.cost import FEATURES, CalibratedCost, shape_for, shape_of
+from duetserve.sim.cost import (FEATURES, CalibratedCost, rewarm_counts, run_shapes,
+                                shape_for, shape_of)
 from duetserve.sim.fit import fit_cost, nnls
 from duetserve.sim.gpu import Efficiency, fit_efficiency, roofline_cost, unit_costs
 from duetserve.sim.profile import load_profile, roofline_profile
@@ -159,20 +160,22 @@ def test_fit_recovers_a_known_cost_and_breakpoint() -> None:
                         ("many_rows", 0.006), ("rows_many", 0.0011), ("logits", 0.0002),
                         ("decode_context", 2e-6), ("fresh_pairs", 3e-8),
                         ("chunk_scores", 8e-8), ("chunk_pairs", 4e-8), ("mixed_few", 0.004),
-                        ("cold_rows", 5e-5)):
+                        ("cold_rows", 5e-5), ("rewarm", 0.003)):
         coef[FEATURES.index(name)] = value
     truth = CalibratedCost(tuple(coef), 4, flash_above=20_000)
     rng = np.random.default_rng(1)
-    samples, cold = [], []
+    steps, cold = [], []
     for _ in range(300):
-        b = int(rng.choice([1, 2, 3, 4, 5, 6, 8, 16, 32, 47]))
+        b = int(rng.choice([1, 1, 1, 2, 2, 3, 4, 5, 6, 8, 16, 32, 47]))
         slices = [(1, int(rng.integers(10, 2000)), True) for _ in range(b)]
-        if rng.random() < 0.5:       # a fresh prompt or a chunk after context, some tiny
+        if rng.random() < 0.4:       # a fresh prompt or a chunk after context, some tiny
             n = int(rng.integers(2, 4 if b <= 2 and rng.random() < 0.5 else 512))
             c = 0 if rng.random() < 0.5 else int(rng.integers(1, 1024))
             slices.append((n, c, bool(rng.random() < 0.5)))   # mid-prompt chunks sample nothing
-        cold.append(bool(rng.random() < 0.2))
-        samples.append((slices, truth.step_seconds(shape_for(truth, slices, cold[-1]))))
+        steps.append(slices)
+        cold.append(bool(rng.random() < 0.1))
+    # the steps ran in this order: each one's place after the last reset is priced
+    samples = [(sl, truth.step_seconds(s)) for sl, s in zip(steps, run_shapes(truth, steps, cold))]
     samples.append(([(1, 10, True)], 5.0))       # a stall: dropped as an outlier
     cold.append(False)
     with pytest.raises(ValueError, match="cold flags"):
@@ -192,6 +195,37 @@ def test_fit_recovers_a_known_cost_and_breakpoint() -> None:
     other, report = fit_cost(samples, arrival_s=0.0003, cold=cold, flash_above=20_000,
                              breakpoint=16)
     assert other.breakpoint == 16 and report["rms_rel_error"] > 1e-3
+
+
+def test_steps_after_a_reset_pay_a_decaying_rewarm_cost() -> None:
+    """rewarm: 0 on a cold step, a many-row step (above the breakpoint) and before the
+    first of them; then 1, 2, ... The k-th step after a reset pays the coefficient times
+    exp(-(k-1)/REWARM_STEPS), up to REWARM_LIMIT steps; a profile fitted before the term
+    existed loads with it at 0."""
+    from duetserve.sim.cost import REWARM_LIMIT, REWARM_STEPS
+    assert rewarm_counts([False, True, False, False, False, False, True, False],
+                         [1, 1, 2, 9, 1, 4, 1, 1], 4) == [0, 0, 1, 0, 1, 2, 0, 1]
+    with pytest.raises(ValueError, match="cold flags"):
+        rewarm_counts([True], [1, 1], 4)
+    coef = [0.0] * len(FEATURES)
+    coef[FEATURES.index("rewarm")] = 2.0
+    cost = CalibratedCost(tuple(coef), 16)
+    priced = [cost.step_seconds(shape_of([(1, 64, True)], rewarm=k))
+              for k in (0, 1, 2, 1 + int(REWARM_STEPS), REWARM_LIMIT, REWARM_LIMIT + 1)]
+    assert priced == pytest.approx([0.0, 2.0, 2.0 * np.exp(-1 / REWARM_STEPS), 2.0 * np.exp(-1),
+                                    2.0 * np.exp(-(REWARM_LIMIT - 1) / REWARM_STEPS), 0.0])
+    # one run's shapes: the counts under the cost's breakpoint
+    shapes = run_shapes(cost, [[(1, 5, True)], [(1, 6, True)], [(20, 0, True)], [(1, 7, True)]],
+                        [True, False, False, False])
+    assert [s.rewarm for s in shapes] == [0, 1, 0, 1]
+    # a profile from before the term: its coefficients, the new one 0
+    old = cost.to_json()
+    old["features"], old["coef_s"] = old["features"][:-1], old["coef_s"][:-1]
+    again = CalibratedCost.from_json(old)
+    assert again.coef[:-1] == cost.coef[:-1] and again.coef[-1] == 0.0
+    old["features"] = old["features"][::-1]
+    with pytest.raises(ValueError, match="re-run"):
+        CalibratedCost.from_json(old)
 
 
 def test_profiles_round_trip_and_reject_bad_files(tmp_path) -> None:

@@ -249,6 +249,50 @@ def test_a_step_after_the_engine_went_idle_is_cold() -> None:
     assert seen == [True, False, False, True, False, False]
 
 
+def test_the_instance_counts_steps_after_a_reset_as_the_fit_does() -> None:
+    """StepShape.rewarm: the k-th step after the last cold or many-row step (above the
+    cost's breakpoint), counted by the instance as rewarm_counts counts the engine's
+    measured steps for the fit."""
+    from duetserve.request import Request
+    from duetserve.sampling_params import SamplingParams
+    from duetserve.sim.cost import StepShape, rewarm_counts
+
+    seen: list[tuple[bool, int, int]] = []
+
+    class Recorder:
+        arrival_s = 0.0
+        breakpoint = 4
+
+        def step_seconds(self, shape: StepShape) -> float:
+            seen.append((shape.cold, shape.num_tokens, shape.rewarm))
+            return 0.01
+
+    inst = SimInstance(0, SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4,
+                                          num_blocks=64, block_size=16, max_model_len=256),
+                       Recorder())
+
+    def submit(req_id: str, prompt_len: int, max_tokens: int) -> None:
+        inst.submit(Request(req_id, list(range(5, 5 + prompt_len)),
+                            SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                            arrival_time=0.0))
+        assert inst.admit_pending() == []
+
+    def step() -> None:
+        assert inst.begin_step() is not None
+        inst.end_step()
+
+    submit("a", 4, 6)
+    step()
+    step()
+    submit("b", 8, 2)           # its prefill joins a's decode: 9 rows, the many-row path
+    while inst.begin_step() is not None:
+        inst.end_step()
+    assert [t for _, t, _ in seen] == [4, 1, 9, 2, 1, 1]
+    assert [k for _, _, k in seen] == [0, 1, 0, 1, 2, 3]
+    assert [k for _, _, k in seen] == rewarm_counts([c for c, _, _ in seen],
+                                                    [t for _, t, _ in seen], 4)
+
+
 def test_the_instance_lays_out_steps_as_its_cost_model_was_fitted() -> None:
     """The simulated step's shape carries the cost's engine layout (chunk rows, the decode
     attention's thread split), as shape_for builds it for the engine's own steps."""
