@@ -34,7 +34,7 @@ KNOT_ROWS = 3      # rows_few_over: where the few-row slope changes (measured, �
 # rewarm: the steps after a cold step or a many-row one pay an excess that decays by e
 # every REWARM_STEPS steps, counted up to REWARM_LIMIT steps (measured on the Intel VM at
 # --dtype float32: decode steps 1.47x / 1.23x / 1.02x the fit without it over steps
-# 1-3 / 4-8 / 9-32 after a cold step; docs/simulator.md §3, "rewarm")
+# 1-3 / 4-8 / 9-32 after a cold step; docs/simulator.md §2, a14)
 REWARM_STEPS = 7.0
 REWARM_LIMIT = 32
 
@@ -218,7 +218,7 @@ class CalibratedCost:
                                               slower than the same step later: after the
                                               engine idled or ran a long prefill, its
                                               few-row steps take some steps to get back
-                                              to their speed (§3, "rewarm")
+                                              to their speed (§2, a14)
 
     `breakpoint` is the row count where the engine switches kernels (fitted).
     `arrival_s` is the engine's cost of adding one request (validation, detokenizer set-up),

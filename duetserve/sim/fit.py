@@ -76,13 +76,11 @@ def fit_cost(samples: Sequence[Sample], arrival_s: float = 0.0,
     relative error, outliers dropped, per-breakpoint RMS). `cold[i]`: sample i was the
     first step after the engine went idle (None: none was); the samples are in the order
     they ran (the steps after a reset are counted from it, per candidate breakpoint:
-    rewarm_counts).
-    `flash_above`: the engine's
-    split of chunks after context and `chunk_rows` its chunks run as decode rows (sim/cost.py
-    StepShape), kept in the cost, as is `decode_split` (its decode attention's threads and
-    KV heads). `breakpoint`: the engine's kernel switch (rows up to
-    which its few-row kernels run, models/kernels.py few_row_limit) when known; 0: the
-    best of BREAKPOINTS is fitted."""
+    rewarm_counts). `flash_above`: the engine's split of chunks after context and
+    `chunk_rows` its chunks run as decode rows (sim/cost.py StepShape), kept in the cost,
+    as is `decode_split` (its decode attention's threads and KV heads). `breakpoint`: the
+    engine's kernel switch (rows up to which its few-row kernels run, models/kernels.py
+    few_row_limit) when known; 0: the best of BREAKPOINTS is fitted."""
     if cold is not None and len(cold) != len(samples):
         raise ValueError(f"{len(cold)} cold flags for {len(samples)} samples")
     flags = cold if cold is not None else [False] * len(samples)
