@@ -130,6 +130,12 @@ class StepShape:
         return math.exp(-(k - 1) / REWARM_STEPS) if 1 <= k <= REWARM_LIMIT else 0.0
 
 
+def next_rewarm(prev: int | None, cold: bool, rows: int, breakpoint: int) -> int | None:
+    """The rewarm count of a step after one counted `prev` (None: no reset yet): 0 on a
+    reset (a cold step, or more than `breakpoint` rows: the many-row path), else prev + 1."""
+    return 0 if cold or rows > breakpoint else (None if prev is None else prev + 1)
+
+
 def rewarm_counts(cold: Sequence[bool], rows: Sequence[int], breakpoint: int) -> list[int]:
     """StepShape.rewarm of each step of a run, in the order they ran, from its cold flags
     and row counts: 0 on a reset (a cold step, or more than `breakpoint` rows: the
@@ -139,7 +145,7 @@ def rewarm_counts(cold: Sequence[bool], rows: Sequence[int], breakpoint: int) ->
     out: list[int] = []
     k: int | None = None           # steps since the last reset; None: none yet
     for c, t in zip(cold, rows):
-        k = 0 if c or t > breakpoint else (None if k is None else k + 1)
+        k = next_rewarm(k, c, t, breakpoint)
         out.append(k or 0)
     return out
 

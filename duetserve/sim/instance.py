@@ -28,7 +28,7 @@ from duetserve.core.scheduler import Scheduler
 from duetserve.errors import RequestError
 from duetserve.outputs import ModelRunnerOutput, SchedulerOutput
 from duetserve.request import Request
-from duetserve.sim.cost import StepCostModel, StepShape
+from duetserve.sim.cost import StepCostModel, StepShape, next_rewarm
 from duetserve.sim.noise import NoiseSampler
 
 
@@ -61,7 +61,7 @@ class SimInstance:
         # the engine releases freed heap memory when it runs out of requests (and after
         # its start-up measurement): its next step faults its transients back in
         self.cold = True
-        self.rewarm = 0             # StepShape.rewarm of the last step begun
+        self.rewarm: int | None = None   # the last step's rewarm count (next_rewarm)
 
     @property
     def num_outstanding(self) -> int:
@@ -120,9 +120,9 @@ class SimInstance:
                 shape.add(n, c, c + n == req.num_tokens)
             elif req_id in sampled:
                 shape.num_logits += 1
-        # as rewarm_counts: a cold or many-row step resets the count, others add one
-        reset = shape.cold or shape.num_tokens > getattr(self.cost, "breakpoint", 0)
-        self.rewarm = shape.rewarm = 0 if reset else self.rewarm + 1
+        self.rewarm = next_rewarm(self.rewarm, shape.cold, shape.num_tokens,
+                                  getattr(self.cost, "breakpoint", 0))
+        shape.rewarm = self.rewarm or 0
         duration = self.cost.step_seconds(shape) + self.arrival_s * num_added
         if self.noise is not None:
             duration *= self.noise.factor(now)
