@@ -89,6 +89,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=100, help="compare the first N in detail")
     ap.add_argument("--runs", default="", help="only these runs (mix-level)")
     ap.add_argument("--show", type=int, default=5, help="differing steps to print")
+    ap.add_argument("--seed", type=int, default=1, help="the fidelity run's --seed")
     args = ap.parse_args()
     d = Path(args.dir)
     fid = json.loads((d / "fidelity.json").read_text())
@@ -96,30 +97,40 @@ def main() -> int:
         tag = f"{run['mix']}-{run['level']:g}"
         if args.runs and tag not in args.runs.split(","):
             continue
-        cfg = scheduler_config(run.get("scheduler") or fid["scheduler"])
-        steps = json.loads((d / f"{tag}-steps.json").read_text())
-        convs = conversations(run["mix"], run["conversations"], 1, DEFAULT_ID_RANGE)
-        offsets = arrival_offsets(len(convs), run["rate"], 1.0, 1).tolist()
-        cost = TraceCost(durations(steps))
-        sim = Simulation(convs, offsets, ClusterSpec(1), cfg, cost, None, DEFAULT_ID_RANGE,
-                         decode_instance_config(cfg))
-        res = sim.run()
-        real_keys = [key(shape_of(sl)) for _, _, sl in steps]
-        sim_keys = [key(s) for s in cost.shapes]
-        diff = [i for i in range(min(len(real_keys), len(sim_keys)))
-                if real_keys[i] != sim_keys[i]]
-        first_n = sum(1 for i in diff if i < args.steps)
-        print(f"\n{tag}: real {len(real_keys)} steps, sim {len(sim_keys)}; differing: "
-              f"{first_n} of the first {min(args.steps, len(real_keys))}, {len(diff)} of all; "
-              f"first at {diff[0] if diff else None}")
-        for i in diff[:args.show]:
-            print(f"  step {i}: real {sorted(steps[i][2])}")
-            print(f"  {' ' * len(str(i))}       sim  (reqs, rows, decodes, Σc dec, Σc pre, "
-                  f"pairs, logits) {sim_keys[i]} vs real {real_keys[i]}")
-        real = json.loads((d / f"{tag}-real.json").read_text())
-        simdoc = {"runs": [run_json(res, run["rate"], 1.0, None, PERCENTILES, {})]}
-        r = ratios(real, simdoc)
-        print("  trace cost: " + "  ".join(f"{k} {v['ratio']:.2f}" for k, v in r.items()))
+        # a repeated cell keeps one step log per repeat (TAG-repK-*), each with its engine
+        for rec in run.get("per_repeat") or [{"tag": tag}]:
+            replay(d, run, rec["tag"], rec.get("scheduler") or run.get("scheduler")
+                   or fid["scheduler"], args)
+    return 0
+
+
+def replay(d: Path, run: dict, tag: str, sched: dict, args) -> None:
+    """Replay one measured run's step log (OUT/TAG-steps.json) and print its diff."""
+    cfg = scheduler_config(sched)
+    steps = json.loads((d / f"{tag}-steps.json").read_text())
+    # the workload is the same every repeat (sim_fidelity.measure: seed 1 unless --seed)
+    convs = conversations(run["mix"], run["conversations"], args.seed, DEFAULT_ID_RANGE)
+    offsets = arrival_offsets(len(convs), run["rate"], 1.0, args.seed).tolist()
+    cost = TraceCost(durations(steps))
+    sim = Simulation(convs, offsets, ClusterSpec(1), cfg, cost, None, DEFAULT_ID_RANGE,
+                     decode_instance_config(cfg))
+    res = sim.run()
+    real_keys = [key(shape_of(sl)) for _, _, sl in steps]
+    sim_keys = [key(s) for s in cost.shapes]
+    diff = [i for i in range(min(len(real_keys), len(sim_keys)))
+            if real_keys[i] != sim_keys[i]]
+    first_n = sum(1 for i in diff if i < args.steps)
+    print(f"\n{tag}: real {len(real_keys)} steps, sim {len(sim_keys)}; differing: "
+          f"{first_n} of the first {min(args.steps, len(real_keys))}, {len(diff)} of all; "
+          f"first at {diff[0] if diff else None}")
+    for i in diff[:args.show]:
+        print(f"  step {i}: real {sorted(steps[i][2])}")
+        print(f"  {' ' * len(str(i))}       sim  (reqs, rows, decodes, Σc dec, Σc pre, "
+              f"pairs, logits) {sim_keys[i]} vs real {real_keys[i]}")
+    real = json.loads((d / f"{tag}-real.json").read_text())
+    simdoc = {"runs": [run_json(res, run["rate"], 1.0, None, PERCENTILES, {})]}
+    r = ratios(real, simdoc)
+    print("  trace cost: " + "  ".join(f"{k} {v['ratio']:.2f}" for k, v in r.items()))
     return 0
 
 
