@@ -41,7 +41,7 @@ REWARM_LIMIT = 32
 # Feature names of the calibrated model, in coefficient order (see CalibratedCost).
 FEATURES = ("step", "requests", "rows_few", "many_rows", "rows_many", "logits",
             "decode_context", "prefill_context", "fresh_pairs", "chunk_scores", "chunk_pairs",
-            "mixed_few", "cold_rows", "rows_few_over", "rewarm")
+            "mixed_few", "cold_rows", "rows_few_over", "rewarm", "multi_rows")
 
 
 @dataclass(slots=True)
@@ -225,6 +225,10 @@ class CalibratedCost:
                                               engine idled or ran a long prefill, its
                                               few-row steps take some steps to get back
                                               to their speed (§2, a14)
+        multi_rows      1 if 2 <= T <= bp     the few-row path's step from one row to
+                                              more (Intel VM, float32 engine: warm decode
+                                              steps 4.8 / 7.3 / 8.1 / 8.8 ms at 1-4 rows,
+                                              then ~0.85 ms a row; §2, a15)
 
     `breakpoint` is the row count where the engine switches kernels (fitted).
     `arrival_s` is the engine's cost of adding one request (validation, detokenizer set-up),
@@ -248,7 +252,8 @@ class CalibratedCost:
                 s.num_tokens if many else 0, s.num_logits, s.decode_busiest(),
                 s.prefill_context, s.fresh_pairs, s.chunk_scores, s.chunk_pairs,
                 0.0 if many or not s.num_prefills else 1.0, s.num_tokens if s.cold else 0,
-                0 if many else max(0, s.num_tokens - KNOT_ROWS), s.rewarming())
+                0 if many else max(0, s.num_tokens - KNOT_ROWS), s.rewarming(),
+                0.0 if many or s.num_tokens < 2 else 1.0)
 
     def step_seconds(self, shape: StepShape) -> float:
         return sum(c * f for c, f in zip(self.coef, self.features(shape)))

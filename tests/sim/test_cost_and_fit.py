@@ -160,7 +160,7 @@ def test_fit_recovers_a_known_cost_and_breakpoint() -> None:
                         ("many_rows", 0.006), ("rows_many", 0.0011), ("logits", 0.0002),
                         ("decode_context", 2e-6), ("fresh_pairs", 3e-8),
                         ("chunk_scores", 8e-8), ("chunk_pairs", 4e-8), ("mixed_few", 0.004),
-                        ("cold_rows", 5e-5), ("rewarm", 0.003)):
+                        ("cold_rows", 5e-5), ("rewarm", 0.003), ("multi_rows", 0.002)):
         coef[FEATURES.index(name)] = value
     truth = CalibratedCost(tuple(coef), 4, flash_above=20_000)
     rng = np.random.default_rng(1)
@@ -218,11 +218,27 @@ def test_steps_after_a_reset_pay_a_decaying_rewarm_cost() -> None:
     shapes = run_shapes(cost, [[(1, 5, True)], [(1, 6, True)], [(20, 0, True)], [(1, 7, True)]],
                         [True, False, False, False])
     assert [s.rewarm for s in shapes] == [0, 1, 0, 1]
-    # a profile from before the term: its coefficients, the new one 0
+    # a profile from before the term: its coefficients, the new one (and later ones) 0
+    k = FEATURES.index("rewarm")
+    old = cost.to_json()
+    old["features"], old["coef_s"] = old["features"][:k], old["coef_s"][:k]
+    again = CalibratedCost.from_json(old)
+    assert again.coef[:k] == cost.coef[:k] and again.coef[k:] == (0.0,) * (len(FEATURES) - k)
+
+
+def test_the_few_row_path_steps_up_from_one_row_to_two() -> None:
+    """multi_rows: 1 on a step of 2 to `breakpoint` rows, 0 on one row and on the
+    many-row path; a profile fitted before the term loads with it at 0."""
+    coef = [0.0] * len(FEATURES)
+    coef[FEATURES.index("multi_rows")] = 0.002
+    cost = CalibratedCost(tuple(coef), 8)
+    priced = [cost.step_seconds(shape_of(sl)) for sl in
+              ([(1, 50, True)], [(1, 50, True), (1, 9, True)], [(1, 50, True)] * 8,
+               [(1, 50, True)] * 9, [(5, 0, True)])]
+    assert priced == pytest.approx([0.0, 0.002, 0.002, 0.0, 0.002])
     old = cost.to_json()
     old["features"], old["coef_s"] = old["features"][:-1], old["coef_s"][:-1]
-    again = CalibratedCost.from_json(old)
-    assert again.coef[:-1] == cost.coef[:-1] and again.coef[-1] == 0.0
+    assert CalibratedCost.from_json(old).coef == (0.0,) * len(FEATURES)
     old["features"] = old["features"][::-1]
     with pytest.raises(ValueError, match="re-run"):
         CalibratedCost.from_json(old)
