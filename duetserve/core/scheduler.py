@@ -288,10 +288,14 @@ class Scheduler:
                                           step.full)
             if num_new <= 0:
                 continue
-            drafts = drafts_for(request, num_new, step, self.max_len)
-            propose = num_to_propose(self.spec_policy, request, request.num_computed_tokens,
-                                     num_new, len(drafts), step, self.max_len)
-            num_slots = num_new + len(drafts) + lookahead(self.spec_policy, propose)
+            if self.spec_policy is None:        # no drafts to verify or to propose
+                drafts, propose, num_slots = (), 0, num_new
+            else:
+                drafts = drafts_for(request, num_new, step, self.max_len)
+                propose = num_to_propose(self.spec_policy, request,
+                                         request.num_computed_tokens, num_new, len(drafts),
+                                         step, self.max_len)
+                num_slots = num_new + len(drafts) + lookahead(self.spec_policy, propose)
             while True:
                 new_block_ids = self.kv_cache_manager.allocate_slots(request, num_slots)
                 if new_block_ids is not None:

@@ -95,6 +95,29 @@ def test_last_prompt_token_never_cached() -> None:
     assert kv.get_computed_blocks(longer)[1] == 8
 
 
+def test_a_block_filled_by_decoding_is_offered_to_the_cache() -> None:
+    """Decode steps that need no new block allocate nothing; the step that fills a block
+    with decoded tokens registers it, so a later prompt with those tokens hits it."""
+    kv = KVCacheManager(num_blocks=8, block_size=BS)
+    a = req("A", list(range(6)))              # 1 full block + 2 tokens of the second
+    assert admit(kv, a) == [0, 1]
+    a.num_computed_tokens = 6
+    assert kv.pool.num_cached_blocks == 1
+    for token in (60, 61):                    # decode: the slot of the newest token
+        a.append_output_token_ids(token)
+        hashing.update_block_hashes(a, BS)
+        assert kv.allocate_slots(a, 1) == []  # the held blocks cover it
+        a.num_computed_tokens += 1
+    # the second step's token completes block 1 ([4, 5, 60, 61]): cached at allocation
+    assert kv.pool.num_cached_blocks == 2
+    probe = req("P", list(range(6)) + [60, 61, 99])
+    assert [b.block_id for b in kv.get_computed_blocks(probe)[0]] == [0, 1]
+    a.append_output_token_ids(62)
+    hashing.update_block_hashes(a, BS)
+    assert kv.allocate_slots(a, 1) == [2]     # the ninth token opens a third block
+    kv.check_integrity()
+
+
 def test_stats_and_usage() -> None:
     kv = KVCacheManager(num_blocks=8, block_size=BS)
     a = req("A", list(range(9)))
