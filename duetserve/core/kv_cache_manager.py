@@ -144,8 +144,13 @@ class KVCacheManager:
         if num_total_tokens > len(blocks) * bs:
             return False
         return not (self.enable_caching and register
-                    and min(num_total_tokens // bs, len(request.block_hashes))
+                    and self._num_full(request, num_total_tokens)
                     > self._num_registered[request.req_id])
+
+    def _num_full(self, request: Request, num_tokens: int) -> int:
+        """How many of the request's blocks can be offered to the cache once `num_tokens`
+        tokens are computed: the full ones whose hash is known. Mutates nothing."""
+        return min(num_tokens // self.block_size, len(request.block_hashes))
 
     def register_computed(self, request: Request) -> None:
         """Offer the request's blocks that are full of computed tokens to the cache (after
@@ -160,7 +165,7 @@ class KVCacheManager:
         Mutates: the cached map, self._num_registered."""
         bs = self.block_size
         start = self._num_registered[request.req_id]
-        end = min(num_tokens // bs, len(request.block_hashes))
+        end = self._num_full(request, num_tokens)
         tokens = request.all_token_ids
         for i in range(start, end):
             parent = blocks[i - 1] if i > 0 else None
