@@ -131,7 +131,6 @@ def replay(d: Path, run: dict, tag: str, sched: dict, args) -> None:
     simdoc = {"runs": [run_json(res, run["rate"], 1.0, None, PERCENTILES, {})]}
     r = ratios(real, simdoc)
     print("  trace cost: " + "  ".join(f"{k} {v['ratio']:.2f}" for k, v in r.items()))
-    return 0
 
 
 if __name__ == "__main__":
