@@ -64,7 +64,9 @@ Run it alone on the machine, under the exclusive benchmark lock:
         --calibrate --out out/sim/fidelity
 
 Each real run waits for a quiet machine first and is redone once when other processes used
-more than --max-foreign of a core meanwhile; the figure is reported either way.
+more than --max-foreign of a core meanwhile; a max-rate run is also redone (at most twice)
+when the hypervisor took more than --max-steal of a core (steal); the figures are reported
+either way.
 """
 from __future__ import annotations
 
@@ -124,6 +126,23 @@ def capacity(mix: str, profile, config, id_range, seed: int) -> float:
     return len(convs) / res.duration_s
 
 
+def scaled_slo(mix: str, profile, config, id_range, seed: int, scale: float,
+               run_seconds: float) -> dict:
+    """The P90 SLO as `scale` x the simulator's own p90 TTFT and TPOT (ms) of `mix` at a
+    light load (0.1 x its capacity) under `profile`, DistServe's "SLO scale": a limit
+    relative to what this machine does unloaded, so that the attainment stays near 1 at
+    light load and the max rate is set by queueing, not by a limit the unloaded engine
+    barely meets (docs/simulator.md §3, r32). Computed before any measured run."""
+    rate = 0.1 * capacity(mix, profile, config, id_range, seed)
+    n = max(16, int(round(rate * run_seconds)))
+    convs = conversations(mix, n, seed, id_range)
+    res = simulate(convs, profile, ClusterSpec(1), rate, 1.0, seed, None, config, id_range,
+                   noise=False)
+    summary = summarize(res.records, res.duration_s, PERCENTILES, None)
+    return {"ttft": round(scale * summary["ttft_ms"]["p90"], 1),
+            "tpot": round(scale * summary["tpot_ms"]["p90"], 1)}
+
+
 def doc(label: str, records, duration: float, rate: float, slo: dict, extra: dict) -> dict:
     summary = summarize(records, duration, PERCENTILES, slo)
     return {"schema": "duet-bench-serve/1", "label": label, "config": extra,
@@ -131,18 +150,25 @@ def doc(label: str, records, duration: float, rate: float, slo: dict, extra: dic
                       "summary": summary, "requests": [r.to_json() for r in records]}]}
 
 
-def real_run(loaded, engine_config, convs, offsets, max_foreign: float):
+def real_run(loaded, engine_config, convs, offsets, max_foreign: float,
+             max_steal: float = float("inf"), attempts: int = 2):
+    """One real run of `convs` at `offsets` on a fresh engine, redone (at most `attempts`
+    runs in all) while other processes used more than `max_foreign` of a core or the
+    hypervisor took more than `max_steal` of one meanwhile: both slow the engine's steps
+    without being the engine's cost. Returns (engine, ReplayResult, foreign fraction) of the
+    last run; its steal is res.steal_s / res.duration_s."""
     from duetserve.engine.engine_core import EngineCore
-    for attempt in (1, 2):
+    for attempt in range(1, attempts + 1):
         quiet = wait_until_quiet(0.1, 5.0, 600.0)
         engine = EngineCore(engine_config, loaded)
         res = replay(engine, convs, offsets)
         frac = res.foreign_cpu_s / res.duration_s
+        steal = res.steal_s / res.duration_s
+        redo = (frac > max_foreign or steal > max_steal) and attempt < attempts
         log(f"  real run: {len(res.records)} requests in {res.duration_s:.1f} s; foreign CPU "
-            f"{frac:.2f} core (before: {quiet:.2f}), steal {res.steal_s / res.duration_s:.3f}; "
-            f"engine {res.rusage}"
-            f"{'; redo' if frac > max_foreign and attempt == 1 else ''}")
-        if frac <= max_foreign:
+            f"{frac:.2f} core (before: {quiet:.2f}), steal {steal:.3f}; "
+            f"engine {res.rusage}{'; redo' if redo else ''}")
+        if not redo:
             break
     return engine, res, frac
 
@@ -483,16 +509,18 @@ def max_rate_runs(args, loaded, engine_config, profile, config, id_range, slo: d
                           slo, n_for, cap * 0.3, cap * 1.0, paths=paths)
     log(f"{mix}: simulated max rate meeting the P90 SLO {slo}: {r_plan:.3f}/s ({paths} noise "
         f"paths; the measured rates are factors of it)")
-    records, fracs, per_run, slo_steps, slo_cold = {}, {}, {}, [], []
+    records, fracs, per_run, steals, slo_steps, slo_cold = {}, {}, {}, {}, [], []
 
     def run_at(rate: float) -> None:
         """One real run at `rate` (its own workload size); mutates the pools above."""
         n = n_for(rate)
         convs = conversations(mix, n, args.seed, id_range)
         offsets = arrival_offsets(n, rate, 1.0, args.seed).tolist()
-        _, res, frac = real_run(loaded, engine_config, convs, offsets, args.max_foreign)
+        _, res, frac = real_run(loaded, engine_config, convs, offsets, args.max_foreign,
+                                args.max_steal, attempts=3)
         records.setdefault(rate, []).extend(res.records)
         fracs.setdefault(rate, []).append(frac)
+        steals.setdefault(rate, []).append(res.steal_s / res.duration_s)
         per_run.setdefault(rate, []).append(attainment(res.records, slo))
         log(f"  {rate:.3f}/s: this run's attainment {per_run[rate][-1]:.3f}")
         slo_steps.extend(step_samples(res.steps))
@@ -530,7 +558,7 @@ def max_rate_runs(args, loaded, engine_config, profile, config, id_range, slo: d
     (out / "max-rate-real.json").write_text(json.dumps(
         {f"{rate:.6g}": [r.to_json() for r in recs] for rate, recs in records.items()}))
     return {"mix": mix, "n_for": n_for, "cap": cap, "probe": probe, "paths": paths,
-            "profile": profile, "per_run": per_run,
+            "profile": profile, "per_run": per_run, "steals": steals,
             "repeats": slo_repeats, "planning_rate": r_plan, "records": records,
             "steps": slo_steps, "cold": slo_cold}
 
@@ -580,6 +608,7 @@ def max_rate_sims(args, runs: dict, profile, config, id_range, slo: dict) -> dic
             "sim_paths": paths, "real_interpolated": r_real, "ratio": ratio(r_sim),
             "speed_probe": probe_rec, "repeats": runs["repeats"],
             "real_per_run": sorted(runs["per_run"].items()),
+            "real_steal_per_run": sorted(runs["steals"].items()),
             "real_interval": interval,
             "ratio_interval": None if interval["lo"] is None
             else [r_sim / interval["hi"], r_sim / interval["lo"]],
@@ -610,8 +639,18 @@ def main() -> int:
     ap.add_argument("--run-seconds", type=float, default=45.0, help="arrival span per run")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--max-foreign", type=float, default=0.15)
+    ap.add_argument("--max-steal", type=float, default=0.1,
+                    help="a max-rate run during which the hypervisor took more than this "
+                         "much of a core (steal) is redone, at most twice: attainment near "
+                         "the crossing collapses under steal (docs/simulator.md §3, r31)")
     ap.add_argument("--slo-mix", default="chat")
-    ap.add_argument("--slo", default="ttft=600,tpot=60", help="P90 SLO (ms) for the max rate")
+    ap.add_argument("--slo", default=None,
+                    help="P90 SLO (ms) for the max rate, e.g. ttft=600,tpot=60; default: "
+                         "--slo-scale x the simulator's unloaded p90s on --slo-mix")
+    ap.add_argument("--slo-scale", type=float, default=3.0,
+                    help="without --slo: the SLO is this many times the simulator's p90 "
+                         "TTFT and TPOT of --slo-mix at 0.1 x capacity (DistServe's SLO "
+                         "scale), taken under the rates' profile before any measured run")
     ap.add_argument("--slo-factors", default="0.8,1.0,1.25,1.5")
     ap.add_argument("--slo-extra", type=int, default=4,
                     help="at most this many more rates to bracket the engine's crossing")
@@ -690,8 +729,14 @@ def main() -> int:
         profile = load_profile(args.profile)
     results = {"profile": profile.to_json(), "scheduler": asdict(config), "runs": [],
                "max_rate": None, "kv_prefault": args.kv_prefault}
-    slo = dict(kv.split("=") for kv in args.slo.split(","))
-    slo = {k: float(v) for k, v in slo.items()}
+    if args.slo:
+        slo = {k: float(v) for k, v in (kv.split("=") for kv in args.slo.split(","))}
+    else:
+        slo = scaled_slo(args.slo_mix or "chat", profile, config, id_range, args.seed,
+                         args.slo_scale, args.run_seconds)
+        log(f"P90 SLO: {args.slo_scale:g} x the simulator's unloaded p90s on "
+            f"{args.slo_mix or 'chat'}: {slo} ms")
+    results["slo_ms"] = slo
     plans = []
     if not args.skip_fidelity:
         for mix in args.mixes.split(","):
