@@ -32,3 +32,14 @@ def default_model():
 def default_model_path() -> str:
     from duetserve.loader import default_model_path
     return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def hf_default_model(default_model_path):
+    """transformers' model read from the default GGUF file, in float32, loaded once per
+    session (its GGUF reader dequantizes in Python: ~30 s on a slow 2-core machine). The
+    tests only run forward passes and generate() on it; none changes it."""
+    from transformers import AutoModelForCausalLM
+    folder, name = os.path.split(default_model_path)
+    return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
+                                                dtype=torch.float32).eval()

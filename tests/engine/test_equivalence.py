@@ -2,7 +2,6 @@
 and identical to transformers; on a tiny random model and on the default model."""
 from __future__ import annotations
 
-import os
 from unittest import mock
 
 import pytest
@@ -67,12 +66,22 @@ def _check_all_modes(loaded, prompts, hf_model) -> None:
     assert _run_all(small, prompts) == base
     assert small.engine.scheduler.num_preemptions > 0
     assert small.engine.scheduler.kv_cache_manager.num_used_blocks == 0
-    # and transformers, one prompt at a time (it stops at eos: compare up to there)
+    # and transformers' greedy choice, up to its first eos (where its generate() stops)
+    eos = hf_model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
     for p, ours in zip(prompts, base):
-        with torch.no_grad():
-            ref = hf_model.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS,
-                                    do_sample=False)[0, len(p):].tolist()
-        assert ours[:len(ref)] == ref
+        n = next((i + 1 for i, t in enumerate(ours) if t in eos), len(ours))
+        assert _hf_greedy(hf_model, p, ours[:n]) == ours[:n]
+
+
+def _hf_greedy(hf_model, prompt: list[int], ours: list[int]) -> list[int]:
+    """transformers' argmax after the prompt and after each prefix of `ours`, from one
+    forward pass over prompt + ours: equal to `ours` exactly when transformers' greedy
+    generate() from the prompt gives `ours` (each of its steps takes the argmax after the
+    tokens before), at one pass per prompt instead of one per token."""
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([prompt + ours])).logits[0]
+    return logits[len(prompt) - 1:len(prompt) - 1 + len(ours)].argmax(-1).tolist()
 
 
 def test_tiny_model_all_modes(tiny_checkpoints):
@@ -83,12 +92,9 @@ def test_tiny_model_all_modes(tiny_checkpoints):
     _check_all_modes(loaded, _prompts(loaded.config.vocab_size), hf)
 
 
-def test_default_model_all_modes(default_model, default_model_path):
-    from transformers import AutoModelForCausalLM
-    folder, name = os.path.split(default_model_path)
-    hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
-                                              dtype=torch.float32).eval()
-    _check_all_modes(default_model, _prompts(default_model.config.vocab_size, seed=1), hf)
+def test_default_model_all_modes(default_model, hf_default_model):
+    _check_all_modes(default_model, _prompts(default_model.config.vocab_size, seed=1),
+                     hf_default_model)
 
 
 def test_too_long_prompt_rejected_without_disturbing_others(tiny_checkpoints):

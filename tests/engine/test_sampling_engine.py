@@ -1,8 +1,6 @@
 """Sampling as OpenAI clients expect, end to end on the default model."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -43,15 +41,12 @@ def test_seed_same_alone_and_in_batch(llm):
     assert llm.generate([PROMPT], other_seed)[0].outputs[0].token_ids != alone
 
 
-def test_greedy_logprobs_match_transformers(llm, default_model_path):
-    from transformers import AutoModelForCausalLM
+def test_greedy_logprobs_match_transformers(llm, hf_default_model):
     out = llm.generate([PROMPT], SamplingParams(temperature=0, logprobs=5, max_tokens=12,
                                                 ignore_eos=True))[0]
     ids = out.prompt_token_ids + out.outputs[0].token_ids
-    folder, name = os.path.split(default_model_path)
-    hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     with torch.no_grad():
-        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
+        ref = torch.log_softmax(hf_default_model(torch.tensor([ids])).logits[0].float(), dim=-1)
     n_prompt = len(out.prompt_token_ids)
     lps = out.outputs[0].logprobs
     assert len(lps) == 12
@@ -117,8 +112,7 @@ def test_n4_shares_prompt_blocks_and_samples_differ(llm):
 
 
 @pytest.mark.parametrize("budget", [2048, 4])   # whole prompt, and 4-token chunks
-def test_prompt_logprobs_match_transformers(default_model, default_model_path, budget):
-    from transformers import AutoModelForCausalLM
+def test_prompt_logprobs_match_transformers(default_model, hf_default_model, budget):
     cfg = EngineConfig(model=default_model.path, num_threads=2, kv_cache_memory=0.2,
                        max_num_batched_tokens=budget)
     llm = LLM.from_engine(EngineCore(cfg, loaded=default_model))
@@ -128,10 +122,8 @@ def test_prompt_logprobs_match_transformers(default_model, default_model_path, b
     ids = out.prompt_token_ids
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
     assert out.num_cached_tokens == 0     # no prefix hits when prompt logprobs are asked
-    folder, name = os.path.split(default_model_path)
-    hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     with torch.no_grad():
-        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
+        ref = torch.log_softmax(hf_default_model(torch.tensor([ids])).logits[0].float(), dim=-1)
     for p in range(1, len(ids)):
         entry = out.prompt_logprobs[p]
         assert abs(entry[ids[p]].logprob - float(ref[p - 1, ids[p]])) < 1e-4

@@ -28,9 +28,19 @@ class ServerProcess:
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> "ServerProcess":
+        return self.start().wait_ready()
+
+    def start(self) -> "ServerProcess":
+        """Start the process without waiting (several servers start side by side, then
+        each wait_ready())."""
         self.proc = subprocess.Popen([sys.executable, "-m", "duetserve", *self.args],
                                      env=self.env, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True)
+        return self
+
+    def wait_ready(self) -> "ServerProcess":
+        """Until /health answers 200 (RuntimeError with its output if the process exits,
+        or after READY_TIMEOUT_S, when it is stopped)."""
         deadline = time.monotonic() + READY_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -40,21 +40,24 @@ class RouterProcess(ServerProcess):
 @pytest.fixture(scope="module")
 def cluster():
     procs = {}
-    try:
-        procs["colo"] = ServerProcess(*COMMON).__enter__()
+    try:       # every process starts at once (their start-ups share the two cores)
+        procs["colo"] = ServerProcess(*COMMON)
         procs["prefill"] = ServerProcess(*COMMON, "--role", "prefill", "--kv-transfer-timeout",
-                                         str(TIMEOUT_S)).__enter__()
-        procs["shm"] = ServerProcess(*COMMON, "--role", "decode").__enter__()
+                                         str(TIMEOUT_S))
+        procs["shm"] = ServerProcess(*COMMON, "--role", "decode")
         decodes = [procs["shm"]]
         if MOONCAKE is None:
             procs["mooncake"] = ServerProcess(*COMMON, "--role", "decode",
-                                              "--kv-transfer-backend", "mooncake").__enter__()
+                                              "--kv-transfer-backend", "mooncake")
             decodes.append(procs["mooncake"])
-        procs["r_shm"] = RouterProcess([procs["prefill"]], [procs["shm"]]).__enter__()
+        procs["r_shm"] = RouterProcess([procs["prefill"]], [procs["shm"]])
         if MOONCAKE is None:
-            procs["r_mooncake"] = RouterProcess([procs["prefill"]],
-                                                [procs["mooncake"]]).__enter__()
-        procs["r_1p2d"] = RouterProcess([procs["prefill"]], decodes).__enter__()
+            procs["r_mooncake"] = RouterProcess([procs["prefill"]], [procs["mooncake"]])
+        procs["r_1p2d"] = RouterProcess([procs["prefill"]], decodes)
+        for p in procs.values():
+            p.start()
+        for p in procs.values():
+            p.wait_ready()
         yield procs
     finally:
         for p in reversed(list(procs.values())):

@@ -64,11 +64,23 @@ def test_begin_end_count_requests():
     (["cluster", "--prefill", "1", "--decode", "1", "--decode-resources", "[1]"],
      "must be a JSON object"),
 ])
-def test_bad_flags_are_one_line_errors(argv, message):
-    """Checked before anything starts (no server, no Ray)."""
-    r = subprocess.run([sys.executable, "-m", "duetserve", *argv], capture_output=True,
-                       text=True, timeout=60)
-    assert r.returncode == 2 and message in r.stderr, r.stderr
+def test_bad_flags_are_one_line_errors(argv, message, capsys):
+    """Checked before anything starts (no server, no Ray); in this process, as `duet`'s
+    main() (the subprocess path, `python -m duetserve`, is the next test's)."""
+    from duetserve.entrypoints.cli import main
+    try:
+        rc = main(argv)
+    except SystemExit as e:          # argparse's own usage errors
+        rc = e.code
+    err = capsys.readouterr().err
+    assert rc == 2 and message in err, err
+    assert len(err.strip().splitlines()) == 1 or err.startswith("usage:"), err
+
+
+def test_a_bad_flag_exits_2_from_the_command_line():
+    r = subprocess.run([sys.executable, "-m", "duetserve", "cluster", "--replicas", "0"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--replicas must be >= 1" in r.stderr, r.stderr
 
 
 def test_a_late_health_answer_is_not_a_dead_instance():

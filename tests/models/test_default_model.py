@@ -15,12 +15,10 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):",
 
 
 @pytest.fixture(scope="module")
-def hf_gguf(default_model_path):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def hf_gguf(default_model_path, hf_default_model):
+    from transformers import AutoTokenizer
     folder, name = os.path.split(default_model_path)
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    return tok, model.eval()
+    return AutoTokenizer.from_pretrained(folder, gguf_file=name), hf_default_model
 
 
 def test_greedy_tokens_match_transformers(default_model, hf_gguf):
