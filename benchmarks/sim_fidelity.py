@@ -732,10 +732,10 @@ def main() -> int:
     if args.slo:
         slo = {k: float(v) for k, v in (kv.split("=") for kv in args.slo.split(","))}
     else:
-        slo = scaled_slo(args.slo_mix or "chat", profile, config, id_range, args.seed,
-                         args.slo_scale, args.run_seconds)
-        log(f"P90 SLO: {args.slo_scale:g} x the simulator's unloaded p90s on "
-            f"{args.slo_mix or 'chat'}: {slo} ms")
+        slo_mix = args.slo_mix or "chat"
+        slo = scaled_slo(slo_mix, profile, config, id_range, args.seed, args.slo_scale,
+                         args.run_seconds)
+        log(f"P90 SLO: {args.slo_scale:g} x the simulator's unloaded p90s on {slo_mix}: {slo} ms")
     results["slo_ms"] = slo
     plans = []
     if not args.skip_fidelity:
