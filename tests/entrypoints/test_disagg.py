@@ -208,7 +208,7 @@ def test_prefill_killed_router_fails_over(cluster):
     not); with no prefill instance left it answers 503 at once, and /health is 503."""
     body = {"prompt": PROMPTS[:6], "max_tokens": 6, "temperature": 0}
     ref = _norm(_collect(cluster["colo"].base, body))
-    args = (*COMMON, "--role", "prefill", "--kv-transfer-timeout", str(TIMEOUT_S))
+    args = (*PD, "--role", "prefill", "--kv-transfer-timeout", str(TIMEOUT_S))
     with ServerProcess(*args) as first, ServerProcess(*args) as second, \
             RouterProcess([first, second], [cluster["shm"]]) as router:
         assert _norm(_collect(router.base, body)) == ref
