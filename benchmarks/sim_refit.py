@@ -32,9 +32,9 @@ from pathlib import Path
 import numpy as np
 
 from duetserve.bench.token_workload import DEFAULT_ID_RANGE
-from duetserve.entrypoints.sim_calibrate import saved_traces
+from duetserve.entrypoints.sim_calibrate import recorded_cold, saved_traces
 from duetserve.sim.cluster import ClusterSpec
-from duetserve.sim.cost import run_shapes
+from duetserve.sim.cost import run_shapes, with_idle
 from duetserve.sim.fit import fit_cost
 from duetserve.sim.noise import estimate as estimate_noise
 from duetserve.sim.noise import level_of
@@ -59,10 +59,15 @@ def step_class(slices, breakpoint: int) -> str:
     return f"mixed {many}"
 
 
-def step_cold(d: Path, tag: str, steps) -> list[bool]:
-    """The run's cold flags (runs before they were recorded: none cold)."""
+def step_cold(d: Path, tag: str, steps) -> list:
+    """The run's cold values (sim/cost.py cold_state; runs before they were recorded: none
+    cold), the idle times of runs from before those were recorded filled in from the
+    steps' starts (sim/cost.py with_idle)."""
     info = d / f"{tag}-stepinfo.json"
-    return json.loads(info.read_text())["cold"] if info.exists() else [False] * len(steps)
+    if not info.exists():
+        return [False] * len(steps)
+    return with_idle(json.loads(info.read_text())["cold"], [s for s, _, _ in steps],
+                     [dt for _, dt, _ in steps])
 
 
 def cell_tags(d: Path, name: str) -> list[str]:
@@ -177,7 +182,7 @@ def main() -> int:
             raw = json.loads(ppath.with_suffix(".samples.json").read_text())
             keep = raw.get("grid_steps") if args.grid_only else None
             samples += raw["samples"][:keep]
-            cold += raw.get("cold", [False] * len(raw["samples"]))[:keep]
+            cold += recorded_cold(raw)[:keep]
         for tag in (t for name in filter(None, args.fit_runs.split(","))
                     for t in run_tags(d, name)):
             steps = json.loads((d / f"{tag}-steps.json").read_text())
@@ -209,7 +214,7 @@ def main() -> int:
         raw = json.loads(raw_path.read_text())
         reference = None if args.no_probe else raw.get("probe")
         g = raw.get("grid_steps", len(raw["samples"]))
-        flags = raw.get("cold", [False] * len(raw["samples"]))
+        flags = recorded_cold(raw)
         for name, lo, hi in (("grid", 0, g), ("serving scenario", g, len(raw["samples"]))):
             if hi > lo:
                 print(f"\ncalibration {name}: {hi - lo} steps")

@@ -64,7 +64,8 @@ class Calibration:
     num_computed_before, sampled)."""
 
     samples: list[tuple[list[tuple[int, int, bool]], float]] = field(default_factory=list)
-    cold: list[bool] = field(default_factory=list)    # per sample: see sim/cost.py cold_rows
+    # per sample: 0.0, or the seconds the engine sat idle before it (sim/cost.py cold_state)
+    cold: list[float | bool] = field(default_factory=list)
     starts: list[float] = field(default_factory=list)  # per sample: its start (perf_counter s)
     arrival_s: list[float] = field(default_factory=list)
     seconds: float = 0.0
@@ -85,7 +86,8 @@ class _Driver:
         self.rng = np.random.default_rng(seed)
         self.lo, self.hi = id_range
         self.prompt_len: dict[str, int] = {}
-        self.idle: dict[int, bool] = {}       # id(engine) -> no requests after its last step
+        # id(engine) -> when its last step ended with no requests left (None: it had some)
+        self.idle: dict[int, float | None] = {}
         self.cal = Calibration()
         self._ids = 0
 
@@ -103,13 +105,17 @@ class _Driver:
         return req_id
 
     def step(self, record: bool = True) -> None:
-        cold = self.idle.get(id(self.engine), True)
         t0 = time.perf_counter()
+        cold: float | bool = True         # a new engine: cold, its idle time not known
+        if id(self.engine) in self.idle:
+            since = self.idle[id(self.engine)]
+            cold = 0.0 if since is None else max(t0 - since, 1e-9)
         self.engine.step_deltas()
-        dt = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        dt = t1 - t0
         items = self.engine.last_step.items
         if items:
-            self.idle[id(self.engine)] = not self.engine.has_unfinished_requests()
+            self.idle[id(self.engine)] = None if self.engine.has_unfinished_requests() else t1
         if record and items:
             self.cal.cold.append(cold)
             self.cal.starts.append(t0)

@@ -39,9 +39,9 @@ class ReplayResult:
     steal_s: float | None = None          # CPU seconds the hypervisor took meanwhile
     # per step (same order as steps): minor page faults this process took during it, and
     # whether it was cold (the engine had no requests after the step before: see
-    # sim/cost.py, cold_rows)
+    # sim/cost.py, cold_rows and cold_state): 0.0 if not, else the seconds it sat idle
     step_faults: list[int] = field(default_factory=list)
-    step_cold: list[bool] = field(default_factory=list)
+    step_cold: list[float] = field(default_factory=list)
     # this process over the run: user and system CPU seconds, minor page faults
     rusage: dict[str, float] = field(default_factory=dict)
 
@@ -59,10 +59,11 @@ def replay(engine: Any, convs: list[TokenConversation], offsets: list[float],
     steps: list[tuple[float, float, list[tuple[int, int, bool]]]] = []
     meter = ForeignCpu()
     step_faults: list[int] = []
-    step_cold: list[bool] = []
+    step_cold: list[float] = []
     cold = True                                # a new engine released its start-up memory
     ru0 = resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.perf_counter()
+    idle_since = t0                            # when the engine last ran out of requests
 
     def send(cid: int, turn: int, history: list[int], now: float) -> None:
         spec = convs[cid][turn]
@@ -102,8 +103,9 @@ def replay(engine: Any, convs: list[TokenConversation], offsets: list[float],
         items = engine.last_step.items
         if items:
             step_faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
-            step_cold.append(cold)
+            step_cold.append(max(start - idle_since, 1e-9) if cold else 0.0)
             cold = not engine.has_unfinished_requests()
+            idle_since = end
             steps.append((start - t0, end - start, [
                 (s.num_new_tokens, s.num_computed_before,
                  s.num_computed_before + s.num_new_tokens >= len(live[s.req_id].prompt)

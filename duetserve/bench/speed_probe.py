@@ -46,7 +46,7 @@ class ProbeResult:
     bench/calibrate.Calibration's."""
 
     samples: list[tuple[list[tuple[int, int, bool]], float]] = field(default_factory=list)
-    cold: list[bool] = field(default_factory=list)
+    cold: list[float | bool] = field(default_factory=list)
     seconds: float = 0.0
     foreign_cpu_s: float = 0.0
 

@@ -203,13 +203,30 @@ def calibrate(model: str | None, num_threads: int, quick: bool = False,
     return profile, path
 
 
+def recorded_cold(raw: dict) -> list:
+    """A calibration samples file's cold values (sim/cost.py cold_state), the idle time of
+    files from before it was recorded filled in from the saved start times (the grid's and
+    each serving trace's: sim/cost.py with_idle)."""
+    from duetserve.sim.cost import with_idle
+    samples = raw["samples"]
+    cold = list(raw.get("cold", [False] * len(samples)))
+    g = raw.get("grid_steps", len(samples))
+    parts = [(raw.get("grid_starts"), 0, g)]
+    for starts in raw.get("serving_starts", []):
+        parts.append((starts, parts[-1][2], parts[-1][2] + len(starts)))
+    for starts, lo, hi in parts:
+        if starts is not None and hi > lo:
+            cold[lo:hi] = with_idle(cold[lo:hi], starts, [dt for _, dt in samples[lo:hi]])
+    return cold
+
+
 def saved_traces(raw: dict, cost, grid: bool = True) -> list[tuple[list, list]]:
     """The step traces a calibration's samples file holds, each as (start times, log
     measured / predicted under `cost`: sim/noise.py's input): the grid's (when `grid`)
     and each serving-scenario trace's, those whose start times were saved."""
     from duetserve.sim.noise import log_ratios
     samples = raw["samples"]
-    cold = raw.get("cold", [False] * len(samples))
+    cold = recorded_cold(raw)
     g = raw.get("grid_steps", len(samples))
     parts = [(raw.get("grid_starts") if grid else None, 0, g)]
     for starts in raw.get("serving_starts", []):
@@ -253,7 +270,7 @@ def pooled_profile(paths: Sequence[str | Path], out: str | Path) -> SimProfile:
                              f"threads, torch, CPU or duetserve's source differ): only "
                              f"calibrations of one engine pool")
     raws = [json.loads(sp.read_text()) for sp in sample_paths]
-    flags = [raw.get("cold", [False] * len(raw["samples"])) for raw in raws]
+    flags = [recorded_cold(raw) for raw in raws]
     samples, cold, arrivals, probe_samples, probe_cold = [], [], [], [], []
     for raw, fl in zip(raws, flags):
         samples += raw["samples"]

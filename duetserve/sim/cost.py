@@ -37,11 +37,18 @@ KNOT_ROWS = 3      # rows_few_over: where the few-row slope changes (measured, �
 # 1-3 / 4-8 / 9-32 after a cold step; docs/simulator.md §2, a14)
 REWARM_STEPS = 7.0
 REWARM_LIMIT = 32
+# cold_idle: a cold step's excess grows with how long the engine sat idle before it, as
+# ln(1 + idle / IDLE_KNEE_S) (measured on the Intel VM, a 40-token prompt after 0.05 /
+# 0.3 / 2 / 5 / 10 s idle: 34 / 48 / 77 / 113 / 130 ms, ~26 ms per unit of that log;
+# a 300-token one 365 ms after 0.01 s, 447 ms after 2 s; benchmarks/cold_step.py,
+# docs/simulator.md §3 r37)
+IDLE_KNEE_S = 0.3
 
 # Feature names of the calibrated model, in coefficient order (see CalibratedCost).
 FEATURES = ("step", "requests", "rows_few", "many_rows", "rows_many", "logits",
             "decode_context", "prefill_context", "fresh_pairs", "chunk_scores", "chunk_pairs",
-            "mixed_few", "cold_rows", "rows_few_over", "rewarm", "multi_rows")
+            "mixed_few", "cold_rows", "rows_few_over", "rewarm", "multi_rows", "cold_idle",
+            "cold_idle_rows")
 
 
 @dataclass(slots=True)
@@ -61,6 +68,8 @@ class StepShape:
                                  # n*(c+n) <= flash_above (the masked score matrix)
     chunk_pairs: int = 0         # sum of n*c + n(n+1)/2 over the longer ones (flash)
     cold: bool = False           # the first step after the engine went idle (see below)
+    idle_s: float = 0.0          # a cold step: seconds the engine sat idle before it (0:
+                                 # not recorded, cold_state)
     rewarm: int = 0              # k >= 1: the k-th step after the last reset (a cold step
                                  # or one on the many-row path); 0: a reset itself, before
                                  # any, or not known (rewarm_counts)
@@ -129,16 +138,49 @@ class StepShape:
         k = self.rewarm
         return math.exp(-(k - 1) / REWARM_STEPS) if 1 <= k <= REWARM_LIMIT else 0.0
 
+    def idling(self) -> float:
+        """The cold_idle feature: ln(1 + idle_s / IDLE_KNEE_S) on a cold step, else 0."""
+        return math.log1p(self.idle_s / IDLE_KNEE_S) if self.cold else 0.0
 
-def next_rewarm(prev: int | None, cold: bool, rows: int, breakpoint: int) -> int | None:
+
+def cold_state(value: float | bool) -> tuple[bool, float]:
+    """A recorded per-step cold value -> (cold, idle seconds). The records (bench/replay.py,
+    bench/calibrate.py, the simulator's instances) hold, per step, 0 (or False) for a warm
+    step and, for a cold one, the seconds the engine sat idle before it; True is a cold
+    step whose idle time was not recorded (data from before it was): idle 0, so only
+    cold_rows prices it."""
+    if isinstance(value, bool):
+        return value, 0.0
+    return value > 0, max(0.0, float(value))
+
+
+def with_idle(cold: Sequence[float | bool], starts: Sequence[float],
+              seconds: Sequence[float]) -> list[float | bool]:
+    """Cold values (cold_state) with the idle time of each cold step recorded as True
+    (data from before it was recorded) filled in from the steps' start times and
+    durations: from the end of the step before to its start (the engine steps only
+    when it has work). The first step of a run stays True."""
+    if not len(cold) == len(starts) == len(seconds):
+        raise ValueError(f"{len(cold)} cold values, {len(starts)} starts, "
+                         f"{len(seconds)} durations")
+    out = list(cold)
+    for i in range(1, len(out)):
+        if out[i] is True:
+            out[i] = max(starts[i] - starts[i - 1] - seconds[i - 1], 1e-9)
+    return out
+
+
+def next_rewarm(prev: int | None, cold: float | bool, rows: int, breakpoint: int
+                ) -> int | None:
     """The rewarm count of a step after one counted `prev` (None: no reset yet): 0 on a
     reset (a cold step, or more than `breakpoint` rows: the many-row path), else prev + 1."""
     return 0 if cold or rows > breakpoint else (None if prev is None else prev + 1)
 
 
-def rewarm_counts(cold: Sequence[bool], rows: Sequence[int], breakpoint: int) -> list[int]:
-    """StepShape.rewarm of each step of a run, in the order they ran, from its cold flags
-    and row counts: 0 on a reset (a cold step, or more than `breakpoint` rows: the
+def rewarm_counts(cold: Sequence[float | bool], rows: Sequence[int], breakpoint: int
+                  ) -> list[int]:
+    """StepShape.rewarm of each step of a run, in the order they ran, from its cold values
+    (cold_state) and row counts: 0 on a reset (a cold step, or more than `breakpoint` rows: the
     many-row path) and before the first, then 1, 2, ... until the next reset."""
     if len(cold) != len(rows):
         raise ValueError(f"{len(cold)} cold flags for {len(rows)} steps")
@@ -150,15 +192,17 @@ def rewarm_counts(cold: Sequence[bool], rows: Sequence[int], breakpoint: int) ->
     return out
 
 
-def shape_of(items: Iterable[tuple[int, int, bool]], cold: bool = False,
+def shape_of(items: Iterable[tuple[int, int, bool]], cold: float | bool = False,
              flash_above: int = 0, chunk_rows: int = 0,
              decode_split: tuple[int, int] = (0, 0), rewarm: int = 0) -> StepShape:
-    """StepShape of (num_new, num_computed_before, sampled) per scheduled request; `cold`:
-    the engine had no requests after its previous step (or had just started);
+    """StepShape of (num_new, num_computed_before, sampled) per scheduled request; `cold`
+    (cold_state): the engine had no requests after its previous step (or had just started),
+    and for how many seconds;
     `rewarm`: the step's place after the last reset (rewarm_counts);
     `flash_above`, `chunk_rows`, `decode_split`: see StepShape (a cost model's own:
     `shape_for(cost, ...)`)."""
-    shape = StepShape(cold=cold, rewarm=rewarm, flash_above=flash_above,
+    is_cold, idle_s = cold_state(cold)
+    shape = StepShape(cold=is_cold, idle_s=idle_s, rewarm=rewarm, flash_above=flash_above,
                       chunk_rows=chunk_rows, decode_split=decode_split)
     for n, c, sampled in items:
         if n > 0:
@@ -167,7 +211,7 @@ def shape_of(items: Iterable[tuple[int, int, bool]], cold: bool = False,
 
 
 def shape_for(cost: "StepCostModel", items: Iterable[tuple[int, int, bool]],
-              cold: bool = False, rewarm: int = 0) -> StepShape:
+              cold: float | bool = False, rewarm: int = 0) -> StepShape:
     """shape_of with the engine's layout of chunks that `cost` was fitted with."""
     return shape_of(items, cold, int(getattr(cost, "flash_above", 0)),
                     int(getattr(cost, "chunk_rows", 0)),
@@ -175,7 +219,7 @@ def shape_for(cost: "StepCostModel", items: Iterable[tuple[int, int, bool]],
 
 
 def run_shapes(cost: "StepCostModel", steps: Sequence[Sequence[tuple[int, int, bool]]],
-               cold: Sequence[bool]) -> list[StepShape]:
+               cold: Sequence[float | bool]) -> list[StepShape]:
     """shape_for of each step (its slices) of one run or of runs one after another, in the
     order they ran, with their rewarm counts under `cost`'s kernel switch (a run starts
     cold, so runs in sequence count apart)."""
@@ -229,6 +273,12 @@ class CalibratedCost:
                                               more (Intel VM, float32 engine: warm decode
                                               steps 4.8 / 7.3 / 8.1 / 8.8 ms at 1-4 rows,
                                               then ~0.85 ms a row; §2, a15)
+        cold_idle       ln(1 + idle/IDLE_KNEE_S)  a cold step after `idle` seconds without
+                        if the step is cold   requests runs slower the longer the engine
+                                              idled (on the VMs measured: a 40-token
+                                              prompt 34 ms after 0.05 s, 113 ms after 5 s;
+                                              §3, r37); 0 when idle was not recorded
+        cold_idle_rows  T x cold_idle         the same excess growing with the step's rows
 
     `breakpoint` is the row count where the engine switches kernels (fitted).
     `arrival_s` is the engine's cost of adding one request (validation, detokenizer set-up),
@@ -253,7 +303,8 @@ class CalibratedCost:
                 s.prefill_context, s.fresh_pairs, s.chunk_scores, s.chunk_pairs,
                 0.0 if many or not s.num_prefills else 1.0, s.num_tokens if s.cold else 0,
                 0 if many else max(0, s.num_tokens - KNOT_ROWS), s.rewarming(),
-                0.0 if many or s.num_tokens < 2 else 1.0)
+                0.0 if many or s.num_tokens < 2 else 1.0, s.idling(),
+                s.idling() * s.num_tokens)
 
     def step_seconds(self, shape: StepShape) -> float:
         return sum(c * f for c, f in zip(self.coef, self.features(shape)))

@@ -69,12 +69,13 @@ def _fit_one(shapes: list[StepShape], seconds: np.ndarray, breakpoint: int,
 
 
 def fit_cost(samples: Sequence[Sample], arrival_s: float = 0.0,
-             cold: Sequence[bool] | None = None, flash_above: int = 0,
+             cold: Sequence[float | bool] | None = None, flash_above: int = 0,
              chunk_rows: int = 0, breakpoint: int = 0,
              decode_split: tuple[int, int] = (0, 0)) -> tuple[CalibratedCost, dict]:
     """The best CalibratedCost for `samples`, and a report of the fit (RMS and median
     relative error, outliers dropped, per-breakpoint RMS). `cold[i]`: sample i was the
-    first step after the engine went idle (None: none was); the samples are in the order
+    first step after the engine went idle, and for how long (sim/cost.py cold_state;
+    None: none was); the samples are in the order
     they ran (the steps after a reset are counted from it, per candidate breakpoint:
     rewarm_counts). `flash_above`: the engine's split of chunks after context and
     `chunk_rows` its chunks run as decode rows (sim/cost.py StepShape), kept in the cost,
@@ -84,7 +85,7 @@ def fit_cost(samples: Sequence[Sample], arrival_s: float = 0.0,
     if cold is not None and len(cold) != len(samples):
         raise ValueError(f"{len(cold)} cold flags for {len(samples)} samples")
     flags = cold if cold is not None else [False] * len(samples)
-    shapes = [shape_of(slices, bool(c), flash_above, chunk_rows, decode_split)
+    shapes = [shape_of(slices, c, flash_above, chunk_rows, decode_split)
               for (slices, _), c in zip(samples, flags)]
     rows = [s.num_tokens for s in shapes]
 

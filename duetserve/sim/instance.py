@@ -61,7 +61,9 @@ class SimInstance:
         # the engine releases freed heap memory when it runs out of requests (and after
         # its start-up measurement): its next step faults its transients back in
         self.cold = True
+        self.idle_since = 0.0            # when it last ran out of requests (simulated s)
         self.rewarm: int | None = None   # the last step's rewarm count (next_rewarm)
+        self._end = 0.0                  # when the step begun last ends
 
     @property
     def num_outstanding(self) -> int:
@@ -91,7 +93,7 @@ class SimInstance:
         """Admit pending requests, schedule one step starting at simulated time `now` and
         return its duration in seconds (None: nothing to run, the instance goes idle): the
         cost model's time, times the noise sampler's factor when there is one. Mutates the
-        scheduler, the noise sampler, `cold` and `rewarm`."""
+        scheduler, the noise sampler, `cold`, `rewarm` and the step's end."""
         num_added = len(self.pending)
         self.pending = []
         so = self.scheduler.schedule()
@@ -101,6 +103,7 @@ class SimInstance:
             return None
         requests = self.scheduler.requests
         shape = StepShape(cold=self.cold, flash_above=self.flash_above,
+                          idle_s=max(0.0, now - self.idle_since) if self.cold else 0.0,
                           chunk_rows=self.chunk_rows, decode_split=self.decode_split)
         self.cold = False
         sampled = []
@@ -127,6 +130,7 @@ class SimInstance:
         if self.noise is not None:
             duration *= self.noise.factor(now)
         self._so, self._sampled = so, sampled
+        self._end = now + duration
         self.busy = True
         self.num_steps += 1
         self.busy_seconds += duration
@@ -136,8 +140,8 @@ class SimInstance:
     def end_step(self) -> list[Request]:
         """Apply the step begun by begin_step: one synthetic token per sampled slice, then
         the scheduler's update (counters, token stops, freeing). Returns the requests that
-        got a token or finished, in schedule order. Mutates the scheduler; the instance
-        is idle (`busy` False) until the next begin_step."""
+        got a token or finished, in schedule order. Mutates the scheduler, `cold` and
+        `idle_since`; the instance is idle (`busy` False) until the next begin_step."""
         so = self._so
         assert so is not None, "end_step without begin_step"
         ids = output_token_ids(self._next_token, len(self._sampled), self.id_range)
@@ -149,6 +153,8 @@ class SimInstance:
             if req.is_finished:
                 self.kv_loaded.pop(req.req_id, None)
         self.cold = not self.scheduler.has_unfinished_requests()
+        if self.cold:
+            self.idle_since = self._end
         self._so, self._sampled = None, []
         self.busy = False          # between steps until the caller begins the next one
         return touched

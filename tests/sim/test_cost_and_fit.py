@@ -8,8 +8,8 @@ from duetserve.config import ConfigError
 from duetserve.metrics.cost_model import step_cost
 from duetserve.metrics.hardware import GPU_PROFILES
 from duetserve.metrics.known_models import LLAMA_3_8B
-from duetserve.sim.cost import (FEATURES, CalibratedCost, rewarm_counts, run_shapes,
-                                shape_for, shape_of)
+from duetserve.sim.cost import (FEATURES, IDLE_KNEE_S, CalibratedCost, cold_state,
+                                rewarm_counts, run_shapes, shape_for, shape_of, with_idle)
 from duetserve.sim.fit import fit_cost, nnls
 from duetserve.sim.gpu import Efficiency, fit_efficiency, roofline_cost, unit_costs
 from duetserve.sim.profile import load_profile, roofline_profile
@@ -160,7 +160,8 @@ def test_fit_recovers_a_known_cost_and_breakpoint() -> None:
                         ("many_rows", 0.006), ("rows_many", 0.0011), ("logits", 0.0002),
                         ("decode_context", 2e-6), ("fresh_pairs", 3e-8),
                         ("chunk_scores", 8e-8), ("chunk_pairs", 4e-8), ("mixed_few", 0.004),
-                        ("cold_rows", 5e-5), ("rewarm", 0.003), ("multi_rows", 0.002)):
+                        ("cold_rows", 5e-5), ("rewarm", 0.003), ("multi_rows", 0.002),
+                        ("cold_idle", 0.02), ("cold_idle_rows", 6e-5)):
         coef[FEATURES.index(name)] = value
     truth = CalibratedCost(tuple(coef), 4, flash_above=20_000)
     rng = np.random.default_rng(1)
@@ -173,7 +174,9 @@ def test_fit_recovers_a_known_cost_and_breakpoint() -> None:
             c = 0 if rng.random() < 0.5 else int(rng.integers(1, 1024))
             slices.append((n, c, bool(rng.random() < 0.5)))   # mid-prompt chunks sample nothing
         steps.append(slices)
-        cold.append(bool(rng.random() < 0.1))
+        # a cold step after 0.001-20 s idle, some with the idle time not recorded
+        cold.append(False if rng.random() >= 0.15 else
+                    True if rng.random() < 0.2 else float(np.exp(rng.uniform(-7, 3))))
     # the steps ran in this order: each one's place after the last reset is priced
     samples = [(sl, truth.step_seconds(s)) for sl, s in zip(steps, run_shapes(truth, steps, cold))]
     samples.append(([(1, 10, True)], 5.0))       # a stall: dropped as an outlier
@@ -237,7 +240,8 @@ def test_the_few_row_path_steps_up_from_one_row_to_two() -> None:
                [(1, 50, True)] * 9, [(5, 0, True)])]
     assert priced == pytest.approx([0.0, 0.002, 0.002, 0.0, 0.002])
     old = cost.to_json()
-    old["features"], old["coef_s"] = old["features"][:-1], old["coef_s"][:-1]
+    k = FEATURES.index("multi_rows")
+    old["features"], old["coef_s"] = old["features"][:k], old["coef_s"][:k]
     assert CalibratedCost.from_json(old).coef == (0.0,) * len(FEATURES)
     old["features"] = old["features"][::-1]
     with pytest.raises(ValueError, match="re-run"):
@@ -288,7 +292,7 @@ def test_few_row_slope_changes_above_the_knot() -> None:
     truth = CalibratedCost(tuple(1e-3 if f in ("step", "rows_few") else
                                  6e-4 if f == "rows_few_over" else 0.0 for f in FEATURES), 16)
     samples = [([(1, 64, True)] * b, truth.step_seconds(shape_of([(1, 64, True)] * b)))
-               for b in list(range(1, 17)) * 2]
+               for b in list(range(1, 17)) * 3]
     fitted, report = fit_cost(samples)
     assert report["rms_rel_error"] < 1e-6
     for b in (1, 3, 4, 8, 16):
@@ -315,3 +319,23 @@ def test_fit_efficiency_recovers_the_factors_that_made_the_times() -> None:
     assert capped.mbu <= 0.5 and rms_capped > 0.01
     with pytest.raises(ConfigError):
         fit_efficiency(start, shapes, times[:-1])
+
+
+def test_a_cold_step_costs_more_the_longer_the_engine_idled() -> None:
+    """cold_idle: ln(1 + idle / IDLE_KNEE_S) on a cold step (cold_idle_rows: that times its
+    rows), 0 on a warm one and on a cold one whose idle time was not recorded (True);
+    with_idle fills those in from the steps' starts and durations, the first left True."""
+    coef = [0.0] * len(FEATURES)
+    coef[FEATURES.index("cold_idle")] = 0.02
+    coef[FEATURES.index("cold_idle_rows")] = 1e-4
+    cost = CalibratedCost(tuple(coef), 8)
+    prompt = [(40, 0, True)]
+    priced = [cost.step_seconds(shape_of(prompt, c)) for c in (0.0, False, True, 0.3, 5.0)]
+    assert priced == pytest.approx([0.0, 0.0, 0.0, (0.02 + 40e-4) * np.log(2.0),
+                                    (0.02 + 40e-4) * np.log1p(5.0 / IDLE_KNEE_S)])
+    assert cold_state(True) == (True, 0.0) and cold_state(0.0) == (False, 0.0)
+    assert cold_state(2.5) == (True, 2.5)
+    filled = with_idle([True, False, True, 0.7], [0.0, 1.0, 4.0, 9.0], [0.5, 0.5, 1.0, 1.0])
+    assert filled == [True, False, pytest.approx(2.5), 0.7]
+    with pytest.raises(ValueError, match="starts"):
+        with_idle([True], [0.0, 1.0], [0.5])

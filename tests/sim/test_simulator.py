@@ -15,7 +15,7 @@ from duetserve.bench.token_workload import TokenTurn
 from duetserve.config import SchedulerConfig
 from duetserve.core import scheduler as core_scheduler
 from duetserve.sim.cluster import ClusterSpec
-from duetserve.sim.cost import FEATURES, CalibratedCost
+from duetserve.sim.cost import FEATURES, IDLE_KNEE_S, CalibratedCost
 from duetserve.sim.instance import SimInstance
 from duetserve.sim.simulator import Simulation
 
@@ -83,6 +83,22 @@ def test_arrival_during_a_step_waits_for_the_step_boundary() -> None:
     assert a.ttft == pytest.approx(STEP)
     assert b.ttft == pytest.approx(2 * STEP - 0.003)
     assert b.e2e == pytest.approx(3 * STEP - 0.003)
+
+
+def test_a_cold_step_pays_for_the_time_the_instance_idled() -> None:
+    # cold_idle 20 ms: A (at 0.25 s) finds the instance idle since 0, B (at 2 s) since A's
+    # last step ended (0.25 + 3 steps); each first step costs STEP + 20 ms x ln(1 + idle /
+    # IDLE_KNEE_S), A's decodes (warm) STEP
+    coef = list(constant_cost().coef)
+    coef[FEATURES.index("cold_idle")] = 0.020
+    _, res = run([one_turn(8, 3), one_turn(8, 2, first_id=2000)], [0.25, 2.0],
+                 cost=CalibratedCost(tuple(coef), 0))
+    a, b = res.records
+    cold = lambda idle: STEP + 0.020 * math.log1p(idle / IDLE_KNEE_S)  # noqa: E731
+    assert a.ttft == pytest.approx(cold(0.25))
+    assert a.e2e == pytest.approx(cold(0.25) + 2 * STEP)
+    assert b.ttft == pytest.approx(cold(2.0 - a.send_time - a.e2e))
+    assert b.e2e == pytest.approx(b.ttft + STEP)
 
 
 def test_cost_depends_on_the_step_shape() -> None:
