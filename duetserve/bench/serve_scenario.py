@@ -72,7 +72,7 @@ class ServingSteps:
     bench/calibrate.Calibration's, plus the run's record."""
 
     samples: list[tuple[list[tuple[int, int, bool]], float]] = field(default_factory=list)
-    cold: list[bool] = field(default_factory=list)
+    cold: list[float] = field(default_factory=list)     # per sample: sim/cost.py cold_state
     starts: list[float] = field(default_factory=list)   # per sample: s from the trace's start
     conversations: int = 0
     requests: int = 0              # turns that finished (every one must)
