@@ -60,10 +60,11 @@ def replay(engine: Any, convs: list[TokenConversation], offsets: list[float],
     meter = ForeignCpu()
     step_faults: list[int] = []
     step_cold: list[float] = []
-    cold = True                                # a new engine released its start-up memory
     ru0 = resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.perf_counter()
-    idle_since = t0                            # when the engine last ran out of requests
+    # when the engine last ran out of requests (a new engine released its start-up
+    # memory: idle from the start), None while it has some
+    idle_since: float | None = t0
 
     def send(cid: int, turn: int, history: list[int], now: float) -> None:
         spec = convs[cid][turn]
@@ -103,9 +104,8 @@ def replay(engine: Any, convs: list[TokenConversation], offsets: list[float],
         items = engine.last_step.items
         if items:
             step_faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
-            step_cold.append(max(start - idle_since, 1e-9) if cold else 0.0)
-            cold = not engine.has_unfinished_requests()
-            idle_since = end
+            step_cold.append(0.0 if idle_since is None else max(start - idle_since, 1e-9))
+            idle_since = None if engine.has_unfinished_requests() else end
             steps.append((start - t0, end - start, [
                 (s.num_new_tokens, s.num_computed_before,
                  s.num_computed_before + s.num_new_tokens >= len(live[s.req_id].prompt)

@@ -203,6 +203,17 @@ def calibrate(model: str | None, num_threads: int, quick: bool = False,
     return profile, path
 
 
+def _traces(raw: dict, grid: bool = True) -> list[tuple[list, int, int]]:
+    """The step traces a calibration's samples file holds, as (start times, first sample,
+    end sample): the grid's (when `grid`) and each serving-scenario trace's, those whose
+    start times were saved and that hold steps."""
+    g = raw.get("grid_steps", len(raw["samples"]))
+    parts = [(raw.get("grid_starts") if grid else None, 0, g)]
+    for starts in raw.get("serving_starts", []):
+        parts.append((starts, parts[-1][2], parts[-1][2] + len(starts)))
+    return [(starts, lo, hi) for starts, lo, hi in parts if starts is not None and hi > lo]
+
+
 def recorded_cold(raw: dict) -> list:
     """A calibration samples file's cold values (sim/cost.py cold_state), the idle time of
     files from before it was recorded filled in from the saved start times (the grid's and
@@ -210,13 +221,8 @@ def recorded_cold(raw: dict) -> list:
     from duetserve.sim.cost import with_idle
     samples = raw["samples"]
     cold = list(raw.get("cold", [False] * len(samples)))
-    g = raw.get("grid_steps", len(samples))
-    parts = [(raw.get("grid_starts"), 0, g)]
-    for starts in raw.get("serving_starts", []):
-        parts.append((starts, parts[-1][2], parts[-1][2] + len(starts)))
-    for starts, lo, hi in parts:
-        if starts is not None and hi > lo:
-            cold[lo:hi] = with_idle(cold[lo:hi], starts, [dt for _, dt in samples[lo:hi]])
+    for starts, lo, hi in _traces(raw):
+        cold[lo:hi] = with_idle(cold[lo:hi], starts, [dt for _, dt in samples[lo:hi]])
     return cold
 
 
@@ -227,12 +233,8 @@ def saved_traces(raw: dict, cost, grid: bool = True) -> list[tuple[list, list]]:
     from duetserve.sim.noise import log_ratios
     samples = raw["samples"]
     cold = recorded_cold(raw)
-    g = raw.get("grid_steps", len(samples))
-    parts = [(raw.get("grid_starts") if grid else None, 0, g)]
-    for starts in raw.get("serving_starts", []):
-        parts.append((starts, parts[-1][2], parts[-1][2] + len(starts)))
     return [(starts, log_ratios(cost, samples[lo:hi], cold[lo:hi]))
-            for starts, lo, hi in parts if starts is not None and hi > lo]
+            for starts, lo, hi in _traces(raw, grid)]
 
 
 def pooled_profile(paths: Sequence[str | Path], out: str | Path) -> SimProfile:

@@ -298,13 +298,13 @@ class CalibratedCost:
 
     def features(self, s: StepShape) -> tuple[float, ...]:
         many = s.num_tokens > self.breakpoint
+        idling = s.idling()
         return (1.0, s.num_reqs, 0 if many else s.num_tokens, 1.0 if many else 0.0,
                 s.num_tokens if many else 0, s.num_logits, s.decode_busiest(),
                 s.prefill_context, s.fresh_pairs, s.chunk_scores, s.chunk_pairs,
                 0.0 if many or not s.num_prefills else 1.0, s.num_tokens if s.cold else 0,
                 0 if many else max(0, s.num_tokens - KNOT_ROWS), s.rewarming(),
-                0.0 if many or s.num_tokens < 2 else 1.0, s.idling(),
-                s.idling() * s.num_tokens)
+                0.0 if many or s.num_tokens < 2 else 1.0, idling, idling * s.num_tokens)
 
     def step_seconds(self, shape: StepShape) -> float:
         return sum(c * f for c, f in zip(self.coef, self.features(shape)))

@@ -59,9 +59,9 @@ class SimInstance:
         self.busy_seconds = 0.0
         self.num_step_tokens = 0
         # the engine releases freed heap memory when it runs out of requests (and after
-        # its start-up measurement): its next step faults its transients back in
-        self.cold = True
-        self.idle_since = 0.0            # when it last ran out of requests (simulated s)
+        # its start-up measurement): its next step is cold. When it last ran out of
+        # requests (simulated s; 0: it started idle), None while it has some
+        self.idle_since: float | None = 0.0
         self.rewarm: int | None = None   # the last step's rewarm count (next_rewarm)
         self._end = 0.0                  # when the step begun last ends
 
@@ -93,7 +93,7 @@ class SimInstance:
         """Admit pending requests, schedule one step starting at simulated time `now` and
         return its duration in seconds (None: nothing to run, the instance goes idle): the
         cost model's time, times the noise sampler's factor when there is one. Mutates the
-        scheduler, the noise sampler, `cold`, `rewarm` and the step's end."""
+        scheduler, the noise sampler, `idle_since`, `rewarm` and the step's end."""
         num_added = len(self.pending)
         self.pending = []
         so = self.scheduler.schedule()
@@ -102,10 +102,10 @@ class SimInstance:
             self._so = None
             return None
         requests = self.scheduler.requests
-        shape = StepShape(cold=self.cold, flash_above=self.flash_above,
-                          idle_s=max(0.0, now - self.idle_since) if self.cold else 0.0,
+        since, self.idle_since = self.idle_since, None
+        shape = StepShape(cold=since is not None, flash_above=self.flash_above,
+                          idle_s=0.0 if since is None else max(0.0, now - since),
                           chunk_rows=self.chunk_rows, decode_split=self.decode_split)
-        self.cold = False
         sampled = []
         for req_id, n in so.num_scheduled_tokens.items():
             req = requests[req_id]
@@ -140,7 +140,7 @@ class SimInstance:
     def end_step(self) -> list[Request]:
         """Apply the step begun by begin_step: one synthetic token per sampled slice, then
         the scheduler's update (counters, token stops, freeing). Returns the requests that
-        got a token or finished, in schedule order. Mutates the scheduler, `cold` and
+        got a token or finished, in schedule order. Mutates the scheduler and
         `idle_since`; the instance is idle (`busy` False) until the next begin_step."""
         so = self._so
         assert so is not None, "end_step without begin_step"
@@ -152,9 +152,7 @@ class SimInstance:
         for req in touched:
             if req.is_finished:
                 self.kv_loaded.pop(req.req_id, None)
-        self.cold = not self.scheduler.has_unfinished_requests()
-        if self.cold:
-            self.idle_since = self._end
+        self.idle_since = None if self.scheduler.has_unfinished_requests() else self._end
         self._so, self._sampled = None, []
         self.busy = False          # between steps until the caller begins the next one
         return touched
