@@ -21,8 +21,13 @@ measured as they happen in serving; "wide" has a fixed budget of CALIBRATION_BUD
   decode    B prompts of L tokens decoding M tokens together -> decode-only steps of
             exactly B streams (the small batches low-load serving runs most of its steps
             with, which a ramp passes through in one or two steps)
+  idle      the engine idle for S ms, then one prompt of n tokens, 4 tokens out
+                                                          -> a cold prefill after S ms idle
+            (its excess grows with S, sim/cost.py cold_idle), then decodes of one stream;
+            serving records few such steps and mostly long ones, so the grid pins the
+            few-row end of that excess
 
-About a minute and a half on the 135M model with 2 threads (--quick: seconds).
+About two minutes on the 135M model with 2 threads, a third of it idle (--quick: seconds).
 """
 from __future__ import annotations
 
@@ -41,6 +46,8 @@ from duetserve.bench.cpu_meter import ForeignCpu, wait_until_quiet
 GRID: tuple[tuple[str, str, tuple[int, ...]], ...] = (
     ("served", "ramp", (24, 512, 2)), ("served", "mixed", (8, 64, 768)),
     *(("served", "decode", (b, 160, 24)) for b in (1, 2, 3, 4, 6, 8, 12)),
+    *(("served", "idle", (n, ms)) for n in (16, 64) for ms in (100, 500, 2000, 6000)),
+    ("served", "idle", (256, 100)), ("served", "idle", (256, 4000)),
     *(("wide", "prefill", (n,)) for n in (8, 32, 128, 512, 768)),
     ("wide", "context", (16, 1024)), ("wide", "context", (256, 512)),
     ("wide", "context", (512, 16)),
@@ -51,6 +58,7 @@ QUICK_GRID: tuple[tuple[str, str, tuple[int, ...]], ...] = (
     ("served", "ramp", (4, 48, 1)), ("served", "decode", (2, 16, 8)),
     *(("wide", "prefill", (n,)) for n in (8, 32, 128)),
     ("wide", "context", (16, 64)), ("wide", "ramp", (8, 16, 1)), ("wide", "mixed", (4, 16, 16)),
+    ("served", "idle", (16, 50)),
 )
 CALIBRATION_BUDGET = 1024
 REPEATS = 1
@@ -86,8 +94,11 @@ class _Driver:
         self.rng = np.random.default_rng(seed)
         self.lo, self.hi = id_range
         self.prompt_len: dict[str, int] = {}
-        # id(engine) -> when its last step ended with no requests left (None: it had some)
-        self.idle: dict[int, float | None] = {}
+        # id(engine) -> whether its last step left it with no requests (its next one is cold)
+        self.idle: dict[int, bool] = {}
+        # when the last step of any engine ended: a cold step's idle time is the process's
+        # (the engines share the weights and the cores), not the time since that engine ran
+        self.last_end: float | None = None
         self.cal = Calibration()
         self._ids = 0
 
@@ -107,15 +118,15 @@ class _Driver:
     def step(self, record: bool = True) -> None:
         t0 = time.perf_counter()
         cold: float | bool = True         # a new engine: cold, its idle time not known
-        if id(self.engine) in self.idle:
-            since = self.idle[id(self.engine)]
-            cold = 0.0 if since is None else max(t0 - since, 1e-9)
+        if id(self.engine) in self.idle and self.last_end is not None:
+            cold = max(t0 - self.last_end, 1e-9) if self.idle[id(self.engine)] else 0.0
         self.engine.step_deltas()
         t1 = time.perf_counter()
         dt = t1 - t0
         items = self.engine.last_step.items
         if items:
-            self.idle[id(self.engine)] = None if self.engine.has_unfinished_requests() else t1
+            self.idle[id(self.engine)] = not self.engine.has_unfinished_requests()
+            self.last_end = t1
         if record and items:
             self.cal.cold.append(cold)
             self.cal.starts.append(t0)
@@ -150,6 +161,10 @@ def _scenario(d: _Driver, kind: str, p: tuple[int, ...]) -> None:
         batch, length, steps = p
         for _ in range(batch):
             d.add(d.tokens(length), steps)
+    elif kind == "idle":
+        n, ms = p
+        time.sleep(ms / 1e3)          # the idle spell itself is what this scenario measures
+        d.add(d.tokens(n), 4)
     elif kind == "mixed":
         batch, length, joiner = p
         for _ in range(batch):

@@ -56,6 +56,13 @@ def test_simulation_tracks_the_engine_on_a_tiny_model(tiny_checkpoints, tmp_path
     assert len(raw["grid_starts"]) == raw["grid_steps"]
     assert sum(map(len, raw["serving_starts"])) == serving["steps"]
     assert all(b >= a for a, b in zip(raw["grid_starts"], raw["grid_starts"][1:]))
+    # a cold grid step's idle time is the process's: the gap since the previous step of
+    # either engine ended (the grid switches engines that share the weights and the cores)
+    starts, grid = raw["grid_starts"], raw["samples"][:raw["grid_steps"]]
+    gaps = [b - (a + s[1]) for a, b, s in zip(starts, starts[1:], grid)]
+    colds = [(c, gap) for c, gap in zip(raw["cold"][1:raw["grid_steps"]], gaps) if c]
+    assert colds and all(c == pytest.approx(max(gap, 1e-9), abs=1e-6) for c, gap in colds)
+    assert max(c for c, _ in colds) >= 0.05        # the idle scenario slept 50 ms first
     assert profile.cost.flash_above == profile.meta["flash_above"] > 0
     # the kernel breakpoint is the engine's own switch (models/kernels.py), not fitted
     assert profile.meta["few_rows"] == few_row_limit(loaded.model) > 0
