@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from duetserve.bench.cpu_meter import ForeignCpu, wait_until_quiet
+from duetserve.bench.replay import cold_record
 
 # (engine, kind, parameters)
 GRID: tuple[tuple[str, str, tuple[int, ...]], ...] = (
@@ -119,7 +120,7 @@ class _Driver:
         t0 = time.perf_counter()
         cold: float | bool = True         # a new engine: cold, its idle time not known
         if id(self.engine) in self.idle and self.last_end is not None:
-            cold = max(t0 - self.last_end, 1e-9) if self.idle[id(self.engine)] else 0.0
+            cold = cold_record(self.last_end if self.idle[id(self.engine)] else None, t0)
         self.engine.step_deltas()
         t1 = time.perf_counter()
         dt = t1 - t0

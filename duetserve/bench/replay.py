@@ -46,6 +46,13 @@ class ReplayResult:
     rusage: dict[str, float] = field(default_factory=dict)
 
 
+def cold_record(idle_since: float | None, start: float) -> float:
+    """A step's recorded cold value (sim/cost.py cold_state): 0.0 for a warm step (the
+    engine had requests, `idle_since` None), else the seconds it sat idle before `start`,
+    floored just above 0 so a cold step never reads as warm."""
+    return 0.0 if idle_since is None else max(start - idle_since, 1e-9)
+
+
 def replay(engine: Any, convs: list[TokenConversation], offsets: list[float],
            max_concurrency: int | None = None) -> ReplayResult:
     """Run the workload to completion on `engine` (idle on entry). Mutates the engine."""
@@ -104,7 +111,7 @@ def replay(engine: Any, convs: list[TokenConversation], offsets: list[float],
         items = engine.last_step.items
         if items:
             step_faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
-            step_cold.append(0.0 if idle_since is None else max(start - idle_since, 1e-9))
+            step_cold.append(cold_record(idle_since, start))
             idle_since = None if engine.has_unfinished_requests() else end
             steps.append((start - t0, end - start, [
                 (s.num_new_tokens, s.num_computed_before,
