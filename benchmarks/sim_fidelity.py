@@ -91,7 +91,7 @@ from duetserve.sim.cluster import ClusterSpec
 from duetserve.sim.cost import run_shapes
 from duetserve.sim.profile import load_profile
 from duetserve.sim.run import run_json, simulate
-from duetserve.sim.speed import at_run_speed
+from duetserve.sim.speed import at_calibrated_level, at_run_speed
 
 MIXES = {
     "chat": dict(dataset="chat", input_len="32:128", output_len="32:96", num_turns=3),
@@ -310,6 +310,20 @@ def rep_tag(mix: str, level: float, rep: int, repeats: int) -> str:
     return tag if repeats == 1 else f"{tag}-rep{rep}"
 
 
+def local_levels(levels: list[float], round_: int, rate_calibrations: int) -> list[float]:
+    """The levels (pooled_profile's meta["pooled"]["levels"], in the order the calibrations
+    were taken) of the interleaved calibrations next to round `round_` (1-based, the cells'
+    rounds first, then the max-rate runs'): the one right before it (before round 1: the
+    --rate-calibrations taken back to back, as one, their geometric mean) and the one
+    right after it (none after the last round)."""
+    if round_ == 1:
+        before = float(np.exp(np.mean(np.log(levels[:rate_calibrations]))))
+    else:
+        before = levels[rate_calibrations + round_ - 2]
+    after = levels[rate_calibrations + round_ - 1:rate_calibrations + round_]
+    return [before] + list(after)
+
+
 def measure(plan: dict, rep: int, args, loaded, engine_config, profile, id_range,
             slo: dict, out: Path) -> dict:
     """One measured run of PLAN (its conversations and arrivals are the same every repeat),
@@ -355,6 +369,10 @@ def simulate_rep(plan: dict, rec: dict, args, profile, config, id_range, slo: di
     raw = rec.pop("_raw")
     convs = conversations(mix, n, args.seed, id_range)
     run_profile, probe_rec = probe_scaled(profile, raw["probe"])
+    if args.local_level:      # the pooled fit at the level of the calibrations around it
+        run_profile = at_calibrated_level(profile, local_levels(
+            profile.meta["pooled"]["levels"], rec["rep"], args.rate_calibrations))
+        probe_rec = run_profile.meta["speed_scale"]
     # repeat K's simulation draws noise path K (sim/noise.py), as repeat K met its own
     sres, sim = sim_doc(f"sim {mix} @ {rate:.3g}/s", convs, run_profile, config, rate,
                         args.seed, id_range, slo, not args.no_noise, rec["rep"])
@@ -570,6 +588,10 @@ def max_rate_sims(args, runs: dict, profile, config, id_range, slo: dict) -> dic
     mix, n_for, cap, paths = runs["mix"], runs["n_for"], runs["cap"], runs["paths"]
     unscaled_profile = profile
     scaled, probe_rec = probe_scaled(profile, runs["probe"])
+    if args.local_level:      # the calibrations taken before the max-rate rounds
+        scaled = at_calibrated_level(profile,
+                                     profile.meta["pooled"]["levels"][-runs["repeats"]:])
+        probe_rec = scaled.meta["speed_scale"]
 
     def max_rate(prof, paths_: int) -> float:
         return sim_max_rate(mix, prof, config, id_range, args.seed, slo, n_for, cap * 0.3,
@@ -681,6 +703,12 @@ def main() -> int:
                          "rough fit: smoke runs of this script only)")
     ap.add_argument("--no-speed-probe", action="store_true",
                     help="simulate with the calibrated profile as saved (no probe before runs)")
+    ap.add_argument("--local-level", action="store_true",
+                    help="with --interleave-calibration and --no-speed-probe: simulate each "
+                         "round's runs with the pooled fit at the level of the calibrations "
+                         "taken right before and after that round (sim/speed."
+                         "at_calibrated_level), the max-rate runs at their rounds' "
+                         "calibrations'; the pooled fit as is stays as `ratios_unscaled`")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -702,6 +730,8 @@ def main() -> int:
     if args.rate_calibrations < 1 or (args.rate_calibrations > 1
                                       and not args.interleave_calibration):
         ap.error("--rate-calibrations takes N >= 1, and N > 1 needs --interleave-calibration")
+    if args.local_level and not (args.interleave_calibration and args.no_speed_probe):
+        ap.error("--local-level needs --interleave-calibration and --no-speed-probe")
     calibrations: list[Path] = []
 
     def calibrate_now():

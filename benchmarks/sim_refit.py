@@ -40,11 +40,11 @@ from duetserve.sim.noise import estimate as estimate_noise
 from duetserve.sim.noise import level_of
 from duetserve.sim.profile import calibrated_profile, load_profile
 from duetserve.sim.run import run_json, simulate
-from duetserve.sim.speed import at_run_speed, probe_ratio, rescaled
+from duetserve.sim.speed import at_calibrated_level, at_run_speed, probe_ratio, rescaled
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sim_fidelity import (PERCENTILES, conversations, median_summary, ratios,  # noqa: E402
-                          rep_tag, sim_attainment, sim_max_rate, step_samples)
+from sim_fidelity import (PERCENTILES, conversations, local_levels,  # noqa: E402
+                          median_summary, ratios, rep_tag, sim_attainment, sim_max_rate, step_samples)
 from sim_fidelity_plot import within_target  # noqa: E402
 
 
@@ -159,6 +159,10 @@ def main() -> int:
     ap.add_argument("--run-speed", action="store_true",
                     help="simulate each run with the profile rescaled to that run's own "
                          "steps (sim/speed.at_run_speed: the diagnostic, not a prediction)")
+    ap.add_argument("--local-level", action="store_true",
+                    help="simulate each round's runs with the pooled profile at the level of "
+                         "the calibrations taken right before and after that round "
+                         "(sim/speed.at_calibrated_level; a prediction: no run's steps)")
     ap.add_argument("--noise", choices=("profile", "estimate", "none"), default="profile",
                     help="step-time noise of the simulations: the profile's (sim/noise.py), "
                          "re-estimated from its serving scenario under the cost in use, or none")
@@ -233,6 +237,13 @@ def main() -> int:
         profile.meta["noise"] = {**profile.meta["noise"],
                                  "level": level_of(levels) if args.level == "pooled" else 0.0}
     print(f"noise: {profile.step_noise.describe() if profile.step_noise else 'none'}")
+    pooled_levels = profile.meta.get("pooled", {}).get("levels", [])
+    if args.local_level:      # the calibrations: --rate-calibrations, then one a round
+        rounds = max(r.get("repeats", 1) for r in fid["runs"]) - 1 \
+            + ((fid.get("max_rate") or {}).get("repeats", 0))
+        rate_calibrations = len(pooled_levels) - rounds
+        if rate_calibrations < 1:
+            ap.error(f"--local-level needs an interleaved run's pooled profile ({ppath})")
     met = {"p50/p90": 0, "cells p50/p90": 0, "p99": 0, "cells p99": 0}
     for run in fid["runs"]:
         tag = f"{run['mix']}-{run['level']:g}"
@@ -252,6 +263,9 @@ def main() -> int:
             if args.run_speed:
                 run_profile = at_run_speed(profile, step_samples(steps),
                                            step_cold(d, t, steps))
+            elif args.local_level:
+                run_profile = at_calibrated_level(profile, local_levels(
+                    pooled_levels, rep, rate_calibrations))
             factor = run_profile.meta.get("speed_scale", {}).get("factor")
             print(f"  {t}" + (f", speed factor {factor:.3f}" if factor else ""))
             for k, v in step_report(steps, step_cold(d, t, steps), run_profile.cost).items():
@@ -281,6 +295,10 @@ def main() -> int:
         if args.run_speed and steps_path.exists():
             raw_steps = json.loads(steps_path.read_text())
             profile = at_run_speed(profile, raw_steps["samples"], raw_steps["cold"])
+        elif args.local_level:    # the calibrations taken during the max-rate runs
+            cell_rounds = max(r.get("repeats", 1) for r in fid["runs"])
+            profile = at_calibrated_level(profile, pooled_levels[
+                rate_calibrations + cell_rounds - 1:])
         else:
             profile = probed(profile, d, "max-rate", reference) or profile
         paths = 0 if args.noise == "none" else max(mr.get("repeats", 1), args.sim_paths)

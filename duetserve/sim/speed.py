@@ -8,6 +8,11 @@ factor is now / then, and every coefficient of the cost model is multiplied by i
 longer. One factor for every term, since the drift seen here moved decode-only and
 prefill steps alike (docs/simulator.md §3).
 
+`at_calibrated_level` rescales a profile pooled over calibrations taken at different times
+(sim_calibrate.pooled_profile) to the level of the ones taken next to a run, before and
+after it: still calibration, no step of the run enters it, but the machine's speed of that
+stretch rather than the average over all of them.
+
 `at_run_speed` is the fidelity benchmark's diagnostic, not a prediction: the profile
 rescaled to a measured run's own steps (the same measured / predicted total), so that
 what is left between the run and its simulation is the simulator's error (scheduling,
@@ -99,3 +104,17 @@ def rescaled(profile, now: dict):
     reference = probe_reference(profile)
     return _with_cost_scaled(profile, speed_factor(reference, now),
                              {"source": "probe", "reference": reference, "now": now})
+
+
+def at_calibrated_level(profile, levels: Sequence[float]):
+    """A copy of the calibrated `profile` with its cost scaled by the geometric mean of
+    `levels`: measured / predicted totals under its fit of the calibrations taken next to
+    a run (sim_calibrate.pooled_profile's meta["pooled"]["levels"], those around the run),
+    recorded as meta["speed_scale"] with source "calibrations". ValueError when the
+    profile is not calibrated or a level is not positive. Mutates nothing."""
+    _check_calibrated(profile)
+    if not levels or min(levels) <= 0:
+        raise ValueError(f"calibration levels must be positive, got {list(levels)}")
+    factor = float(np.exp(np.mean(np.log(np.asarray(levels, dtype=np.float64)))))
+    return _with_cost_scaled(profile, factor, {"source": "calibrations",
+                                               "levels": [float(x) for x in levels]})
