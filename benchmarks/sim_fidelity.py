@@ -58,6 +58,14 @@ machine's level, and a fast draw puts every 0.8 cell nearer saturation; the real
 come first and the simulations after them, under the pooled profile, whose record
 (meta["pooled"]["levels"]) says how far each calibration's level sat from it.
 
+--local-level (with --interleave-calibration and --no-speed-probe) then simulates each
+round's runs with the pooled fit rescaled to the level of the calibrations taken right
+before and right after that round (sim/speed.at_calibrated_level, `local_levels`), and the
+max-rate runs at the level of the calibrations of their rounds: the machine drifted by
+up to a third within a two-hour run (r38), and one level for all of it puts the early
+rounds' simulation fast and the late ones' slow. Still a prediction from calibration: no
+measured run's steps enter it. The pooled fit as is stays as `ratios_unscaled`.
+
 Run it alone on the machine, under the exclusive benchmark lock:
 
     flock -x /tmp/duet-bench.lock .venv/bin/python benchmarks/sim_fidelity.py \\

@@ -1,5 +1,6 @@
-"""benchmarks/sim_fidelity.py's engine-side max rate: the crossing of the attainment
-curve and its bootstrap over the runs at each rate."""
+"""benchmarks/sim_fidelity.py: the engine-side max rate (the crossing of the attainment
+curve and its bootstrap over the runs at each rate), and which calibrations --local-level
+takes for a round."""
 from __future__ import annotations
 
 import pytest
@@ -76,3 +77,14 @@ def test_the_scaled_slo_is_met_unloaded_where_the_unscaled_one_is_not(tmp_path) 
                                                  rate, 0)
     assert at(three) == 1.0
     assert at(one) < 1.0
+
+
+def test_local_levels_are_the_calibrations_on_either_side_of_a_round() -> None:
+    """--local-level's calibrations: 2 rate calibrations, then one before each later
+    round; round 1 takes the rate ones as one (geometric mean) and the next; the last
+    round has none after it."""
+    levels = [0.81, 1.0, 1.1, 1.2, 1.3]    # rate x2, before rounds 2, 3, 4
+    assert sim_fidelity.local_levels(levels, 1, 2) == [pytest.approx(0.9), 1.1]
+    assert sim_fidelity.local_levels(levels, 2, 2) == [1.1, 1.2]
+    assert sim_fidelity.local_levels(levels, 3, 2) == [1.2, 1.3]
+    assert sim_fidelity.local_levels(levels, 4, 2) == [1.3]

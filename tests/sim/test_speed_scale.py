@@ -8,7 +8,8 @@ import pytest
 from duetserve.sim.cost import FEATURES, CalibratedCost, shape_of
 from duetserve.sim.gpu import efficiency_for
 from duetserve.sim.profile import calibrated_profile, profile_from_json, roofline_profile
-from duetserve.sim.speed import at_run_speed, probe_ratio, rescaled, speed_factor
+from duetserve.sim.speed import (at_calibrated_level, at_run_speed, probe_ratio, rescaled,
+                                 speed_factor)
 
 
 def _cost() -> CalibratedCost:
@@ -108,3 +109,22 @@ def test_profile_at_a_runs_own_speed_predicts_its_total() -> None:
     gpu = roofline_profile("llama-3-8b", "h100-sxm", efficiency_for("h100-sxm"))
     with pytest.raises(ValueError, match="only a calibrated profile"):
         at_run_speed(gpu, samples, cold)
+
+
+def test_profile_at_the_calibrations_level_scales_by_their_geometric_mean() -> None:
+    """--local-level: the pooled fit at the level of the calibrations next to a run (their
+    measured / predicted totals), every step by the same geometric mean; nothing mutated."""
+    cost = _cost()
+    profile = calibrated_profile("p", cost, {"max_num_seqs": 8}, {})
+    at = at_calibrated_level(profile, [0.9, 1.6])
+    for shape in (shape_of(DECODE), shape_of(PREFILL)):
+        assert at.cost.step_seconds(shape) == pytest.approx(1.2 * cost.step_seconds(shape))
+    assert at.meta["speed_scale"] == {"factor": pytest.approx(1.2), "source": "calibrations",
+                                      "levels": [0.9, 1.6]}
+    assert profile.cost == cost and "speed_scale" not in profile.meta
+    for bad in ([], [1.0, 0.0]):
+        with pytest.raises(ValueError, match="levels must be positive"):
+            at_calibrated_level(profile, bad)
+    gpu = roofline_profile("llama-3-8b", "h100-sxm", efficiency_for("h100-sxm"))
+    with pytest.raises(ValueError, match="only a calibrated profile"):
+        at_calibrated_level(gpu, [1.0])
