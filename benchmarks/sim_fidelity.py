@@ -332,6 +332,12 @@ def local_levels(levels: list[float], round_: int, rate_calibrations: int) -> li
     return [before] + list(after)
 
 
+def max_rate_levels(levels: list[float], slo_repeats: int) -> list[float]:
+    """The levels of the calibrations --local-level takes for the max-rate runs: the last
+    `slo_repeats`, one before each of their rounds."""
+    return levels[-slo_repeats:]
+
+
 def measure(plan: dict, rep: int, args, loaded, engine_config, profile, id_range,
             slo: dict, out: Path) -> dict:
     """One measured run of PLAN (its conversations and arrivals are the same every repeat),
@@ -597,8 +603,8 @@ def max_rate_sims(args, runs: dict, profile, config, id_range, slo: dict) -> dic
     unscaled_profile = profile
     scaled, probe_rec = probe_scaled(profile, runs["probe"])
     if args.local_level:      # the calibrations taken before the max-rate rounds
-        scaled = at_calibrated_level(profile,
-                                     profile.meta["pooled"]["levels"][-runs["repeats"]:])
+        scaled = at_calibrated_level(profile, max_rate_levels(
+            profile.meta["pooled"]["levels"], runs["repeats"]))
         probe_rec = scaled.meta["speed_scale"]
 
     def max_rate(prof, paths_: int) -> float:

@@ -44,7 +44,8 @@ from duetserve.sim.speed import at_calibrated_level, at_run_speed, probe_ratio, 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sim_fidelity import (PERCENTILES, conversations, local_levels,  # noqa: E402
-                          median_summary, ratios, rep_tag, sim_attainment, sim_max_rate, step_samples)
+                          max_rate_levels, median_summary, ratios, rep_tag, sim_attainment,
+                          sim_max_rate, step_samples)
 from sim_fidelity_plot import within_target  # noqa: E402
 
 
@@ -296,9 +297,8 @@ def main() -> int:
             raw_steps = json.loads(steps_path.read_text())
             profile = at_run_speed(profile, raw_steps["samples"], raw_steps["cold"])
         elif args.local_level:    # the calibrations taken during the max-rate runs
-            cell_rounds = max(r.get("repeats", 1) for r in fid["runs"])
-            profile = at_calibrated_level(profile, pooled_levels[
-                rate_calibrations + cell_rounds - 1:])
+            profile = at_calibrated_level(profile, max_rate_levels(pooled_levels,
+                                                                   mr["repeats"]))
         else:
             profile = probed(profile, d, "max-rate", reference) or profile
         paths = 0 if args.noise == "none" else max(mr.get("repeats", 1), args.sim_paths)

@@ -82,9 +82,10 @@ def test_the_scaled_slo_is_met_unloaded_where_the_unscaled_one_is_not(tmp_path) 
 def test_local_levels_are_the_calibrations_on_either_side_of_a_round() -> None:
     """--local-level's calibrations: 2 rate calibrations, then one before each later
     round; round 1 takes the rate ones as one (geometric mean) and the next; the last
-    round has none after it."""
+    round has none after it; the max-rate runs take the last --slo-repeats."""
     levels = [0.81, 1.0, 1.1, 1.2, 1.3]    # rate x2, before rounds 2, 3, 4
     assert sim_fidelity.local_levels(levels, 1, 2) == [pytest.approx(0.9), 1.1]
     assert sim_fidelity.local_levels(levels, 2, 2) == [1.1, 1.2]
     assert sim_fidelity.local_levels(levels, 3, 2) == [1.2, 1.3]
     assert sim_fidelity.local_levels(levels, 4, 2) == [1.3]
+    assert sim_fidelity.max_rate_levels(levels + [0.9, 1.0], 2) == [0.9, 1.0]
