@@ -99,7 +99,7 @@ from duetserve.sim.cluster import ClusterSpec
 from duetserve.sim.cost import run_shapes
 from duetserve.sim.profile import load_profile
 from duetserve.sim.run import run_json, simulate
-from duetserve.sim.speed import at_calibrated_level, at_run_speed
+from duetserve.sim.speed import at_calibrated_level, at_run_speed, geometric_mean
 
 MIXES = {
     "chat": dict(dataset="chat", input_len="32:128", output_len="32:96", num_turns=3),
@@ -325,7 +325,7 @@ def local_levels(levels: list[float], round_: int, rate_calibrations: int) -> li
     --rate-calibrations taken back to back, as one, their geometric mean) and the one
     right after it (none after the last round)."""
     if round_ == 1:
-        before = float(np.exp(np.mean(np.log(levels[:rate_calibrations]))))
+        before = geometric_mean(levels[:rate_calibrations])
     else:
         before = levels[rate_calibrations + round_ - 2]
     after = levels[rate_calibrations + round_ - 1:rate_calibrations + round_]

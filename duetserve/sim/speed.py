@@ -106,6 +106,11 @@ def rescaled(profile, now: dict):
                              {"source": "probe", "reference": reference, "now": now})
 
 
+def geometric_mean(levels: Sequence[float]) -> float:
+    """The geometric mean of positive speed levels (ratios average in logs)."""
+    return float(np.exp(np.mean(np.log(np.asarray(levels, dtype=np.float64)))))
+
+
 def at_calibrated_level(profile, levels: Sequence[float]):
     """A copy of the calibrated `profile` with its cost scaled by the geometric mean of
     `levels`: measured / predicted totals under its fit of the calibrations taken next to
@@ -115,6 +120,6 @@ def at_calibrated_level(profile, levels: Sequence[float]):
     _check_calibrated(profile)
     if not levels or min(levels) <= 0:
         raise ValueError(f"calibration levels must be positive, got {list(levels)}")
-    factor = float(np.exp(np.mean(np.log(np.asarray(levels, dtype=np.float64)))))
+    factor = geometric_mean(levels)
     return _with_cost_scaled(profile, factor, {"source": "calibrations",
                                                "levels": [float(x) for x in levels]})
