@@ -337,11 +337,11 @@ def cmd_run(args) -> int:
 
 def cmd_fit(args) -> int:
     from dataclasses import asdict
-    from duetserve.metrics.cost_model import step_cost
+    from duetserve.metrics.cost_model import step_work
     from duetserve.metrics.hardware import get_hardware
     from duetserve.metrics.known_models import get_known_model
-    from duetserve.sim.cost import shape_of
-    from duetserve.sim.gpu import efficiency_for, fit_efficiency, roofline_cost
+    from duetserve.core.step_time import StepShape
+    from duetserve.sim.gpu import GPU_LAYOUT, efficiency_for, fit_efficiency, roofline_cost
     data = json.loads(Path(args.probe).read_text())
     cfg = with_layers(get_known_model(data["model"]), data.get("layers"))
     hw = get_hardware(args.hardware)
@@ -355,7 +355,8 @@ def cmd_fit(args) -> int:
           f"bf16 GEMM {ceil['gemm_flops_per_s'] / 1e12:.0f} TFLOP/s "
           f"({ceil['gemm_flops_per_s'] / hw.peak('bf16'):.2f} of {hw.peak('bf16') / 1e12:g})")
     default = roofline_cost(cfg, hw, base)
-    shapes = [shape_of(s["items"]) for s in steps]
+    shapes = [StepShape.of(((n, c, int(sampled)) for n, c, sampled in s["items"]), GPU_LAYOUT)
+              for s in steps]
     caps = {}
     if data["ceilings"]:
         caps = {"mfu_max": round(ceil["gemm_flops_per_s"] / hw.peak("bf16"), 2),
@@ -367,8 +368,8 @@ def cmd_fit(args) -> int:
           f"{'default':>8} {'ratio':>6} | {'fitted':>8} {'ratio':>6} | {'MFU':>5} {'MBU':>5}")
     table = []
     for s, sh in zip(steps, shapes):
-        pd, pf = default.step_seconds(sh) * 1e3, fitted.step_seconds(sh) * 1e3
-        c = step_cost(cfg, [(n, k) for n, k, _ in s["items"]], num_logits=len(s["items"]))
+        pd, pf = default.seconds(sh) * 1e3, fitted.seconds(sh) * 1e3
+        c = step_work(cfg, [(n, k) for n, k, _ in s["items"]], num_logits=len(s["items"]))
         sec = s[key] / 1e3
         mfu, mbu = c.flops / sec / hw.peak("bf16"), c.bytes / sec / hw.mem_bandwidth
         T, ctx, B, cc = s["plan"]

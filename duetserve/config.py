@@ -7,13 +7,20 @@ arguments of `LLM(...)`).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields
+import os
+from dataclasses import asdict, dataclass, fields
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
 
 
 class ConfigError(ValueError):
     """A configuration value is out of its allowed range; the message names it."""
+
+
+def cache_dir() -> str:
+    """Where measurements and built kernels are cached: $DUET_CACHE_DIR, else
+    ~/.cache/duetserve (the one read of that variable)."""
+    return os.environ.get("DUET_CACHE_DIR") or os.path.expanduser("~/.cache/duetserve")
 
 
 def check_one_of(name: str, value: object, choices: tuple) -> None:
@@ -83,6 +90,7 @@ class ModelConfig:
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
+KQUANT_FORMS = ("measure", "exact", "widened")
 
 
 SPEC_METHODS = ("ngram", "draft")
@@ -180,11 +188,25 @@ class EngineConfig:
     # disaggregated instance's shared KV memory (kv_transfer) is left as it is.
     kv_prefault: bool = False
     num_gpu_blocks_override: int | None = None  # exact number of KV blocks (tests)
-    # Token budget per step. None: derived from max_step_ms and the step cost measured at
-    # start-up (engine/step_cost.py), so long prompts are chunked finely enough that
-    # running streams keep flowing.
+    # Kernel switches: each changes which kernels run, so each is in the step-time cache
+    # key (engine/step_probe.py). Defaults are the fast paths; the others exist to compare
+    # and to debug.
+    native_kernels: bool = True         # duetserve's C++ kernels (csrc/); False: plain
+                                        # torch (process-wide: one compiled module)
+    decode_stack: bool = True           # decode-only steps through one native call
+                                        # (models/decode_stack.py); False: the modules
+    kquant_forms: str = "measure"       # GGUF Q4_K/Q6_K weights: their exact forms, the
+                                        # widened int4/int8 ones, or measure which is faster
+    huge_pages: bool = True             # weights moved into 2 MiB pages (loader/huge_pages.py)
+    # Token budget per step. None: derived from max_step_ms and the step-time model
+    # (measured at start-up, engine/step_probe.py, or read from `step_time`), so long
+    # prompts are chunked finely enough that running streams keep flowing.
     max_num_batched_tokens: int | None = None
     max_step_ms: float | None = None    # target step time; None: 1.5x a small decode step
+    # A step-time model (JSON, as `duet serve --print-config` shows it): the budget and
+    # the speculation policy use it as is, nothing is measured; pins the schedule of a run
+    # on any machine. None: measured at start-up (cached per machine and switches).
+    step_time: str | None = None
     max_num_seqs: int = 128
     max_n: int = 128                    # cap on samples per request (OpenAI's limit)
     max_waiting_requests: int = 1024    # refuse new requests past this many waiting (0: no cap)
@@ -193,7 +215,7 @@ class EngineConfig:
     seed: int = 0
     trace_file: str | None = None       # Chrome/Perfetto trace of steps and requests
     # Debug: run the scheduler's and block pool's check_integrity() each time the engine
-    # goes idle (also switched on by the environment variable DUET_CHECK_INTEGRITY=1).
+    # goes idle.
     check_integrity_when_idle: bool = False
     # Speculative decoding: a SpeculativeConfig, or its dict / JSON form (parsed once here).
     speculative_config: SpeculativeConfig | dict | str | None = None
@@ -205,6 +227,7 @@ class EngineConfig:
         check_one_of("dtype", self.dtype, DTYPES)
         check_one_of("quantization", self.quantization, QUANTIZATIONS)
         check_one_of("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        check_one_of("kquant_forms", self.kquant_forms, KQUANT_FORMS)
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a power of two > 0, got {self.block_size}")
         if self.kv_cache_memory <= 0:
@@ -223,6 +246,24 @@ class EngineConfig:
             raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
+
+    def kernel_switches(self) -> dict[str, object]:
+        """The options that change which kernels a step runs (the step-time cache key)."""
+        return {k: getattr(self, k) for k in (
+            "dtype", "quantization", "kv_cache_dtype", "native_kernels", "decode_stack",
+            "kquant_forms", "huge_pages", "kv_prefault")}
+
+    def load_options(self) -> dict[str, object]:
+        """The kernel switches as load_model's keywords (loader/__init__.py)."""
+        return {"native": self.native_kernels, "decode_stack": self.decode_stack,
+                "kquant_forms": self.kquant_forms, "huge_pages": self.huge_pages}
+
+    def to_json(self) -> dict:
+        """Every field (the speculative config as a dict): `--print-config`."""
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        if self.speculative_config is not None:
+            d["speculative_config"] = asdict(self.speculative_config)
+        return d
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> "EngineConfig":

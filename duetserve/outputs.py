@@ -62,6 +62,9 @@ class SchedulerOutput:
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
     decode_req_ids: set[str] = field(default_factory=set)
+    # Slices that reach the end of their request's known tokens, so the runner samples
+    # them: one row, or k+1 for a verify slice (decided with the phase, in to_output).
+    sampled_req_ids: set[str] = field(default_factory=set)
     # Speculative decoding. Drafts to verify: request r's slice ends with these tokens, which
     # sit after its known tokens (num_scheduled_tokens[r] counts them):
     #     [ num_computed .. num_tokens-1 | d_0 .. d_{k-1} ]   k+1 positions with logits
@@ -71,19 +74,18 @@ class SchedulerOutput:
     num_drafts_to_propose: dict[str, int] = field(default_factory=dict)
 
     @property
-    def is_empty(self) -> bool:
-        return self.total_num_scheduled_tokens == 0
-
-    @property
     def phase(self) -> str:
         return step_phase(self.num_prefill_tokens, self.num_decode_tokens)
 
     def slices(self) -> list[ScheduledSlice]:
         """One ScheduledSlice per scheduled request, in schedule order (running first)."""
+        spec = self.scheduled_spec_token_ids
         return [ScheduledSlice(req_id=d.req_id,
                                num_new_tokens=self.num_scheduled_tokens[d.req_id],
                                num_computed_before=d.num_computed_tokens,
-                               is_decode=d.req_id in self.decode_req_ids)
+                               is_decode=d.req_id in self.decode_req_ids,
+                               num_logits=1 + len(spec.get(d.req_id, ()))
+                               if d.req_id in self.sampled_req_ids else 0)
                 for d in (*self.scheduled_cached_reqs, *self.scheduled_new_reqs)]
 
 
@@ -102,13 +104,14 @@ def step_phase(num_prefill_tokens: int, num_decode_tokens: int) -> str:
 @dataclass(frozen=True, slots=True)
 class ScheduledSlice:
     """One request's part of a step: its new tokens attend to num_computed_before +
-    num_new_tokens positions. `is_decode` is the scheduler's decision (see
-    SchedulerOutput)."""
+    num_new_tokens positions. `is_decode` and `num_logits` are the scheduler's decisions
+    (see SchedulerOutput)."""
 
     req_id: str
     num_new_tokens: int
     num_computed_before: int
     is_decode: bool = False
+    num_logits: int = 0            # rows sampled (SchedulerOutput.sampled_req_ids)
 
 
 @dataclass
@@ -200,7 +203,6 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    cumulative_logprob: float | None = None
     logprobs: list[dict[int, Logprob]] | None = None
     finish_reason: str | None = None     # "stop" | "length" | "abort" | "error" | None
     stop_reason: int | str | None = None  # the stop string or stop token id that matched
@@ -307,8 +309,6 @@ class OutputAccumulator:
                 if out.logprobs is None:
                     out.logprobs = []
                 out.logprobs.extend(d.logprobs)
-            if d.cumulative_logprob is not None:
-                out.cumulative_logprob = d.cumulative_logprob
             out.finish_reason, out.stop_reason = d.finish_reason, d.stop_reason
             if d.text:
                 pieces.append(d.text)

@@ -9,15 +9,14 @@ Token positions of a request (block_size 4 in the picture):
 
 Who mutates what (NOTE: the worker never touches a Request):
   - Scheduler.schedule():            status, num_computed_tokens (prefix hit at admission,
-                                     0 on preemption), num_cached_tokens, num_preemptions
+                                     0 on preemption), num_preemptions
   - Scheduler.update_from_output():  num_computed_tokens (minus rejected drafts),
                                      output_token_ids/all_token_ids (via
                                      append_output_token_ids), block_hashes,
                                      spec_token_ids and the acceptance counts,
                                      status/finish_reason/stop_reason on finish
   - Scheduler.abort_requests()/finish_requests(): status, finish_reason, stop_reason
-  - the engine: the optional timing stamps (first_scheduled_time, ...) and eos_token_ids
-    before add_request; for prefill/decode disaggregation (kv_transfer/) also, before
+  - the engine: eos_token_ids before add_request; for prefill/decode disaggregation (kv_transfer/) also, before
     add_request, kv_hold and max_tokens (a prefill instance stops after the first token
     and holds the blocks) or num_external_tokens and the first output token (a decode
     instance loads the prompt's KV instead of computing it).
@@ -72,7 +71,6 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)   # prompt + outputs, one list
     num_computed_tokens: int = 0
-    num_cached_tokens: int = 0             # prefix-hit tokens at the first schedule
     status: RequestStatus = RequestStatus.WAITING
     block_hashes: list[bytes] = field(default_factory=list)  # chain hash per FULL block
     num_preemptions: int = 0
@@ -93,12 +91,6 @@ class Request:
     spec_streak: bool = False
     spec_streak_accepted: int = 0
     spec_streak_rejections: int = 0
-
-    # --- optional wall-clock stamps the engine sets (time.time()) ------------------------
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    last_token_time: float | None = None
-    finished_time: float | None = None
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)

@@ -206,11 +206,6 @@ class SamplingParams:
     def top_k_enabled(self) -> bool:
         return self.top_k >= 1
 
-    @property
-    def has_penalties(self) -> bool:
-        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                or self.repetition_penalty != 1.0)
-
     def validate_for_vocab(self, vocab_size: int) -> None:
         """Raise SamplingParamsError naming the first token id in logit_bias or
         stop_token_ids that is not in [0, vocab_size). Mutates nothing."""

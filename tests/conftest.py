@@ -1,17 +1,33 @@
-"""Shared fixtures: tiny random-weight checkpoints saved as HF folders, the default model."""
+"""Shared fixtures: tiny random-weight checkpoints saved as HF folders, the default model.
+
+Nothing the tests run writes under the home directory: measurement caches go to a fresh
+temporary directory per session (DUET_CACHE_DIR; engines and server subprocesses inherit
+it), and so do the caches of the libraries the tests use. The native kernels build into
+a folder of the checkout that git ignores (.pytest_cache/duet-native-ext), linked from
+there, so they are built once and reused by later sessions."""
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 
 import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 torch.set_num_threads(2)
-# Every engine the tests build (in process or a server subprocess) checks the scheduler's
-# queues, block tables and block pool each time it goes idle.
-os.environ.setdefault("DUET_CHECK_INTEGRITY", "1")
+
+_CACHE = tempfile.mkdtemp(prefix="duet-test-cache-")
+atexit.register(shutil.rmtree, _CACHE, True)
+_EXT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                    ".pytest_cache", "duet-native-ext")
+os.makedirs(_EXT, exist_ok=True)
+os.symlink(_EXT, os.path.join(_CACHE, "ext"))
+os.environ["DUET_CACHE_DIR"] = _CACHE
+for var, sub in (("XDG_CACHE_HOME", "xdg"), ("HF_HOME", "hf"), ("MPLCONFIGDIR", "mpl")):
+    os.environ[var] = os.path.join(_CACHE, sub)
 
 from tiny_models import TINY_VARIANTS, make_tiny_checkpoint  # noqa: E402
 

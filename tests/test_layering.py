@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import ast
 import os
-import time
 from dataclasses import dataclass
 
 PKG = "duetserve"
@@ -79,7 +78,7 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
                       "duetserve.engine", "duetserve.kv_transfer", "duetserve.spec_decode",
                       "duetserve.entrypoints", "duetserve.bench.serve",
                       "duetserve.bench.throughput", "duetserve.bench.replay",
-                      "duetserve.bench.calibrate"),
+                      "duetserve.bench.serve_scenario"),
 }
 
 # Modules only the listed packages may import (besides themselves).
@@ -271,7 +270,6 @@ def _cli_dispatch_targets() -> list[Import]:
 
 
 def test_package_layering() -> None:
-    t0 = time.perf_counter()
     imports = _all_imports()
     imports["duetserve.entrypoints.cli"] = imports["duetserve.entrypoints.cli"] + _cli_dispatch_targets()
     used_lazy: set = set()
@@ -279,7 +277,6 @@ def test_package_layering() -> None:
     assert not errors, "layering violations:\n  " + "\n  ".join(errors)
     stale = set(ALLOWED_LAZY) - used_lazy
     assert not stale, f"ALLOWED_LAZY entries that match no lazy import (remove them): {stale}"
-    assert time.perf_counter() - t0 < 2.0
 
 
 def test_torch_free_packages_are_torch_free_transitively() -> None:

@@ -33,13 +33,15 @@ from duetserve.outputs import OutputAccumulator
 class ReplayResult:
     records: list[RequestRecord]
     duration_s: float
-    # per step: (start s from run start, seconds, [(num_new, num_computed_before, sampled)])
-    steps: list[tuple[float, float, list[tuple[int, int, bool]]]] = field(default_factory=list)
+    # per step: (start s from run start, seconds,
+    #            [(num_new, num_computed_before, num_logits)])
+    steps: list[tuple[float, float, list[tuple[int, int, int]]]] = field(default_factory=list)
     foreign_cpu_s: float | None = None    # CPU seconds other processes used during the run
     steal_s: float | None = None          # CPU seconds the hypervisor took meanwhile
     # per step (same order as steps): minor page faults this process took during it, and
-    # whether it was cold (the engine had no requests after the step before: see
-    # sim/cost.py, cold_rows and cold_state): 0.0 if not, else the seconds it sat idle
+    # whether it was cold (the engine had no requests after the step before, so it gave
+    # its freed heap back: core/step_time.py cold_step): 0.0 if not, else the seconds it
+    # sat idle
     step_faults: list[int] = field(default_factory=list)
     step_cold: list[float] = field(default_factory=list)
     # this process over the run: user and system CPU seconds, minor page faults
@@ -47,9 +49,9 @@ class ReplayResult:
 
 
 def cold_record(idle_since: float | None, start: float) -> float:
-    """A step's recorded cold value (sim/cost.py cold_state): 0.0 for a warm step (the
-    engine had requests, `idle_since` None), else the seconds it sat idle before `start`,
-    floored just above 0 so a cold step never reads as warm."""
+    """A step's recorded cold value: 0.0 for a warm step (the engine had requests,
+    `idle_since` None), else the seconds it sat idle before `start`, floored just above 0
+    so a cold step never reads as warm."""
     return 0.0 if idle_since is None else max(start - idle_since, 1e-9)
 
 
@@ -63,7 +65,7 @@ def replay(engine: Any, convs: list[TokenConversation], offsets: list[float],
     acc = OutputAccumulator()
     waiting: list[tuple[float, int, int, list[int]]] = []
     records: list[RequestRecord] = []
-    steps: list[tuple[float, float, list[tuple[int, int, bool]]]] = []
+    steps: list[tuple[float, float, list[tuple[int, int, int]]]] = []
     meter = ForeignCpu()
     step_faults: list[int] = []
     step_cold: list[float] = []
@@ -114,10 +116,7 @@ def replay(engine: Any, convs: list[TokenConversation], offsets: list[float],
             step_cold.append(cold_record(idle_since, start))
             idle_since = None if engine.has_unfinished_requests() else end
             steps.append((start - t0, end - start, [
-                (s.num_new_tokens, s.num_computed_before,
-                 s.num_computed_before + s.num_new_tokens >= len(live[s.req_id].prompt)
-                 if s.req_id in live else True)
-                for s in items]))
+                (s.num_new_tokens, s.num_computed_before, s.num_logits) for s in items]))
         t = end - t0
         for out in outputs:
             st = live.get(out.request_id)

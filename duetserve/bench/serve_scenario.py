@@ -1,12 +1,12 @@
 """The serving scenario of `duet simulate --calibrate`: steps measured while requests arrive
 on the wall clock, as they do in serving.
 
-Grid steps (bench/calibrate.py) run back to back on an engine that does nothing else; a
-served engine's steps are spaced by arrivals, idle spells and output handling, run mixes
-of contexts no grid produces, and measured 6-16% slower than grid steps of the same shape
-(docs/simulator.md §3). So the calibration also replays a generic trace on the served
-engine (bench/replay.py, the measured side of the fidelity check, wall clock, no HTTP) and
-its steps join the fit.
+Probe steps (engine/step_probe.py) run back to back on a runner that does nothing else; a
+served engine's steps are spaced by arrivals, idle spells and output handling (the
+scheduler, the detokenizer), and run mixes of contexts no probe set produces; on the
+2-core VMs measured they took 6-16% longer than probes of the same shape. So the
+calibration also replays generic traces on an engine (bench/replay.py: wall clock, no
+HTTP) and their steps join the fit.
 
 The traces are deliberately none of the fidelity benchmark's mixes (benchmarks/
 sim_fidelity.py: chat 3 turns 32-128 in 32-96 out, prefill-heavy 384-768 in, decode-heavy
@@ -68,11 +68,13 @@ def traces(quick: bool = False) -> tuple[Trace, ...]:
 
 @dataclass
 class ServingSteps:
-    """What the scenario measured: samples (slices, seconds) and cold flags as
-    bench/calibrate.Calibration's, plus the run's record."""
+    """What the scenario measured: each step's slices and seconds, whether it was cold,
+    plus the run's record."""
 
-    samples: list[tuple[list[tuple[int, int, bool]], float]] = field(default_factory=list)
-    cold: list[float] = field(default_factory=list)     # per sample: sim/cost.py cold_state
+    # (slices: (num_new, num_computed_before, num_logits), seconds)
+    samples: list[tuple[list[tuple[int, int, int]], float]] = field(default_factory=list)
+    # per sample: 0.0, or the seconds the engine sat idle before it (a cold step)
+    cold: list[float] = field(default_factory=list)
     starts: list[float] = field(default_factory=list)   # per sample: s from the trace's start
     conversations: int = 0
     requests: int = 0              # turns that finished (every one must)

@@ -106,7 +106,6 @@ class RemoteKV:
                              register=False) is None:
             return False
         waiting.pop()
-        request.num_cached_tokens = num_hit
         request.num_computed_tokens = num_hit
         self.loading[request.req_id] = request
         self.new_loads.append((request.req_id, kv.get_block_ids(request.req_id), num_hit))

@@ -234,7 +234,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Pick this step's work. Mutates: running/waiting queues, block tables, and for the
         requests it touches status, num_computed_tokens (admission: prefix hit; preemption:
-        0), num_cached_tokens, num_preemptions. num_computed_tokens of scheduled requests is
+        0), num_preemptions. num_computed_tokens of scheduled requests is
         advanced later, by update_from_output. Returns the SchedulerOutput for the runner."""
         step = StepPlan(self._token_budget())
         self.remote.run_loaded(self.running, self.config.max_num_seqs)
@@ -353,8 +353,6 @@ class Scheduler:
             if new_block_ids is None:
                 break  # FCFS: nobody behind it jumps the queue
             self.waiting.pop()
-            if request.num_preemptions == 0:
-                request.num_cached_tokens = num_hit
             request.num_computed_tokens = num_hit
             request.status = RequestStatus.RUNNING
             self.running.append(request)

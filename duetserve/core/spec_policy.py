@@ -2,26 +2,23 @@
 
 Pure Python. The scheduler asks `SpecPolicy.plan` once per step; the runner proposes and
 verifies (spec_decode/). Fixed mode verifies every available draft up to k. Adaptive mode
-picks per request from the step's position on the roofline and the request's measured
-acceptance:
+picks per request from the step's time and the request's measured acceptance:
 
-    step time      T(R)                   R rows (tokens) in the step: measured at
-                                          start-up for R = 1 .. n (`RooflineStep.measured`)
-                                          and a few R past n (`.beyond`: a few requests
-                                          verifying together), linear between them,
-                   = max(mem_s, R * row_s) beyond (weights read once | FLOPs of R rows)
+    step time      T(B, R)  B requests, R rows (their decodes plus the drafts verified):
+                            a step of decode rows priced by the engine's step-time model
+                            (core/step_time.py: the same model the step budget uses; a
+                            verify slice is k+1 decode rows of one request)
     tokens a step  E    = sum over requests of 1 + a_r + a_r^2 + ... + a_r^k_r
                           (draft j survives only if drafts 1..j are accepted; a_r is the
                           request's acceptance rate, geometric model)
 
 Drafts (r, j) are taken best gain a_r^j first, and the step takes the number of them
-that gives the most tokens per second, E / T(R). Where a row is free (T flat), every draft
-with a gain above `min_gain` fits; where a row costs what a step's rows cost on average
-(T proportional to R, right of the ridge) a draft pays only if a_r^j > E / R, which never
-holds for a step of plain decodes (E / R = 1): a compute-bound step runs without
-speculation. On a CPU the measured T(R) lies between the two: each verify row costs some
-compute even at batch 1, and not evenly (the 1.5B: 56, 74, 79 ms for 4, 5, 6 rows), so
-the best count can lie past one that does not pay by itself.
+that gives the most tokens per second, E / T. Where a row is nearly free (few rows: the
+weights are read once for all of them) every draft with a gain above `min_gain` fits;
+where a row costs what a step's rows cost on average (many rows, compute-bound) a draft
+pays only if a_r^j > E / R, which never holds for a step of plain decodes (E / R = 1): a
+compute-bound step runs without speculation. The model's cliff where the few-row kernels
+end makes T non-convex, so the best count can lie past one that does not pay by itself.
 
 a_r: with `condition_on_streak` (n-gram) the request's acceptance is measured apart on
 verify steps right after one that kept all its drafts and on the others
@@ -33,72 +30,17 @@ case and too many in the second.
 Proposing is not free for a draft model: each draft is one forward of the draft model
 (`draft_seconds`, measured at start-up). A request proposes the n that maximises its
 expected tokens per second over the next step, proposals included:
-    (B + a + ... + a^n) / (T(R + n) + n * draft_seconds)
-with R = B = the running requests (the next step's decodes). Free proposers (n-gram)
+    (B + a + ... + a^n) / (T(B, B + n) + n * draft_seconds)
+with B = the running requests (the next step's decodes). Free proposers (n-gram)
 propose every draft whose gain stays above min_gain and leave the choice to `plan`.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
+from duetserve.core.step_budget import TYPICAL_CONTEXT
+from duetserve.core.step_time import StepPricer, StepShape
 from duetserve.sampling_params import SamplingParams
-
-
-@dataclass(frozen=True)
-class RooflineStep:
-    """Step time of R rows (seconds): measured for R = 1 .. len(measured) and at the rows
-    of `beyond` (linear between measured points), else the roofline's max(mem, R * row)
-    through the last measured point."""
-
-    mem_seconds: float       # weights (and the step's fixed bytes) at the memory bandwidth
-    row_seconds: float       # FLOPs of one row at the peak
-    measured: tuple[float, ...] = ()   # T(1), T(2), ... as this machine ran them
-    # (R, T(R)) measured past the dense table, R increasing: the steps of a few
-    # requests verifying together, whose extra rows can cost far less than the
-    # table's average row (a low-bit GEMV reads the weights once for several rows)
-    beyond: tuple[tuple[int, float], ...] = ()
-
-    @classmethod
-    def from_measured(cls, times: Sequence[float],
-                      beyond: Sequence[tuple[int, float]] = ()) -> "RooflineStep":
-        """From T(1..n) and optional (R, T(R)) points with R > n increasing (the whole is
-        made non-decreasing: timing noise); mem = T(1), row = T(last) / last, so the
-        roofline continues the table past its last point."""
-        mono: list[float] = []
-        for t in times:
-            mono.append(max(t, mono[-1]) if mono else t)
-        more: list[tuple[int, float]] = []
-        last_rows, last_t = len(mono), mono[-1]
-        for rows, t in beyond:
-            if rows <= last_rows:
-                raise ValueError(f"beyond rows must exceed {last_rows}: {rows}")
-            last_rows, last_t = rows, max(t, last_t)
-            more.append((last_rows, last_t))
-        return cls(mono[0], max(last_t, mono[0]) / last_rows, tuple(mono), tuple(more))
-
-    def seconds(self, rows: int) -> float:
-        n = len(self.measured)
-        if 0 < rows <= n:
-            return self.measured[rows - 1]
-        if self.beyond and n and rows <= self.beyond[-1][0]:
-            lo_r, lo_t = n, self.measured[-1]
-            for hi_r, hi_t in self.beyond:
-                if rows <= hi_r:
-                    return lo_t + (hi_t - lo_t) * (rows - lo_r) / (hi_r - lo_r)
-                lo_r, lo_t = hi_r, hi_t
-        return max(self.mem_seconds, rows * self.row_seconds)
-
-    @property
-    def ridge_rows(self) -> float:
-        return self.mem_seconds / self.row_seconds if self.row_seconds > 0 else float("inf")
-
-    def describe(self) -> str:
-        """T(R) as measured, for the start-up log: "4.1/4.4/5.0/5.8 ms; 8 rows 10.0, ..."."""
-        text = "/".join(f"{t * 1e3:.1f}" for t in self.measured) + " ms"
-        if self.beyond:
-            text += "; " + ", ".join(f"{r} rows {t * 1e3:.1f}" for r, t in self.beyond)
-        return text
 
 
 def is_spec_eligible(params: SamplingParams) -> bool:
@@ -118,12 +60,20 @@ class SpecPolicy:
     num_speculative_tokens: int          # k: the most drafts per request per step
     needs_lookahead: bool                # the proposer writes KV for its drafts (draft model)
     adaptive: bool = True
-    roofline: RooflineStep | None = None  # adaptive only; None: treat every row as free
+    step_time: StepPricer | None = None  # adaptive only; None: treat every row as free
     min_gain: float = 0.15               # skip drafts less likely than this to be kept
     draft_seconds: float = 0.0           # one draft token's proposal (0: free, n-gram)
     # acceptance estimated apart after a fully kept verify and otherwise (n-gram:
     # core/spec_schedule.acceptance_of); False: one estimate per request
     condition_on_streak: bool = False
+
+    def step_seconds(self, num_reqs: int, num_rows: int) -> float:
+        """T(B, R): a step of `num_rows` decode rows of `num_reqs` requests, each row
+        after TYPICAL_CONTEXT cached tokens (adaptive mode only)."""
+        assert self.step_time is not None
+        return self.step_time.seconds(StepShape.decode_rows(
+            self.step_time.layout, max(1, min(num_reqs, num_rows)), num_rows,
+            TYPICAL_CONTEXT))
 
     def plan(self, candidates: list[tuple[str, int, float]], base_rows: int,
              base_tokens: int) -> dict[str, int]:
@@ -146,15 +96,15 @@ class SpecPolicy:
         # gains of one request decrease, so every prefix of `options` takes each request's
         # drafts in order: choose the prefix with the most tokens per second. Not the first
         # prefix after which one more draft stops paying: the measured T(R) is not convex
-        # (on the 1.5B, 56 -> 74 -> 79 ms for 4, 5, 6 rows), and a sixth row can pay
-        # where a fifth alone does not.
+        # (the cliff where the few-row kernels end), and a row past it can pay where the
+        # first one alone does not.
         best, rows, tokens = 0, base_rows, float(base_tokens)
-        if self.roofline is not None:
-            best_rate = tokens / self.roofline.seconds(rows) if rows > 0 else 0.0
+        if self.step_time is not None:
+            best_rate = tokens / self.step_seconds(base_tokens, rows) if rows > 0 else 0.0
             for n, (gain, _) in enumerate(options, 1):
                 rows += 1
                 tokens += gain
-                rate = tokens / self.roofline.seconds(rows)
+                rate = tokens / self.step_seconds(base_tokens, rows)
                 if rate > best_rate * (1 + 1e-9):
                     best, best_rate = n, rate
         else:
@@ -168,9 +118,10 @@ class SpecPolicy:
         """Whether a step of base_rows rows leaves room for drafts: one more row holding a
         sure draft (gain 1) would raise the step's tokens per second. When it does not,
         no drafts are proposed for the next step either."""
-        if not self.adaptive or self.roofline is None:
+        if not self.adaptive or self.step_time is None or base_rows <= 0:
             return True
-        t_now, t_next = self.roofline.seconds(base_rows), self.roofline.seconds(base_rows + 1)
+        t_now = self.step_seconds(base_rows, base_rows)
+        t_next = self.step_seconds(base_rows, base_rows + 1)
         return t_next * base_rows < t_now * (base_rows + 1) * (1 - 1e-9)
 
     def num_to_propose(self, alpha: float, next_rows: int = 1, probe: bool = False) -> int:
@@ -189,14 +140,15 @@ class SpecPolicy:
         while n < k and gain * alpha >= self.min_gain:
             gain *= alpha
             n += 1
-        if self.draft_seconds <= 0 or self.roofline is None:
+        if self.draft_seconds <= 0 or self.step_time is None:
             return n
-        best, best_rate = 0, next_rows / self.roofline.seconds(next_rows)
+        best, best_rate = 0, next_rows / self.step_seconds(next_rows, next_rows)
         tokens, gain = float(next_rows), 1.0
         for j in range(1, n + 1):
             gain *= alpha
             tokens += gain
-            rate = tokens / (self.roofline.seconds(next_rows + j) + j * self.draft_seconds)
+            rate = tokens / (self.step_seconds(next_rows, next_rows + j)
+                             + j * self.draft_seconds)
             if rate > best_rate:
                 best, best_rate = j, rate
         return max(best, 1) if probe else best

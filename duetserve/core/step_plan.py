@@ -82,6 +82,8 @@ class StepPlan:
             out.num_scheduled_tokens[req_id] = num_new
             if drafts:
                 out.scheduled_spec_token_ids[req_id] = list(drafts)
+            if request.num_computed_tokens + num_new - len(drafts) == request.num_tokens:
+                out.sampled_req_ids.add(req_id)
             if propose:
                 out.num_drafts_to_propose[req_id] = propose
             # NOTE: the one place the phase of a slice is decided; everything downstream

@@ -26,12 +26,14 @@ import torch
 
 from duetserve.config import EngineConfig, SchedulerConfig
 from duetserve.core.scheduler import Scheduler, SchedulerStats
-from duetserve.core.step_budget import (FALLBACK_TOKEN_BUDGET, StepBudget, StepCost,
+from duetserve.core.step_budget import (FALLBACK_TOKEN_BUDGET, StepBudget,
                                         default_max_step_ms, derive_step_budget)
+from duetserve.core.step_time import StepTime
 from duetserve.engine.detokenizer import IncrementalDetokenizer
 from duetserve.engine.isolation import IsolatedExecutor
-from duetserve.engine.step_cost import measured_step_cost
 from duetserve.engine.kv_roles import KVRoles, make_shared_kv
+from duetserve.engine.step_probe import (StepTimeSource, forward_seconds, read_step_time,
+                                         startup_step_time)
 from duetserve.errors import EngineOverloadedError, RequestError
 from duetserve.kv_transfer import KVTransferConfig
 from duetserve.loader import LoadedModel, load_model, release_free_memory
@@ -94,114 +96,187 @@ class EngineCore:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None,
                  kv_transfer: KVTransferConfig | None = None) -> None:
         """`loaded`: reuse weights already in memory (tests build several engines on one
-        model); it must have been loaded with config.model and config.dtype.
-        `kv_transfer`: this instance's role in prefill/decode disaggregation (None: both)."""
+        model); it must have been loaded with config.model, config.dtype and the same
+        kernel switches. `kv_transfer`: this instance's role in prefill/decode
+        disaggregation (None: both). Start-up in order: threads and seed, weights, KV
+        cache size, runner (with the speculator), the step time (measured or read) and
+        from it the step budget and speculation policy, scheduler, request state."""
         self.config = config
-        num_threads = config.num_threads or min(os.cpu_count() or 1, 16)
-        torch.set_num_threads(num_threads)
+        self.num_threads = config.num_threads or min(os.cpu_count() or 1, 16)
+        torch.set_num_threads(self.num_threads)
         torch.manual_seed(config.seed)
         self.loaded = loaded or load_model(config.model, config.dtype, config.device,
                                            max_positions=config.max_model_len,
-                                           quantization=config.quantization)
-        dtype = self.loaded.dtype if config.kv_cache_dtype == "auto" else \
-            getattr(torch, config.kv_cache_dtype)      # the KV cache's dtype
-        self.kv_dtype = dtype
+                                           quantization=config.quantization,
+                                           **config.load_options())
         log.info("model %s: %s", self.loaded.path, self.loaded.describe())
-        mcfg = self.loaded.config
-        self.model_config = mcfg
+        self.model_config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
+        self.eos_token_ids = tuple(self.model_config.eos_token_ids)   # resolved by the loader
+        self._size_kv_cache()
+        # Constrained decoding: grammars compiled once per spec (the llguidance tokenizer
+        # is built on the first guided request, so unconstrained serving never pays it).
+        self.grammars = GrammarCompiler(self.tokenizer.to_json, self.model_config.vocab_size,
+                                        self.eos_token_ids, self.num_threads)
+        kv_transfer = kv_transfer or KVTransferConfig()
+        shared = self._build_runner(kv_transfer)
+        self._build_scheduler()
+        self.executor = IsolatedExecutor(self.runner.execute_model, self.scheduler)
+        self.kv_roles = None if shared is None else KVRoles(
+            kv_transfer, shared[0], shared[1], self.scheduler, self.max_model_len)
+        self.requests: dict[str, _UserRequest] = {}
+        self._child_to_user: dict[str, str] = {}
+        self._cumulative = OutputAccumulator(eager_text=True)    # for step() only
+        self.last_step = StepStats()
+        self._ran_since_idle = False     # steps ran since the engine was last idle
+        self._init_observers()
+
+    def _size_kv_cache(self) -> None:
+        """Sets kv_dtype, max_model_len and num_blocks from the config and the model."""
+        config, mcfg = self.config, self.model_config
+        self.kv_dtype = self.loaded.dtype if config.kv_cache_dtype == "auto" else \
+            getattr(torch, config.kv_cache_dtype)
         self.max_model_len = min(config.max_model_len or mcfg.max_position_embeddings,
                                  mcfg.max_position_embeddings if config.max_model_len is None
                                  else config.max_model_len)
-        num_blocks = config.num_gpu_blocks_override or num_blocks_for_memory(
-            mcfg, dtype, config.block_size, config.kv_cache_memory)
-        self.num_blocks = num_blocks
-        # Constrained decoding: grammars compiled once per spec (the llguidance tokenizer
-        # is built on the first guided request, so unconstrained serving never pays it).
-        self.grammars = GrammarCompiler(self.tokenizer.to_json, mcfg.vocab_size,
-                                        tuple(mcfg.eos_token_ids), num_threads)
-        kv_transfer = kv_transfer or KVTransferConfig()
+        self.num_blocks = config.num_gpu_blocks_override or num_blocks_for_memory(
+            mcfg, self.kv_dtype, config.block_size, config.kv_cache_memory)
+        per_token = kv_bytes_per_token(mcfg, self.kv_dtype)
+        log.info("KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %d B/token); "
+                 "max_model_len %d; model loaded in %.1f s", self.num_blocks,
+                 config.block_size, self.num_blocks * config.block_size,
+                 self.num_blocks * config.block_size * per_token / 2**30, per_token,
+                 self.max_model_len, self.loaded.load_seconds)
+
+    def _build_runner(self, kv_transfer: KVTransferConfig):
+        """Sets speculator and runner (its KV cache in shareable memory when the instance
+        is disaggregated). Returns make_shared_kv's (memory, layout), or None."""
+        config, mcfg = self.config, self.model_config
         shared = None
-        if kv_transfer.is_disaggregated:      # the cache in shareable memory
+        if kv_transfer.is_disaggregated:      # the cache in shared memory
             shared = make_shared_kv(kv_transfer, mcfg.num_hidden_layers,
-                                    mcfg.num_key_value_heads, num_blocks, config.block_size,
-                                    mcfg.head_dim, dtype)
+                                    mcfg.num_key_value_heads, self.num_blocks,
+                                    config.block_size, mcfg.head_dim, self.kv_dtype)
         spec = config.speculative_config
         self.speculator = None if spec is None else build_speculator(
-            spec, self.loaded, mcfg, num_blocks, config.block_size, dtype, config.dtype,
-            config.device, config.max_model_len)
-        self.runner = ModelRunner(self.loaded.model, mcfg, num_blocks, config.block_size,
-                                  dtype, config.device, self.grammars,
+            spec, self.loaded, mcfg, self.num_blocks, config.block_size, self.kv_dtype,
+            config.dtype, config.device, config.max_model_len, config.load_options())
+        self.runner = ModelRunner(self.loaded.model, mcfg, self.num_blocks,
+                                  config.block_size, self.kv_dtype, config.device,
+                                  self.grammars,
                                   kv_buffer=shared[1].tensor if shared else None,
                                   speculator=self.speculator,
                                   kv_prefault=config.kv_prefault)
-        self.step_cost: StepCost | None = None
+        return shared
+
+    def _build_scheduler(self) -> None:
+        """Sets step_time (the one model of step cost, core/step_time.py) and where it came
+        from, the token budget (max_num_batched_tokens, step_budget, max_step_ms), the
+        speculation policy and the scheduler."""
+        config = self.config
+        self.step_time, self.step_time_source = self._resolve_step_time()
         self.max_step_ms: float | None = None
         self.step_budget: StepBudget | None = None
-        self.max_num_batched_tokens = self._resolve_token_budget(num_threads)
+        self.max_num_batched_tokens = self._resolve_token_budget()
+        spec = config.speculative_config
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_batched_tokens=self.max_num_batched_tokens,
             step_budget=self.step_budget,
             max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
-            block_size=config.block_size, num_blocks=num_blocks,
+            block_size=config.block_size, num_blocks=self.num_blocks,
             enable_prefix_caching=config.enable_prefix_caching,
             max_num_waiting=config.max_waiting_requests,
             spec_policy=None if spec is None else spec_policy_for(
-                spec, self.loaded, self.speculator, self.runner)))
-        self.executor = IsolatedExecutor(self.runner.execute_model, self.scheduler)
-        self.kv_roles = None if shared is None else KVRoles(
-            kv_transfer, shared[0], shared[1], self.scheduler, self.max_model_len)
-        self.eos_token_ids = tuple(mcfg.eos_token_ids)   # resolved once, by the loader
-        self.requests: dict[str, _UserRequest] = {}
-        self._child_to_user: dict[str, str] = {}
-        self._cumulative = OutputAccumulator(eager_text=True)    # for step() only
-        self.check_integrity_when_idle = (config.check_integrity_when_idle or
-                                          os.environ.get("DUET_CHECK_INTEGRITY") == "1")
-        self.last_step = StepStats()
-        self._ran_since_idle = False     # steps ran since the engine was last idle
-        self.step_observers: list[StepObserver] = []
-        # Live phase accounting (cost model): attached to every StepStats as `.account`.
-        self.accountant = StepAccountant(mcfg, self.loaded.weight_bytes,
-                                         str(dtype).replace("torch.", ""))
-        self.trace: TraceWriter | None = None
-        if config.trace_file:
-            self.trace = TraceWriter(config.trace_file, self.accountant, flush_every_s=5.0)
-            self.step_observers.append(self.trace.observe)
-        log.info("KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %d B/token); "
-                 "max_model_len %d; model loaded in %.1f s", num_blocks, config.block_size,
-                 num_blocks * config.block_size,
-                 num_blocks * config.block_size * kv_bytes_per_token(mcfg, dtype) / 2**30,
-                 kv_bytes_per_token(mcfg, dtype), self.max_model_len,
-                 self.loaded.load_seconds)
+                spec, self.speculator.needs_lookahead, self.step_time,
+                self._draft_seconds())))
 
-    def _resolve_token_budget(self, num_threads: int) -> int:
+    def _resolve_step_time(self) -> tuple[StepTime | None, StepTimeSource]:
+        """The step-time model: read from config.step_time, else measured at start-up (or
+        cached) when something prices steps (a derived budget, adaptive speculation),
+        else none. Logged with where it came from."""
+        config = self.config
+        spec = config.speculative_config
+        if config.step_time is not None:
+            model = read_step_time(config.step_time)
+            source = StepTimeSource("file", config.step_time)
+        elif config.max_num_batched_tokens is None or (spec is not None and spec.adaptive):
+            model, source = startup_step_time(
+                self.runner, self.loaded.path, config.kernel_switches(), self.num_threads,
+                self.model_config.vocab_size, self.model_config.num_attention_heads,
+                config.block_size,
+                min(self.max_model_len - 1, self.num_blocks * config.block_size))
+            release_free_memory()        # the measurement's activations, back to the OS
+        else:
+            return None, StepTimeSource("none", "fixed budget, no adaptive speculation")
+        if model is None:
+            log.info("step time: none (%s)", source.detail)
+        else:
+            log.info("step time %s (%s): %s", source.how, source.detail, model.describe())
+        return model, source
+
+    def _resolve_token_budget(self) -> int:
         """The largest step token budget: the explicit max_num_batched_tokens, else the
-        idle budget of a StepBudget derived from this machine's measured step cost
-        (core/step_budget.py), which re-derives each step's budget from its decodes.
-        Sets self.step_cost, self.max_step_ms and self.step_budget when derived."""
+        idle budget of a StepBudget derived from the step-time model (core/step_budget.py),
+        which re-derives each step's budget from its decodes; FALLBACK_TOKEN_BUDGET when
+        there is no plausible model. Sets max_step_ms and step_budget when derived."""
         config = self.config
         if config.max_num_batched_tokens is not None:
+            log.info("step budget: fixed, %d tokens (--max-num-batched-tokens)",
+                     config.max_num_batched_tokens)
             return config.max_num_batched_tokens
-        cost, cached = measured_step_cost(
-            self.runner, self.loaded.path,
-            f"{config.dtype}/{config.quantization}/{config.kv_cache_dtype}", num_threads,
-            self.model_config.vocab_size, config.block_size,
-            min(self.max_model_len - 1, self.num_blocks * config.block_size),
-            self.loaded.few_row_rows)
-        if cost is None:
-            log.info("KV cache or max_model_len too small for the step-cost probes: fixed "
-                     "step budget of %d tokens", FALLBACK_TOKEN_BUDGET)
+        if self.step_time is None:
+            log.info("step budget: fixed, %d tokens (no step-time model)",
+                     FALLBACK_TOKEN_BUDGET)
             return FALLBACK_TOKEN_BUDGET
-        self.step_cost = cost
-        release_free_memory()        # the measurement's activations, back to the OS
-        self.max_step_ms = config.max_step_ms or default_max_step_ms(cost)
-        budget, self.step_budget = derive_step_budget(cost, config.max_step_ms,
+        budget, self.step_budget = derive_step_budget(self.step_time, config.max_step_ms,
                                                       config.max_num_seqs)
         if self.step_budget is None:
-            return budget                            # FALLBACK_TOKEN_BUDGET, fixed
-        log.info("step budget%s: %s", " (cached step cost)" if cached else "",
-                 self.step_budget.describe())
+            log.warning("step budget: fixed, %d tokens (implausible step-time model)",
+                        budget)
+            return budget
+        self.max_step_ms = config.max_step_ms or default_max_step_ms(self.step_time)
+        log.info("step budget: %s", self.step_budget.describe())
         return budget
+
+    def _draft_seconds(self) -> float:
+        """A draft model's cost per proposed token (its 1-row forward, measured now);
+        0 without a draft model or adaptive speculation."""
+        spec, draft = self.config.speculative_config, self.speculator.draft
+        if spec is None or not spec.adaptive or draft is None:
+            return 0.0
+        return forward_seconds(draft.model, draft.kv_caches, draft.block_size,
+                               draft.vocab_size, 1, draft.paged_decode, num_ids=draft.num_ids)
+
+    def _init_observers(self) -> None:
+        """Sets step_observers, the accountant (FLOPs, bytes, MFU/MBU of every step) and
+        the trace writer (when config.trace_file)."""
+        self.step_observers: list[StepObserver] = []
+        self.accountant = StepAccountant(self.model_config, self.loaded.weight_bytes,
+                                         str(self.kv_dtype).replace("torch.", ""))
+        self.trace: TraceWriter | None = None
+        if self.config.trace_file:
+            self.trace = TraceWriter(self.config.trace_file, self.accountant,
+                                     flush_every_s=5.0)
+            self.step_observers.append(self.trace.observe)
+
+    def resolved_config(self) -> dict:
+        """What this engine runs with, for `duet serve --print-config` and the logs: the
+        EngineConfig's fields, the values resolved at start-up (threads, context, KV
+        blocks, budget, kernels) and the step-time model with where it came from (the
+        file `--step-time` takes to schedule the same way elsewhere)."""
+        return {"engine": self.config.to_json(),
+                "resolved": {"model": self.loaded.path, "num_threads": self.num_threads,
+                             "max_model_len": self.max_model_len,
+                             "num_blocks": self.num_blocks,
+                             "kv_cache_dtype": str(self.kv_dtype).replace("torch.", ""),
+                             "max_num_batched_tokens": self.max_num_batched_tokens,
+                             "max_step_ms": self.max_step_ms,
+                             "step_budget": self.step_budget.describe()
+                             if self.step_budget is not None else None,
+                             "kernels": self.loaded.describe()},
+                "step_time": None if self.step_time is None else self.step_time.to_json(),
+                "step_time_source": {"how": self.step_time_source.how,
+                                     "detail": self.step_time_source.detail}}
 
     # -- requests ----------------------------------------------------------------------
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -288,7 +363,7 @@ class EngineCore:
         lps = self.kv_roles.first_logprobs(child.request.req_id)
         wants = child.request.sampling_params.logprobs is not None and lps is not None
         child.seed = CompletionOutput(child.index, child.detok.add_tokens([first]) or "",
-                                      [first], None, [lps] if wants else None)
+                                      [first], [lps] if wants else None)
         child.num_output_tokens = 1
 
     def has_work_now(self) -> bool:
@@ -419,7 +494,7 @@ class EngineCore:
         if self._ran_since_idle:
             self._ran_since_idle = False
             release_free_memory()
-        if self.check_integrity_when_idle:
+        if self.config.check_integrity_when_idle:
             self.scheduler.check_integrity()
             remote = self.scheduler.remote      # held or orphaned blocks may remain
             assert self.scheduler.kv_cache_manager.num_used_blocks == 0 or remote.held \
@@ -506,8 +581,8 @@ class EngineCore:
             text, new_ids = seed.text + text, seed.token_ids + new_ids
             if seed.logprobs is not None:
                 new_logprobs = seed.logprobs + (new_logprobs or [])
-        return CompletionOutput(child.index, text, new_ids, None, new_logprobs,
-                                finish_reason, stop_reason)
+        return CompletionOutput(child.index, text, new_ids, new_logprobs, finish_reason,
+                                stop_reason)
 
     def _user_output(self, user: _UserRequest, deltas: list[CompletionOutput]
                      ) -> RequestOutput:

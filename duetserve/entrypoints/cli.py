@@ -22,7 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench serve": ("duetserve.bench.serve", "HTTP serving benchmark against any OpenAI server"),
     "bench plot": ("duetserve.bench.plot", "plot results of duet bench serve"),
     "simulate": ("duetserve.entrypoints.simulate",
-                 "simulate serving: the real scheduler timed by a cost model"),
+                 "simulate serving: the real scheduler timed by the step-time model"),
     "plan": ("duetserve.entrypoints.plan",
              "plan a deployment: colocated vs disaggregated goodput per GPU under SLOs"),
 }

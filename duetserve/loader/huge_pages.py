@@ -15,12 +15,12 @@ them at the copy (`Tensor.set_`, in place: modules, packed low-bit weights and v
 shared a storage keep sharing it, and the old storage is freed). The KV cache is not
 placed here: it asks for small pages on purpose (worker/kv_cache.py).
 
-`DUET_HUGE_PAGES=0` leaves the weights where the loader put them (to compare).
+`--no-huge-pages` (EngineConfig.huge_pages) leaves the weights where the loader put them
+(to compare).
 """
 from __future__ import annotations
 
 import mmap
-import os
 
 import torch
 from torch import nn
@@ -68,13 +68,13 @@ def _weight_tensors(model: nn.Module) -> list[torch.Tensor]:
     return list(found.values())
 
 
-def place_weights(model: nn.Module) -> str:
+def place_weights(model: nn.Module, enabled: bool = True) -> str:
     """Move the model's weight storages of at least MIN_STORAGE_BYTES into one 2 MiB-page
     mapping. Mutates the tensors in place (their storage). Returns where the weights are
     and why, for the start-up log ("in 2 MiB pages (...)")."""
     mode = thp_mode()
-    if os.environ.get("DUET_HUGE_PAGES", "1") == "0":
-        return "in the allocator's pages (DUET_HUGE_PAGES=0)"
+    if not enabled:
+        return "in the allocator's pages (--no-huge-pages)"
     if mode not in ("always", "madvise") or not hasattr(mmap, "MADV_HUGEPAGE"):
         return f"in 4 KiB pages (transparent huge pages: {mode})"
     groups: dict[int, tuple[torch.UntypedStorage, list[torch.Tensor]]] = {}

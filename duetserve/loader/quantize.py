@@ -85,6 +85,7 @@ class QuantPlan:
     # when a Q4_K or Q6_K tensor first needs a form; an exact form is used below
     # EXACT_UNLESS_WIDENED_FASTER.
     exact_ratio: dict | None = None
+    kquant_forms: str = "measure"          # EngineConfig.kquant_forms
 
     def wants(self, target: str, arr) -> bool:
         """Is this part of `target` to be packed?"""
@@ -115,7 +116,7 @@ class QuantPlan:
             return False
         if self.exact_ratio is None:
             from duetserve.models.kernels import exact_kquant_forms
-            self.exact_ratio = r = exact_kquant_forms()
+            self.exact_ratio = r = exact_kquant_forms(self.kquant_forms)
             self.summary["k_quants"] = (
                 f"Q4_K as {'int4k' if _keeps_exact(r['Q4_K']) else 'int4'}, Q6_K as "
                 f"{'int6' if _keeps_exact(r['Q6_K']) else 'int8'}"

@@ -129,7 +129,7 @@ def kv_bytes_per_request(cfg: ModelConfig, num_tokens: int, kv_dtype: str = "f16
 
 
 @dataclass(frozen=True)
-class StepCost:
+class StepWork:
     """FLOPs and bytes of one step. `flops_terms` / `byte_terms` hold the per-term breakdown."""
 
     flops: int
@@ -160,10 +160,10 @@ class StepCost:
         return out
 
 
-def step_cost(cfg: ModelConfig, step: Sequence[tuple[int, int]], *,
+def step_work(cfg: ModelConfig, step: Sequence[tuple[int, int]], *,
               num_logits: int | None = None, weight_dtype: str | None = None,
-              kv_dtype: str | None = None, weight_bytes: float | None = None) -> StepCost:
-    """Return the StepCost of one step of `cfg`.
+              kv_dtype: str | None = None, weight_bytes: float | None = None) -> StepWork:
+    """Return the StepWork of one step of `cfg`.
 
     step: (num_new_tokens, context_len_before_step) per request.
     num_logits: positions that need logits; default one per request with new tokens.
@@ -209,7 +209,7 @@ def step_cost(cfg: ModelConfig, step: Sequence[tuple[int, int]], *,
     kv_read = kv_tok * sum(c for n, c in step if n > 0)
     kv_write = kv_tok * num_tokens
     byte_terms += [("kv_read", kv_read), ("kv_write", kv_write)]
-    return StepCost(flops=sum(v for _, v in flops_terms),
+    return StepWork(flops=sum(v for _, v in flops_terms),
                     weight_bytes=sum(v for k, v in byte_terms if k.startswith("weights.")),
                     kv_read_bytes=kv_read, kv_write_bytes=kv_write,
                     num_tokens=num_tokens, num_logits=num_logits,

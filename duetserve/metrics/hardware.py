@@ -3,16 +3,15 @@
 GPU figures are dense (no 2:4 sparsity) from NVIDIA's public datasheets, named per profile.
 The local machine ("cpu", alias "local") is measured by `duet roofline --measure` and cached
 as JSON in `$DUET_CACHE_DIR/hardware.json` (default `~/.cache/duetserve/`); until then it
-falls back to the figures in MACHINE.md of the project notes.
+falls back to CPU_FALLBACK: figures of a 2-vCPU cloud VM (an example, not this machine).
 """
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from duetserve.config import ConfigError
+from duetserve.config import ConfigError, cache_dir
 
 COMPUTE_DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
 
@@ -82,22 +81,21 @@ GPU_PROFILES: dict[str, HardwareProfile] = {p.name: p for p in (
          "NVIDIA L40S GPU datasheet"),
 )}
 
-# This machine before `duet roofline --measure` (MACHINE.md: 2 vCPUs, medians, 2 threads).
+# This machine before `duet roofline --measure`: the figures of the 2-vCPU VM duetserve was
+# developed on (fp32 GEMM and DRAM read medians at 2 threads), an example until measured.
 CPU_FALLBACK = HardwareProfile(
-    name="cpu", description="this machine (not measured yet: MACHINE.md figures; "
-                            "run `duet roofline --measure`)",
+    name="cpu", description="this machine (not measured yet: example figures of a 2-vCPU "
+                            "VM; run `duet roofline --measure`)",
     peak_flops=(("fp32", 310 * G), ("bf16", 62 * G), ("fp16", 2 * G)),
     mem_bandwidth=30 * G, memory_bytes=23 * G, default_compute="fp32",
-    source="/work/shared/MACHINE.md (fp32 GEMM 308 GFLOP/s, DRAM read ~30 GB/s)")
+    source="example 2-vCPU VM (fp32 GEMM 308 GFLOP/s, DRAM read ~30 GB/s)")
 
 LOCAL_NAMES = ("cpu", "local")
 
 
 def cache_path() -> Path:
     """Return the JSON file that caches the measured local profile."""
-    base = os.environ.get("DUET_CACHE_DIR")
-    root = Path(base) if base else Path.home() / ".cache" / "duetserve"
-    return root / "hardware.json"
+    return Path(cache_dir()) / "hardware.json"
 
 
 def save_measured(fp32_flops: float, mem_bandwidth: float, details: dict | None = None) -> Path:
@@ -112,7 +110,7 @@ def save_measured(fp32_flops: float, mem_bandwidth: float, details: dict | None 
 def local_profile() -> HardwareProfile:
     """Return the measured local profile from the cache, or CPU_FALLBACK when not measured.
 
-    Only fp32 GEMM is measured; bf16/fp16 peaks keep the MACHINE.md figures.
+    Only fp32 GEMM is measured; bf16/fp16 peaks keep CPU_FALLBACK's figures.
     """
     path = cache_path()
     try:

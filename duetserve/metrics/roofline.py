@@ -13,9 +13,9 @@ import os
 import sys
 
 from duetserve.config import ConfigError, ModelConfig
-from duetserve.metrics.cost_model import (COMPUTE_DTYPE_OF, StepCost, bits_per_weight, decode_step,
+from duetserve.metrics.cost_model import (COMPUTE_DTYPE_OF, StepWork, bits_per_weight, decode_step,
                                           kv_bytes_per_token, normalise_dtype, param_count,
-                                          prefill_step, step_cost)
+                                          prefill_step, step_work)
 from duetserve.metrics.hardware import HardwareProfile, get_hardware, hardware_names
 from duetserve.metrics.known_models import KNOWN_MODELS, get_known_model
 
@@ -25,7 +25,7 @@ NOTES = ("activations are not counted in bytes; norms/RoPE/softmax are not count
          "prefill is one prompt from an empty cache; decode is `batch` requests at context_len")
 
 
-def _phase(cost: StepCost, hw: HardwareProfile, peak: float, new_tokens: int) -> dict:
+def _phase(cost: StepWork, hw: HardwareProfile, peak: float, new_tokens: int) -> dict:
     """Return the roofline point of one step: AI, attainable FLOP/s, bound, time, tokens/s."""
     ridge = peak / hw.mem_bandwidth
     time_s = max(cost.flops / peak, cost.bytes / hw.mem_bandwidth)
@@ -44,8 +44,8 @@ def ridge_crossing_batch(cfg: ModelConfig, context_len: int, ridge: float,
     Decode cost is affine in the batch: flops = F0 + B*F, bytes = W + B*K, so
     AI(B) >= ridge  <=>  B*(F - ridge*K) >= ridge*W - F0; never when F <= ridge*K.
     """
-    c1 = step_cost(cfg, decode_step(1, context_len), **dtypes)
-    c2 = step_cost(cfg, decode_step(2, context_len), **dtypes)
+    c1 = step_work(cfg, decode_step(1, context_len), **dtypes)
+    c2 = step_work(cfg, decode_step(2, context_len), **dtypes)
     f, k = c2.flops - c1.flops, c2.bytes - c1.bytes
     f0, w = c1.flops - f, c1.bytes - k
     limit = f / k if k else math.inf
@@ -88,9 +88,9 @@ def analyse(model_config: ModelConfig, hardware: HardwareProfile | str, batch: i
     kw = {"weight_dtype": wdtype, "kv_dtype": kvd, "weight_bytes": weight_bytes}
     params = param_count(model_config)
     model_bytes = weight_bytes if weight_bytes is not None else params.total * bits_per_weight(wdtype) / 8
-    prefill = _phase(step_cost(model_config, prefill_step(prompt_len), **kw), hw, peak, prompt_len)
-    dec1 = _phase(step_cost(model_config, decode_step(1, context_len), **kw), hw, peak, 1)
-    decb = _phase(step_cost(model_config, decode_step(batch, context_len), **kw), hw, peak, batch)
+    prefill = _phase(step_work(model_config, prefill_step(prompt_len), **kw), hw, peak, prompt_len)
+    dec1 = _phase(step_work(model_config, decode_step(1, context_len), **kw), hw, peak, 1)
+    decb = _phase(step_work(model_config, decode_step(batch, context_len), **kw), hw, peak, batch)
     cross, ai_limit = ridge_crossing_batch(model_config, context_len, ridge, **kw)
     cross0, _ = ridge_crossing_batch(model_config, 0, ridge, **kw)
     kv_tok = kv_bytes_per_token(model_config, kvd)
@@ -203,7 +203,7 @@ def format_result(r: dict) -> str:
         lines.append(f"memory    at most {r['max_batch_by_memory']} requests of "
                      f"{r['context_len']} tokens fit beside the weights")
     if hw["name"] == "cpu" and not hw["measured"]:
-        lines.append("NOTE: cpu not measured yet; using MACHINE.md figures "
+        lines.append("NOTE: cpu not measured yet; using example figures of a 2-vCPU VM "
                      "(run `duet roofline --measure`)")
     return "\n".join(lines)
 

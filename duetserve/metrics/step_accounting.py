@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from duetserve.config import ConfigError, ModelConfig
-from duetserve.metrics.cost_model import COMPUTE_DTYPE_OF, normalise_dtype, step_cost
+from duetserve.metrics.cost_model import COMPUTE_DTYPE_OF, normalise_dtype, step_work
 from duetserve.metrics.hardware import HardwareProfile, get_hardware, local_profile
 from duetserve.outputs import PHASES, StepStats
 from duetserve.outputs import step_phase as classify_phase
@@ -123,7 +123,7 @@ class StepAccountant:
                 if s.num_new_tokens > 0]
         num_prefill, num_decode = stats.num_prefill_tokens, stats.num_decode_tokens
         if step:
-            cost = step_cost(self.model_config, step, num_logits=num_logits,
+            cost = step_work(self.model_config, step, num_logits=num_logits,
                              kv_dtype=self.kv_dtype, weight_bytes=self.weight_bytes)
             flops, nbytes, n_logits = cost.flops, cost.bytes, cost.num_logits
         else:

@@ -10,11 +10,10 @@ weight streams the caches hold none of torch's code or data, so each small torch
 there costs tens of microseconds (~0.2 ms a step on the F32 copy of SmolLM2). Any other
 step, model or backend uses the modules.
 
-`DUET_DECODE_STACK=0` turns it off (to compare the two paths).
+`--no-decode-stack` (EngineConfig.decode_stack) turns it off (to compare the two paths).
 """
 from __future__ import annotations
 
-import os
 
 import torch
 from torch import nn
@@ -69,7 +68,7 @@ class NativeDecodeStack:
     def build(cls, model: nn.Module) -> "NativeDecodeStack | None":
         """For a LlamaForCausalLM; None when any layer needs the module path."""
         native = ops()
-        if native is None or os.environ.get("DUET_DECODE_STACK", "1") == "0":
+        if native is None or not getattr(model, "use_decode_stack", True):
             return None
         layers, policies, dense = [], [], False
         for layer in model.layers:

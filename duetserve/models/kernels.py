@@ -55,8 +55,12 @@ def _cached(key: str, measure):
             cache = json.load(f)
     except (OSError, ValueError):
         cache = {}
-    if key not in cache:
+    if key in cache:
+        log.info("kernel measurement %s = %s (cached in %s)", key, cache[key], path)
+    else:
         cache[key] = measure()
+        log.info("kernel measurement %s = %s (measured now, cached in %s)", key, cache[key],
+                 path)
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             tmp = f"{path}.{os.getpid()}"
@@ -167,21 +171,20 @@ def probe_forms(n: int, k: int, g: torch.Generator) -> dict[str, object]:
     }
 
 
-def exact_kquant_forms() -> dict[str, float]:
+def exact_kquant_forms(choice: str = "measure") -> dict[str, float]:
     """{"Q4_K": t(int4k) / t(int4), "Q6_K": t(int6) / t(int8)} for the same weights
     (below 1: the exact form is faster here). Measured once per CPU and thread count;
     0 for both without the native kernels (plain torch dequantizes either way: the exact
-    form is the nearer one). DUET_KQUANT_FORMS=exact / widened overrides the measurement
-    (0 / 2)."""
+    form is the nearer one). `choice` "exact" / "widened" (EngineConfig.kquant_forms)
+    overrides the measurement (0 / 2)."""
     def measure() -> dict[str, float]:
         forms = probe_forms(4096, 2048, torch.Generator().manual_seed(0))
         copies = max(2, -(-_FORM_PROBE_BYTES // forms["int8"].nbytes))
         t = _form_probe_seconds({name: [w] + [_clone(w) for _ in range(copies - 1)]
                                  for name, w in forms.items()})
         return {"Q4_K": round(t["int4k"] / t["int4"], 3), "Q6_K": round(t["int6"] / t["int8"], 3)}
-    forced = os.environ.get("DUET_KQUANT_FORMS", "measure")
-    if forced in ("exact", "widened"):     # an override (benchmarks compare the two)
-        r = 0.0 if forced == "exact" else 2.0
+    if choice in ("exact", "widened"):     # an override (benchmarks compare the two)
+        r = 0.0 if choice == "exact" else 2.0
         return {"Q4_K": r, "Q6_K": r}
     if ops() is None:
         return {"Q4_K": 0.0, "Q6_K": 0.0}
@@ -297,7 +300,8 @@ def few_row_limit(model: torch.nn.Module) -> int:
     """The most rows a step may have for this model's linears to run their few-row kernels
     (low-bit GEMVs: the policies' `lowbit_max_rows`; float32 linears: the native GEMV's
     `dense_gemv_rows`); above it they run dense GEMMs. The one place the simulator's cost
-    model (sim/cost.py `breakpoint`) reads the engine's kernel switch from."""
+    model (core/step_time.Layout.few_rows, engine/step_probe.py) reads the engine's kernel
+    switch from."""
     limits = {m.policy.lowbit_max_rows for m in model.modules() if isinstance(m, QuantLinear)}
     if limits:
         return min(limits)

@@ -2,7 +2,8 @@
 
 Built with torch's cpp_extension (ninja + the system C++ compiler, -O3 -march=native)
 into $DUET_CACHE_DIR (~/.cache/duetserve)/ext/<digest>, once per machine (about 30 s);
-later processes load the built library. If the build fails, or DUET_NATIVE=0, `ops()` returns None and the
+later processes load the built library. If the build fails, or the engine was configured
+without them (`set_enabled(False)`, `--no-native-kernels`), `ops()` returns None and the
 callers use their plain-torch paths (same results, slower): the reason is logged once.
 
 Kernels:
@@ -23,16 +24,22 @@ import platform
 import threading
 import time
 
+from duetserve.config import cache_dir
+
 log = logging.getLogger("duetserve")
 _SRC = os.path.join(os.path.dirname(os.path.dirname(__file__)), "csrc")
 _lock = threading.Lock()
 _state: dict = {}
 
 
-def cache_dir() -> str:
-    """Where measurements and built kernels are cached: $DUET_CACHE_DIR or
-    ~/.cache/duetserve."""
-    return os.environ.get("DUET_CACHE_DIR") or os.path.expanduser("~/.cache/duetserve")
+def set_enabled(enabled: bool) -> None:
+    """Use the native kernels (the default) or not (EngineConfig.native_kernels). Process-
+    wide, as the compiled module is: call it before the model is built. Mutates the
+    module's state."""
+    with _lock:
+        if _state.get("enabled", True) != enabled:
+            _state.pop("mod", None)
+        _state["enabled"] = enabled
 
 
 def cpu_name() -> str:
@@ -104,8 +111,8 @@ def ops():
     with _lock:
         if "mod" not in _state:
             mod = None
-            if os.environ.get("DUET_NATIVE", "1") == "0":
-                log.info("native kernels off (DUET_NATIVE=0)")
+            if not _state.get("enabled", True):
+                log.info("native kernels off (--no-native-kernels)")
             else:
                 try:
                     mod = _build()

@@ -28,9 +28,66 @@ from dataclasses import dataclass, replace
 from typing import Sequence
 
 from duetserve.config import ConfigError, ModelConfig
-from duetserve.metrics.cost_model import bits_per_weight, param_count, step_cost
+from duetserve.core.step_time import Layout, StepShape
+from duetserve.metrics.cost_model import bits_per_weight, param_count, step_work
 from duetserve.metrics.hardware import GPU_PROFILES, HardwareProfile
-from duetserve.sim.cost import RooflineCost, StepShape
+
+# A GPU engine's layout: every slice through the same GEMMs (no few-row kernels), no
+# chunks as decode rows, every chunk after context on flash attention.
+GPU_LAYOUT = Layout(few_rows=0, chunk_rows=0, masked_max_scores=0)
+
+
+@dataclass(frozen=True)
+class RooflineStepTime:
+    """A GPU's step time (core/step_time.StepPricer): a roofline per kernel group,
+    summed (each group runs as its own kernels):
+
+        linear    max(FLOPs_lin / (peak*mfu), weight bytes / (bw*mbu))   weights read once
+                  per step, so prefill rows ride on a memory-bound decode step up to the
+                  ridge point (FLOPs_lin = per_token * T + per_logit * L)
+        prefill attention  max(per_pair * pairs / (peak*mfu), KV read / (bw*mbu))
+        decode attention   max(per_pair * entries / (peak*mfu), KV read / (bw*mbu))
+        KV write  kv_bytes_per_token * T / (bw*mbu)
+        + step_overhead_s + request_overhead_s * requests
+
+    Per-unit FLOPs and bytes follow metrics/cost_model.py (`unit_costs`)."""
+
+    peak_flops: float
+    mem_bandwidth: float
+    mfu: float
+    mbu: float
+    step_overhead_s: float
+    request_overhead_s: float
+    flops_per_token: float
+    flops_per_pair: float
+    flops_per_logit: float
+    weight_bytes: float          # every step (layers, norms; embedding rows ignored)
+    head_bytes: float            # steps that sample anything
+    kv_bytes_per_token: float
+    layout: Layout = GPU_LAYOUT
+
+    def seconds(self, s: StepShape) -> float:
+        """The step's modelled duration in seconds (0 without rows). Pure."""
+        if not s.num_rows:
+            return 0.0
+        flop_s = self.peak_flops * self.mfu
+        byte_s = self.mem_bandwidth * self.mbu
+        kv = self.kv_bytes_per_token
+        linear = max((self.flops_per_token * s.num_rows
+                      + self.flops_per_logit * s.num_logits) / flop_s,
+                     (self.weight_bytes + (self.head_bytes if s.num_logits else 0.0)) / byte_s)
+        pairs = s.fresh_pairs + s.chunk_pairs + s.chunk_scores
+        prefill = max(self.flops_per_pair * pairs / flop_s, kv * s.prefill_context / byte_s)
+        decode = max(self.flops_per_pair * s.decode_kv / flop_s,
+                     kv * (s.decode_kv - s.num_decode_rows) / byte_s)
+        return (linear + prefill + decode + kv * s.num_rows / byte_s
+                + self.step_overhead_s + self.request_overhead_s * s.num_reqs)
+
+    def describe(self) -> str:
+        return (f"roofline: {self.peak_flops / 1e12:.4g} TFLOP/s x MFU {self.mfu:g}, "
+                f"{self.mem_bandwidth / 1e12:.4g} TB/s x MBU {self.mbu:g}, overhead "
+                f"{self.step_overhead_s * 1e3:g} ms/step + "
+                f"{self.request_overhead_s * 1e3:g} ms/request")
 
 
 @dataclass(frozen=True)
@@ -59,7 +116,7 @@ def unit_costs(cfg: ModelConfig, weight_dtype: str = "bf16", kv_dtype: str = "bf
                ) -> dict[str, float]:
     """Per-unit FLOPs and bytes of a step, read off metrics.cost_model's breakdown of a
     probe step with 2 new tokens after 3 cached (pairs = 2*3 + 2*3/2 = 9), 1 logit."""
-    probe = step_cost(cfg, [(2, 3)], num_logits=1, weight_dtype=weight_dtype,
+    probe = step_work(cfg, [(2, 3)], num_logits=1, weight_dtype=weight_dtype,
                       kv_dtype=kv_dtype).breakdown()
     linear = sum(v for k, v in probe.items() if k.startswith("flops.")
                  and k not in ("flops.attn_scores", "flops.attn_values", "flops.lm_head"))
@@ -79,12 +136,12 @@ def weight_bytes_total(cfg: ModelConfig, weight_dtype: str = "bf16") -> float:
 
 def roofline_cost(cfg: ModelConfig, hw: HardwareProfile, eff: Efficiency,
                   weight_dtype: str = "bf16", kv_dtype: str = "bf16",
-                  compute_dtype: str = "bf16") -> RooflineCost:
-    """The RooflineCost of `cfg` on one `hw` device (no tensor parallelism)."""
+                  compute_dtype: str = "bf16") -> RooflineStepTime:
+    """The RooflineStepTime of `cfg` on one `hw` device (no tensor parallelism)."""
     if not (0 < eff.mfu <= 1 and 0 < eff.mbu <= 1):
         raise ConfigError(f"mfu and mbu must be in (0, 1], got {eff.mfu}, {eff.mbu}")
     u = unit_costs(cfg, weight_dtype, kv_dtype)
-    return RooflineCost(peak_flops=hw.peak(compute_dtype), mem_bandwidth=hw.mem_bandwidth,
+    return RooflineStepTime(peak_flops=hw.peak(compute_dtype), mem_bandwidth=hw.mem_bandwidth,
                         mfu=eff.mfu, mbu=eff.mbu, step_overhead_s=eff.step_overhead_ms / 1e3,
                         request_overhead_s=eff.request_overhead_ms / 1e3, **u)
 
@@ -103,9 +160,9 @@ def kv_blocks(cfg: ModelConfig, hw: HardwareProfile, block_size: int,
     return int(free // per_block)
 
 
-def fit_efficiency(cost: RooflineCost, shapes: Sequence[StepShape],
+def fit_efficiency(cost: RooflineStepTime, shapes: Sequence[StepShape],
                    measured_s: Sequence[float], mfu_max: float = 1.0,
-                   mbu_max: float = 1.0) -> tuple[RooflineCost, float]:
+                   mbu_max: float = 1.0) -> tuple[RooflineStepTime, float]:
     """`cost` with the (mfu, mbu, step overhead) that minimise the sum of squared
     log(predicted / measured) over the steps `shapes` timed `measured_s` (seconds): a grid
     of 0.05 in MFU and MBU and 0.25 ms in overhead, then three of 0.01 and 0.01 ms, each
@@ -116,13 +173,13 @@ def fit_efficiency(cost: RooflineCost, shapes: Sequence[StepShape],
     if not shapes or len(shapes) != len(measured_s):
         raise ConfigError("fit_efficiency needs one measured time per step shape")
 
-    def loss(c: RooflineCost) -> float:
-        return sum(math.log(c.step_seconds(sh) / m) ** 2 for sh, m in zip(shapes, measured_s))
+    def loss(c: RooflineStepTime) -> float:
+        return sum(math.log(c.seconds(sh) / m) ** 2 for sh, m in zip(shapes, measured_s))
 
     mfus = [x / 20 for x in range(1, 21) if x / 20 <= mfu_max] or [mfu_max]
     mbus = [x / 20 for x in range(1, 21) if x / 20 <= mbu_max] or [mbu_max]
     overheads = [x / 4 for x in range(13)]
-    best: tuple[float, RooflineCost] | None = None
+    best: tuple[float, RooflineStepTime] | None = None
     for _ in range(4):                 # the coarse grid, then three fine ones, re-centred
         for mfu in mfus:
             for mbu in mbus:

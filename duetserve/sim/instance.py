@@ -1,10 +1,11 @@
 """One simulated engine instance: the real `core.scheduler.Scheduler`, unchanged, decides
-every step; a cost model says how long the step takes; the update mimics the engine's:
+every step; the step-time model (core/step_time.py) says how long the step takes; the
+update mimics the engine's:
 
     EngineCore.step()                        SimInstance
     ─────────────────                        ───────────
     so = scheduler.schedule()                begin_step(): so = scheduler.schedule()
-    ro = runner.execute_model(so)                          duration = cost(shape of so)
+    ro = runner.execute_model(so)                          duration = seconds(shape of so)
                                              ... simulated time passes ...
     scheduler.update_from_output(so, ro)     end_step():   ro = one synthetic token per
                                                            slice that reaches the end of its
@@ -27,27 +28,24 @@ from duetserve.config import SchedulerConfig
 from duetserve.core.scheduler import Scheduler
 from duetserve.errors import RequestError
 from duetserve.outputs import ModelRunnerOutput, SchedulerOutput
+from duetserve.core.step_time import StepPricer, StepShape
 from duetserve.request import Request
-from duetserve.sim.cost import StepCostModel, StepShape, next_rewarm
-from duetserve.sim.noise import NoiseSampler
 
 
 class SimInstance:
     """Mutates: its scheduler and the Requests handed to it."""
 
-    def __init__(self, index: int, config: SchedulerConfig, cost: StepCostModel,
+    def __init__(self, index: int, config: SchedulerConfig, step_time: StepPricer,
                  role: str = "both", id_range: tuple[int, int] = (1000, 40000),
-                 noise: NoiseSampler | None = None) -> None:
+                 arrival_s: float = 0.0) -> None:
+        """`arrival_s`: the engine's cost of adding one request (validation, detokenizer
+        set-up), paid by the step after its arrival."""
         self.index = index
         self.role = role                      # "both" | "prefill" | "decode"
         self.scheduler = Scheduler(config)
-        self.cost = cost
-        self.arrival_s = float(getattr(cost, "arrival_s", 0.0))
-        self.flash_above = int(getattr(cost, "flash_above", 0))    # see sim/cost.py
-        self.chunk_rows = int(getattr(cost, "chunk_rows", 0))
-        self.decode_split = tuple(getattr(cost, "decode_split", (0, 0)))
+        self.step_time = step_time
+        self.arrival_s = arrival_s
         self.id_range = id_range
-        self.noise = noise                    # the machine's step-time noise (sim/noise.py)
         self.pending: list[Request] = []
         self.busy = False
         # req_id -> (tokens whose KV arrived by transfer, num_preemptions when it arrived)
@@ -59,11 +57,8 @@ class SimInstance:
         self.busy_seconds = 0.0
         self.num_step_tokens = 0
         # the engine releases freed heap memory when it runs out of requests (and after
-        # its start-up measurement): its next step is cold. When it last ran out of
-        # requests (simulated s; 0: it started idle), None while it has some
-        self.idle_since: float | None = 0.0
-        self.rewarm: int | None = None   # the last step's rewarm count (next_rewarm)
-        self._end = 0.0                  # when the step begun last ends
+        # its start-up measurement): its next step is cold (StepShape.cold)
+        self.idle = True
 
     @property
     def num_outstanding(self) -> int:
@@ -89,11 +84,11 @@ class SimInstance:
                 refused.append((request, str(e)))
         return refused
 
-    def begin_step(self, now: float = 0.0) -> float | None:
-        """Admit pending requests, schedule one step starting at simulated time `now` and
+    def begin_step(self) -> float | None:
+        """Admit pending requests, schedule one step and
         return its duration in seconds (None: nothing to run, the instance goes idle): the
-        cost model's time, times the noise sampler's factor when there is one. Mutates the
-        scheduler, the noise sampler, `idle_since`, `rewarm` and the step's end."""
+        step-time model's price of the step's shape, plus the arrivals' cost. Mutates the
+        scheduler and `idle`."""
         num_added = len(self.pending)
         self.pending = []
         so = self.scheduler.schedule()
@@ -101,47 +96,42 @@ class SimInstance:
             self.busy = False
             self._so = None
             return None
+        shape = self._shape(so)
+        duration = self.step_time.seconds(shape) + self.arrival_s * num_added
+        self.idle = False
+        self._so = so
+        self._sampled = [r for r in so.num_scheduled_tokens if r in so.sampled_req_ids]
+        self.busy = True
+        self.num_steps += 1
+        self.busy_seconds += duration
+        self.num_step_tokens += shape.num_rows
+        return duration
+
+    def _shape(self, so: SchedulerOutput) -> StepShape:
+        """The step's shape, the positions whose KV arrived by transfer counted as free.
+        Mutates kv_loaded (a preempted request's transferred KV is gone)."""
+        shape = StepShape(self.step_time.layout, cold=self.idle)
         requests = self.scheduler.requests
-        since, self.idle_since = self.idle_since, None
-        shape = StepShape(cold=since is not None, flash_above=self.flash_above,
-                          idle_s=0.0 if since is None else max(0.0, now - since),
-                          chunk_rows=self.chunk_rows, decode_split=self.decode_split)
-        sampled = []
-        for req_id, n in so.num_scheduled_tokens.items():
-            req = requests[req_id]
-            c = req.num_computed_tokens
-            if c + n == req.num_tokens:
-                sampled.append(req_id)
-            loaded = self.kv_loaded.get(req_id)
+        for s in so.slices():
+            n, c, req = s.num_new_tokens, s.num_computed_before, requests[s.req_id]
+            loaded = self.kv_loaded.get(s.req_id)
             if loaded is not None:
                 if loaded[1] != req.num_preemptions:        # preempted: KV recomputed
-                    del self.kv_loaded[req_id]
+                    del self.kv_loaded[s.req_id]
                 elif c < loaded[0]:
                     free = min(n, loaded[0] - c)
                     n, c = n - free, c + free
             if n > 0:
-                shape.add(n, c, c + n == req.num_tokens)
-            elif req_id in sampled:
-                shape.num_logits += 1
-        self.rewarm = next_rewarm(self.rewarm, shape.cold, shape.num_tokens,
-                                  getattr(self.cost, "breakpoint", 0))
-        shape.rewarm = self.rewarm or 0
-        duration = self.cost.step_seconds(shape) + self.arrival_s * num_added
-        if self.noise is not None:
-            duration *= self.noise.factor(now)
-        self._so, self._sampled = so, sampled
-        self._end = now + duration
-        self.busy = True
-        self.num_steps += 1
-        self.busy_seconds += duration
-        self.num_step_tokens += shape.num_tokens
-        return duration
+                shape.add(n, c, s.num_logits)
+            else:
+                shape.num_logits += s.num_logits
+        return shape
 
     def end_step(self) -> list[Request]:
         """Apply the step begun by begin_step: one synthetic token per sampled slice, then
         the scheduler's update (counters, token stops, freeing). Returns the requests that
-        got a token or finished, in schedule order. Mutates the scheduler and
-        `idle_since`; the instance is idle (`busy` False) until the next begin_step."""
+        got a token or finished, in schedule order. Mutates the scheduler and `idle`; the
+        instance is between steps (`busy` False) until the next begin_step."""
         so = self._so
         assert so is not None, "end_step without begin_step"
         ids = output_token_ids(self._next_token, len(self._sampled), self.id_range)
@@ -152,7 +142,7 @@ class SimInstance:
         for req in touched:
             if req.is_finished:
                 self.kv_loaded.pop(req.req_id, None)
-        self.idle_since = None if self.scheduler.has_unfinished_requests() else self._end
+        self.idle = not self.scheduler.has_unfinished_requests()
         self._so, self._sampled = None, []
         self.busy = False          # between steps until the caller begins the next one
         return touched

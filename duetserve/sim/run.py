@@ -26,27 +26,23 @@ def decode_instance_config(config: SchedulerConfig) -> SchedulerConfig:
 
 def kv_bytes_per_token(profile: SimProfile) -> float:
     """KV bytes per token the profile's model moves in a P/D transfer."""
-    value = getattr(profile.cost, "kv_bytes_per_token", None)
+    value = getattr(profile.step_time, "kv_bytes_per_token", None)
     return float(value if value is not None else profile.meta.get("kv_bytes_per_token", 0.0))
 
 
 def simulate(convs: list[TokenConversation], profile: SimProfile, cluster: ClusterSpec,
              rate: float, burstiness: float = 1.0, seed: int = 0,
              max_concurrency: int | None = None, config: SchedulerConfig | None = None,
-             id_range: tuple[int, int] = (1000, 40000), noise: bool = True,
-             noise_seed: int | None = None) -> SimResult:
-    """Simulate `convs` arriving at `rate` (the bench generator's schedule for `seed`).
-    With `noise` and a profile that measured its machine's step-time noise (sim/noise.py,
-    `duet simulate --calibrate`), each step's time is multiplied by a draw from it, the
-    path seeded by `noise_seed` (default: `seed`)."""
+             id_range: tuple[int, int] = (1000, 40000)) -> SimResult:
+    """Simulate `convs` arriving at `rate` (the bench generator's schedule for `seed`),
+    each step priced by the profile's step-time model."""
     config = config or profile.scheduler_config()
     if cluster.disaggregated and not cluster.kv_bytes_per_token:
         cluster = replace(cluster, kv_bytes_per_token=kv_bytes_per_token(profile))
     offsets = arrival_offsets(len(convs), rate, burstiness, seed)
-    sim = Simulation(convs, offsets.tolist(), cluster, config, profile.cost, max_concurrency,
-                     id_range, decode_instance_config(config),
-                     profile.step_noise if noise else None,
-                     seed if noise_seed is None else noise_seed)
+    sim = Simulation(convs, offsets.tolist(), cluster, config, profile.step_time,
+                     max_concurrency, id_range, decode_instance_config(config),
+                     profile.arrival_s)
     return sim.run()
 
 

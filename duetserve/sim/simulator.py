@@ -1,6 +1,6 @@
 """The discrete-event simulation: conversations arrive, routers place their turns on
-instances, each instance's real Scheduler runs steps whose durations come from the cost
-model, and every token is stamped with simulated time.
+instances, each instance's real Scheduler runs steps whose durations come from the
+step-time model (core/step_time.py), and every token is stamped with simulated time.
 
     events (time-ordered heap)            effect
     ──────────────────────────            ──────
@@ -26,12 +26,11 @@ from dataclasses import dataclass
 from duetserve.bench.bench_metrics import RequestRecord, TurnInFlight, compute_latencies
 from duetserve.bench.token_workload import TokenConversation
 from duetserve.config import SchedulerConfig
+from duetserve.core.step_time import StepPricer
 from duetserve.request import Request
 from duetserve.sampling_params import SamplingParams
 from duetserve.sim.cluster import ClusterSpec, Link, Router
-from duetserve.sim.cost import StepCostModel
 from duetserve.sim.instance import SimInstance
-from duetserve.sim.noise import StepNoise
 
 _SEND, _KICK, _STEP_END, _KV_ARRIVED = 0, 1, 2, 3
 
@@ -49,28 +48,24 @@ class Simulation:
     """One run of a workload on a cluster. Build, then `run()` once."""
 
     def __init__(self, convs: list[TokenConversation], offsets: list[float],
-                 cluster: ClusterSpec, config: SchedulerConfig, cost: StepCostModel,
+                 cluster: ClusterSpec, config: SchedulerConfig, step_time: StepPricer,
                  max_concurrency: int | None = None,
                  id_range: tuple[int, int] = (1000, 40000),
                  decode_config: SchedulerConfig | None = None,
-                 noise: StepNoise | None = None, noise_seed: int = 0) -> None:
+                 arrival_s: float = 0.0) -> None:
         self.convs, self.offsets = convs, [float(x) for x in offsets]
         self.cluster = cluster
         self.max_len = config.max_model_len
-        # each instance its own machine's noise path (sim/noise.py), seeded
-        sampler = lambda i: None if noise is None else noise.sampler(  # noqa: E731
-            noise_seed * 1_000_003 + i)
+
+        def instance(i: int, cfg: SchedulerConfig, role: str) -> SimInstance:
+            return SimInstance(i, cfg, step_time, role, id_range, arrival_s)
         if cluster.disaggregated:
-            self.prefill = [SimInstance(i, config, cost, "prefill", id_range, sampler(i))
-                            for i in range(cluster.num_prefill)]
-            self.decode = [SimInstance(cluster.num_prefill + i, decode_config or config,
-                                       cost, "decode", id_range,
-                                       sampler(cluster.num_prefill + i))
+            self.prefill = [instance(i, config, "prefill") for i in range(cluster.num_prefill)]
+            self.decode = [instance(cluster.num_prefill + i, decode_config or config, "decode")
                            for i in range(cluster.num_decode)]
             self.links = [Link(cluster.bandwidth, cluster.latency) for _ in self.prefill]
         else:
-            self.prefill = [SimInstance(i, config, cost, "both", id_range, sampler(i))
-                            for i in range(cluster.num_instances)]
+            self.prefill = [instance(i, config, "both") for i in range(cluster.num_instances)]
             self.decode, self.links = [], []
         self.router = Router(cluster.router)
         self.decode_router = Router(cluster.router)
@@ -141,7 +136,7 @@ class Simulation:
     def _begin(self, inst: SimInstance) -> None:
         for request, error in inst.admit_pending():
             self._fail(self._turns[request.req_id], error)
-        duration = inst.begin_step(self.now)
+        duration = inst.begin_step()
         if duration is not None:
             self._push(self.now + duration, _STEP_END, inst)
 

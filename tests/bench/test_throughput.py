@@ -20,7 +20,8 @@ def _run(tmp_path, model: str, *extra: str) -> dict:
     out = tmp_path / "r.json"
     rc = cli_main(["bench", "throughput", "--model", model, "--num-prompts", "8",
                    "--input-len", "8:40", "--output-len", "4:12", "--num-threads", "2",
-                   "--kv-cache-memory", "0.01", "--output-json", str(out), *extra])
+                   "--kv-cache-memory", "0.01", "--max-num-batched-tokens", "256",
+                   "--output-json", str(out), *extra])
     assert rc == 0
     return json.loads(out.read_text())
 

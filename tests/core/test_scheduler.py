@@ -44,7 +44,8 @@ def test_n4_siblings_share_one_prefill(make_scheduler) -> None:
     assert sched.kv_cache_manager.num_used_blocks == 31 + 1 + 3
     assert out.num_scheduled_tokens == {"r0": 500, "r1": 4, "r2": 4, "r3": 4}
     assert [r.num_computed_tokens for r in reqs] == [0, 496, 496, 496]
-    assert [r.num_cached_tokens for r in reqs] == [0, 496, 496, 496]
+    # the prefix hits, as the engine learns them (its cached-token count)
+    assert [d.num_computed_tokens for d in out.scheduled_new_reqs] == [0, 496, 496, 496]
     tables = [d.block_ids for d in out.scheduled_new_reqs]
     assert all(t[:31] == tables[0][:31] for t in tables)
     assert len({t[31] for t in tables}) == 4
@@ -226,7 +227,6 @@ def test_hash_collision_never_gives_a_false_hit(make_scheduler, step, monkeypatc
         sched.add_request(r)
         out, _ = step(sched, runner)            # the fake runner checks every KV slot read
         assert out.scheduled_new_reqs[0].num_computed_tokens == expected[rid], rid
-        assert r.num_cached_tokens == expected[rid]
 
 
 def test_prefix_caching_disabled(make_scheduler, step) -> None:
@@ -244,9 +244,11 @@ def test_prefix_caching_disabled(make_scheduler, step) -> None:
 def test_step_budget_widens_without_decodes(make_scheduler, step) -> None:
     """With a StepBudget, a prompt arriving to an idle engine prefills in one big step;
     once a stream is decoding, a later long prompt is cut to the decode-step budget."""
-    from duetserve.core.step_budget import StepBudget, StepCost
+    from duetserve.core.step_budget import StepBudget
+    from duetserve.core.step_time import Layout, StepTime
     # one decode: 1.5 x (10 + 1 x 1) = 16.5 ms -> 6 tokens -> the floor 1 + 15; 96 idle
-    policy = StepBudget(StepCost(fixed_ms=10.0, per_token_ms=1.0), min_chunk=15, idle=96)
+    policy = StepBudget(StepTime.of(Layout(), many_step=0.010, many_row=0.001), min_chunk=15,
+                        idle=96)
     sched, runner = make_scheduler(max_num_batched_tokens=96, step_budget=policy)
     sched.add_request(mk("a", 80, max_tokens=30))
     out, _ = step(sched, runner)
@@ -262,9 +264,12 @@ def test_step_budget_shrinks_chunks_deep_in_a_long_context(make_scheduler, step)
     decodes is cut into chunks that shrink as its cached context grows: each chunk's
     charge (its tokens plus its attention over the context, in budget tokens) fits the
     budget left beside the decodes, down to the floor of min_chunk tokens."""
-    from duetserve.core.step_budget import StepBudget, StepCost
-    cost = StepCost(fixed_ms=20.0, per_token_ms=1.0, per_pair_ms=1e-3, decode_fixed_ms=10.0,
-                    decode_per_seq_ms=5.0)
+    from duetserve.core.step_budget import StepBudget
+    from duetserve.core.step_time import Layout, StepTime
+    # decode-only steps 10 + 5 ms a stream; with prompt work 20 + 1 ms a row, and 1 us a
+    # (query, key) pair of a chunk after context (its own pairs cost nothing fresh)
+    cost = StepTime.of(Layout(few_rows=64), few_step=0.010, few_row=0.005, mixed_step=0.020,
+                       mixed_row=0.001, many_step=0.020, many_row=0.001, chunk_pair=1e-6)
     policy = StepBudget(cost, min_chunk=4, idle=512)
     # 8 decodes: 1.5 x (10 + 40) = 75 ms -> (75 - 20) / 1 = 55 tokens: 47 for a chunk
     assert policy.for_step(8) == 55
@@ -280,7 +285,10 @@ def test_step_budget_shrinks_chunks_deep_in_a_long_context(make_scheduler, step)
         out, _ = step(sched, runner)
         n = out.num_scheduled_tokens["long"]
         assert sum(v for k, v in out.num_scheduled_tokens.items() if k != "long") == 8
-        assert n == min(600 - start, max(4, int(47 / (1 + start * 1e-3))))
+        # the most tokens whose rows plus attention (n x start + n(n+1)/2 pairs) are
+        # charged at most the 47 budget tokens left beside the decodes
+        fits = max(k for k in range(1, 48) if policy.chunk_cost(k, start, 55) <= 47)
+        assert n == min(600 - start, max(4, fits if start else 47))
         chunks.append(n)
     assert chunks[0] == 47 and chunks[-2] < chunks[0] and sum(chunks) == 600
     drain(sched, runner, step)

@@ -9,7 +9,20 @@ import random
 import pytest
 
 from duetserve.core.scheduler import Scheduler
-from duetserve.core.spec_policy import RooflineStep, SpecPolicy
+from duetserve.core.spec_policy import SpecPolicy
+from duetserve.core.step_time import Layout, StepTime
+
+
+def roofline(mem_s: float, row_s: float) -> StepTime:
+    """A step-time model shaped like a roofline: mem_s up to the ridge, row_s a row past
+    it (the few-row kernels end at the ridge)."""
+    return StepTime.of(Layout(few_rows=round(mem_s / row_s)), few_step=mem_s, many_row=row_s)
+
+
+# 40 ms for one verify row and 6 ms more a row up to 5 rows, then past the few-row
+# kernels the roofline through the fifth (12.8 ms a row)
+MEASURED_5 = StepTime.of(Layout(few_rows=5), few_step=0.034, few_row=0.006,
+                         many_row=0.0128)
 from duetserve.outputs import ModelRunnerOutput, SchedulerOutput
 from duetserve.request import Request
 from duetserve.sampling_params import SamplingParams
@@ -88,8 +101,8 @@ class SpecFakeRunner(FakeRunner):
 
 def _scheduler(seed: int, lookahead: bool, adaptive: bool = False, accept_prob: float = 0.6,
                **overrides) -> tuple[Scheduler, SpecFakeRunner]:
-    roofline = RooflineStep(mem_seconds=0.01, row_seconds=0.001) if adaptive else None
-    policy = SpecPolicy(4, needs_lookahead=lookahead, adaptive=adaptive, roofline=roofline,
+    model = roofline(0.01, 0.001) if adaptive else None
+    policy = SpecPolicy(4, needs_lookahead=lookahead, adaptive=adaptive, step_time=model,
                         condition_on_streak=overrides.pop("condition_on_streak", False))
     config = make_config(spec_policy=policy, **overrides)
     return (Scheduler(config),
@@ -176,16 +189,17 @@ def test_counter_falls_back_by_the_rejected_drafts() -> None:
 
 def test_step_budget_does_not_cap_planned_drafts() -> None:
     """A StepBudget whose time target holds one decode and one more token (2 tokens)
-    does not cut the policy's 4 drafts (rows are nearly free on this roofline), and a
-    prompt arriving then still gets the chunk it would get without drafts; a fixed budget
-    of 2 tokens caps the drafts at 1."""
-    from duetserve.core.step_budget import StepBudget, StepCost
-    budget = StepBudget(StepCost(fixed_ms=10.0, per_token_ms=5.0), min_chunk=1, idle=64)
+    does not cut the policy's 4 drafts (rows are nearly free on the speculation's
+    model), and a prompt arriving then still gets the chunk it would get without drafts;
+    a fixed budget of 2 tokens caps the drafts at 1."""
+    from duetserve.core.step_budget import StepBudget
+    budget = StepBudget(StepTime.of(Layout(), many_step=0.010, many_row=0.005),
+                        min_chunk=1, idle=64)
     assert budget.for_step(1, 0) == 2 and budget.for_step(1, 1) == 2
-    roofline = RooflineStep(mem_seconds=0.01, row_seconds=0.0001)
+    model = roofline(0.01, 0.0001)
 
     def drafts_step(**config) -> SchedulerOutput:
-        policy = SpecPolicy(4, needs_lookahead=False, adaptive=True, roofline=roofline)
+        policy = SpecPolicy(4, needs_lookahead=False, adaptive=True, step_time=model)
         sched = Scheduler(make_config(spec_policy=policy, block_size=4, **config))
         req = Request("a", [1, 2], SamplingParams(max_tokens=50), eos_token_ids=(EOS,))
         req.spec_num_accepted = 20               # acceptance 21 / 22: gains 0.95 .. 0.83
@@ -220,8 +234,8 @@ def test_drafts_respect_max_tokens_and_preemption_drops_them() -> None:
 
 
 def test_adaptive_plan_turns_off_when_compute_bound() -> None:
-    roofline = RooflineStep(mem_seconds=0.010, row_seconds=0.001)   # ridge at 10 rows
-    policy = SpecPolicy(4, needs_lookahead=False, adaptive=True, roofline=roofline)
+    policy = SpecPolicy(4, needs_lookahead=False, adaptive=True,
+                        step_time=roofline(0.010, 0.001))     # ridge at 10 rows
     good, bad = ("good", 4, 0.9), ("bad", 4, 0.2)
     plan = policy.plan([good, bad], base_rows=2, base_tokens=2)
     assert plan["good"] == 4 and plan.get("bad", 0) == 1    # 0.2^2 < min_gain
@@ -234,54 +248,43 @@ def test_adaptive_plan_turns_off_when_compute_bound() -> None:
     assert fixed.plan([good, bad], base_rows=100, base_tokens=100) == {"good": 3, "bad": 3}
 
 
-def test_measured_step_times_and_draft_cost() -> None:
-    """A measured T(1..5) (6 ms a verify row on a 40 ms step) leaves room for drafts
-    until a sure draft would no longer raise tokens per second (beyond the table: the
-    roofline through its last point). A draft model's proposals are counted: cheap
-    drafts and high acceptance propose all k, poor acceptance fewer, a draft that costs
-    as much as the target step none; a free proposer (n-gram) proposes every draft above
-    min_gain as before."""
-    roofline = RooflineStep.from_measured([0.040, 0.046, 0.052, 0.058, 0.064])
-    assert roofline.seconds(3) == 0.052 and roofline.seconds(10) == pytest.approx(0.128)
-    policy = SpecPolicy(4, needs_lookahead=True, adaptive=True, roofline=roofline,
+def test_step_times_and_draft_cost() -> None:
+    """On 40 ms for one verify row and 6 ms more a row (12.8 ms a row past 5 rows, the
+    few-row kernels' end) there is room for drafts until a sure draft would no longer
+    raise tokens per second. A draft model's proposals are counted: cheap drafts and high
+    acceptance propose all k, poor acceptance fewer, a draft that costs as much as the
+    target step none; a free proposer (n-gram) proposes every draft above min_gain."""
+    policy = SpecPolicy(4, needs_lookahead=True, adaptive=True, step_time=MEASURED_5,
                         draft_seconds=0.010)
+    assert policy.step_seconds(1, 3) == pytest.approx(0.052)
+    assert policy.step_seconds(1, 10) == pytest.approx(0.128)
     assert policy.has_room(1) and policy.has_room(4) and not policy.has_room(5)
     assert policy.num_to_propose(0.9) == 4
     assert policy.num_to_propose(0.5) == 1       # 1.5 / 56 ms beats 1.75 / 72 ms
-    assert policy.num_to_propose(0.9, next_rows=8) == 0   # right of the table: rows cost
-    costly = SpecPolicy(4, needs_lookahead=True, adaptive=True, roofline=roofline,
+    assert policy.num_to_propose(0.9, next_rows=8) == 0   # past the few rows: rows cost
+    costly = SpecPolicy(4, needs_lookahead=True, adaptive=True, step_time=MEASURED_5,
                         draft_seconds=0.040)
     assert costly.num_to_propose(0.5) == 0
     assert costly.num_to_propose(0.5, probe=True) == 1   # measured again now and then
     assert policy.num_to_propose(0.9, probe=True) == 4
-    free = SpecPolicy(4, needs_lookahead=False, adaptive=True, roofline=roofline)
+    free = SpecPolicy(4, needs_lookahead=False, adaptive=True, step_time=MEASURED_5)
     assert free.num_to_propose(0.9) == 4 and free.num_to_propose(0.3) == 1
-    # the measured table is made non-decreasing (timing noise)
-    assert RooflineStep.from_measured([0.04, 0.039, 0.05]).measured == (0.04, 0.04, 0.05)
 
 
-def test_steps_measured_past_the_table_let_several_requests_verify() -> None:
-    """Four decodes on a 4-row table of 4.0 .. 5.8 ms: through the table's last point
-    (1.45 ms a row) four more rows cost 5.8 ms, so a draft with gain 0.9 (3.6 tokens for
-    4 rows) does not pay. Measured at 8 rows (8.0 ms: extra rows cost 0.55 ms), one
-    draft each does. Interpolation is linear between measured points, the roofline
-    through the last one continues past it, and the whole is made non-decreasing."""
-    table = [0.0040, 0.0044, 0.0050, 0.0058]
+def test_several_requests_verify_where_rows_are_cheap() -> None:
+    """Four decodes verifying 3 drafts each: on the few-row kernels up to 16 rows an extra
+    row costs 0.5 ms beside a 4 ms step, so every draft with gain 0.9 pays; past 16 rows
+    a row costs as much as the step's average row, and the plan stops at the 16th row."""
+    model = StepTime.of(Layout(few_rows=16), few_step=0.004, few_row=0.0005,
+                        many_row=0.0015)
     cands = [(f"r{i}", 3, 0.9) for i in range(4)]
-    plain = SpecPolicy(3, needs_lookahead=False, adaptive=True,
-                       roofline=RooflineStep.from_measured(table))
-    assert plain.plan(cands, base_rows=4, base_tokens=4) == {}
-    assert not plain.has_room(4)
-    wide = RooflineStep.from_measured(table, [(8, 0.0080), (12, 0.0150), (16, 0.0130)])
-    assert wide.beyond == ((8, 0.0080), (12, 0.0150), (16, 0.0150))
-    assert wide.seconds(4) == 0.0058 and wide.seconds(6) == pytest.approx(0.0069)
-    assert wide.seconds(10) == pytest.approx(0.0115)
-    assert wide.seconds(32) == pytest.approx(0.030)     # 32 rows x 15 ms / 16
-    policy = SpecPolicy(3, needs_lookahead=False, adaptive=True, roofline=wide)
-    assert policy.has_room(4)
-    assert policy.plan(cands, base_rows=4, base_tokens=4) == {f"r{i}": 1 for i in range(4)}
-    with pytest.raises(ValueError, match="must exceed 4"):
-        RooflineStep.from_measured(table, [(4, 0.006)])
+    policy = SpecPolicy(3, needs_lookahead=False, adaptive=True, step_time=model)
+    plan = policy.plan(cands, base_rows=4, base_tokens=4)
+    assert sum(plan.values()) == 12 and policy.has_room(4)
+    more = [(f"r{i}", 3, 0.9) for i in range(8)]
+    plan = policy.plan(more, base_rows=8, base_tokens=8)
+    assert sum(plan.values()) == 16 - 8              # the rows left on the few-row kernels
+    assert not policy.has_room(16)
 
 
 def test_draft_model_probes_after_choosing_no_drafts() -> None:
@@ -290,8 +293,7 @@ def test_draft_model_probes_after_choosing_no_drafts() -> None:
     recover; on the other steps none."""
     from duetserve.core.spec_schedule import PROBE_EVERY, num_to_propose
     from duetserve.core.step_plan import StepPlan
-    roofline = RooflineStep.from_measured([0.040, 0.046, 0.052, 0.058, 0.064])
-    policy = SpecPolicy(4, needs_lookahead=True, adaptive=True, roofline=roofline,
+    policy = SpecPolicy(4, needs_lookahead=True, adaptive=True, step_time=MEASURED_5,
                         draft_seconds=0.040)
     req = Request("r", list(range(10)), SamplingParams(temperature=0.0, max_tokens=100))
     req.spec_num_rejections = 5
@@ -304,20 +306,20 @@ def test_draft_model_probes_after_choosing_no_drafts() -> None:
     assert sum(got) == 2 and got[PROBE_EVERY - 1] == 1 and got[-1] == 1, got
 
 
-# Step times of Qwen2.5-Coder-1.5B Q4_K_M for 1..7 verify rows (docs/benchmarks.md): a
-# fifth draft row costs more than a sixth (56 -> 74 -> 79 ms), so the table is not convex.
-STEP_1_5B = [0.0382, 0.0408, 0.0461, 0.0562, 0.0739, 0.0793, 0.091]
+# A verify step of 1..4 rows on the few-row kernels (39, 44, 49, 54 ms), past them on the
+# dense ones (70, 72, 74 ms for 5, 6, 7 rows): not convex at the cliff.
+STEP_CLIFF = StepTime.of(Layout(few_rows=4), few_step=0.034, few_row=0.005,
+                         many_step=0.060, many_row=0.002)
 
 
-def test_plan_takes_the_best_prefix_on_a_non_convex_step_table() -> None:
+def test_plan_takes_the_best_prefix_over_the_cliff() -> None:
     """Tokens per second for one request with acceptance 0.95: 1, 1.95, 2.85, 3.71, 4.52,
-    5.30, 6.03 tokens over 38.2 .. 91.0 ms peak at 6 rows (5 drafts), although a 4th
-    draft alone lowers them (3.71 / 56.2 ms > 4.52 / 73.9 ms)."""
-    policy = SpecPolicy(6, needs_lookahead=False, adaptive=True,
-                        roofline=RooflineStep.from_measured(STEP_1_5B))
-    assert policy.plan([("a", 6, 0.95)], base_rows=1, base_tokens=1) == {"a": 5}
+    5.30, 6.03 tokens over 39 .. 74 ms peak at 7 rows (6 drafts), although a 4th draft
+    alone lowers them (3.71 / 54 ms > 4.52 / 70 ms)."""
+    policy = SpecPolicy(6, needs_lookahead=False, adaptive=True, step_time=STEP_CLIFF)
+    assert policy.plan([("a", 6, 0.95)], base_rows=1, base_tokens=1) == {"a": 6}
     assert policy.plan([("a", 3, 0.95)], base_rows=1, base_tokens=1) == {"a": 3}
-    # 0.23: one draft (1.23 / 40.8 ms), a second lowers the rate and no later one pays
+    # 0.23: one draft (1.23 / 44 ms), a second lowers the rate and no later one pays
     assert policy.plan([("a", 6, 0.23)], base_rows=1, base_tokens=1) == {"a": 1}
 
 
@@ -351,11 +353,11 @@ def test_acceptance_is_estimated_apart_after_a_fully_kept_verify() -> None:
 
 def test_scheduler_plans_with_the_streak_state() -> None:
     """A request whose verifies go well inside a streak and badly otherwise: after a step
-    without drafts it verifies one draft, after a fully kept verify five; the runner is
+    without drafts it verifies one draft, after a fully kept verify six; the runner is
     asked for what the better state would use (the next verify's outcome is not known
     when the step is scheduled)."""
     policy = SpecPolicy(6, needs_lookahead=False, adaptive=True,
-                        roofline=RooflineStep.from_measured(STEP_1_5B), condition_on_streak=True)
+                        step_time=STEP_CLIFF, condition_on_streak=True)
     sched = Scheduler(make_config(spec_policy=policy, block_size=4))
     req = Request("a", [1, 2, 3, 4, 5, 6], SamplingParams(max_tokens=100), eos_token_ids=(EOS,))
     req.spec_num_accepted, req.spec_num_rejections = 40, 10
@@ -372,7 +374,7 @@ def test_scheduler_plans_with_the_streak_state() -> None:
                                                     spec_token_ids={"a": [21, 22, 23, 24, 25, 26]}))
     assert req.spec_streak
     out = sched.schedule()
-    assert out.scheduled_spec_token_ids == {"a": [21, 22, 23, 24, 25]}
+    assert out.scheduled_spec_token_ids == {"a": [21, 22, 23, 24, 25, 26]}
     sched.update_from_output(out, ModelRunnerOutput(["a"], {"a": [21, 22, 30]},
                                                     spec_token_ids={"a": [31, 32]}))
     assert not req.spec_streak

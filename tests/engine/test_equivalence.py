@@ -14,6 +14,7 @@ from duetserve.errors import RequestError
 from duetserve.loader import load_model
 from duetserve.models import attention
 from duetserve.sampling_params import SamplingParams
+from pinned import pinned_step_time
 
 MAX_TOKENS = 20
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -29,7 +30,8 @@ def _prompts(vocab: int, seed: int = 0) -> list[list[int]]:
 
 
 def _engine(loaded, **opts) -> LLM:
-    cfg = EngineConfig(model=loaded.path, num_threads=2, **opts)
+    cfg = EngineConfig(model=loaded.path, num_threads=2, step_time=pinned_step_time(),
+                       check_integrity_when_idle=True, **opts)
     return LLM.from_engine(EngineCore(cfg, loaded=loaded))
 
 

@@ -45,7 +45,8 @@ def loaded(tiny_checkpoints):
 
 def _engine(loaded, faulty_after: int | None = None) -> tuple[EngineCore, FaultyRunner | None]:
     engine = EngineCore(EngineConfig(model=loaded.path, num_threads=2, block_size=4,
-                                     max_num_batched_tokens=64, num_gpu_blocks_override=128),
+                                     max_num_batched_tokens=64, num_gpu_blocks_override=128,
+                                     check_integrity_when_idle=True),
                         loaded=loaded)
     faulty = None
     if faulty_after is not None:

@@ -59,7 +59,8 @@ def test_long_outputs_cost_the_same_per_step(tiny_checkpoints, tmp_path) -> None
     path = _long_context_copy(tiny_checkpoints["llama-gqa-tied"], str(tmp_path / "m"))
     engine = EngineCore(EngineConfig(model=path, num_threads=1, kv_cache_memory=0.1,
                                      max_num_batched_tokens=256, max_num_seqs=NUM_REQUESTS,
-                                     enable_prefix_caching=False))
+                                     enable_prefix_caching=False,
+                                     check_integrity_when_idle=True))
     tok = engine.tokenizer
     letters = [i for i in range(200) if len(tok.decode([i])) == 1
                and tok.decode([i]).isalnum()][:20]

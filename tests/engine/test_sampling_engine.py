@@ -16,7 +16,7 @@ PROMPT = "The capital of France is"
 def llm(default_model) -> LLM:
     # an explicit budget: the tests below count what one step schedules
     cfg = EngineConfig(model=default_model.path, num_threads=2, kv_cache_memory=0.5,
-                       max_num_batched_tokens=2048)
+                       max_num_batched_tokens=2048, check_integrity_when_idle=True)
     return LLM.from_engine(EngineCore(cfg, loaded=default_model))
 
 
@@ -114,7 +114,7 @@ def test_n4_shares_prompt_blocks_and_samples_differ(llm):
 @pytest.mark.parametrize("budget", [2048, 4])   # whole prompt, and 4-token chunks
 def test_prompt_logprobs_match_transformers(default_model, hf_default_model, budget):
     cfg = EngineConfig(model=default_model.path, num_threads=2, kv_cache_memory=0.2,
-                       max_num_batched_tokens=budget)
+                       max_num_batched_tokens=budget, check_integrity_when_idle=True)
     llm = LLM.from_engine(EngineCore(cfg, loaded=default_model))
     llm.generate([PROMPT + " Paris"], SamplingParams(temperature=0, max_tokens=1))  # cache it
     out = llm.generate([PROMPT + " Paris"], SamplingParams(temperature=0, max_tokens=2,

@@ -25,7 +25,8 @@ def tiny(tiny_checkpoints):
 
 
 def _llm(loaded, **opts) -> LLM:
-    cfg = EngineConfig(model=loaded.path, num_threads=2, max_num_batched_tokens=512, **opts)
+    cfg = EngineConfig(model=loaded.path, num_threads=2, max_num_batched_tokens=512,
+                       check_integrity_when_idle=True, **opts)
     return LLM.from_engine(EngineCore(cfg, loaded=loaded))
 
 

@@ -120,13 +120,25 @@ def test_stream_add_error_abort_and_step_error(engine) -> None:
 
 
 def test_idle_loop_does_not_step(engine) -> None:
+    """Once its requests are done the loop goes to its blocking wait (no deadline: nothing
+    but a command or a wake-up ends it) without stepping. The fake core's deadline query,
+    made right before that wait, marks the moment; no time is measured."""
+    core = engine.engine
+    waiting = threading.Event()
+    core.seconds_to_next_deadline = lambda: waiting.set()      # returns None: wait forever
+
     async def main() -> None:
         await _last(await engine.add_request("x", [1], SamplingParams(max_tokens=2)))
 
+    waiting.clear()
     asyncio.run(main())
-    steps = engine.engine.num_steps
-    threading.Event().wait(0.3)      # idle on purpose: nothing should run meanwhile
-    assert engine.engine.num_steps == steps and engine.is_running
+    steps = core.num_steps
+    waiting.clear()
+    with engine._cv:                  # the loop holds no command and has no work ...
+        assert not engine._commands and not core.has_work_now()
+    engine._wake()                    # ... so a wake-up only brings it back to the wait
+    assert waiting.wait(timeout=60)
+    assert core.num_steps == steps and engine.is_running
 
 
 async def _last(stream):

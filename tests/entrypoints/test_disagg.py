@@ -44,7 +44,9 @@ class RouterProcess(ServerProcess):
 def cluster():
     procs = {}
     try:       # every process starts at once (their start-ups share the two cores)
-        procs["colo"] = ServerProcess(*COMMON)
+        # the reference at the instances' thread count: the kernel choices measured at
+        # load are per thread count, and another choice rounds differently
+        procs["colo"] = ServerProcess(*PD)
         procs["prefill"] = ServerProcess(*PD, "--role", "prefill", "--kv-transfer-timeout",
                                          str(TIMEOUT_S))
         procs["shm"] = ServerProcess(*PD, "--role", "decode")

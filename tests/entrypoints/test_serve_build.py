@@ -20,7 +20,8 @@ def test_serve_builds_the_engine_on_the_engine_thread(tiny_checkpoints, monkeypa
     monkeypatch.setattr(serve, "build_engine", recording_build_engine)
     p = argparse.ArgumentParser()
     serve.add_arguments(p)
-    args = p.parse_args([tiny_checkpoints["llama-gqa-tied"], "--port", "0", "--num-threads", "2"])
+    args = p.parse_args([tiny_checkpoints["llama-gqa-tied"], "--port", "0", "--num-threads", "2",
+                         "--max-num-batched-tokens", "256"])
     server = serve.build_server(args)
     engine = server.config.app.state.ctx.engine
     try:

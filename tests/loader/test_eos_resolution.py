@@ -49,7 +49,8 @@ def test_one_eos_for_stop_check_and_min_tokens(tiny_checkpoints, tmp_path, sourc
     loaded = load_model(path)
     assert loaded.config.eos_token_ids == (EOS,)
     eng = EngineCore(EngineConfig(model=path, num_threads=2, kv_cache_memory=0.01,
-                                  max_num_batched_tokens=256), loaded=loaded)
+                                  max_num_batched_tokens=256,
+                                  check_integrity_when_idle=True), loaded=loaded)
     assert eng.eos_token_ids == eng.runner.sampler.eos_token_ids == (EOS,)
     assert eng.tokenizer.eos_token_ids == (EOS,)
     # EOS is made certain by a bias: min_tokens must hold it off for 3 tokens, then the

@@ -1,5 +1,5 @@
 """Weights moved into 2 MiB pages (loader/huge_pages.py): same values, same sharing, same
-outputs; small tensors and DUET_HUGE_PAGES=0 leave everything where it was."""
+outputs; small tensors and --no-huge-pages leave everything where it was."""
 from __future__ import annotations
 
 import os
@@ -36,7 +36,6 @@ class _Model(nn.Module):
 
 def test_weights_move_into_one_aligned_mapping_with_values_and_sharing_kept(monkeypatch):
     monkeypatch.setattr(huge_pages, "thp_mode", lambda: "madvise")
-    monkeypatch.delenv("DUET_HUGE_PAGES", raising=False)
     model = _Model()
     x = torch.randn(3, 2048)
     with torch.inference_mode():
@@ -63,9 +62,8 @@ def test_weights_move_into_one_aligned_mapping_with_values_and_sharing_kept(monk
 def test_nothing_moves_when_turned_off_or_unavailable(monkeypatch):
     model = _Model()
     ptr = model.dense.weight.data_ptr()
-    monkeypatch.setenv("DUET_HUGE_PAGES", "0")
-    assert huge_pages.place_weights(model) == "in the allocator's pages (DUET_HUGE_PAGES=0)"
-    monkeypatch.delenv("DUET_HUGE_PAGES")
+    assert huge_pages.place_weights(model, enabled=False) == \
+        "in the allocator's pages (--no-huge-pages)"
     monkeypatch.setattr(huge_pages, "thp_mode", lambda: "never")
     assert huge_pages.place_weights(model) == \
         "in 4 KiB pages (transparent huge pages: never)"

@@ -107,8 +107,7 @@ def test_k_quant_forms_follow_the_measured_choice(quant_file, monkeypatch, forms
     else widened (int4 / int8); the choice is in the load summary. Other types and
     stacked parts that differ are not affected."""
     from duetserve.loader.quantize import QuantPlan
-    monkeypatch.setenv("DUET_KQUANT_FORMS", forms)
-    plan = QuantPlan("auto")
+    plan = QuantPlan("auto", kquant_forms=forms)
     part = {name: [(0, GGUFTensor(name, quant_file[name]))] for name in ("Q4_K", "Q6_K", "Q4_0")}
     want = {"exact": ("int4k", "int6"), "widened": ("int4", "int8")}[forms]
     assert (plan._form(part["Q4_K"]), plan._form(part["Q6_K"])) == want
@@ -125,7 +124,7 @@ def test_k_quant_exact_form_kept_at_a_near_tie(quant_file, monkeypatch):
     widened form measured clearly faster (EXACT_UNLESS_WIDENED_FASTER) replaces it."""
     from duetserve.loader import quantize
     monkeypatch.setattr("duetserve.models.kernels.exact_kquant_forms",
-                        lambda: {"Q4_K": 1.03, "Q6_K": 1.2})
+                        lambda choice: {"Q4_K": 1.03, "Q6_K": 1.2})
     plan = quantize.QuantPlan("auto")
     part = {name: [(0, GGUFTensor(name, quant_file[name]))] for name in ("Q4_K", "Q6_K")}
     assert 1.03 < quantize.EXACT_UNLESS_WIDENED_FASTER < 1.2
@@ -140,9 +139,8 @@ def test_mixed_stacked_target_keeps_each_part_exact(quant_file, monkeypatch):
     A part with no 4- or 6-bit form (Q8_0) still makes the whole target int8."""
     from duetserve.loader.quantize import QuantPlan
     from duetserve.models.quant import StackedWeight
-    monkeypatch.setenv("DUET_KQUANT_FORMS", "exact")
     t = {name: GGUFTensor(name, quant_file[name]) for name in ("Q4_K", "Q6_K", "Q4_0", "Q8_0")}
-    plan = QuantPlan("auto")
+    plan = QuantPlan("auto", kquant_forms="exact")
     w = plan.build([(2, t["Q6_K"]), (0, t["Q4_K"]), (1, t["Q4_K"])], (3 * ROWS, COLS))
     assert isinstance(w, StackedWeight) and w.shape == (3 * ROWS, COLS)
     assert [type(p) for p in w.parts] == [Int4KWeight, Int6Weight]

@@ -5,7 +5,7 @@ import pytest
 
 from duetserve.config import ConfigError, ModelConfig
 from duetserve.metrics.cost_model import (bits_per_weight, kv_bytes_per_request,
-                                          kv_bytes_per_token, param_count, step_cost)
+                                          kv_bytes_per_token, param_count, step_work)
 from duetserve.metrics.known_models import KNOWN_MODELS
 
 # d = 8, I = 16, L = 2 layers, 4 q heads / 2 kv heads of head_dim 2 -> q_size 8, kv_size 4.
@@ -28,7 +28,7 @@ def test_param_count_tiny() -> None:
 
 
 def test_flops_every_term() -> None:
-    c = step_cost(TINY, STEP)
+    c = step_work(TINY, STEP)
     t = dict(c.flops_terms)
     # 4 new tokens x 2 layers = 8 token-layers; 2 FLOPs per multiply-add.
     assert t["q_proj"] == 2 * 8 * 8 * 8 == 1024
@@ -49,7 +49,7 @@ def test_flops_every_term() -> None:
 
 
 def test_bytes_every_term() -> None:
-    c = step_cost(TINY, STEP)
+    c = step_work(TINY, STEP)
     b = dict(c.byte_terms)
     assert b["weights.layers"] == 1184 * 2 == 2368       # f16: 2 bytes per weight
     assert b["weights.final_norm"] == 8 * 2 == 16
@@ -67,30 +67,30 @@ def test_bytes_every_term() -> None:
 
 def test_logits_positions_and_tied_embedding() -> None:
     # every position needs logits (e.g. verifying drafts): 4 x 2 x 8 x 100.
-    assert dict(step_cost(TINY, STEP, num_logits=4).flops_terms)["lm_head"] == 6400
+    assert dict(step_work(TINY, STEP, num_logits=4).flops_terms)["lm_head"] == 6400
     tied = ModelConfig(**{**TINY.__dict__, "tie_word_embeddings": True})
     assert param_count(tied).lm_head == 0
-    b = dict(step_cost(tied, STEP).byte_terms)
+    b = dict(step_work(tied, STEP).byte_terms)
     assert b["weights.lm_head"] == 1600 and b["weights.embedding"] == 0  # table read in full
     # no logits in this step: no head, only the gathered rows of the shared table.
-    b0 = dict(step_cost(tied, STEP, num_logits=0).byte_terms)
+    b0 = dict(step_work(tied, STEP, num_logits=0).byte_terms)
     assert b0["weights.lm_head"] == 0 and b0["weights.embedding"] == 64
-    assert dict(step_cost(tied, STEP, num_logits=0).flops_terms)["lm_head"] == 0
+    assert dict(step_work(tied, STEP, num_logits=0).flops_terms)["lm_head"] == 0
     with pytest.raises(ConfigError):
-        step_cost(TINY, STEP, num_logits=5)
+        step_work(TINY, STEP, num_logits=5)
 
 
 def test_quantised_and_total_weight_bytes() -> None:
     assert [bits_per_weight(d) for d in ("q4_1", "q8_0", "q4_k", "q6_k", "f16", "bf16", "f32")] \
         == [5.0, 8.5, 4.5, 6.5625, 16.0, 16.0, 32.0]
     assert bits_per_weight("float16") == 16 and bits_per_weight("Q4_1") == 5
-    c = step_cost(TINY, STEP, weight_dtype="q4_1", kv_dtype="f16")
+    c = step_work(TINY, STEP, weight_dtype="q4_1", kv_dtype="f16")
     assert dict(c.byte_terms)["weights.layers"] == 1184 * 5 / 8 == 740
     # a total from the file: 2792 params in 5584 bytes -> 2 bytes/param, same as f16.
-    assert step_cost(TINY, STEP, weight_bytes=5584).weight_bytes == 4048
+    assert step_work(TINY, STEP, weight_bytes=5584).weight_bytes == 4048
     # quantised weights keep an f16 KV cache by default; f32 KV doubles it.
     assert c.kv_write_bytes == 128
-    assert step_cost(TINY, STEP, kv_dtype="f32").kv_write_bytes == 256
+    assert step_work(TINY, STEP, kv_dtype="f32").kv_write_bytes == 256
     with pytest.raises(ConfigError):
         bits_per_weight("q9_9")
 

@@ -8,7 +8,7 @@ import pytest
 from duetserve.config import ConfigError
 from duetserve.entrypoints.cli import main as cli_main
 from duetserve.metrics import hardware
-from duetserve.metrics.cost_model import decode_step, step_cost
+from duetserve.metrics.cost_model import decode_step, step_work
 from duetserve.metrics.known_models import LLAMA_2_7B, LLAMA_3_8B, SMOLLM2_135M
 from duetserve.metrics.roofline import analyse
 
@@ -44,8 +44,8 @@ def test_ridge_crossing_batch_is_smallest() -> None:
     b = r["ridge_crossing_batch_context0"]
     ridge = r["ridge_point"]
     kw = {"weight_dtype": "bf16", "kv_dtype": "bf16"}
-    assert step_cost(LLAMA_3_8B, decode_step(b, 0), **kw).ai >= ridge
-    assert step_cost(LLAMA_3_8B, decode_step(b - 1, 0), **kw).ai < ridge
+    assert step_work(LLAMA_3_8B, decode_step(b, 0), **kw).ai >= ridge
+    assert step_work(LLAMA_3_8B, decode_step(b - 1, 0), **kw).ai < ridge
     assert 280 < b < 310       # about the ridge point, as the rule "AI ~ B" says
     # 128 tokens of context per request push the crossing out (KV reads grow with B) ...
     assert r["ridge_crossing_batch"] > b

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from duetserve.config import ConfigError, ModelConfig
-from duetserve.metrics.cost_model import step_cost
+from duetserve.metrics.cost_model import step_work
 from duetserve.metrics.hardware import HardwareProfile, local_profile
 from duetserve.metrics.step_accounting import StepAccountant, classify_phase
 from duetserve.outputs import ScheduledSlice, StepStats
@@ -61,7 +61,7 @@ def test_decode_step_by_hand() -> None:
 def test_mixed_step_matches_cost_model() -> None:
     stats = Stats([("a", 3, 5), ("b", 1, 10)], 3, 1, step_seconds=0.25)
     acc = accountant().observe(stats)
-    cost = step_cost(TINY, [(3, 5), (1, 10)], kv_dtype="f32", weight_bytes=WEIGHT_BYTES)
+    cost = step_work(TINY, [(3, 5), (1, 10)], kv_dtype="f32", weight_bytes=WEIGHT_BYTES)
     assert acc.phase == "mixed"
     assert (acc.flops, acc.bytes, acc.num_logits) == (cost.flops, cost.bytes, 2)
     assert acc.mfu == pytest.approx(cost.flops / 0.25 / HW.peak("fp32"))

@@ -129,7 +129,8 @@ def test_engine_run_trace_and_plot(tiny_checkpoints, tmp_path) -> None:
 
     engine = EngineCore(EngineConfig(model=tiny_checkpoints["llama-gqa-untied"],
                                      num_threads=1, kv_cache_memory=0.05,
-                                     max_num_batched_tokens=2048))
+                                     max_num_batched_tokens=2048,
+                                     check_integrity_when_idle=True))
     acc = StepAccountant(engine.model_config, engine.loaded.weight_bytes,
                          str(engine.kv_dtype).replace("torch.", ""))
     trace = str(tmp_path / "trace.json")

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from duetserve.models.layers import DenseLinear
 from duetserve.models.llama import _UNBUILT
 from duetserve.models.native import ops
+from pinned import pinned_step_time
 
 native = ops()
 pytestmark = pytest.mark.skipif(native is None, reason="native kernels not built here")
@@ -129,7 +130,9 @@ def test_kv_cache_dtype_option(tiny_checkpoints):
     outs = {}
     for kvd in ("float32", "bfloat16"):
         eng = EngineCore(EngineConfig(model=tiny_checkpoints["llama-gqa-tied"], num_threads=2,
-                                      kv_cache_memory=0.01, kv_cache_dtype=kvd))
+                                      kv_cache_memory=0.01, kv_cache_dtype=kvd,
+                                      step_time=pinned_step_time(),
+                                      check_integrity_when_idle=True))
         assert eng.runner.kv_caches[0][0].dtype == getattr(torch, kvd)
         eng.add_request("r", [3, 4, 5, 6, 7], SamplingParams(temperature=0, max_tokens=6,
                                                              ignore_eos=True, logprobs=0))
@@ -433,7 +436,9 @@ def test_native_decode_stack_equals_module_path(tiny_checkpoints, tmp_path, vari
     for use_stack in (True, False):
         eng = EngineCore(EngineConfig(model=path, num_threads=2, kv_cache_memory=0.01,
                                       quantization="int8" if variant == "wide" else quant,
-                                      enable_prefix_caching=False))
+                                      enable_prefix_caching=False,
+                                      step_time=pinned_step_time(),
+                                      check_integrity_when_idle=True))
         model = eng.runner.model
         if variant == "wide":
             for m in model.modules():
@@ -493,7 +498,9 @@ def test_native_decode_stack_grows_the_rotary_tables(tiny_checkpoints):
     for short in (False, True):
         eng = EngineCore(EngineConfig(model=tiny_checkpoints["qwen2-qkv-bias"], num_threads=2,
                                       kv_cache_memory=0.01, quantization="int4",
-                                      enable_prefix_caching=False))
+                                      enable_prefix_caching=False,
+                                      step_time=pinned_step_time(),
+                                      check_integrity_when_idle=True))
         model = eng.runner.model
         for m in model.modules():     # tiny shapes calibrate to the dense path: force low-bit
             if hasattr(m, "policy"):

@@ -73,9 +73,10 @@ def test_simulate_cli_user_errors(tmp_path, capsys) -> None:
     assert "cannot read profile" in capsys.readouterr().err
     assert cli_main(["simulate", "--hardware", "h100-sxm", "--pd", "2X"]) == 2
     assert cli_main(["simulate", "--hardware", "tpu"]) == 2
-    # the speed probe rescales calibrated profiles only (checked before any engine starts)
-    assert cli_main(["simulate", "--hardware", "h100-sxm", "--speed-probe"]) == 2
-    assert "needs a calibrated profile" in capsys.readouterr().err
+    assert "unknown hardware" in capsys.readouterr().err
+    # --max-step-ms needs the engine's step time, which a GPU profile does not carry
+    assert cli_main(["simulate", "--hardware", "h100-sxm", "--max-step-ms", "50"]) == 2
+    assert "max_step_ms needs" in capsys.readouterr().err
 
 
 def test_plan_cli_prints_both_modes(tmp_path, capsys) -> None:

@@ -1,6 +1,7 @@
-"""The simulator: the real Scheduler timed by a cost model (no torch, no timing asserts).
+"""The simulator: the real Scheduler timed by the step-time model (no torch, no timing
+asserts).
 
-A constant-cost model (every step takes STEP seconds) makes every latency exact
+A constant model (every step takes STEP seconds) makes every latency exact
 arithmetic, so the tests check the event loop, the update mimicry and the latency
 conventions to the microsecond.
 """
@@ -14,20 +15,17 @@ from duetserve.bench.bench_metrics import summarize
 from duetserve.bench.token_workload import TokenTurn
 from duetserve.config import SchedulerConfig
 from duetserve.core import scheduler as core_scheduler
+from duetserve.core.step_time import Layout, StepShape, StepTime
 from duetserve.sim.cluster import ClusterSpec
-from duetserve.sim.cost import FEATURES, IDLE_KNEE_S, CalibratedCost
 from duetserve.sim.instance import SimInstance
 from duetserve.sim.simulator import Simulation
 
 STEP = 0.010
 
 
-def constant_cost(step: float = STEP, per_token: float = 0.0) -> CalibratedCost:
-    """t = step + per_token * T (through the many-rows path: breakpoint 0)."""
-    coef = [0.0] * len(FEATURES)
-    coef[FEATURES.index("step")] = step
-    coef[FEATURES.index("rows_many")] = per_token
-    return CalibratedCost(tuple(coef), 0)
+def constant_cost(step: float = STEP, per_token: float = 0.0, **terms: float) -> StepTime:
+    """t = step + per_token * T (every step on the many-row path: few_rows 0)."""
+    return StepTime.of(Layout(), many_step=step, many_row=per_token, **terms)
 
 
 def config(**kw) -> SchedulerConfig:
@@ -85,19 +83,15 @@ def test_arrival_during_a_step_waits_for_the_step_boundary() -> None:
     assert b.e2e == pytest.approx(3 * STEP - 0.003)
 
 
-def test_a_cold_step_pays_for_the_time_the_instance_idled() -> None:
-    # cold_idle 20 ms: A (at 0.25 s) finds the instance idle since 0, B (at 2 s) since A's
-    # last step ended (0.25 + 3 steps); each first step costs STEP + 20 ms x ln(1 + idle /
-    # IDLE_KNEE_S), A's decodes (warm) STEP
-    coef = list(constant_cost().coef)
-    coef[FEATURES.index("cold_idle")] = 0.020
+def test_a_cold_step_pays_the_cold_terms() -> None:
+    # cold_step 20 ms: A finds the instance idle (it starts so), B arrives after A ended:
+    # each first step costs STEP + 20 ms, A's decodes STEP
     _, res = run([one_turn(8, 3), one_turn(8, 2, first_id=2000)], [0.25, 2.0],
-                 cost=CalibratedCost(tuple(coef), 0))
+                 cost=constant_cost(cold_step=0.020))
     a, b = res.records
-    cold = lambda idle: STEP + 0.020 * math.log1p(idle / IDLE_KNEE_S)  # noqa: E731
-    assert a.ttft == pytest.approx(cold(0.25))
-    assert a.e2e == pytest.approx(cold(0.25) + 2 * STEP)
-    assert b.ttft == pytest.approx(cold(2.0 - a.send_time - a.e2e))
+    assert a.ttft == pytest.approx(STEP + 0.020)
+    assert a.e2e == pytest.approx(STEP + 0.020 + 2 * STEP)
+    assert b.ttft == pytest.approx(STEP + 0.020)
     assert b.e2e == pytest.approx(b.ttft + STEP)
 
 
@@ -213,9 +207,8 @@ def test_a_step_budget_gives_idle_steps_the_idle_budget_and_chunks_beside_decode
     # The engine's per-step budget (core/step_budget.StepBudget) through the real
     # scheduler: a 24 ms target -> (24 - 8) / 0.5 = 32 tokens while anything decodes,
     # the idle budget (2048) when nothing does.
-    from duetserve.core.step_budget import StepBudget, StepCost
-    policy = StepBudget(StepCost(fixed_ms=8.0, per_token_ms=0.5), max_step_ms=24.0,
-                        min_chunk=4)
+    from duetserve.core.step_budget import StepBudget
+    policy = StepBudget(constant_cost(0.008, 0.0005), max_step_ms=24.0, min_chunk=4)
     assert (policy.for_step(0), policy.for_step(1)) == (2048, 32)
     cfg = config(max_num_batched_tokens=policy.idle, step_budget=policy)
     # A (100 tokens) arrives idle: one step, not the 4 a fixed 32 would take. B (100)
@@ -237,14 +230,13 @@ def test_a_step_after_the_engine_went_idle_is_cold() -> None:
     bench/replay.py and the calibration grid mark the engine's."""
     from duetserve.request import Request
     from duetserve.sampling_params import SamplingParams
-    from duetserve.sim.cost import StepShape
 
     seen: list[bool] = []
 
     class Recorder:
-        arrival_s = 0.0
+        layout = Layout()
 
-        def step_seconds(self, shape: StepShape) -> float:
+        def seconds(self, shape: StepShape) -> float:
             seen.append(shape.cold)
             return 0.01
 
@@ -265,67 +257,21 @@ def test_a_step_after_the_engine_went_idle_is_cold() -> None:
     assert seen == [True, False, False, True, False, False]
 
 
-def test_the_instance_counts_steps_after_a_reset_as_the_fit_does() -> None:
-    """StepShape.rewarm: the k-th step after the last cold or many-row step (above the
-    cost's breakpoint), counted by the instance as rewarm_counts counts the engine's
-    measured steps for the fit."""
+def test_the_instance_lays_out_steps_as_its_step_time_was_measured() -> None:
+    """The simulated step's shape follows the model's layout: a 40-token prompt is a
+    prefill slice (more than chunk_rows), the next step one decode row reading 41 KV
+    entries; both sampled."""
     from duetserve.request import Request
     from duetserve.sampling_params import SamplingParams
-    from duetserve.sim.cost import StepShape, rewarm_counts
-
-    seen: list[tuple[bool, int, int]] = []
-
-    class Recorder:
-        arrival_s = 0.0
-        breakpoint = 4
-
-        def step_seconds(self, shape: StepShape) -> float:
-            seen.append((shape.cold, shape.num_tokens, shape.rewarm))
-            return 0.01
-
-    inst = SimInstance(0, SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4,
-                                          num_blocks=64, block_size=16, max_model_len=256),
-                       Recorder())
-
-    def submit(req_id: str, prompt_len: int, max_tokens: int) -> None:
-        inst.submit(Request(req_id, list(range(5, 5 + prompt_len)),
-                            SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                            arrival_time=0.0))
-        assert inst.admit_pending() == []
-
-    def step() -> None:
-        assert inst.begin_step() is not None
-        inst.end_step()
-
-    submit("a", 4, 6)
-    step()
-    step()
-    submit("b", 8, 2)           # its prefill joins a's decode: 9 rows, the many-row path
-    while inst.begin_step() is not None:
-        inst.end_step()
-    assert [t for _, t, _ in seen] == [4, 1, 9, 2, 1, 1]
-    assert [k for _, _, k in seen] == [0, 1, 0, 1, 2, 3]
-    assert [k for _, _, k in seen] == rewarm_counts([c for c, _, _ in seen],
-                                                    [t for _, t, _ in seen], 4)
-
-
-def test_the_instance_lays_out_steps_as_its_cost_model_was_fitted() -> None:
-    """The simulated step's shape carries the cost's engine layout (chunk rows, the decode
-    attention's thread split), as shape_for builds it for the engine's own steps."""
-    from duetserve.request import Request
-    from duetserve.sampling_params import SamplingParams
-    from duetserve.sim.cost import StepShape
 
     seen: list[tuple] = []
 
     class Recorder:
-        arrival_s = 0.0
-        chunk_rows = 8
-        decode_split = (2, 3)
+        layout = Layout(few_rows=16, chunk_rows=8)
 
-        def step_seconds(self, shape: StepShape) -> float:
-            seen.append((shape.chunk_rows, shape.decode_split, shape.num_decodes,
-                         shape.decode_busiest()))
+        def seconds(self, shape: StepShape) -> float:
+            seen.append((shape.num_prefills, shape.fresh_pairs, shape.num_decode_rows,
+                         shape.decode_kv, shape.num_logits, shape.path))
             return 0.01
 
     inst = SimInstance(0, SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4,
@@ -336,5 +282,4 @@ def test_the_instance_lays_out_steps_as_its_cost_model_was_fitted() -> None:
     assert inst.admit_pending() == []
     while inst.begin_step() is not None:
         inst.end_step()
-    # the 40-token prefill, then one decode after 40 cached: 3 items on 2 threads
-    assert seen == [(8, (2, 3), 0, 0.0), (8, (2, 3), 1, pytest.approx(2 * 41 * 2 / 3 - 1))]
+    assert seen == [(1, 40 * 41 // 2, 0, 0, 1, "many"), (0, 0, 1, 41, 1, "few")]

@@ -30,6 +30,7 @@ from duetserve.sampling_params import SamplingParams
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from engine.test_equivalence import _prompts  # noqa: E402
 from spec_decode.test_rejection import chi2_critical  # noqa: E402
+from pinned import pinned_step_time
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
@@ -60,7 +61,8 @@ def draft_path(tiny_checkpoints, tmp_path_factory) -> str:
 
 
 def _llm(loaded, spec=None, **opts) -> LLM:
-    cfg = EngineConfig(model=loaded.path, num_threads=2, speculative_config=spec, **opts)
+    cfg = EngineConfig(model=loaded.path, num_threads=2, speculative_config=spec,
+                       step_time=pinned_step_time(), check_integrity_when_idle=True, **opts)
     return LLM.from_engine(EngineCore(cfg, loaded=loaded))
 
 

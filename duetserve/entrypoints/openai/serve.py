@@ -54,11 +54,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "or 127.0.0.1 when binding 0.0.0.0)")
     d.add_argument("--kv-transfer-compression", default="none", choices=list(COMPRESSIONS),
                    help="prefill: send KV as int8 with a scale per token and head (about "
-                        "1/4 of float32 bytes; lossy, see docs/benchmarks.md)")
+                        "1/4 of float32 bytes; lossy, see docs/results.md)")
     d.add_argument("--no-mooncake", dest="mooncake", action="store_false",
                    help="a prefill instance serves shared memory only (no Mooncake)")
     s.add_argument("--uvicorn-log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug"])
+    s.add_argument("--print-config", action="store_true",
+                   help="build the engine (start-up measurements included), print the "
+                        "resolved configuration as JSON and exit; the output works as "
+                        "--step-time to schedule the same way on another start or machine")
 
 
 def served_name(model_arg: str | None) -> tuple[str, str]:
@@ -138,6 +142,16 @@ def build_server(args: argparse.Namespace):
     return DrainingServer(config, lambda: drain(ctx, args.shutdown_timeout))
 
 
+def print_config(args: argparse.Namespace) -> int:
+    """`duet serve --print-config`: the engine's resolved configuration as JSON."""
+    import json
+    engine = build_engine(args)
+    print(json.dumps(engine.resolved_config(), indent=1))
+    return 0
+
+
 def main(args: argparse.Namespace) -> int:
+    if args.print_config:
+        return print_config(args)
     build_server(args).run()
     return 0

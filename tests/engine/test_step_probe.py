@@ -1,0 +1,147 @@
+"""The engine's start-up step-time measurement (engine/step_probe.py): cached under a key
+that names every kernel switch; a noisy or implausible measurement is not cached; a cached
+model that a quick step shows to be inflated (it was measured on a busy machine) is
+measured again. The fake-probe tests time nothing; the tiny-model test measures for real
+and only counts entries."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from duetserve.config import EngineConfig
+from duetserve.core.step_time import Layout, StepShape, StepTime
+from duetserve.engine import step_probe
+from duetserve.engine.engine_core import EngineCore
+
+LAYOUT = Layout(0, 8, step_probe.GROUPED_MAX_SCORES // 4)
+GOOD = StepTime.of(LAYOUT, many_step=0.010, many_row=0.001)
+SWITCHES = EngineConfig().kernel_switches()
+
+
+class FakeRunner:
+    model = torch.nn.Module()          # no quantized linears: few_rows 0
+    chunk_rows = 8
+
+
+class FakeProbes:
+    """Stands in for measure() and _quick_decode(): counts calls; the measured steps are
+    priced by `model`, flagged noisy `noisy` times."""
+
+    def __init__(self, monkeypatch, model: StepTime = GOOD, now_s: float = 0.026,
+                 noisy: int = 0) -> None:
+        self.model, self.now_s, self.noisy = model, now_s, noisy
+        self.measures = self.quick = 0
+        monkeypatch.setattr(step_probe, "measure", self.measure)
+        monkeypatch.setattr(step_probe, "_quick_decode", self.quick_decode)
+
+    def measure(self, runner, probes, layout, vocab_size, block_size, repeats=2):
+        self.measures += 1
+        samples = [(p.shape(layout), max(self.model.seconds(p.shape(layout)), 1e-6))
+                   for p in probes]
+        noisy, self.noisy = ("repeats disagree" if self.noisy else ""), max(0, self.noisy - 1)
+        return samples, noisy
+
+    def quick_decode(self, runner, layout, vocab_size, block_size) -> float:
+        self.quick += 1
+        return self.now_s
+
+
+@pytest.fixture
+def model(tmp_path, monkeypatch) -> str:
+    monkeypatch.setenv("DUET_CACHE_DIR", str(tmp_path))
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"x")
+    return str(path)
+
+
+def start(model: str, threads: int = 2, switches: dict = SWITCHES):
+    return step_probe.startup_step_time(FakeRunner(), model, switches, threads, 300, 4, 16,
+                                        4096)
+
+
+def test_measurement_is_cached_under_every_switch(model, monkeypatch) -> None:
+    probes = FakeProbes(monkeypatch)
+    got, source = start(model)
+    assert source.how == "measured" and probes.measures == 1
+    assert got.seconds(StepShape.of([(40, 0, 1)], LAYOUT)) == pytest.approx(0.050)
+    again, source = start(model)
+    assert again == got and source.how == "cached" and probes.quick == 1
+    assert start(model, threads=4)[1].how == "measured"            # threads are in the key
+    for name, other in (("decode_stack", False), ("native_kernels", False),
+                        ("kquant_forms", "exact"), ("huge_pages", False),
+                        ("kv_prefault", True), ("dtype", "bfloat16")):
+        before = probes.measures
+        assert start(model, switches={**SWITCHES, name: other})[1].how == "measured", name
+        assert probes.measures == before + 1
+
+
+def test_an_inflated_cached_model_is_measured_again(model, monkeypatch) -> None:
+    """A model cached from a busy machine predicts ~10x the decode step that takes 26 ms
+    now: it is measured again and replaced. One that predicts a little faster than now
+    (the machine is busy now) is kept."""
+    FakeProbes(monkeypatch, model=GOOD.scaled(10.0))
+    start(model)
+    probes = FakeProbes(monkeypatch, now_s=0.026)
+    assert start(model)[1].how == "measured" and probes.measures == 1
+    assert start(model)[1].how == "cached"                        # the replacement
+    busy_now = FakeProbes(monkeypatch, now_s=0.2)
+    assert start(model)[1].how == "cached" and busy_now.measures == 0
+
+
+def test_noisy_or_implausible_measurements_are_not_cached(model, monkeypatch, tmp_path) -> None:
+    noisy = FakeProbes(monkeypatch, noisy=2)             # noisy twice: used, not cached
+    got, source = start(model)
+    assert got is not None and noisy.measures == 2 and "not cached" in source.detail
+    once = FakeProbes(monkeypatch, noisy=1)              # noisy once, then clean: cached
+    assert start(model)[1].how == "measured" and once.measures == 2
+    assert start(model)[1].how == "cached"
+    flat = StepTime.of(LAYOUT, many_step=1.8)            # rows free: noise
+    FakeProbes(monkeypatch, model=flat)
+    assert "implausible" in start(model, threads=3)[1].detail
+    entries = json.loads((tmp_path / step_probe.CACHE_FILE).read_text())
+    assert len(entries) == 1
+
+
+def test_malformed_cache_files_are_measured_again(model, monkeypatch, tmp_path) -> None:
+    (tmp_path / step_probe.CACHE_FILE).write_text('[1, 2]')
+    probes = FakeProbes(monkeypatch)
+    assert start(model)[1].how == "measured" and probes.measures == 1
+    assert start(model)[1].how == "cached"
+
+
+def test_a_cache_too_small_for_the_probes_is_not_measured(model, monkeypatch) -> None:
+    """A 16-token context (tests' toy engines) cannot hold a probe: no measurement, no
+    cache entry; the engine then schedules with the fixed fallback budget."""
+    probes = FakeProbes(monkeypatch)
+    got, source = step_probe.startup_step_time(FakeRunner(), model, SWITCHES, 2, 300, 4, 16,
+                                               16)
+    assert got is None and source.how == "none"
+    assert probes.measures == probes.quick == 0
+
+
+def test_flipping_a_switch_measures_the_real_engine_again(tiny_checkpoints, tmp_path,
+                                                           monkeypatch) -> None:
+    """The acceptance: on the tiny model, an engine with the decode stack off does not
+    reuse the step time measured with it on (another cache key: measured); the same
+    switches again name the same entry. (Whether a real measurement is cached depends on
+    how busy the machine is, so only keys and sources are compared.)"""
+    monkeypatch.setenv("DUET_CACHE_DIR", str(tmp_path))
+    path = tiny_checkpoints["llama-gqa-untied"]
+
+    def engine(**kw) -> EngineCore:
+        return EngineCore(EngineConfig(model=path, num_threads=1, kv_cache_memory=0.05, **kw))
+    first = engine()
+    assert first.step_time_source.how == "measured"          # a fresh cache directory
+    assert first.step_time is not None
+    off = engine(decode_stack=False)
+    assert off.step_time_source.how == "measured"
+    assert off.step_time_source.key != first.step_time_source.key
+    assert engine().step_time_source.key == first.step_time_source.key
+    printed = engine(max_num_batched_tokens=64).resolved_config()
+    assert printed["step_time"] is None and printed["step_time_source"]["how"] == "none"
+    pinned = tmp_path / "pinned.json"
+    pinned.write_text(json.dumps(first.resolved_config()))        # --print-config's output
+    again = engine(step_time=str(pinned))
+    assert again.step_time == first.step_time and again.step_time_source.how == "file"
