@@ -84,7 +84,7 @@ def _initial(args: argparse.Namespace) -> dict[str, int]:
 
 
 def _spec(args: argparse.Namespace):
-    from duetserve.cluster.controller import ClusterSpec
+    from duetserve.cluster.controller import InstanceSpec
     resources = {}
     for kind in ("replica", "prefill", "decode"):
         text = getattr(args, f"{kind}_resources")
@@ -102,7 +102,7 @@ def _spec(args: argparse.Namespace):
         raise UserError(f"--instance-cpus must be >= 0, got {args.instance_cpus}")
     if args.drain_timeout <= 0 or args.health_interval <= 0:
         raise UserError("--drain-timeout and --health-interval must be > 0")
-    return ClusterSpec(tuple(shlex.split(args.serve_args)), resources, args.instance_cpus,
+    return InstanceSpec(tuple(shlex.split(args.serve_args)), resources, args.instance_cpus,
                        args.max_restarts, args.kv_transfer_backend,
                        drain_timeout_s=args.drain_timeout,
                        watch_interval_s=min(args.health_interval, 1.0))

@@ -45,7 +45,7 @@ class ClusterError(Exception):
 
 
 @dataclass(frozen=True)
-class ClusterSpec:
+class InstanceSpec:
     """How every instance is started. `resources`: per kind (replica/prefill/decode),
     the Ray resources one instance needs, e.g. {"decode": 1} to pin decode instances to
     nodes that offer that custom resource."""
@@ -81,7 +81,7 @@ class Member:
 
 
 class Controller:
-    def __init__(self, pool: InstancePool, spec: ClusterSpec,
+    def __init__(self, pool: InstancePool, spec: InstanceSpec,
                  client: httpx.AsyncClient) -> None:
         import ray
         self.ray = ray

@@ -88,29 +88,18 @@ def build_step_batch(work: list[SeqWork], block_size: int, device: torch.device 
     and context lengths instead of padded groups and masks, and chunks of up to
     CHUNK_AS_DECODE_ROWS tokens become decode rows (after the decodes, each chunk's rows
     contiguous and in position order)."""
-    work = _expand_verify(work)
-    # Decodes sorted by context length: each group pads only to its own longest context.
-    decodes = sorted((w for w in work if len(w.token_ids) == 1), key=lambda w: w.start_pos)
-    prefills = [w for w in work if len(w.token_ids) > 1]
-    as_rows = chunk_rows(paged_decode)
-    if as_rows:
-        decodes += [r for w in prefills if len(w.token_ids) <= as_rows for r in _as_rows(w)]
-        prefills = [w for w in prefills if len(w.token_ids) > as_rows]
+    decodes, prefills = _order(work, paged_decode)
     ordered = decodes + prefills
     ids: list[int] = []
     pos: list[int] = []
-    for w in ordered:
-        ids.extend(w.token_ids)
-        pos.extend(range(w.start_pos, w.start_pos + len(w.token_ids)))
-    positions = torch.tensor(pos, dtype=torch.long)
-
     slots: list[int] = []
     for w in ordered:
+        ids.extend(w.token_ids)
+        span = range(w.start_pos, w.start_pos + len(w.token_ids))
+        pos.extend(span)
         bids = w.block_ids
-        slots.extend(bids[p // block_size] * block_size + p % block_size
-                     for p in range(w.start_pos, w.start_pos + len(w.token_ids)))
+        slots.extend(bids[p // block_size] * block_size + p % block_size for p in span)
     meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long))
-
     meta.num_decodes = len(decodes)
     if paged_decode and decodes:
         width = max(len(w.block_ids) for w in decodes)
@@ -119,10 +108,41 @@ def build_step_batch(work: list[SeqWork], block_size: int, device: torch.device 
             dtype=torch.long)
         meta.decode_context_lens = torch.tensor([w.start_pos + 1 for w in decodes],
                                                 dtype=torch.long)
-        decode_groups = 0
     else:
-        decode_groups = len(decodes)
-    for g0 in range(0, decode_groups, DECODE_GROUP_SIZE):
+        meta.decode_groups = _decode_groups(decodes, block_size)
+    meta.prefills = _prefill_seqs(prefills, len(decodes), block_size)
+    logits_idx, logits_req = [], []
+    offset = 0
+    for w in ordered:
+        offset += len(w.token_ids)
+        if w.needs_logits:
+            logits_idx.append(offset - 1)
+            logits_req.append(w.req_id)
+    return StepBatch(torch.tensor(ids, dtype=torch.long, device=device),
+                     torch.tensor(pos, dtype=torch.long).to(device), meta,
+                     torch.tensor(logits_idx, dtype=torch.long), logits_req,
+                     list(dict.fromkeys(w.req_id for w in ordered)))
+
+
+def _order(work: list[SeqWork], paged_decode: bool) -> tuple[list[SeqWork], list[SeqWork]]:
+    """(decode rows, prefill slices) in batch order: verify slices split into rows,
+    decodes sorted by context length (each group pads only to its own longest context),
+    then the short chunks as rows when the decode kernel reads the cache in place."""
+    work = _expand_verify(work)
+    decodes = sorted((w for w in work if len(w.token_ids) == 1), key=lambda w: w.start_pos)
+    prefills = [w for w in work if len(w.token_ids) > 1]
+    as_rows = chunk_rows(paged_decode)
+    if as_rows:
+        decodes += [r for w in prefills if len(w.token_ids) <= as_rows for r in _as_rows(w)]
+        prefills = [w for w in prefills if len(w.token_ids) > as_rows]
+    return decodes, prefills
+
+
+def _decode_groups(decodes: list[SeqWork], block_size: int) -> list[DecodeGroup]:
+    """Decodes gathered in groups of DECODE_GROUP_SIZE (no in-place kernel): per group a
+    block table padded to its longest context and the mask of each row's context."""
+    groups = []
+    for g0 in range(0, len(decodes), DECODE_GROUP_SIZE):
         group = decodes[g0:g0 + DECODE_GROUP_SIZE]
         ctx_lens = torch.tensor([w.start_pos + 1 for w in group])           # [G]
         num_blocks = (int(ctx_lens.max()) + block_size - 1) // block_size
@@ -132,9 +152,14 @@ def build_step_batch(work: list[SeqWork], block_size: int, device: torch.device 
             table[i, :n] = torch.tensor(w.block_ids[:n])
         ar = torch.arange(num_blocks * block_size)
         mask = (ar[None, :] < ctx_lens[:, None])[None, :, None, :]      # [1, G, 1, ctx]
-        meta.decode_groups.append(DecodeGroup(g0, g0 + len(group), table, mask))
+        groups.append(DecodeGroup(g0, g0 + len(group), table, mask))
+    return groups
 
-    start = len(decodes)
+
+def _prefill_seqs(prefills: list[SeqWork], start: int, block_size: int) -> list[PrefillSeq]:
+    """Each prefill slice's rows [start, start + n) of the flat batch; a chunk after
+    cached context also gets its context's slots and its causal mask over them."""
+    seqs = []
     for w in prefills:
         n = len(w.token_ids)
         if w.start_pos == 0:
@@ -144,16 +169,6 @@ def build_step_batch(work: list[SeqWork], block_size: int, device: torch.device 
             seq = PrefillSeq(start, start + n,
                              _slots(w.block_ids, torch.arange(ctx), block_size),
                              torch.arange(ctx)[None, :] <= (w.start_pos + torch.arange(n))[:, None])
-        meta.prefills.append(seq)
+        seqs.append(seq)
         start += n
-
-    logits_idx, logits_req = [], []
-    offset = 0
-    for w in ordered:
-        offset += len(w.token_ids)
-        if w.needs_logits:
-            logits_idx.append(offset - 1)
-            logits_req.append(w.req_id)
-    return StepBatch(torch.tensor(ids, dtype=torch.long, device=device), positions.to(device),
-                     meta, torch.tensor(logits_idx, dtype=torch.long), logits_req,
-                     list(dict.fromkeys(w.req_id for w in ordered)))
+    return seqs

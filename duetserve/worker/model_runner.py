@@ -117,16 +117,8 @@ class ModelRunner:
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput()
         spec = so.scheduled_spec_token_ids
-        work = []
-        for req_id, n in so.num_scheduled_tokens.items():
-            st = self.requests[req_id]
-            drafts = spec.get(req_id, [])
-            start = st.num_computed_tokens
-            end = start + n - len(drafts)       # known tokens; drafts follow them
-            assert end <= len(st.token_ids), (req_id, start, n, len(st.token_ids))
-            work.append(SeqWork(req_id, st.token_ids[start:end] + drafts, start,
-                                st.block_ids, end == len(st.token_ids), len(drafts)))
-        batch = build_step_batch(work, self.block_size, self.device, self.paged_decode)
+        batch = build_step_batch(self._work(so), self.block_size, self.device,
+                                 self.paged_decode)
         rows: dict[str, list[int]] = {}          # logits rows of each request
         for i, req_id in enumerate(batch.logits_req_ids):
             rows.setdefault(req_id, []).append(i)
@@ -147,8 +139,40 @@ class ModelRunner:
             logits = logits[[rows[r][0] for r in plain]]
         sampled, logprobs = self.sampler.sample(logits, states)
         kept.update((st.req_id, [tok]) for st, tok in zip(states, sampled))
-        out = ModelRunnerOutput(req_ids=batch.order,
-                                sampled_token_ids={r: [] for r in batch.order})
+        out = self._advance(so, batch.order, kept)
+        if logprobs is not None:
+            out.logprobs = {st.req_id: [lp] for st, lp in zip(states, logprobs)
+                            if lp is not None}
+        if prompt_lps:
+            out.prompt_logprobs = prompt_lps
+        if so.num_drafts_to_propose and self.speculator is not None:
+            out.spec_token_ids = self.speculator.propose(
+                {r: self.requests[r] for r in so.num_drafts_to_propose if r in kept},
+                {r: n for r, n in so.num_drafts_to_propose.items() if r in kept})
+        return out
+
+    def _work(self, so: SchedulerOutput) -> list[SeqWork]:
+        """Each scheduled slice as the batch builder's SeqWork (its known tokens, then
+        the drafts it verifies). Reads the runner's request states."""
+        spec = so.scheduled_spec_token_ids
+        work = []
+        for req_id, n in so.num_scheduled_tokens.items():
+            st = self.requests[req_id]
+            drafts = spec.get(req_id, [])
+            start = st.num_computed_tokens
+            end = start + n - len(drafts)       # known tokens; drafts follow them
+            assert end <= len(st.token_ids), (req_id, start, n, len(st.token_ids))
+            work.append(SeqWork(req_id, st.token_ids[start:end] + drafts, start,
+                                st.block_ids, end == len(st.token_ids), len(drafts)))
+        return work
+
+    def _advance(self, so: SchedulerOutput, order: list[str], kept: dict[str, list[int]]
+                 ) -> ModelRunnerOutput:
+        """Append each request's kept tokens (and advance its grammar), advance its
+        counter by the slice less the rejected drafts. Returns the step's output with
+        the sampled ids. Mutates the runner's request states."""
+        spec = so.scheduled_spec_token_ids
+        out = ModelRunnerOutput(req_ids=order, sampled_token_ids={r: [] for r in order})
         for req_id, toks in kept.items():
             st = self.requests[req_id]
             out.sampled_token_ids[req_id] = toks
@@ -159,15 +183,6 @@ class ModelRunner:
             # rejected drafts are not computed after all (the scheduler does the same)
             rejected = len(spec[req_id]) + 1 - len(kept[req_id]) if req_id in spec else 0
             self.requests[req_id].num_computed_tokens += n - rejected
-        if logprobs is not None:
-            out.logprobs = {st.req_id: [lp] for st, lp in zip(states, logprobs)
-                            if lp is not None}
-        if prompt_lps:
-            out.prompt_logprobs = prompt_lps
-        if so.num_drafts_to_propose and self.speculator is not None:
-            out.spec_token_ids = self.speculator.propose(
-                {r: self.requests[r] for r in so.num_drafts_to_propose if r in kept},
-                {r: n for r, n in so.num_drafts_to_propose.items() if r in kept})
         return out
 
     def _prompt_logprobs(self, so: SchedulerOutput, order: list[str],

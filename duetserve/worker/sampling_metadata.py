@@ -85,51 +85,18 @@ class SamplingMetadata:
         num_rows = len(params)
         assert len(prompt_token_ids) == len(output_token_ids) == len(positions) == num_rows
         greedy = [p.is_greedy for p in params]
-        all_greedy, all_random = all(greedy), not any(greedy)
 
         def vec(values: list, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=device)
-
-        random_params = [p for p in params if not p.is_greedy]
-        top_k = top_p = min_p = None
-        max_top_k = vocab_size
-        if any(p.top_k_enabled for p in random_params):
-            top_k_list = [min(p.top_k, vocab_size) if p.top_k_enabled and not p.is_greedy
-                          else vocab_size for p in params]
-            top_k, max_top_k = vec(top_k_list, torch.long), max(top_k_list)
-        if any(p.top_p < 1.0 for p in random_params):
-            top_p = vec([1.0 if p.is_greedy else p.top_p for p in params], torch.float32)
-        if any(p.min_p > 0.0 for p in random_params):
-            min_p = vec([0.0 if p.is_greedy else p.min_p for p in params], torch.float32)
-
-        bias = _SparseBuilder(vocab_size)
-        repetition = _SparseBuilder(vocab_size)
-        additive = _SparseBuilder(vocab_size)
-        for row, p in enumerate(params):
-            for token_id, value in (p.logit_bias or {}).items():
-                bias.add(row, token_id, value)
-            if p.repetition_penalty != 1.0:
-                seen = set(prompt_token_ids[row])
-                seen.update(output_token_ids[row])
-                for token_id in sorted(seen):
-                    repetition.add(row, token_id, p.repetition_penalty)
-            if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
-                for token_id, count in sorted(Counter(output_token_ids[row]).items()):
-                    additive.add(row, token_id,
-                                 p.presence_penalty + p.frequency_penalty * count)
-
-        suppress = _SparseBuilder(vocab_size)      # min_tokens not reached: -inf
-        for row, p in enumerate(params):
-            if len(output_token_ids[row]) < p.min_tokens:
-                ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
-                for token_id in sorted(ids):
-                    suppress.add(row, token_id, float("-inf"))
-
+        top_k, max_top_k, top_p, min_p = _truncation(params, vocab_size, vec)
+        bias, repetition, additive = _edits(params, prompt_token_ids, output_token_ids,
+                                            vocab_size)
+        suppress = _suppressed(params, output_token_ids, eos_token_ids, vocab_size)
         num_logprobs = [p.logprobs for p in params]
         asked = [n for n in num_logprobs if n is not None]
         return cls(
             num_rows=num_rows, vocab_size=vocab_size,
-            all_greedy=all_greedy, all_random=all_random,
+            all_greedy=all(greedy), all_random=not any(greedy),
             greedy_mask=vec(greedy, torch.bool), greedy_rows=greedy,
             temperature=vec([1.0 if g else p.temperature for g, p in zip(greedy, params)],
                             torch.float32),
@@ -144,6 +111,56 @@ class SamplingMetadata:
             num_logprobs=num_logprobs,
             max_num_logprobs=max(asked) if asked else None,
         )
+
+
+def _truncation(params: list[SamplingParams], vocab_size: int, vec):
+    """(top_k, max_top_k, top_p, min_p): each None when no random row uses it."""
+    random_params = [p for p in params if not p.is_greedy]
+    top_k = top_p = min_p = None
+    max_top_k = vocab_size
+    if any(p.top_k_enabled for p in random_params):
+        top_k_list = [min(p.top_k, vocab_size) if p.top_k_enabled and not p.is_greedy
+                      else vocab_size for p in params]
+        top_k, max_top_k = vec(top_k_list, torch.long), max(top_k_list)
+    if any(p.top_p < 1.0 for p in random_params):
+        top_p = vec([1.0 if p.is_greedy else p.top_p for p in params], torch.float32)
+    if any(p.min_p > 0.0 for p in random_params):
+        min_p = vec([0.0 if p.is_greedy else p.min_p for p in params], torch.float32)
+    return top_k, max_top_k, top_p, min_p
+
+
+def _edits(params: list[SamplingParams], prompt_token_ids: list[list[int]],
+           output_token_ids: list[list[int]], vocab_size: int
+           ) -> tuple["_SparseBuilder", "_SparseBuilder", "_SparseBuilder"]:
+    """The logit bias, the repetition penalty at every token seen in a row's prompt or
+    output, and presence + frequency x count at every token of its output."""
+    bias = _SparseBuilder(vocab_size)
+    repetition = _SparseBuilder(vocab_size)
+    additive = _SparseBuilder(vocab_size)
+    for row, p in enumerate(params):
+        for token_id, value in (p.logit_bias or {}).items():
+            bias.add(row, token_id, value)
+        if p.repetition_penalty != 1.0:
+            seen = set(prompt_token_ids[row])
+            seen.update(output_token_ids[row])
+            for token_id in sorted(seen):
+                repetition.add(row, token_id, p.repetition_penalty)
+        if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
+            for token_id, count in sorted(Counter(output_token_ids[row]).items()):
+                additive.add(row, token_id, p.presence_penalty + p.frequency_penalty * count)
+    return bias, repetition, additive
+
+
+def _suppressed(params: list[SamplingParams], output_token_ids: list[list[int]],
+                eos_token_ids: tuple[int, ...], vocab_size: int) -> "_SparseBuilder":
+    """The stop and eos ids of rows that have not reached min_tokens (set to -inf)."""
+    suppress = _SparseBuilder(vocab_size)
+    for row, p in enumerate(params):
+        if len(output_token_ids[row]) < p.min_tokens:
+            ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
+            for token_id in sorted(ids):
+                suppress.add(row, token_id, float("-inf"))
+    return suppress
 
 
 class _SparseBuilder:

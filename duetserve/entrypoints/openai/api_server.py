@@ -1,7 +1,9 @@
 """The FastAPI app: routes, OpenAI-shaped errors, API-key check, metrics wiring.
 
-    POST /v1/completions, /v1/chat/completions     (serving.py, serving_chat.py)
+    POST /v1/completions, /v1/chat/completions     (serving.py: prompt, params,
+                                                    generation, render_*.py)
     GET  /v1/models, /health, /version, /metrics
+    GET  /load, POST /kv/release                   (prefill/decode disaggregation)
 
 Every client mistake is a 4xx with {"error": {"message", "type", "param", "code"}}:
 FastAPI's 422 validation errors (malformed JSON, wrong types, missing fields) become 400.
@@ -23,8 +25,8 @@ from duetserve.engine.async_engine import AsyncEngine
 from duetserve.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                    error_body)
 from duetserve.entrypoints.openai.http_guard import RequestGuard
-from duetserve.entrypoints.openai.serving import APIError, ServerContext, create_completion
-from duetserve.entrypoints.openai.serving_chat import create_chat_completion
+from duetserve.entrypoints.openai.context import APIError, ServerContext
+from duetserve.entrypoints.openai.serving import create_chat_completion, create_completion
 from duetserve.metrics.kv_transfer import KVTransferMetrics
 from duetserve.metrics.prometheus import CONTENT_TYPE, ServerMetrics
 
@@ -76,6 +78,36 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
               read_timeout: float = DEFAULT_READ_TIMEOUT_S) -> FastAPI:
     """The app; the engine thread starts and stops with the app's lifespan. Bodies past
     `max_request_bytes` get 413 before parsing; a body stalling `read_timeout` s, 408."""
+    metrics = server_metrics(engine, served_model_name)
+    ctx = ServerContext(engine, served_model_name, engine.engine.model_config.vocab_size,
+                        engine.max_model_len, on_first_chunk=metrics.observe_first_chunk)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        try:
+            yield
+        finally:
+            engine.shutdown()
+
+    app = FastAPI(title="duetserve", version=__version__, lifespan=lifespan)
+    app.state.ctx, app.state.metrics = ctx, metrics
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    # Outermost: arrival stamp, drain, body bound (before auth and before any parsing).
+    app.add_middleware(RequestGuard, ctx=ctx, max_request_bytes=max_request_bytes,
+                       read_timeout=read_timeout)
+    add_error_handlers(app)
+    # The routes, one group per feature: a new feature adds its group here.
+    add_generation_routes(app, ctx)
+    add_info_routes(app, ctx, metrics, model_path)
+    add_disaggregation_routes(app, ctx)
+    return app
+
+
+def server_metrics(engine: AsyncEngine, served_model_name: str) -> ServerMetrics:
+    """The server's Prometheus metrics, observing the engine's steps and finished requests
+    (and, disaggregated, its KV transfers). Mutates the engine's observer lists."""
     core = engine.engine
     metrics = ServerMetrics(served_model_name, engine.max_model_len,
                             core.max_num_batched_tokens)
@@ -98,26 +130,12 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
         engine.finish_observers.append(kv_metrics.observe_finished)
         if core.trace is not None:
             roles.connector.observers.append(core.trace.transfer)
-    ctx = ServerContext(engine, served_model_name, core.model_config.vocab_size,
-                        engine.max_model_len, on_first_chunk=metrics.observe_first_chunk)
-    created = int(time.time())
+    return metrics
 
-    @asynccontextmanager
-    async def lifespan(app: FastAPI):
-        engine.start()
-        try:
-            yield
-        finally:
-            engine.shutdown()
 
-    app = FastAPI(title="duetserve", version=__version__, lifespan=lifespan)
-    app.state.ctx, app.state.metrics = ctx, metrics
-    if api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
-    # Outermost: arrival stamp, drain, body bound (before auth and before any parsing).
-    app.add_middleware(RequestGuard, ctx=ctx, max_request_bytes=max_request_bytes,
-                       read_timeout=read_timeout)
-
+def add_error_handlers(app: FastAPI) -> None:
+    """Every error as an OpenAI error object: APIError as raised, FastAPI's validation
+    errors as 400, 404/405, anything unexpected as 500 (logged)."""
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError):
         return exc.response()
@@ -140,6 +158,9 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
         return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}",
                                        "InternalServerError", None, 500), 500)
 
+
+def add_generation_routes(app: FastAPI, ctx: ServerContext) -> None:
+    """POST /v1/completions and /v1/chat/completions (serving.py)."""
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request):
         return await create_completion(ctx, body, raw)
@@ -148,11 +169,19 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
         return await create_chat_completion(ctx, body, raw)
 
+
+def add_info_routes(app: FastAPI, ctx: ServerContext, metrics: ServerMetrics,
+                    model_path: str | None) -> None:
+    """GET /v1/models, /health (503 while draining or without an engine loop), /version,
+    /metrics."""
+    engine = ctx.engine
+    created = int(time.time())
+
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{
-            "id": served_model_name, "object": "model", "created": created,
-            "owned_by": "duetserve", "root": model_path or served_model_name,
+            "id": ctx.served_model_name, "object": "model", "created": created,
+            "owned_by": "duetserve", "root": model_path or ctx.served_model_name,
             "max_model_len": engine.max_model_len}]}
 
     @app.get("/health")
@@ -165,10 +194,25 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
                                            "ServiceUnavailableError", None, 503), 503)
         return Response(status_code=200)
 
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+
+def add_disaggregation_routes(app: FastAPI, ctx: ServerContext) -> None:
+    """GET /load (what the router's least-loaded policy reads) and POST /kv/release (a
+    decode instance finished reading a transfer)."""
+    core = ctx.core
+    roles = core.kv_roles
+
     @app.get("/load")
     async def load():
-        """What the router's least-loaded policy reads: the latest step's queue and KV
-        state (a snapshot the engine thread replaces after every step)."""
+        """The latest step's queue and KV state (a snapshot the engine thread replaces
+        after every step)."""
         st = core.last_step
         return {"role": roles.config.role if roles else "both",
                 "num_running": st.num_running, "num_waiting": st.num_waiting,
@@ -177,7 +221,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
 
     @app.post("/kv/release")
     async def kv_release(raw: Request):
-        """A decode instance finished reading a transfer: free the held blocks."""
+        """Free the blocks a prefill instance held for the transfer."""
         if roles is None or roles.config.role != "prefill":
             raise APIError("this instance is not a prefill instance", 404, None,
                            "NotFoundError")
@@ -188,13 +232,3 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
             raise APIError("expected {\"transfer_id\": str, \"ok\": bool}") from None
         held = roles.connector.post_release(transfer_id, ok)
         return {"released": transfer_id, "held": held}
-
-    @app.get("/version")
-    async def version():
-        return {"version": __version__}
-
-    @app.get("/metrics")
-    async def prometheus_metrics():
-        return Response(metrics.render(), media_type=CONTENT_TYPE)
-
-    return app

@@ -34,7 +34,7 @@ from fastapi.responses import JSONResponse
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from duetserve.entrypoints.openai.protocol import error_body
-from duetserve.entrypoints.openai.serving import ServerContext
+from duetserve.entrypoints.openai.context import ServerContext
 
 log = logging.getLogger("duetserve.serve")
 

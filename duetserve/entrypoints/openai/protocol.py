@@ -269,3 +269,8 @@ class ChatCompletionRequest(_SamplingFields):
 def error_body(message: str, type_: str = "BadRequestError", param: str | None = None,
                code: int | str | None = 400) -> dict[str, Any]:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def finite(logprob: float) -> float:
+    """A logprob as JSON can carry it (JSON has no -inf)."""
+    return max(logprob, -9999.0)
