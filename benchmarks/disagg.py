@@ -1,4 +1,4 @@
-"""Prefill/decode disaggregation benchmarks (docs/benchmarks.md): prints tables, writes JSON.
+"""Prefill/decode disaggregation benchmarks (docs/results.md): prints tables, writes JSON.
 
   1. transfer: KV of one 2,048-token prompt of the 1.5B model read by a decode instance,
      per backend (shm, Mooncake TCP), next to raw loopback TCP moving the same bytes in
@@ -9,7 +9,7 @@
      (1 thread each) on a prefill-heavy workload (`duet bench serve`): TTFT and TPOT.
 
     python benchmarks/disagg.py --model /root/.cache/duetserve-models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf \
-        --output-json benchmarks/results/disagg.json
+        --output-json out/disagg.json
 
 Every instance runs in its own process on loopback; each part starts and stops its own.
 """

@@ -19,8 +19,8 @@ touched count: the KV cache is allocated lazily):
   objects alive in them: the difference is arenas pinned by a few survivors) and glibc's
   heap in use / free but held (`malloc_in_use`, `malloc_free_held`).
 
-Run it with `DUET_CACHE_DIR` pointing at a folder without step_cost.json to see a first
-start, which measures the step cost (engine/step_cost.py) before serving.
+Run it with `DUET_CACHE_DIR` pointing at a folder without step_time.json to see a first
+start, which measures the step time (engine/step_probe.py) before serving.
 
 Prints one JSON line per stage (MiB).
 """

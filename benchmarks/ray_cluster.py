@@ -9,7 +9,7 @@ and restart-to-serving after SIGKILL of the decode instance's actor process (unt
 request through the router succeeds again).
 
     python benchmarks/ray_cluster.py --requests 16 --prompt-words 200 \\
-        --output-json benchmarks/results/ray_cluster.json
+        --output-json out/ray_cluster.json
 """
 from __future__ import annotations
 

@@ -1,11 +1,11 @@
 #!/bin/sh
 # duet plan for Llama-3-8B on H100 (989 TFLOP/s bf16, 3.35 TB/s): prefill-heavy and
 # decode-heavy workloads, each under a loose and a tight TTFT/TPOT SLO. Simulation only
-# (no model runs; the figures do not depend on the machine's load, so a shared lock is
-# enough): 31 minutes for the four on a busy 2-core machine. Output: $OUT/*.{json,png,txt}
-#   flock -s /tmp/duet-bench.lock sh benchmarks/run_sim_plan.sh
+# (no model runs; the figures do not depend on the machine's load): about 30 minutes for
+# the four on a 2-core machine. Output: $OUT/*.{json,png,txt}
+#   sh benchmarks/run_sim_plan.sh
 set -e
-PY=${PY:-/work/main/.venv/bin/python}
+PY=${PY:-.venv/bin/python}
 OUT=${OUT:-out/sim/plan}
 mkdir -p "$OUT"
 run() {  # name workload ttft tpot

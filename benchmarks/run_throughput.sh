@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The offline throughput runs of docs/benchmarks.md, one after another (never in parallel:
+# The offline throughput runs of docs/performance.md, one after another (never in parallel:
 # they would share the 2 cores). Results: out/bench_*.json, logs: out/bench_*.log.
 #   nohup benchmarks/run_throughput.sh > out/bench_all.log 2>&1 &
 set -u

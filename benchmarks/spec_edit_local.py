@@ -26,7 +26,7 @@ three phrasings, which would have made the prompt a pure copy, so it was replace
 any speedup was measured.
 
 Designed and committed before any speedup was measured on it; the prompts are not to be
-tuned after seeing speedups (docs/benchmarks.md reports both workloads).
+tuned after seeing speedups (docs/results.md reports both workloads).
 """
 from __future__ import annotations
 

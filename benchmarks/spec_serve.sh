@@ -11,7 +11,7 @@
 set -e
 OUT=${1:-out/spec_serve}; MODEL=${2:-}; REPEATS=${REPEATS:-3}; CONCS=${CONCS:-1 4 32}
 mkdir -p "$OUT"
-PY=${PY:-/work/main/.venv/bin/python}
+PY=${PY:-.venv/bin/python}
 $PY - "$OUT/edit.jsonl" <<'PYEOF'
 import json, sys
 sys.path.insert(0, "benchmarks")

@@ -4,12 +4,12 @@ The same seeded chat conversations and arrival schedule (benchmarks/sim_fidelity
 mix: 3 turns, 32-128 words in, 32-96 out, each turn sent when the previous one finished)
 replayed on a real in-process EngineCore (bench/replay.py, no HTTP) under each policy:
 `default` is what `duet serve` does without flags (core/step_budget.StepBudget from the
-measured step cost), `fixed-N` a fixed --max-num-batched-tokens N. Policies alternate
+measured step time), `fixed-N` a fixed --max-num-batched-tokens N. Policies alternate
 within each repeat, so a drift of the machine's speed hits them alike. Reported per policy
 and rate: medians over the repeats of TTFT and TPOT p50 / p90 / p99, and the engine's busy
 fraction (step time / wall time).
 
-    /tmp/gate.sh env PYTHONPATH=. .venv/bin/python benchmarks/step_policy.py \\
+    PYTHONPATH=. .venv/bin/python benchmarks/step_policy.py \\
         --rates 0.8 --repeats 3 --out out/step_policy/run
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Per-step cost of constrained decoding: B requests decoding under a JSON schema against
 the same B requests unconstrained, at B = 1 and 32 (by default).
 
-    flock -x /tmp/duet-bench.lock .venv/bin/python -m benchmarks.structured_overhead \\
+    .venv/bin/python -m benchmarks.structured_overhead \\
         [--model M] [--threads 2] [--batches 1,32] [--warmup 8] [--steps 48] \\
         [--repeats 3] [--no-overlap] [--out out/x.json]
 

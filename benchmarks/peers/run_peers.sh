@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The peer comparison of docs/benchmarks.md: duetserve vs llama.cpp (Q4_1 and F32) vs
+# The peer comparison of docs/performance.md: duetserve vs llama.cpp (Q4_1 and F32) vs
 # transformers static batching, same seeded workload, servers run one after another.
 #   nohup benchmarks/peers/run_peers.sh > out/peers/run_peers.log 2>&1 &
 # Environment: N (prompts per rate), RATES, ENGINES, OUTDIR, LLAMA_SERVER_BIN (optional
