@@ -46,7 +46,7 @@ def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, huge: bool = False) 
     an idle engine held hundreds of MiB it had not used. A prefaulted cache pays that once,
     at start, and then gains from them: a serving pool's blocks end up scattered, and the
     decode attention's reads of scattered blocks took a TLB miss per 2 KiB block in 4 KiB
-    pages (benchmarks/kv_scatter.py: 12 streams 1.17-1.32x the in-order step in 4 KiB
+    pages (measured: 12 streams 1.17-1.32x the in-order step in 4 KiB
     pages, 1.08-1.09x in 2 MiB ones)."""
     elem = torch.empty((), dtype=dtype).element_size()
     nbytes = max(1, int(np.prod(shape)) * elem)
