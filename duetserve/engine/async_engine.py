@@ -278,7 +278,7 @@ class AsyncEngine:
             entry.last = out
             item: RequestOutput | BaseException = out
             if out.error is not None:   # this request failed alone; the step went on
-                item = RequestFailedError(out.error)
+                item = RequestFailedError(out.error, out.error_param)
             per_loop.setdefault(entry.stream.loop, []).append((entry.stream, item))
             if out.finished:
                 del self._entries[out.request_id]

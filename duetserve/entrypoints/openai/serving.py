@@ -50,6 +50,14 @@ class APIError(Exception):
                             status_code=self.status, headers=self.headers)
 
 
+def _failed(e: RequestFailedError) -> APIError:
+    """A request that failed in the engine: 400 naming the field whose value made it fail
+    (a constraint no token of the model can continue), else 500."""
+    if e.param is not None:
+        return APIError(str(e), 400, e.param, "BadRequestError")
+    return APIError(str(e), 500, None, "InternalServerError")
+
+
 def overloaded(message: str) -> APIError:
     return APIError(message, 503, None, "ServiceUnavailableError", {"Retry-After": "1"})
 
@@ -289,7 +297,9 @@ class _Generation:
         try:
             async for i, delta in self.outputs():
                 finals[i] = acc.add(delta)
-        except (EngineStepError, RequestFailedError) as e:
+        except RequestFailedError as e:
+            raise _failed(e) from None
+        except EngineStepError as e:
             raise APIError(str(e), 500, None, "InternalServerError") from None
         except RequestAbortedError as e:
             raise APIError(str(e), 503, None, "ServiceUnavailableError") from None
@@ -312,7 +322,10 @@ class _Generation:
                 yield _sse({**render_usage(self.usage()), "server_timing": self.timing()})
         except RequestAbortedError as e:
             yield _sse(error_body(str(e), "ServiceUnavailableError", None, 503))
-        except (EngineStepError, RequestFailedError) as e:
+        except RequestFailedError as e:
+            err = _failed(e)
+            yield _sse(error_body(err.message, err.type, err.param, err.status))
+        except EngineStepError as e:
             yield _sse(error_body(str(e), "InternalServerError", None, 500))
         finally:
             self.close()
