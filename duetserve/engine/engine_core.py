@@ -302,7 +302,8 @@ class EngineCore:
         return None if self.kv_roles is None else self.kv_roles.seconds_to_next_deadline()
 
     def abort_request(self, req_ids: str | list[str]) -> None:
-        """Abort user requests (unknown ids ignored); frees their KV blocks at once."""
+        """Abort user requests (unknown ids ignored); frees their KV blocks at once and
+        replaces last_step with a snapshot that shows it (/load reads last_step)."""
         for req_id in [req_ids] if isinstance(req_ids, str) else req_ids:
             user = self.requests.pop(req_id, None)
             if user is None:
@@ -313,6 +314,7 @@ class EngineCore:
                 self._child_to_user.pop(child_id, None)
                 if self.kv_roles is not None:
                     self.kv_roles.forget(child_id)
+        self.last_step = self.make_stats()
         if not self.requests:
             self._on_idle()
 

@@ -69,4 +69,5 @@ def test_a_refused_prompt_leaves_nothing_queued(llm) -> None:
         llm.generate(["a", [5, 6], [vocab + 1]], GREEDY)
     assert not llm.engine.has_unfinished_requests()
     assert llm.engine.scheduler.kv_cache_manager.num_used_blocks == 0
+    assert llm.engine.last_step.num_used_blocks == 0       # what /load reads
     assert [o.prompt for o in llm.generate(["b"], GREEDY)] == ["b"]

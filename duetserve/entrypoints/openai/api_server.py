@@ -168,7 +168,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     @app.get("/load")
     async def load():
         """What the router's least-loaded policy reads: the latest step's queue and KV
-        state (a snapshot the engine thread replaces after every step)."""
+        state (a snapshot the engine thread replaces after every step and abort)."""
         st = core.last_step
         return {"role": roles.config.role if roles else "both",
                 "num_running": st.num_running, "num_waiting": st.num_waiting,
