@@ -30,4 +30,9 @@ class EngineOverloadedError(DuetError):
 
 class RequestFailedError(DuetError):
     """A request failed while the engine was running it (its own processing raised); the
-    other requests of that step were not affected."""
+    other requests of that step were not affected. `param`: the request field whose
+    value made it fail (the server answers HTTP 400 naming it), or None (HTTP 500)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param

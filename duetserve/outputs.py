@@ -268,6 +268,9 @@ class RequestOutput:
     # Set (with finished=True, finish_reason "error") when this request's own processing
     # raised inside a step; the other requests of that step were not affected.
     error: str | None = None
+    # With `error`: the request field whose value made it fail (a constraint no token of
+    # the model can continue; HTTP 400), or None (the engine's own failure; HTTP 500).
+    error_param: str | None = None
 
 
 class OutputAccumulator:
@@ -293,6 +296,7 @@ class OutputAccumulator:
                 delta.request_id, delta.prompt, delta.prompt_token_ids, [], False,
                 delta.metrics, delta.num_cached_tokens)
         acc.finished, acc.metrics, acc.error = delta.finished, delta.metrics, delta.error
+        acc.error_param = delta.error_param
         acc.num_cached_tokens = delta.num_cached_tokens
         if delta.prompt_logprobs is not None:
             acc.prompt_logprobs = delta.prompt_logprobs
@@ -320,7 +324,8 @@ class OutputAccumulator:
             self.forget(delta.request_id)
         return RequestOutput(acc.request_id, acc.prompt, acc.prompt_token_ids,
                              list(acc.outputs), acc.finished, acc.metrics,
-                             acc.num_cached_tokens, acc.prompt_logprobs, acc.error)
+                             acc.num_cached_tokens, acc.prompt_logprobs, acc.error,
+                             acc.error_param)
 
     def forget(self, request_id: str) -> None:
         """Drop the state of a request (done automatically when it finishes)."""

@@ -15,7 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from duetserve.cluster.controller import ClusterError
-from duetserve.entrypoints.router.flow import error_body
+from duetserve.entrypoints.router.upstream import error_body
 
 
 def add_admin_routes(app: FastAPI, controller_ref: dict, admin_key: str | None) -> None:

@@ -127,12 +127,16 @@ def main(args: argparse.Namespace) -> int:
     from duetserve.cluster.admin import add_admin_routes
     from duetserve.cluster.controller import ClusterError, Controller
     from duetserve.entrypoints.openai.http_guard import QuietExitServer
-    from duetserve.entrypoints.router.app import build_app, setup_logging
-    from duetserve.entrypoints.router.policy import Policy
+    from duetserve.entrypoints.router.app import Policies, build_app, setup_logging
     from duetserve.entrypoints.router.pool import InstancePool
+    from duetserve.entrypoints.router.upstream import Timeouts
 
     counts = _initial(args)
     spec = _spec(args)
+    try:
+        timeouts = Timeouts.from_args(args)
+    except ValueError as e:
+        raise UserError(str(e)) from None
     pool = InstancePool([], "replica" in counts, args.health_interval)
     try:      # the flags every instance gets, checked here before Ray starts anything
         from duetserve.cluster.instance import serve_args
@@ -165,8 +169,7 @@ def main(args: argparse.Namespace) -> int:
         finally:
             await controller.stop()
 
-    app = build_app(pool, Policy(args.prefill_policy), Policy(args.decode_policy),
-                    Policy(args.replica_policy), lifespan_hook)
+    app = build_app(pool, Policies.from_args(args), timeouts, lifespan_hook)
     add_admin_routes(app, controller_ref, args.admin_key or os.environ.get("DUET_ADMIN_KEY"))
     log.warning("router at http://%s:%d/v1 (admin: /cluster)", args.host, args.port)
     try:     # SIGTERM/SIGINT: the lifespan stops the actors, then Ray is left; exit 0

@@ -278,7 +278,7 @@ class AsyncEngine:
             entry.last = out
             item: RequestOutput | BaseException = out
             if out.error is not None:   # this request failed alone; the step went on
-                item = RequestFailedError(out.error)
+                item = RequestFailedError(out.error, out.error_param)
             per_loop.setdefault(entry.stream.loop, []).append((entry.stream, item))
             if out.finished:
                 del self._entries[out.request_id]
@@ -287,6 +287,12 @@ class AsyncEngine:
                 self._notify_finish(out, reason)
         for loop, items in per_loop.items():   # one wake-up per loop per step
             self._call(loop, _put_many, items)
+        if not self.engine.last_step.items:
+            # A step that ran no tokens: it applied KV releases, transfer timeouts or
+            # finished loads (a prefill instance frees its held blocks only in such
+            # steps). Step observers only see steps that ran tokens, so without this the
+            # KV gauges kept the last token step's count (issue 63).
+            self._publish_idle_stats()
 
     def _fail_all(self, error: BaseException, drain_commands: bool = False) -> None:
         """Abort every live request and end its stream with `error`; on shutdown also
@@ -318,7 +324,8 @@ class AsyncEngine:
                 log.exception("finish observer failed")
 
     def _publish_idle_stats(self) -> None:
-        """Stats after aborts (no step ran, but blocks were freed)."""
+        """Stats after aborts (no step ran, but blocks were freed) or after a step that
+        ran no tokens (KV released, timed out or loaded)."""
         if not self.idle_stats_observers:
             return
         try:

@@ -30,7 +30,7 @@ from duetserve.core.step_budget import (FALLBACK_TOKEN_BUDGET, StepBudget,
                                         default_max_step_ms, derive_step_budget)
 from duetserve.core.step_time import StepTime
 from duetserve.engine.detokenizer import IncrementalDetokenizer
-from duetserve.engine.isolation import IsolatedExecutor
+from duetserve.engine.isolation import Failure, IsolatedExecutor
 from duetserve.engine.kv_roles import KVRoles, make_shared_kv
 from duetserve.engine.step_probe import (StepTimeSource, forward_seconds, read_step_time,
                                          startup_step_time)
@@ -377,7 +377,8 @@ class EngineCore:
         return None if self.kv_roles is None else self.kv_roles.seconds_to_next_deadline()
 
     def abort_request(self, req_ids: str | list[str]) -> None:
-        """Abort user requests (unknown ids ignored); frees their KV blocks at once."""
+        """Abort user requests (unknown ids ignored); frees their KV blocks at once and
+        replaces last_step with a snapshot that shows it (/load reads last_step)."""
         for req_id in [req_ids] if isinstance(req_ids, str) else req_ids:
             user = self.requests.pop(req_id, None)
             if user is None:
@@ -388,6 +389,7 @@ class EngineCore:
                 self._child_to_user.pop(child_id, None)
                 if self.kv_roles is not None:
                     self.kv_roles.forget(child_id)
+        self.last_step = self.make_stats()
         if not self.requests:
             self._on_idle()
 
@@ -437,7 +439,7 @@ class EngineCore:
                 user.metrics.num_cached_tokens = new.num_computed_tokens
 
     def _make_outputs(self, updated: list[Request], ro: ModelRunnerOutput,
-                      failed_users: dict[str, tuple[_UserRequest, str]]
+                      failed_users: dict[str, tuple[_UserRequest, Failure]]
                       ) -> list[RequestOutput]:
         """The engine's output assembly: one delta RequestOutput per user request with an
         updated sample, plus one error output per failed user request. Mutates: the
@@ -501,10 +503,11 @@ class EngineCore:
                 or remote.orphaned, (
                 f"idle engine holds {self.scheduler.kv_cache_manager.num_used_blocks} blocks")
 
-    def _fail_children(self, failed: dict[str, str]) -> dict[str, tuple[_UserRequest, str]]:
+    def _fail_children(self, failed: dict[str, Failure]
+                       ) -> dict[str, tuple[_UserRequest, Failure]]:
         """Fail the user requests owning the failed children (with all their siblings):
         finish reason "error", blocks freed (the ones this step was filling uncached).
-        Returns {user req_id: (user, error text)}; forgets them."""
+        Returns {user req_id: (user, error text or RequestError)}; forgets them."""
         users: dict[str, tuple[_UserRequest, str]] = {}
         for child_id, error in failed.items():
             user_id = self._child_to_user.get(child_id)
@@ -517,15 +520,17 @@ class EngineCore:
                 self._child_to_user.pop(child_id, None)
         return users
 
-    def _error_output(self, user: _UserRequest, error: str) -> RequestOutput:
+    def _error_output(self, user: _UserRequest, error: Failure) -> RequestOutput:
         """The failed user request's last delta: every sample not yet finished ends with
-        finish_reason "error"."""
+        finish_reason "error"; a RequestError names its field (error_param)."""
         user.metrics.finished_time = time.time()
         outs = [CompletionOutput(c.index, "", [], finish_reason="error")
                 for c in user.children.values() if not c.finished]
         return RequestOutput(user.req_id, user.prompt, user.prompt_token_ids, outs, True,
                              user.metrics, user.num_cached_tokens, user.prompt_logprobs,
-                             error=f"request {user.req_id} failed: {error}")
+                             error=f"request {user.req_id} failed: {error}",
+                             error_param=error.param if isinstance(error, RequestError)
+                             else None)
 
     def make_stats(self) -> StepStats:
         """A snapshot of queue and KV state; no tokens (also used outside a step, e.g.

@@ -25,15 +25,26 @@ import logging
 from collections.abc import Callable
 
 from duetserve.core.scheduler import Scheduler
+from duetserve.errors import RequestError
 from duetserve.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput
 
 log = logging.getLogger("duetserve")
 
 MAX_ATTEMPTS = 32
+# Why a request failed: the error's text, or the RequestError itself when the request's
+# own input made it fail (the server then answers 400 naming its field).
+Failure = str | RequestError
+StepResult = tuple[ModelRunnerOutput, dict[str, Failure]]
 
 
 def _error_text(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
+
+
+def _failure(e: BaseException) -> Failure:
+    """What a culprit failed with: the RequestError itself (its request's own input made
+    it fail, e.g. a constraint no token can continue), else the exception's text."""
+    return e if isinstance(e, RequestError) else _error_text(e)
 
 
 def _merge(into: ModelRunnerOutput, part: ModelRunnerOutput) -> None:
@@ -47,7 +58,8 @@ def _merge(into: ModelRunnerOutput, part: ModelRunnerOutput) -> None:
 
 
 class IsolatedExecutor:
-    """execute(so) -> (ModelRunnerOutput, {req_id: error text}) for one step."""
+    """execute(so) -> (ModelRunnerOutput, {req_id: error text or RequestError}) for one
+    step."""
 
     def __init__(self, execute: Callable[[SchedulerOutput], ModelRunnerOutput],
                  scheduler: Scheduler) -> None:
@@ -55,7 +67,7 @@ class IsolatedExecutor:
         self.scheduler = scheduler
         self.num_isolations = 0          # steps that needed the bisection
 
-    def execute(self, so: SchedulerOutput) -> tuple[ModelRunnerOutput, dict[str, str]]:
+    def execute(self, so: SchedulerOutput) -> StepResult:
         try:
             return self._execute(so), {}
         except Exception as e:  # noqa: BLE001 - find whose it is
@@ -83,11 +95,10 @@ class IsolatedExecutor:
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
         return out
 
-    def _bisect(self, so: SchedulerOutput, first: BaseException
-                ) -> tuple[ModelRunnerOutput, dict[str, str]]:
+    def _bisect(self, so: SchedulerOutput, first: BaseException) -> StepResult:
         kv = self.scheduler.kv_cache_manager
         merged = ModelRunnerOutput()
-        failed: dict[str, str] = {}
+        failed: dict[str, Failure] = {}
         suspect_blocks: set[int] = set()
         first_text = _error_text(first)
         for req_id in so.num_scheduled_tokens:       # cannot be re-sent mid-prompt scoring
@@ -116,7 +127,7 @@ class IsolatedExecutor:
                 _merge(merged, self._execute(self._group_output(so, group)))
             except Exception as e:  # noqa: BLE001
                 if len(group) == 1:
-                    failed[group[0]] = _error_text(e)
+                    failed[group[0]] = _failure(e)
                     suspect_blocks.update(kv.unverified_block_ids(
                         self.scheduler.requests[group[0]]))
                 else:

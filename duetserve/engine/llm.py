@@ -4,6 +4,9 @@
     llm = LLM()                                   # the default model
     outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
     print(outs[0].outputs[0].text)
+
+A prompt is a string, a list of token ids, or vLLM's prompt dicts: {"prompt": text}
+(TextPrompt) or {"prompt_token_ids": [...]} (TokensPrompt); a list may mix them.
 """
 from __future__ import annotations
 
@@ -15,7 +18,48 @@ from duetserve.engine.engine_core import EngineCore
 from duetserve.outputs import OutputAccumulator, RequestOutput
 from duetserve.sampling_params import SamplingParams
 
-PromptType = str | list[int]
+PromptType = str | list[int] | dict
+PROMPT_KEYS = ("prompt", "prompt_token_ids")
+
+
+def _is_one_prompt(prompts: object) -> bool:
+    """A single prompt (rather than a list of them): a string, a dict, or a list of token
+    ids (a non-empty list whose first item is an int)."""
+    return isinstance(prompts, (str, dict)) or (
+        isinstance(prompts, (list, tuple)) and bool(prompts) and isinstance(prompts[0], int))
+
+
+def parse_prompt(prompt: object, index: int = 0) -> tuple[list[int] | None, str | None]:
+    """(token ids, text) of one prompt: a string -> (None, text) (the caller tokenizes),
+    token ids or {"prompt_token_ids": ids} -> (ids, None), {"prompt": text} -> (None,
+    text). Raises TypeError / ValueError naming the prompt's index and what is wrong."""
+    where = f"prompt {index}"
+    if isinstance(prompt, dict):
+        keys = [k for k in PROMPT_KEYS if k in prompt]
+        other = sorted(str(k) for k in prompt if k not in PROMPT_KEYS)
+        if other:
+            raise ValueError(f"{where}: unsupported key(s) {other} (a prompt dict has "
+                             "'prompt' or 'prompt_token_ids')")
+        if len(keys) != 1:
+            raise ValueError(f"{where}: a prompt dict has exactly one of 'prompt' "
+                             f"(text) or 'prompt_token_ids', got {sorted(prompt)}")
+        prompt, where = prompt[keys[0]], f"{where} ({keys[0]})"
+        if keys[0] == "prompt" and not isinstance(prompt, str):
+            raise TypeError(f"{where}: must be a string, got {type(prompt).__name__}")
+        if keys[0] == "prompt_token_ids" and not isinstance(prompt, (list, tuple)):
+            raise TypeError(f"{where}: must be a list of token ids, got "
+                            f"{type(prompt).__name__}")
+    if isinstance(prompt, str):
+        return None, prompt
+    if isinstance(prompt, (list, tuple)):
+        bad = next((t for t in prompt if type(t) is not int), None)
+        if bad is not None:
+            raise TypeError(f"{where}: token ids must be ints, got {bad!r}")
+        if not prompt:
+            raise ValueError(f"{where}: the token id list is empty")
+        return list(prompt), None
+    raise TypeError(f"{where}: expected a string, a list of token ids, or a dict with "
+                    f"'prompt' or 'prompt_token_ids', got {type(prompt).__name__}")
 
 
 class LLM:
@@ -38,25 +82,33 @@ class LLM:
                  use_tqdm: bool = False, priority: Sequence[int] | None = None
                  ) -> list[RequestOutput]:
         """Run every prompt to completion; one RequestOutput per prompt, in order.
-        A prompt is a string or a list of token ids."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
-                                        and isinstance(prompts[0], int)):
+        A prompt is a string, a list of token ids, or a vLLM prompt dict ({"prompt":
+        text} or {"prompt_token_ids": ids}); one prompt or a list of them, mixed. Raises
+        TypeError / ValueError for a malformed prompt and RequestError for one the engine
+        refuses, before anything runs (nothing is left queued)."""
+        if _is_one_prompt(prompts):
             prompts = [prompts]
+        elif not isinstance(prompts, (list, tuple)):
+            raise TypeError("prompts must be a prompt or a list of prompts, got "
+                            f"{type(prompts).__name__}")
         params = sampling_params or SamplingParams()
         params_list = ([params] * len(prompts) if isinstance(params, SamplingParams)
                        else list(params))
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} sampling params for {len(prompts)} prompts")
-        ids = []
-        for i, (prompt, sp) in enumerate(zip(prompts, params_list)):
-            req_id = str(next(self._ids))
-            if isinstance(prompt, str):
-                token_ids, text = self.tokenizer.encode(prompt), prompt
-            else:
-                token_ids, text = list(prompt), None
-            self.engine.add_request(req_id, token_ids, sp, prompt=text,
-                                    priority=priority[i] if priority else 0)
-            ids.append(req_id)
+        parsed = [parse_prompt(p, i) for i, p in enumerate(prompts)]
+        ids: list[str] = []
+        try:
+            for i, ((token_ids, text), sp) in enumerate(zip(parsed, params_list)):
+                req_id = str(next(self._ids))
+                if token_ids is None:
+                    token_ids = self.tokenizer.encode(text)
+                self.engine.add_request(req_id, token_ids, sp, prompt=text,
+                                        priority=priority[i] if priority else 0)
+                ids.append(req_id)
+        except BaseException:
+            self.engine.abort_request(ids)       # frees what was queued at once
+            raise
         return self._run(ids, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]],

@@ -10,10 +10,13 @@ request's position in its grammar).
        speculation: state.num_valid_prefix(drafts), state.rollback(n)
 
 The llguidance tokenizer (a trie over the vocabulary, about 0.3 s for 49k tokens, 1 s for
-152k) is built on first use, so an engine that never sees a constraint never pays it.
+152k) is built on first use, so an engine that never sees a constraint never pays it; so
+is the vocabulary's Spelling (spelling.py: refuses what the model cannot write, repairs
+the mask rows llguidance gets wrong for a vocabulary that lacks some bytes).
 """
 from __future__ import annotations
 
+import json
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -24,6 +27,7 @@ import llguidance as llg
 from duetserve.errors import RequestError
 from duetserve.sampling_params import GuidedDecoding
 from duetserve.structured.grammars import build_grammar
+from duetserve.structured.spelling import Spelling
 
 MAX_CACHED_GRAMMARS = 256
 MAX_ERROR_CHARS = 600
@@ -34,14 +38,22 @@ class GrammarError(RuntimeError):
     was not applied); the request fails alone (engine isolation)."""
 
 
+class ConstraintError(RequestError):
+    """A request's constraint cannot go on: no token of the model can continue it (its
+    grammar forces bytes the vocabulary cannot write, spelling.py), or llguidance gave
+    up on it (a parser limit). The request fails alone (engine isolation) with HTTP 400
+    naming the constraint's field."""
+
+
 class GrammarState:
     """One request's matcher. Owned and mutated only by the runner (engine thread)."""
 
-    __slots__ = ("matcher", "num_tokens")
+    __slots__ = ("matcher", "num_tokens", "param")
 
-    def __init__(self, matcher: llg.LLMatcher) -> None:
+    def __init__(self, matcher: llg.LLMatcher, param: str = "guided") -> None:
         self.matcher = matcher
         self.num_tokens = 0            # tokens accepted so far
+        self.param = param             # the request field of the constraint (messages)
 
     def write_mask(self, address: int, num_bytes: int) -> None:
         """Write the allowed-next-token bitmask (bit t of 32-bit word t // 32 set = token t
@@ -53,7 +65,7 @@ class GrammarState:
         """Advance past `token_id`. Raises GrammarError when the grammar rejects it (the
         state is then unusable)."""
         if not self.matcher.consume_token(token_id):
-            raise GrammarError(f"the grammar rejected token {token_id}: "
+            raise GrammarError(f"{self.param}: the grammar rejected token {token_id}: "
                                f"{self.matcher.get_error()[:MAX_ERROR_CHARS]}")
         self.num_tokens += 1
 
@@ -100,6 +112,7 @@ class GrammarCompiler:
         self.eos_token_ids = tuple(eos_token_ids)
         self.num_threads = max(1, num_threads)
         self._tokenizer: llg.LLTokenizer | None = None
+        self._spelling: Spelling | None = None
         self._executor: llg.LLExecutor | None = None
         self._cache: OrderedDict[tuple[str, str], _Compiled] = OrderedDict()
         self._lock = threading.Lock()
@@ -113,10 +126,17 @@ class GrammarCompiler:
                 if not self.eos_token_ids:
                     raise RequestError("this model has no EOS token; constrained "
                                        "decoding needs one to end the output", "guided")
-                self._tokenizer = llg.LLTokenizer(self._tokenizer_json(),
-                                                  n_vocab=self.vocab_size,
-                                                  eos_token=list(self.eos_token_ids))
+                tokenizer = llg.LLTokenizer(self._tokenizer_json(), n_vocab=self.vocab_size,
+                                            eos_token=list(self.eos_token_ids))
+                self._spelling = Spelling(tokenizer, self.vocab_size)
+                self._tokenizer = tokenizer
             return self._tokenizer
+
+    @property
+    def spelling(self) -> Spelling:
+        """The vocabulary's Spelling (built with the tokenizer)."""
+        self.tokenizer
+        return self._spelling
 
     def compile(self, guided: GuidedDecoding) -> None:
         """Compile and cache `guided` (no-op when cached). Raises RequestError naming
@@ -125,20 +145,37 @@ class GrammarCompiler:
 
     def new_state(self, guided: GuidedDecoding) -> GrammarState:
         """A fresh state at the start of `guided`'s grammar (compiled if not cached)."""
-        return GrammarState(self._compiled(guided).matcher.deep_copy())
+        return GrammarState(self._compiled(guided).matcher.deep_copy(), guided.param)
 
     def fill_bitmasks(self, states: list[GrammarState], rows: list[int], address: int,
                       row_bytes: int, num_rows: int) -> None:
         """Write the mask of states[i] into row rows[i] of a [num_rows, row_bytes] buffer
-        at `address`, in parallel on `num_threads` threads for several states."""
+        at `address`, in parallel on `num_threads` threads for several states; then
+        repair the rows llguidance got wrong (spelling.py). Raises ConstraintError when
+        a state cannot go on (its row left empty, or its matcher failed)."""
+        spelling = self.spelling
+        forced = [b""] * len(states) if spelling.complete else \
+            [st.matcher.compute_ff_bytes() for st in states]   # before the mask: see repair
         if len(states) == 1:
             states[0].write_mask(address + rows[0] * row_bytes, row_bytes)
-            return
-        if self._executor is None:
-            self._executor = llg.LLExecutor(num_threads=self.num_threads)
-        self._executor.unsafe_compute_mask_ptr(
-            [(st.matcher, row) for st, row in zip(states, rows)], address, row_bytes,
-            num_rows)
+        else:
+            if self._executor is None:
+                self._executor = llg.LLExecutor(num_threads=self.num_threads)
+            self._executor.unsafe_compute_mask_ptr(
+                [(st.matcher, row) for st, row in zip(states, rows)], address, row_bytes,
+                num_rows)
+        for st, row, ff in zip(states, rows, forced):
+            if spelling.needs_repair(ff) and not spelling.repair(
+                    st.matcher, ff, address + row * row_bytes, row_bytes,
+                    self.eos_token_ids):
+                raise ConstraintError(
+                    f"{st.param}: no token of this model can continue the constraint after "
+                    f"{st.num_tokens} tokens: it requires the bytes {ff[:16]!r} next and "
+                    f"{_unheld_text(spelling, ff)}", st.param)
+            if st.matcher.is_error():
+                raise ConstraintError(
+                    f"{st.param}: the constraint cannot go on after {st.num_tokens} tokens: "
+                    f"{st.matcher.get_error()[:MAX_ERROR_CHARS]}", st.param)
 
     def _compiled(self, guided: GuidedDecoding) -> _Compiled:
         key = (guided.kind, guided.spec)
@@ -159,6 +196,7 @@ class GrammarCompiler:
         if matcher.is_error():
             raise RequestError(f"{guided.param}: {matcher.get_error()[:MAX_ERROR_CHARS]}",
                                guided.param)
+        self._check_writable(guided, matcher)
         compiled = _Compiled(matcher)
         with self._lock:
             self._cache[key] = compiled
@@ -167,3 +205,31 @@ class GrammarCompiler:
             while len(self._cache) > MAX_CACHED_GRAMMARS:
                 self._cache.popitem(last=False)
         return compiled
+
+    def _check_writable(self, guided: GuidedDecoding, matcher: llg.LLMatcher) -> None:
+        """Raise RequestError when the model's tokens cannot write a choice of `guided`,
+        or the bytes its grammar forces at the start (spelling.py)."""
+        spelling = self.spelling
+        if spelling.complete:
+            return
+        if guided.kind == "choice":
+            for i, choice in enumerate(json.loads(guided.spec)):
+                data = choice.encode()
+                if not spelling.spells(data):
+                    raise RequestError(
+                        f"{guided.param}: choice {i} ({choice[:40]!r}) cannot be written "
+                        f"with this model's tokens: {_unheld_text(spelling, data)}",
+                        guided.param)
+        forced = matcher.deep_copy().compute_ff_bytes()
+        if spelling.unheld(forced) is not None:
+            raise RequestError(
+                f"{guided.param}: the constraint starts with the bytes {forced[:40]!r}, "
+                f"which this model's tokens cannot write: {_unheld_text(spelling, forced)}",
+                guided.param)
+
+
+def _unheld_text(spelling: Spelling, data: bytes) -> str:
+    b = spelling.unheld(data)
+    if b is None:
+        return "no sequence of its tokens spells them"
+    return f"no token holds byte 0x{b:02x}"

@@ -12,6 +12,7 @@ from duetserve.config import EngineConfig
 from duetserve.engine.async_engine import AsyncEngine, RequestFailedError
 from duetserve.engine.engine_core import EngineCore
 from duetserve.engine.isolation import IsolatedExecutor
+from duetserve.errors import RequestError
 from duetserve.loader import load_model
 from duetserve.outputs import OutputAccumulator
 from duetserve.sampling_params import SamplingParams
@@ -29,12 +30,13 @@ class FaultyRunner:
         self.engine, self.after = engine, after
         self.runner = engine.runner
         self.num_raised = 0
+        self.error: Exception = RuntimeError("injected failure in the poison request")
 
     def execute_model(self, so):
         req = self.engine.scheduler.requests.get(POISON)
         if POISON in so.num_scheduled_tokens and req.num_computed_tokens >= self.after:
             self.num_raised += 1
-            raise RuntimeError("injected failure in the poison request")
+            raise self.error
         return self.runner.execute_model(so)
 
 
@@ -144,3 +146,21 @@ def test_eight_streams_complete_while_one_request_fails(loaded) -> None:
     assert aeng.num_step_errors == 0
     assert engine.scheduler.kv_cache_manager.num_used_blocks == 0
     engine.scheduler.check_integrity()
+
+
+def test_a_request_error_keeps_the_field_it_names(loaded) -> None:
+    """A request failing with a RequestError (its constraint cannot go on) ends with the
+    field in error_param (the server answers 400 naming it); the others have none."""
+    prompts = _prompts(loaded.config.vocab_size)
+    engine, faulty = _engine(loaded, faulty_after=0)
+    faulty.error = RequestError("guided_regex: no token can continue", "guided_regex")
+    engine.add_request(POISON, prompts[0], GREEDY)
+    engine.add_request("0", prompts[1], GREEDY)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert done[POISON].error_param == "guided_regex"
+    assert "guided_regex: no token can continue" in done[POISON].error
+    assert done["0"].error is None and done["0"].error_param is None

@@ -17,7 +17,8 @@ from duetserve.sampling_params import SamplingParams
 
 class FakeCore:
     """Each step gives every request token 7 (text "a") as a delta; finishes at
-    max_tokens."""
+    max_tokens. `freed = True` makes the next step one that runs no tokens (as a step
+    that only applies KV releases)."""
 
     def __init__(self) -> None:
         self.tokenizer = object()
@@ -29,6 +30,8 @@ class FakeCore:
         self.thread_ids: set[int] = set()
         self.shut_down = False
         self.kv_roles = None
+        self.freed = False
+        self.last_step = SimpleNamespace(items=[])
 
     def make_stats(self):
         return SimpleNamespace(num_running=len(self.reqs), num_waiting=0, kv_usage=0.0,
@@ -54,7 +57,7 @@ class FakeCore:
         return bool(self.reqs)
 
     def has_work_now(self) -> bool:
-        return bool(self.reqs)
+        return bool(self.reqs) or self.freed
 
     def seconds_to_next_deadline(self) -> None:
         return None
@@ -62,6 +65,8 @@ class FakeCore:
     def step_deltas(self) -> list[RequestOutput]:
         self.thread_ids.add(threading.get_ident())
         self.num_steps += 1
+        self.freed = False
+        self.last_step = SimpleNamespace(items=list(self.reqs))
         if self.fail_next_step:
             self.fail_next_step = False
             raise RuntimeError("boom")
@@ -139,6 +144,25 @@ def test_idle_loop_does_not_step(engine) -> None:
     engine._wake()                    # ... so a wake-up only brings it back to the wait
     assert waiting.wait(timeout=60)
     assert core.num_steps == steps and engine.is_running
+
+
+def test_a_step_that_runs_no_tokens_refreshes_the_stats() -> None:
+    """A step that only applied KV releases (a prefill instance frees held blocks so)
+    is not a token step, but what it freed must reach the gauges: the idle stats
+    observers get a snapshot after it (issue 63)."""
+    core = FakeCore()
+    core.kv_roles = SimpleNamespace(connector=SimpleNamespace(wake=None))
+    eng = AsyncEngine(core)
+    published = threading.Event()
+    eng.idle_stats_observers.append(lambda stats: published.set())
+    eng.start()
+    try:
+        core.freed = True
+        core.kv_roles.connector.wake()         # as a release arriving on another thread
+        assert published.wait(60)
+        assert core.num_steps == 1
+    finally:
+        eng.shutdown()
 
 
 async def _last(stream):

@@ -132,11 +132,24 @@ def _poll(cond, timeout: float, what: str):
         time.sleep(0.1)
 
 
+def _no_blocks_used(proc: ServerProcess) -> bool:
+    """No KV block in use, as /load and as /metrics (duet:kv_cache_used_blocks) say."""
+    return _load(proc)["num_used_blocks"] == 0 \
+        and proc.metrics()["duet:kv_cache_used_blocks"] == 0
+
+
+def _wait_no_blocks_used(proc: ServerProcess, what: str) -> None:
+    """Until `proc` uses no KV block: held transfers are released, or freed by the
+    prefill instance's --kv-transfer-timeout."""
+    _poll(lambda: _no_blocks_used(proc), TIMEOUT_S + 5, f"{what}: no KV block in use")
+
+
 def test_transfers_released_and_metrics(cluster):
-    """After the equivalence runs, nothing is held; the decode instances counted bytes;
-    a request with bad transfer params is a 400 naming the field."""
-    _poll(lambda: _load(cluster["prefill"])["kv_usage"] == 0.0, TIMEOUT_S + 5,
-          "prefill KV usage back to 0")
+    """After the equivalence runs, nothing is held, and the prefill instance's
+    duet:kv_cache_used_blocks says so (it kept the last token step's count: the blocks
+    are freed in steps that run no tokens); the decode instances counted bytes; a
+    request with bad transfer params is a 400 naming the field."""
+    _wait_no_blocks_used(cluster["prefill"], "after the transfers")
     m = cluster["shm"].metrics()
     assert m.get("duet:kv_transfer_bytes_total", 0) > 0
     r = httpx.post(cluster["colo"].base + "/v1/completions", timeout=10, json={
@@ -162,6 +175,31 @@ def test_stalled_transfer_is_freed_by_timeout(cluster):
         "kv_transfer_params": {"remote_prefill": kv}})
     assert r.status_code == 500 and "freed the KV" in r.json()["error"]["message"]
     assert _load(cluster["shm"])["kv_usage"] == 0.0
+
+
+def test_router_killed_mid_stream(cluster):
+    """kill -9 a router while its streams run: the prefill instance frees every block
+    (released after the reads, or at --kv-transfer-timeout for transfers nobody took),
+    and so does the decode instance (its clients went away)."""
+    body = {"prompt": "Count: one, two, three,", "max_tokens": 120, "ignore_eos": True,
+            "temperature": 0, "stream": True}
+    router = RouterProcess([cluster["prefill"]], [cluster["shm"]]).start().wait_ready()
+    clients = [httpx.Client(timeout=30) for _ in range(4)]
+    try:
+        streams = [c.stream("POST", router.base + "/v1/completions",
+                            json={**body, "prompt": f"{body['prompt']} ({i})"})
+                   for i, c in enumerate(clients)]
+        responses = [s.__enter__() for s in streams]
+        for r in responses:          # every stream has its first token
+            assert next(line for line in r.iter_lines() if line.startswith("data: "))
+        os.kill(router.proc.pid, signal.SIGKILL)
+        router.proc.wait(10)
+    finally:
+        router.__exit__()
+        for c in clients:
+            c.close()
+    _wait_no_blocks_used(cluster["prefill"], "prefill after the router died")
+    _wait_no_blocks_used(cluster["shm"], "decode after the router died")
 
 
 def test_decode_killed_mid_stream(cluster):
@@ -197,8 +235,7 @@ def test_decode_killed_mid_stream(cluster):
         for c in clients:
             c.close()
     assert "error" in outcomes and "finished" in outcomes, outcomes
-    _poll(lambda: _load(cluster["prefill"])["kv_usage"] == 0.0, TIMEOUT_S + 5,
-          "prefill KV usage back to 0")
+    _wait_no_blocks_used(cluster["prefill"], "prefill after the decode instance died")
     r = httpx.post(router.base + "/v1/completions", timeout=60,
                    json={"prompt": "Still serving?", "max_tokens": 4, "temperature": 0})
     assert r.status_code == 200 and r.json()["choices"][0]["text"]

@@ -226,6 +226,12 @@ BAD_REQUESTS = [
     ("completions", {"prompt": [10**9]}, 400, "prompt"),
     ("completions", {"prompt": PROMPT, "logit_bias": {"99999999": 1}}, 400, "logit_bias"),
     ("completions", {"prompt": PROMPT, "model": "no-such-model"}, 404, "model"),
+    # Lone surrogates (a JSON \ud800..\udfff escape without its pair; the prompt was a 500)
+    ("completions", b'{"prompt": "a\\ud9e2b", "max_tokens": 2}', 400, "prompt"),
+    ("completions", b'{"prompt": ["a", "\\udfff"], "max_tokens": 2}', 400, "prompt"),
+    ("completions", b'{"prompt": "a", "stop": ["\\ud800"]}', 400, "stop"),
+    ("chat/completions", b'{"messages": [{"role": "user", "content": "\\ud800"}]}', 400,
+     "messages"),
 ]
 
 

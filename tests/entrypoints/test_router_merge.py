@@ -6,7 +6,8 @@ from __future__ import annotations
 import asyncio
 import json
 
-from duetserve.entrypoints.router.flow import Event, Sample, UpstreamError, error_body
+from duetserve.entrypoints.router.flow import Event, Sample
+from duetserve.entrypoints.router.upstream import UpstreamError, error_body
 from duetserve.entrypoints.router.merge import stream
 
 

@@ -58,6 +58,10 @@ def test_begin_end_count_requests():
 @pytest.mark.parametrize("argv, message", [
     (["router", "--replica", "http://a:1", "--prefill", "http://b:1"], "not both kinds"),
     (["router", "--prefill", "http://b:1"], "go together"),
+    (["router", "--replica", "http://a:1", "--upstream-read-timeout", "0"],
+     "--upstream-read-timeout must be > 0"),
+    (["cluster", "--replicas", "1", "--upstream-connect-timeout", "-1"],
+     "--upstream-connect-timeout must be > 0"),
     (["cluster", "--replicas", "0"], "--replicas must be >= 1"),
     (["cluster", "--replicas", "1", "--prefill", "1"], "give --replicas N, or"),
     (["cluster", "--replicas", "1", "--serve-args", "--port 9"], "set by the cluster"),

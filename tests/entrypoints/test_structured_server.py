@@ -103,6 +103,43 @@ def test_choice_and_regex(tiny_server, default_server) -> None:
         assert r.choices[0].finish_reason == "stop"
 
 
+def test_a_choice_the_model_cannot_write_is_a_400(default_server) -> None:
+    """Issue 63's schemathesis finding, byte for byte: U+8892E (a surrogate pair in the
+    JSON) starts with byte 0xf2, which no token of SmolLM2 holds. It was a 500 (the mask
+    allowed a token the parser rejected); it is a 400 naming the field."""
+    raw = ('{"prompt": "\\u00b5u\\u00da", "n": 2, "guided_choice": '
+           '["\\f}\\u00dbq\\n\\ud9e2\\udd2e\\u001b"]}')
+    r = httpx.post(f"{default_server.base}/v1/completions", content=raw, timeout=60,
+                   headers={"Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "guided_choice" and "byte 0xf2" in err["message"], err
+
+
+def test_a_constraint_no_token_can_continue_fails_alone(default_server) -> None:
+    """Both branches of the regex need U+8892E after their first character: the request
+    fails when it gets there (400 naming the field; streamed, an error event), and a
+    request running beside it finishes."""
+    stuck = {"prompt": "Pick:", "max_tokens": 8, "n": 2,
+             "guided_regex": "a\U0008892e|b\U0008892e"}
+    plain = {"prompt": "The sky is", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+
+    async def run() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=default_server.base, timeout=300) as c:
+            return await asyncio.gather(
+                c.post("/v1/completions", json=stuck), c.post("/v1/completions", json=plain),
+                c.post("/v1/completions", json={**stuck, "stream": True}))
+    bad, good, streamed = asyncio.run(run())
+    assert bad.status_code == 400, bad.text
+    err = bad.json()["error"]
+    assert err["param"] == "guided_regex" and "byte 0xf2" in err["message"], err
+    assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 8
+    events = [json.loads(line[6:]) for line in streamed.text.splitlines()
+              if line.startswith("data: {")]
+    assert events[-1]["error"]["code"] == 400, events[-1]
+    assert events[-1]["error"]["param"] == "guided_regex"
+
+
 def test_json_object_parses(default_server) -> None:
     client, _, model = _clients(default_server)
     r = client.chat.completions.create(

@@ -211,8 +211,8 @@ def add_disaggregation_routes(app: FastAPI, ctx: ServerContext) -> None:
 
     @app.get("/load")
     async def load():
-        """The latest step's queue and KV state (a snapshot the engine thread replaces
-        after every step)."""
+        """What the router's least-loaded policy reads: the latest step's queue and KV
+        state (a snapshot the engine thread replaces after every step and abort)."""
         st = core.last_step
         return {"role": roles.config.role if roles else "both",
                 "num_running": st.num_running, "num_waiting": st.num_waiting,

@@ -27,6 +27,15 @@ from duetserve.kv_transfer.params import parse_request_params
 from duetserve.outputs import OutputAccumulator, RequestMetrics, RequestOutput
 from duetserve.sampling_params import SamplingParams
 
+
+def _failed(e: RequestFailedError) -> APIError:
+    """A request that failed in the engine: 400 naming the field whose value made it fail
+    (a constraint no token of the model can continue), else 500."""
+    if e.param is not None:
+        return APIError(str(e), 400, e.param, "BadRequestError")
+    return APIError(str(e), 500, None, "InternalServerError")
+
+
 def usage_json(prompt: int, completion: int, cached: int) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion,
@@ -199,7 +208,9 @@ class Generation:
         try:
             async for i, delta in self.outputs():
                 finals[i] = acc.add(delta)
-        except (EngineStepError, RequestFailedError) as e:
+        except RequestFailedError as e:
+            raise _failed(e) from None
+        except EngineStepError as e:
             raise APIError(str(e), 500, None, "InternalServerError") from None
         except RequestAbortedError as e:
             raise APIError(str(e), 503, None, "ServiceUnavailableError") from None
@@ -223,7 +234,10 @@ class Generation:
                 yield sse({**render_usage(self.usage()), "server_timing": self.timing()})
         except RequestAbortedError as e:
             yield sse(error_body(str(e), "ServiceUnavailableError", None, 503))
-        except (EngineStepError, RequestFailedError) as e:
+        except RequestFailedError as e:
+            err = _failed(e)
+            yield sse(error_body(err.message, err.type, err.param, err.status))
+        except EngineStepError as e:
             yield sse(error_body(str(e), "InternalServerError", None, 500))
         finally:
             self.close()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from duetserve.entrypoints.openai import guided as guided_fields
 from duetserve.sampling_params import GuidedDecoding, SamplingParams
@@ -31,8 +31,38 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False
 
 
+def _check_unicode(value: Any, where: str = "") -> Any:
+    """`value` unchanged; ValueError naming the first string in it (keys included, at any
+    depth) that holds a lone surrogate. JSON lets a body write \\ud800 alone; Python reads
+    it into a str that cannot be encoded, which the tokenizer, llguidance and the chat
+    template refuse with messages about their own types (one was a 500)."""
+    if isinstance(value, str):
+        if not value.isascii():
+            try:
+                value.encode()
+            except UnicodeEncodeError as e:
+                raise ValueError(
+                    f"{where or 'it'} holds a lone surrogate "
+                    f"(U+{ord(value[e.start]):04X} at character {e.start}): not Unicode text "
+                    "(a \\ud800-\\udfff escape in JSON must be half of a pair)") from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_unicode(k, f"{where}key {k!r}" if where else f"key {k!r}")
+            _check_unicode(v, f"{where}[{k!r}]" if where else f"[{k!r}]")
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _check_unicode(v, f"{where}[{i}]")
+    return value
+
+
 class _SamplingFields(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _unicode_text(cls, value: Any) -> Any:
+        """Every string in the body must be Unicode text (no lone surrogates)."""
+        return _check_unicode(value)
 
     model: str | None = None
     n: int = 1

@@ -6,18 +6,22 @@ prefill and decode instances (`duet serve --role prefill|decode`); or
                                                  (merge.py), each prefill -> decode
                                                  (flow.py); colocated: to one replica
                                                  whole (proxy.py)
-    GET  /v1/models                              the first healthy instance's
+    GET  /v1/models                              a healthy (prefill or replica) instance's
     GET  /health                                 200 while each kind has a healthy one
     GET  /instances                              the pool: health, load, last error
     GET  /metrics                                requests, per-instance counts, TTFT split
 
-`duet cluster` (duetserve/cluster/) builds the same app over a pool it fills at run time.
+Every call to an instance goes through upstream.py (failover, timeouts, error bodies).
+build_app = the handlers' shared state (RouterState) + the lifespan (client, health loop)
++ the generation routes + the information routes. `duet cluster` (duetserve/cluster/)
+builds the same app over a pool it fills at run time.
 """
 from __future__ import annotations
 
 import argparse
 import logging
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 
 import httpx
 from fastapi import FastAPI, Request
@@ -27,11 +31,13 @@ from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from duetserve.entrypoints.cli import UserError
-from duetserve.entrypoints.router.flow import Flow, Timings, UpstreamError, error_body
+from duetserve.entrypoints.router.flow import Flow, Timings
 from duetserve.entrypoints.router.merge import complete, split, stream
 from duetserve.entrypoints.router.policy import POLICIES, Policy
-from duetserve.entrypoints.router.pool import InstancePool, parse_urls
+from duetserve.entrypoints.router.pool import Instance, InstancePool, parse_urls
 from duetserve.entrypoints.router.proxy import Proxy
+from duetserve.entrypoints.router.upstream import (Timeouts, Upstream, UpstreamError,
+                                                   answer_json, error_body, unavailable)
 from duetserve.entrypoints.shared_args import add_bind_arguments
 
 log = logging.getLogger("duetserve.router")
@@ -57,7 +63,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_policy_arguments(p: argparse.ArgumentParser) -> None:
-    """The picking and health-check flags (shared with `duet cluster`)."""
+    """The picking, health-check and timeout flags (shared with `duet cluster`)."""
     p.add_argument("--prefill-policy", default="prefix", choices=POLICIES,
                    help="how a prefill instance is picked (default %(default)s)")
     p.add_argument("--decode-policy", default="least_loaded", choices=POLICIES[:2],
@@ -66,6 +72,14 @@ def add_policy_arguments(p: argparse.ArgumentParser) -> None:
                    help="how a colocated replica is picked (default %(default)s)")
     p.add_argument("--health-interval", type=float, default=2.0,
                    help="seconds between health checks of each instance (default %(default)s)")
+    p.add_argument("--upstream-connect-timeout", type=float, default=Timeouts.connect_s,
+                   help="seconds to reach an instance; one that cannot be reached is taken "
+                        "out and the next is tried (default %(default)s)")
+    p.add_argument("--upstream-read-timeout", type=float, default=Timeouts.read_s,
+                   help="seconds an instance may take to send the next bytes of an answer "
+                        "(the whole answer of a non-streamed call, the gap between two "
+                        "chunks of a stream); one that takes longer is taken out and the "
+                        "request ends with a 504 (default %(default)s)")
 
 
 class PoolCollector:
@@ -91,117 +105,188 @@ class PoolCollector:
         return [served, in_flight, healthy]
 
 
-def build_app(pool: InstancePool, prefill_policy: Policy, decode_policy: Policy,
-              replica_policy: Policy | None = None, lifespan_hook=None) -> FastAPI:
+@dataclass
+class Policies:
+    """How an instance of each kind is picked."""
+
+    prefill: Policy = field(default_factory=lambda: Policy("prefix"))
+    decode: Policy = field(default_factory=lambda: Policy("least_loaded"))
+    replica: Policy = field(default_factory=lambda: Policy("least_loaded"))
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> Policies:
+        return cls(Policy(args.prefill_policy), Policy(args.decode_policy),
+                   Policy(args.replica_policy))
+
+
+class RouterMetrics:
+    """The router's own Prometheus series, and the pool's read at scrape time."""
+
+    def __init__(self, pool: InstancePool) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("duet_router:requests", "Requests by outcome.", ["outcome"],
+                                registry=self.registry)
+        self.phase = Histogram(
+            "duet_router:ttft_phase_seconds", "Per sample, as the router sees it: prefill "
+            "(to the prefill answer: queue + prefill + first token) and first_decode (to the "
+            "first decode chunk: transfer + first decode step).", ["phase"], buckets=BUCKETS,
+            registry=self.registry)
+        self.registry.register(PoolCollector(pool))
+
+    def on_timings(self, t: Timings) -> None:
+        if t.prefill_s is not None:
+            self.phase.labels("prefill").observe(t.prefill_s)
+        if t.first_decode_s is not None:
+            self.phase.labels("first_decode").observe(t.first_decode_s)
+
+    def count(self, outcome: str) -> None:
+        self.requests.labels(outcome).inc()
+
+
+@dataclass
+class Running:
+    """What exists while the app runs (made by its lifespan)."""
+
+    upstream: Upstream
+    flow: Flow
+    proxy: Proxy
+
+
+@dataclass
+class RouterState:
+    """What the router's handlers share. `running` is set between start-up and
+    shutdown (the lifespan)."""
+
+    pool: InstancePool
+    policies: Policies
+    timeouts: Timeouts
+    metrics: RouterMetrics
+    running: Running | None = None
+
+    def live(self) -> Running:
+        if self.running is None:
+            raise RuntimeError("the router app is not running (its lifespan has not started)")
+        return self.running
+
+
+def build_app(pool: InstancePool, policies: Policies | None = None,
+              timeouts: Timeouts | None = None, lifespan_hook=None) -> FastAPI:
     """The router app over `pool`. `lifespan_hook(client)`: an async context manager
     entered at start-up before the first health check (`duet cluster` starts and
     registers its instances there) and left at shutdown."""
-    replica_policy = replica_policy or Policy("least_loaded")
-    registry = CollectorRegistry()
-    requests = Counter("duet_router:requests", "Requests by outcome.", ["outcome"],
-                       registry=registry)
-    phase = Histogram("duet_router:ttft_phase_seconds", "Per sample, as the router sees "
-                      "it: prefill (to the prefill answer: queue + prefill + first token) "
-                      "and first_decode (to the first decode chunk: transfer + first "
-                      "decode step).", ["phase"], buckets=BUCKETS, registry=registry)
+    state = RouterState(pool, policies or Policies(), timeouts or Timeouts(),
+                        RouterMetrics(pool))
+    app = FastAPI(title="duetserve router", lifespan=_lifespan(state, lifespan_hook))
+    _add_generation_routes(app, state)
+    _add_info_routes(app, state)
+    return app
 
-    registry.register(PoolCollector(pool))
 
-    def on_timings(t: Timings) -> None:
-        if t.prefill_s is not None:
-            phase.labels("prefill").observe(t.prefill_s)
-        if t.first_decode_s is not None:
-            phase.labels("first_decode").observe(t.first_decode_s)
-
-    state: dict = {}
-
+def _lifespan(state: RouterState, lifespan_hook):
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100,
                               keepalive_expiry=KEEPALIVE_EXPIRY_S)
-        async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(None, connect=5.0)
+        async with httpx.AsyncClient(limits=limits, timeout=state.timeouts.for_httpx()
                                      ) as client:
-            state["flow"] = Flow(client, pool, prefill_policy, decode_policy, on_timings)
-            state["proxy"] = Proxy(client, pool, replica_policy)
-            state["client"] = client
-            async with (lifespan_hook(client) if lifespan_hook else _nothing()):
-                await pool.check_all(client)
-                pool.start(client)
-                try:
-                    yield
-                finally:
-                    await pool.stop()
+            upstream = Upstream(client, state.pool, state.timeouts)
+            state.running = Running(
+                upstream, Flow(upstream, state.policies.prefill, state.policies.decode,
+                               state.metrics.on_timings),
+                Proxy(upstream, state.policies.replica))
+            try:
+                async with (lifespan_hook(client) if lifespan_hook else _nothing()):
+                    await state.pool.check_all(client)
+                    state.pool.start(client)
+                    try:
+                        yield
+                    finally:
+                        await state.pool.stop()
+            finally:
+                state.running = None
+    return lifespan
 
-    app = FastAPI(title="duetserve router", lifespan=lifespan)
 
-    async def generate(raw: Request, kind: str):
-        try:
-            body = await raw.json()
-            if not isinstance(body, dict):
-                raise ValueError("the body must be a JSON object")
-        except ValueError as e:
-            requests.labels("bad_request").inc()
-            return JSONResponse(error_body(f"malformed JSON body: {e}", "BadRequestError",
-                                           400), 400)
-        if pool.colocated:
-            return await forward(body, kind)
-        try:
-            samples, n = split(body, kind)
-            if samples and samples[0].stream:
-                include = bool((body.get("stream_options") or {}).get("include_usage"))
-                requests.labels("stream").inc()
-                return StreamingResponse(stream(state["flow"], samples, n, include),
-                                         media_type="text/event-stream")
-            out = await complete(state["flow"], samples, n)
-            requests.labels("ok").inc()
-            return JSONResponse(out)
-        except UpstreamError as e:
-            requests.labels("error").inc()
-            return JSONResponse(e.body, status_code=e.status)
-
-    async def forward(body: dict, kind: str):
-        proxy: Proxy = state["proxy"]
-        path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
-        try:
-            if body.get("stream"):
-                inst, r = await proxy.open_stream(path, body)
-                requests.labels("stream").inc()
-                return StreamingResponse(proxy.relay(path, body, inst, r),
-                                         media_type="text/event-stream")
-            status, out = await proxy.complete(path, body)
-        except UpstreamError as e:
-            requests.labels("error").inc()
-            return JSONResponse(e.body, status_code=e.status)
-        requests.labels("ok" if status == 200 else "error").inc()
-        return JSONResponse(out, status_code=status)
-
+def _add_generation_routes(app: FastAPI, state: RouterState) -> None:
     @app.post("/v1/completions")
     async def completions(raw: Request):
-        return await generate(raw, "completions")
+        return await _generate(state, raw, "completions")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request):
-        return await generate(raw, "chat")
+        return await _generate(state, raw, "chat")
+
+
+async def _generate(state: RouterState, raw: Request, kind: str) -> Response:
+    try:
+        body = await raw.json()
+        if not isinstance(body, dict):
+            raise ValueError("the body must be a JSON object")
+    except ValueError as e:
+        state.metrics.count("bad_request")
+        return JSONResponse(error_body(f"malformed JSON body: {e}", "BadRequestError", 400),
+                            400)
+    try:
+        if state.pool.colocated:
+            return await _forward(state, body, kind)
+        return await _split(state, body, kind)
+    except UpstreamError as e:
+        state.metrics.count("error")
+        return JSONResponse(e.body, status_code=e.status)
+
+
+async def _split(state: RouterState, body: dict, kind: str) -> Response:
+    """Disaggregated: the request's samples, each through a prefill and a decode
+    instance, merged. Raises UpstreamError."""
+    flow = state.live().flow
+    samples, n = split(body, kind)
+    if samples and samples[0].stream:
+        include = bool((body.get("stream_options") or {}).get("include_usage"))
+        state.metrics.count("stream")
+        return StreamingResponse(stream(flow, samples, n, include),
+                                 media_type="text/event-stream")
+    out = await complete(flow, samples, n)
+    state.metrics.count("ok")
+    return JSONResponse(out)
+
+
+async def _forward(state: RouterState, body: dict, kind: str) -> Response:
+    """Colocated: the request whole to one replica. Raises UpstreamError."""
+    proxy = state.live().proxy
+    path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+    if body.get("stream"):
+        opened = await proxy.open_stream(path, body)
+        state.metrics.count("stream")
+        return StreamingResponse(proxy.relay(path, body, opened),
+                                 media_type="text/event-stream")
+    status, out = await proxy.complete(path, body)
+    state.metrics.count("ok" if status == 200 else "error")
+    return JSONResponse(out, status_code=status)
+
+
+def _add_info_routes(app: FastAPI, state: RouterState) -> None:
+    pool = state.pool
 
     @app.get("/v1/models")
     async def models():
-        for inst in pool.of(pool.serving_kinds[0]):
-            if inst.healthy:
-                try:
-                    r = await state["client"].get(inst.url + "/v1/models", timeout=5.0)
-                    return JSONResponse(r.json(), r.status_code)
-                except httpx.HTTPError as e:
-                    inst.mark_down(f"{type(e).__name__}: {e}")
-        return JSONResponse(error_body(f"no healthy {pool.serving_kinds[0]} instance",
-                                       "ServiceUnavailableError", 503), 503)
+        kind = pool.serving_kinds[0]
+        upstream = state.live().upstream
+
+        async def attempt(inst: Instance) -> JSONResponse:
+            r = await upstream.client.get(inst.url + "/v1/models")
+            return JSONResponse(answer_json(r), r.status_code)
+        policy = state.policies.replica if pool.colocated else state.policies.prefill
+        try:
+            return await upstream.failover(kind, policy, attempt)
+        except UpstreamError as e:
+            return JSONResponse(e.body, e.status)
 
     @app.get("/health")
     async def health():
         if pool.ready():
             return Response(status_code=200)
-        return JSONResponse(error_body(f"no healthy {' or '.join(pool.serving_kinds)} "
-                                       "instance",
-                                       "ServiceUnavailableError", 503), 503)
+        e = unavailable(f"no healthy {' or '.join(pool.serving_kinds)} instance")
+        return JSONResponse(e.body, e.status)
 
     @app.get("/instances")
     async def instances():
@@ -212,9 +297,8 @@ def build_app(pool: InstancePool, prefill_policy: Policy, decode_policy: Policy,
 
     @app.get("/metrics")
     async def metrics():
-        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
-
-    return app
+        return Response(generate_latest(state.metrics.registry),
+                        media_type=CONTENT_TYPE_LATEST)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -233,8 +317,11 @@ def main(args: argparse.Namespace) -> int:
     if not args.health_interval > 0:
         raise UserError(f"--health-interval must be > 0, got {args.health_interval}")
     setup_logging()
-    app = build_app(pool, Policy(args.prefill_policy), Policy(args.decode_policy),
-                    Policy(args.replica_policy))
+    try:
+        timeouts = Timeouts.from_args(args)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    app = build_app(pool, Policies.from_args(args), timeouts)
     if colocated:
         log.info("router at http://%s:%d/v1: replicas %s (%s)", args.host, args.port,
                  args.replica, args.replica_policy)

@@ -7,37 +7,29 @@
            <── SSE: the whole output from the first token on; the first token is cut
     yield DELTA ... ; FINAL (finish_reason, usage)
 
-Failures: a prefill instance that cannot be reached or fails (5xx) is taken out and the
-request goes to another (nothing has reached the client yet). A decode instance that
-cannot be reached is taken out and another reads the same held KV; one that fails after
-it started answering ends the sample with an error event (its first token has reached
-the client). 4xx answers are the client's mistake and are passed through.
+Failures (the loop is upstream.py's failover): a prefill instance that cannot be reached
+is taken out and the request goes to another (nothing has reached the client yet), as
+it does when one answers 5xx. A decode instance that cannot be reached is taken out and
+another reads the same held KV; one that fails after it started answering ends the
+sample with an error event (its first token has reached the client). Not streamed, a
+decode failure is retried from a new prefill. An instance that does not answer within
+the read timeout is taken out and the sample ends with a 504. 4xx answers are the
+client's mistake and are passed through.
 """
 from __future__ import annotations
 
 import json
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass, field
 
 import httpx
 
-from duetserve.entrypoints.router.policy import NoInstanceError, Policy
-from duetserve.entrypoints.router.pool import Instance, InstancePool
-
-MAX_ATTEMPTS = 3
-
-
-class UpstreamError(Exception):
-    """An instance answered with an error (status and OpenAI error body) or failed."""
-
-    def __init__(self, status: int, body: dict) -> None:
-        super().__init__(body.get("error", {}).get("message", str(body)))
-        self.status, self.body = status, body
-
-
-def error_body(message: str, type_: str, status: int) -> dict:
-    return {"error": {"message": message, "type": type_, "param": None, "code": status}}
+from duetserve.entrypoints.router.policy import Policy
+from duetserve.entrypoints.router.pool import Instance
+from duetserve.entrypoints.router.upstream import (Opened, Retry, Upstream, UpstreamError,
+                                                   answer_json, error_body, error_message)
 
 
 @dataclass
@@ -58,6 +50,13 @@ class Timings:
     prefill_s: float | None = None     # router -> prefill answer (queue + prefill)
     first_decode_s: float | None = None   # prefill answer -> first decode chunk
 
+    def prefilled(self) -> None:
+        self.prefill_s = time.monotonic() - self.start
+
+    def first_decoded(self) -> None:
+        if self.first_decode_s is None:
+            self.first_decode_s = time.monotonic() - self.start - self.prefill_s
+
 
 @dataclass
 class Sample:
@@ -69,157 +68,146 @@ class Sample:
     prompt_key: str
     stream: bool
 
+    @property
+    def path(self) -> str:
+        return "/v1/chat/completions" if self.kind == "chat" else "/v1/completions"
+
+
+@dataclass
+class Prefilled:
+    """The prefill instance's answer: the first token's choice, and the transfer
+    descriptor a decode instance continues from (None: finished at the first token)."""
+
+    choice: dict
+    usage: dict | None
+    model: str | None
+    kv: dict | None
+
 
 class Flow:
-    def __init__(self, client: httpx.AsyncClient, pool: InstancePool, prefill_policy: Policy,
-                 decode_policy: Policy, timings_sink=None) -> None:
-        self.client, self.pool = client, pool
+    def __init__(self, upstream: Upstream, prefill_policy: Policy, decode_policy: Policy,
+                 timings_sink=None) -> None:
+        self.upstream = upstream
         self.prefill_policy, self.decode_policy = prefill_policy, decode_policy
         self.timings_sink = timings_sink or (lambda t: None)
 
-    def _path(self, kind: str) -> str:
-        return "/v1/chat/completions" if kind == "chat" else "/v1/completions"
-
     async def _post_json(self, inst: Instance, path: str, body: dict) -> dict:
-        inst.begin()
-        try:
-            r = await self.client.post(inst.url + path, json=body, timeout=None)
-        except httpx.HTTPError as e:
-            inst.mark_down(f"{type(e).__name__}: {e}")
-            raise ConnectionError(str(e)) from None
-        finally:
-            inst.end()
+        """The instance's 200 answer. Raises Retry for a 5xx (alive, it answered; the
+        request failed there), UpstreamError for a 4xx, httpx.HTTPError."""
+        r = await self.upstream.post(inst, path, body)
         data = answer_json(r)
-        if r.status_code >= 500:      # alive (it answered); the request failed there
-            raise ConnectionError(f"{inst.url} answered {r.status_code}: "
-                                  f"{data.get('error', {}).get('message', data)}")
+        if r.status_code >= 500:
+            raise Retry(f"answered {r.status_code}: {error_message(data)}")
         if r.status_code != 200:
             raise UpstreamError(r.status_code, data)
         return data
 
-    async def prefill(self, s: Sample) -> tuple[dict, Instance]:
-        """The prefill instance's answer (with kv_transfer_params when a decode instance
-        must continue) and the instance. Fails over; raises UpstreamError."""
+    async def prefill(self, s: Sample) -> Prefilled:
+        """The prefill instance's answer, its release URL in the descriptor. Fails over;
+        raises UpstreamError."""
         body = {**s.body, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
         body.pop("stream_options", None)
-        tried: set[str] = set()
-        last = "no attempt"
-        for _ in range(max(MAX_ATTEMPTS, len(self.pool.prefill))):
-            try:
-                inst = self.prefill_policy.pick(self.pool.prefill, s.prompt_key, tried)
-            except NoInstanceError as e:
-                raise UpstreamError(503, error_body(f"{e}; last error: {last}",
-                                                    "ServiceUnavailableError", 503)) from None
-            tried.add(inst.url)
-            try:
-                return await self._post_json(inst, self._path(s.kind), body), inst
-            except ConnectionError as e:
-                last = str(e)
-        raise UpstreamError(503, error_body(f"every prefill attempt failed; last: {last}",
-                                            "ServiceUnavailableError", 503))
+
+        async def attempt(inst: Instance) -> Prefilled:
+            answer = await self._post_json(inst, s.path, body)
+            kv = answer.pop("kv_transfer_params", None)
+            if kv is not None:
+                kv["release_url"] = inst.url + "/kv/release"
+            return Prefilled(answer["choices"][0], answer.get("usage"), answer.get("model"),
+                             kv)
+        return await self.upstream.failover("prefill", self.prefill_policy, attempt,
+                                            key=s.prompt_key)
 
     async def run(self, s: Sample) -> AsyncIterator[Event]:
         """Streamed: first, delta*, done (or one final); else one final. Raises
-        UpstreamError. Not streamed, nothing reaches the client before the end, so a
-        decode instance failing is retried from the prefill on other instances."""
-        failed_decodes: set[str] = set()
-        last = "no attempt"
-        for _ in range(MAX_ATTEMPTS):
-            t = Timings()
-            answer, prefill_inst = await self.prefill(s)
-            t.prefill_s = time.monotonic() - t.start
-            kv = answer.pop("kv_transfer_params", None)
-            choice, model = answer["choices"][0], answer.get("model")
-            if kv is None:                                  # finished at the first token
-                self.timings_sink(t)
-                yield Event("final", choice, answer.get("usage"), model)
-                return
-            kv["release_url"] = prefill_inst.url + "/kv/release"
-            if s.stream:
-                first = {**choice, "finish_reason": None}
-                first.pop("stop_reason", None)
-                yield Event("first", first, None, model)
-                async for ev in self._decode(s, kv, choice, answer.get("usage"), t):
-                    yield ev
-                return
-            body = {**s.body, "stream": False, "kv_transfer_params": {"remote_prefill": kv}}
-            try:
-                inst = self.decode_policy.pick(self.pool.decode, "", failed_decodes)
-            except NoInstanceError as e:
-                raise UpstreamError(503, error_body(f"{e}; last error: {last}",
-                                                    "ServiceUnavailableError", 503)) from None
-            try:
-                data = await self._post_json(inst, self._path(s.kind), body)
-            except ConnectionError as e:
-                failed_decodes.add(inst.url)
-                last = str(e)
-                continue
-            t.first_decode_s = time.monotonic() - t.start - t.prefill_s
-            self.timings_sink(t)
-            yield Event("final", data["choices"][0],
-                        _merge_cached(data.get("usage") or {}, answer.get("usage")), model)
+        UpstreamError."""
+        if not s.stream:
+            yield await self._complete(s)
             return
-        raise UpstreamError(503, error_body(f"every attempt failed; last: {last}",
-                                            "ServiceUnavailableError", 503))
+        t = Timings()
+        p = await self.prefill(s)
+        t.prefilled()
+        if p.kv is None:                                  # finished at the first token
+            self.timings_sink(t)
+            yield Event("final", p.choice, p.usage, p.model)
+            return
+        first = {**p.choice, "finish_reason": None}
+        first.pop("stop_reason", None)
+        yield Event("first", first, None, p.model)
+        async for ev in self._decode(s, p, t):
+            yield ev
 
-    async def _decode(self, s: Sample, kv: dict, first: dict, prefill_usage: dict | None,
-                      t: Timings) -> AsyncIterator[Event]:
+    async def _complete(self, s: Sample) -> Event:
+        """Not streamed: nothing reaches the client before the end, so a decode instance
+        failing is retried on another one, from a new prefill (the failed one may have
+        read or released the held KV)."""
+        async def attempt(inst: Instance) -> Event:
+            t = Timings()
+            p = await self.prefill(s)
+            t.prefilled()
+            if p.kv is None:                              # finished at the first token
+                self.timings_sink(t)
+                return Event("final", p.choice, p.usage, p.model)
+            body = {**s.body, "stream": False,
+                    "kv_transfer_params": {"remote_prefill": p.kv}}
+            data = await self._post_json(inst, s.path, body)
+            t.first_decoded()
+            self.timings_sink(t)
+            return Event("final", data["choices"][0],
+                         _merge_cached(data.get("usage") or {}, p.usage), p.model)
+        return await self.upstream.failover("decode", self.decode_policy, attempt)
+
+    async def _decode(self, s: Sample, p: Prefilled, t: Timings) -> AsyncIterator[Event]:
+        """The decode instance's stream, the first token cut (the client has it). A
+        decode instance that was never reached is replaced by another one (it reads the
+        same held KV); one that failed later ends the sample."""
         body = {**s.body, "stream": True, "stream_options": {"include_usage": True},
-                "kv_transfer_params": {"remote_prefill": kv}}
-        cut = _FirstTokenCut(s.kind, first)
-        tried: set[str] = set()
-        for _ in range(max(MAX_ATTEMPTS, len(self.pool.decode))):
-            try:
-                inst = self.decode_policy.pick(self.pool.decode, "", tried)
-            except NoInstanceError as e:
-                raise UpstreamError(503, error_body(str(e), "ServiceUnavailableError", 503)) \
-                    from None
-            tried.add(inst.url)
-            started = False
-            inst.begin()
-            try:
-                async with self.client.stream("POST", inst.url + self._path(s.kind),
-                                              json=body, timeout=None) as r:
-                    if r.status_code != 200:
-                        data = answer_json(await r.aread())
-                        if r.status_code >= 500 and r.status_code != 503:
-                            inst.mark_down(f"answered {r.status_code}")
-                        raise UpstreamError(r.status_code, data)
-                    started = True
-                    final: dict | None = None
-                    async for chunk in _sse_json(r):
-                        if "error" in chunk:
-                            raise UpstreamError(chunk["error"].get("code") or 500, chunk)
-                        if chunk.get("usage") and not chunk.get("choices"):
-                            usage = _merge_cached(chunk["usage"], prefill_usage)
-                            self.timings_sink(t)
-                            yield Event("done", final or {}, usage)
-                            return
-                        for c in chunk.get("choices", []):
-                            if t.first_decode_s is None:
-                                t.first_decode_s = time.monotonic() - t.start - t.prefill_s
-                            c = cut(c)
-                            if c is not None:
-                                final = c
-                                yield Event("delta", c)
-                    raise UpstreamError(502, error_body(
-                        f"decode instance {inst.url} ended the stream without a usage "
-                        "chunk", "InternalServerError", 502))
-            except httpx.HTTPError as e:
-                inst.mark_down(f"{type(e).__name__}: {e}")
-                if started:
-                    raise UpstreamError(502, error_body(
-                        f"decode instance {inst.url} failed mid-stream: "
-                        f"{type(e).__name__}: {e}", "InternalServerError", 502)) from None
-                if not isinstance(e, httpx.ConnectError):
-                    raise UpstreamError(502, error_body(
-                        f"decode instance {inst.url} failed: {type(e).__name__}: {e}",
-                        "InternalServerError", 502)) from None
-                # never reached it: the held KV is untouched, another may read it
-            finally:
-                inst.end()
-        raise UpstreamError(503, error_body("no decode instance could be reached",
-                                            "ServiceUnavailableError", 503))
+                "kv_transfer_params": {"remote_prefill": p.kv}}
+
+        async def attempt(inst: Instance) -> Opened:
+            opened = await self.upstream.open(inst, s.path, body)
+            data = await self.upstream.refused(opened)
+            if data is None:
+                return opened
+            status = opened.response.status_code
+            if status == 503:                  # refused at admission: the KV is unread
+                raise Retry(f"answered 503: {error_message(data)}")
+            if status >= 500:
+                inst.mark_down(f"answered {status}")
+            raise UpstreamError(status, data)
+        opened = await self.upstream.failover("decode", self.decode_policy, attempt,
+                                              resend=False)
+        events = self._relay(opened, _FirstTokenCut(s.kind, p.choice), p.usage, t)
+        try:
+            async with aclosing(events):
+                async for ev in events:
+                    yield ev
+        except httpx.HTTPError as e:
+            raise self.upstream.transport_error(opened.inst, e, " mid-stream") from None
+        finally:
+            await opened.close()
+
+    async def _relay(self, opened: Opened, cut: _FirstTokenCut, prefill_usage: dict | None,
+                     t: Timings) -> AsyncIterator[Event]:
+        """delta* then done from a decode instance's SSE answer. Raises UpstreamError
+        (an error event, or no usage chunk), httpx.HTTPError."""
+        final: dict | None = None
+        async for chunk in _sse_json(opened.response):
+            if "error" in chunk:
+                raise UpstreamError(chunk["error"].get("code") or 500, chunk)
+            if chunk.get("usage") and not chunk.get("choices"):
+                self.timings_sink(t)
+                yield Event("done", final or {}, _merge_cached(chunk["usage"], prefill_usage))
+                return
+            for c in chunk.get("choices", []):
+                t.first_decoded()
+                c = cut(c)
+                if c is not None:
+                    final = c
+                    yield Event("delta", c)
+        raise UpstreamError(502, error_body(
+            f"decode instance {opened.inst.name} ended the stream without a usage chunk",
+            "InternalServerError", 502))
 
 
 class _FirstTokenCut:
@@ -270,16 +258,6 @@ def _merge_cached(usage: dict, prefill_usage: dict | None) -> dict:
     if prefill_usage and "prompt_tokens_details" in prefill_usage:
         usage["prompt_tokens_details"] = prefill_usage["prompt_tokens_details"]
     return usage
-
-
-def answer_json(r: httpx.Response | bytes) -> dict:
-    """An instance's answer as a dict (an OpenAI error body when it is not JSON)."""
-    raw = r if isinstance(r, bytes) else r.content
-    try:
-        data = json.loads(raw)
-        return data if isinstance(data, dict) else {"error": {"message": str(data)}}
-    except ValueError:
-        return error_body(raw[:200].decode(errors="replace"), "InternalServerError", 502)
 
 
 async def _sse_json(r: httpx.Response) -> AsyncIterator[dict]:

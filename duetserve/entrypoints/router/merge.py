@@ -12,8 +12,8 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 
 from duetserve.entrypoints.fan_in import fan_in
-from duetserve.entrypoints.router.flow import (Event, Flow, Sample, UpstreamError,
-                                               error_body)
+from duetserve.entrypoints.router.flow import Event, Flow, Sample
+from duetserve.entrypoints.router.upstream import UpstreamError, error_body
 
 
 def _prompts(body: dict, kind: str) -> list[tuple[object, str]]:
