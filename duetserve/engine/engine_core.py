@@ -43,7 +43,8 @@ from duetserve.request import Request
 from duetserve.sampling_params import SamplingParams
 from duetserve.spec_decode.factory import build_speculator, spec_policy_for
 from duetserve.structured import GrammarCompiler
-from duetserve.worker.kv_cache import kv_bytes_per_token, num_blocks_for_memory
+from duetserve.worker.kv_cache import (kv_block_bytes, kv_bytes_per_token,
+                                       num_blocks_for_memory)
 from duetserve.worker.model_runner import ModelRunner
 
 log = logging.getLogger("duetserve")
@@ -85,6 +86,7 @@ def _step_stats(st: SchedulerStats, **step: object) -> StepStats:
     (none: a snapshot that is not a step)."""
     return StepStats(num_running=st.num_running, num_waiting=st.num_waiting,
                      kv_usage=st.kv_usage, num_used_blocks=st.num_used_blocks,
+                     used_blocks_by_kind=st.used_blocks_by_kind,
                      num_preemptions=st.num_preemptions,
                      prefix_cache_queries=st.prefix_cache_queries,
                      prefix_cache_hits=st.prefix_cache_hits, spec=st.spec, **step)
@@ -123,7 +125,7 @@ class EngineCore:
         kv_transfer = kv_transfer or KVTransferConfig()
         shared = None
         if kv_transfer.is_disaggregated:      # the cache in shareable memory
-            shared = make_shared_kv(kv_transfer, mcfg.num_hidden_layers,
+            shared = make_shared_kv(kv_transfer, mcfg.kv_layers_per_block,
                                     mcfg.num_key_value_heads, num_blocks, config.block_size,
                                     mcfg.head_dim, dtype)
         spec = config.speculative_config
@@ -147,7 +149,8 @@ class EngineCore:
             enable_prefix_caching=config.enable_prefix_caching,
             max_num_waiting=config.max_waiting_requests,
             spec_policy=None if spec is None else spec_policy_for(
-                spec, self.loaded, self.speculator, self.runner)))
+                spec, self.loaded, self.speculator, self.runner),
+            kv_windows=tuple(g.window for g in mcfg.kv_groups())))
         self.executor = IsolatedExecutor(self.runner.execute_model, self.scheduler)
         self.kv_roles = None if shared is None else KVRoles(
             kv_transfer, shared[0], shared[1], self.scheduler, self.max_model_len)
@@ -167,11 +170,15 @@ class EngineCore:
         if config.trace_file:
             self.trace = TraceWriter(config.trace_file, self.accountant, flush_every_s=5.0)
             self.step_observers.append(self.trace.observe)
-        log.info("KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %d B/token); "
-                 "max_model_len %d; model loaded in %.1f s", num_blocks, config.block_size,
-                 num_blocks * config.block_size,
-                 num_blocks * config.block_size * kv_bytes_per_token(mcfg, dtype) / 2**30,
-                 kv_bytes_per_token(mcfg, dtype), self.max_model_len,
+        groups = mcfg.kv_groups()
+        log.info("KV cache: %d blocks x %d tokens (%.2f GiB, %d B/token of full attention; "
+                 "%s); max_model_len %d; model loaded in %.1f s", num_blocks,
+                 config.block_size,
+                 num_blocks * kv_block_bytes(mcfg, dtype, config.block_size) / 2**30,
+                 kv_bytes_per_token(mcfg, dtype),
+                 f"{num_blocks * config.block_size} tokens" if len(groups) == 1 else
+                 f"{len(groups)} groups of {mcfg.kv_layers_per_block} layers, sliding "
+                 f"window {mcfg.sliding_window}", self.max_model_len,
                  self.loaded.load_seconds)
 
     def _resolve_token_budget(self, num_threads: int) -> int:

@@ -88,7 +88,9 @@ def _time_step(runner, seqs: list[tuple[int, int]], vocab_size: int, block_size:
         rid = f"{_PROBE_ID}{i}"
         token_ids = [(j * 7919) % vocab_size for j in range(ctx)]
         news.append(NewRequestData(rid, token_ids, ctx, SamplingParams(temperature=0),
-                                   list(range(-(-ctx // block_size))), ctx - new))
+                                   # block ids interleave the model's KV groups
+                                   list(range(-(-ctx // block_size)
+                                              * len(runner.kv_windows))), ctx - new))
         counts[rid] = new
     so = SchedulerOutput(scheduled_new_reqs=news, num_scheduled_tokens=counts,
                          total_num_scheduled_tokens=sum(counts.values()))

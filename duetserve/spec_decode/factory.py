@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from duetserve.config import ModelConfig, SpeculativeConfig
+from duetserve.config import ConfigError, ModelConfig, SpeculativeConfig
 from duetserve.core.spec_policy import RooflineStep, SpecPolicy
 from duetserve.errors import CheckpointError
 from duetserve.loader import LoadedModel, load_model
@@ -46,6 +46,10 @@ def build_speculator(config: SpeculativeConfig, target: LoadedModel,
     with `dtype` and config.quantization; its KV cache has num_blocks blocks."""
     draft = None
     if config.method == "draft":
+        if len(model_config.kv_groups()) > 1:
+            raise ConfigError("a draft model shares the target's KV block tables, which a "
+                              "model with sliding-window layers splits per layer kind: use "
+                              'method "ngram" with this model')
         loaded = load_model(config.model, dtype, device, max_positions=max_positions,
                             quantization=config.quantization)
         check_same_vocabulary(target, loaded)
@@ -84,10 +88,11 @@ def step_seconds(model: torch.nn.Module, kv_caches: list, block_size: int, vocab
     consecutive positions from block_size on, logits of every row, of ids [0, num_ids)
     when given) on the model's own kernels. Runs 1 + repeats steps into KV blocks
     0 .. (block_size + rows - 1) // block_size (call it before any request exists)."""
-    blocks = list(range((block_size + rows - 1) // block_size + 1))
+    windows = tuple(g.window for g in model.config.kv_groups())
+    blocks = list(range(((block_size + rows - 1) // block_size + 1) * len(windows)))
     work = [SeqWork("probe", [(7919 * j) % vocab_size], block_size + j, blocks, True)
             for j in range(rows)]
-    batch = build_step_batch(work, block_size, "cpu", paged_decode)
+    batch = build_step_batch(work, block_size, "cpu", paged_decode, windows)
     times = []
     for _ in range(repeats + 1):
         t0 = time.perf_counter()

@@ -81,13 +81,68 @@ def _slots(block_ids: list[int], positions: torch.Tensor, block_size: int) -> to
     return table[positions // block_size] * block_size + positions % block_size
 
 
+def _group_meta(ordered: list[SeqWork], decodes: list[SeqWork], prefills: list[SeqWork],
+                table, block_size: int, paged_decode: bool) -> AttentionMetadata:
+    """The step's attention metadata for one KV group, whose block table of a slice is
+    table(slice): slots of the new tokens, decode block tables (or padded groups and
+    masks without the paged kernel), prefill chunks' context slots and masks."""
+    slots: list[int] = []
+    for w in ordered:
+        bids = table(w)
+        slots.extend(bids[p // block_size] * block_size + p % block_size
+                     for p in range(w.start_pos, w.start_pos + len(w.token_ids)))
+    meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long))
+
+    meta.num_decodes = len(decodes)
+    if paged_decode and decodes:
+        tables = [table(w) for w in decodes]
+        width = max(len(t) for t in tables)
+        meta.decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables],
+                                                dtype=torch.long)
+        meta.decode_context_lens = torch.tensor([w.start_pos + 1 for w in decodes],
+                                                dtype=torch.long)
+        decode_groups = 0
+    else:
+        decode_groups = len(decodes)
+    for g0 in range(0, decode_groups, DECODE_GROUP_SIZE):
+        group = decodes[g0:g0 + DECODE_GROUP_SIZE]
+        ctx_lens = torch.tensor([w.start_pos + 1 for w in group])           # [G]
+        num_blocks = (int(ctx_lens.max()) + block_size - 1) // block_size
+        tab = torch.zeros(len(group), num_blocks, dtype=torch.long)
+        for i, w in enumerate(group):
+            bids = table(w)
+            n = min(len(bids), num_blocks)
+            tab[i, :n] = torch.tensor(bids[:n])
+        ar = torch.arange(num_blocks * block_size)
+        mask = (ar[None, :] < ctx_lens[:, None])[None, :, None, :]      # [1, G, 1, ctx]
+        meta.decode_groups.append(DecodeGroup(g0, g0 + len(group), tab, mask))
+
+    start = len(decodes)
+    for w in prefills:
+        n = len(w.token_ids)
+        if w.start_pos == 0:
+            seq = PrefillSeq(start, start + n, torch.empty(0, dtype=torch.long), None)
+        else:
+            ctx = w.start_pos + n
+            seq = PrefillSeq(start, start + n,
+                             _slots(table(w), torch.arange(ctx), block_size),
+                             torch.arange(ctx)[None, :] <= (w.start_pos + torch.arange(n))[:, None])
+        meta.prefills.append(seq)
+        start += n
+    return meta
+
+
 def build_step_batch(work: list[SeqWork], block_size: int, device: torch.device | str = "cpu",
-                     paged_decode: bool = False) -> StepBatch:
+                     paged_decode: bool = False,
+                     windows: tuple[int | None, ...] = (None,)) -> StepBatch:
     """Decodes (one new token) first, then prefill chunks; see models/attention.py.
     `paged_decode`: the backend reads the cache in place, so decodes get one block table
     and context lengths instead of padded groups and masks, and chunks of up to
     CHUNK_AS_DECODE_ROWS tokens become decode rows (after the decodes, each chunk's rows
-    contiguous and in position order)."""
+    contiguous and in position order). `windows`: the sliding window of each KV group
+    (config.KVGroup.window; one None for a full-attention model); a SeqWork's block_ids
+    interleave the groups' tables (entry i * G + g is group g's block i), and the
+    metadata carries one view per group (AttentionMetadata.groups)."""
     work = _expand_verify(work)
     # Decodes sorted by context length: each group pads only to its own longest context.
     decodes = sorted((w for w in work if len(w.token_ids) == 1), key=lambda w: w.start_pos)
@@ -103,49 +158,16 @@ def build_step_batch(work: list[SeqWork], block_size: int, device: torch.device 
         ids.extend(w.token_ids)
         pos.extend(range(w.start_pos, w.start_pos + len(w.token_ids)))
     positions = torch.tensor(pos, dtype=torch.long)
-
-    slots: list[int] = []
-    for w in ordered:
-        bids = w.block_ids
-        slots.extend(bids[p // block_size] * block_size + p % block_size
-                     for p in range(w.start_pos, w.start_pos + len(w.token_ids)))
-    meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long))
-
-    meta.num_decodes = len(decodes)
-    if paged_decode and decodes:
-        width = max(len(w.block_ids) for w in decodes)
-        meta.decode_block_tables = torch.tensor(
-            [w.block_ids + [0] * (width - len(w.block_ids)) for w in decodes],
-            dtype=torch.long)
-        meta.decode_context_lens = torch.tensor([w.start_pos + 1 for w in decodes],
-                                                dtype=torch.long)
-        decode_groups = 0
-    else:
-        decode_groups = len(decodes)
-    for g0 in range(0, decode_groups, DECODE_GROUP_SIZE):
-        group = decodes[g0:g0 + DECODE_GROUP_SIZE]
-        ctx_lens = torch.tensor([w.start_pos + 1 for w in group])           # [G]
-        num_blocks = (int(ctx_lens.max()) + block_size - 1) // block_size
-        table = torch.zeros(len(group), num_blocks, dtype=torch.long)
-        for i, w in enumerate(group):
-            n = min(len(w.block_ids), num_blocks)
-            table[i, :n] = torch.tensor(w.block_ids[:n])
-        ar = torch.arange(num_blocks * block_size)
-        mask = (ar[None, :] < ctx_lens[:, None])[None, :, None, :]      # [1, G, 1, ctx]
-        meta.decode_groups.append(DecodeGroup(g0, g0 + len(group), table, mask))
-
-    start = len(decodes)
-    for w in prefills:
-        n = len(w.token_ids)
-        if w.start_pos == 0:
-            seq = PrefillSeq(start, start + n, torch.empty(0, dtype=torch.long), None)
-        else:
-            ctx = w.start_pos + n
-            seq = PrefillSeq(start, start + n,
-                             _slots(w.block_ids, torch.arange(ctx), block_size),
-                             torch.arange(ctx)[None, :] <= (w.start_pos + torch.arange(n))[:, None])
-        meta.prefills.append(seq)
-        start += n
+    num_groups = len(windows)
+    views = []
+    for g, window in enumerate(windows):
+        def table(w: SeqWork, g=g) -> list[int]:
+            return w.block_ids if num_groups == 1 else w.block_ids[g::num_groups]
+        views.append(_group_meta(ordered, decodes, prefills, table, block_size, paged_decode))
+        views[-1].window = window
+    meta = views[0]
+    if num_groups > 1:
+        meta.groups = views
 
     logits_idx, logits_req = [], []
     offset = 0
