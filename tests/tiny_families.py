@@ -22,6 +22,8 @@ FAMILY_VARIANTS: dict[str, tuple[str, dict]] = {
         rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
         tie_word_embeddings=True)),
+    # QK-norm, explicit head size, no QKV bias
+    "qwen3": ("Qwen3Config", dict(head_dim=32, tie_word_embeddings=True)),
     # top-2 of 4 experts in every layer
     "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2,
                                       intermediate_size=64, sliding_window=None,
