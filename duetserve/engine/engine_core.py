@@ -193,7 +193,9 @@ class EngineCore:
             self.runner, self.loaded.path,
             f"{config.dtype}/{config.quantization}/{config.kv_cache_dtype}", num_threads,
             self.model_config.vocab_size, config.block_size,
-            min(self.max_model_len - 1, self.num_blocks * config.block_size),
+            # a probe's blocks are taken in every KV group (none released)
+            min(self.max_model_len - 1, self.num_blocks // len(self.runner.kv_windows)
+                * config.block_size),
             self.loaded.few_row_rows)
         if cost is None:
             log.info("KV cache or max_model_len too small for the step-cost probes: fixed "
