@@ -10,8 +10,6 @@ import json
 import os
 from dataclasses import asdict, dataclass, fields
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
-
 
 class ConfigError(ValueError):
     """A configuration value is out of its allowed range; the message names it."""
@@ -30,9 +28,28 @@ def check_one_of(name: str, value: object, choices: tuple) -> None:
         raise ConfigError(f"{name} must be one of {choices}, got {value!r}")
 
 
+NORM_PLACEMENTS = ("pre", "sandwich")
+HIDDEN_ACTS = ("silu", "gelu_tanh")
+LAYER_KINDS = ("full", "sliding")
+
+
+@dataclass(frozen=True)
+class KVGroup:
+    """Layers whose KV lives in the same blocks (core/kv_cache_manager.py keeps one block
+    table per group). `window`: None for full attention; W for sliding-window layers,
+    which attend to the last W positions (a query at p reads keys p-W+1..p), so their
+    blocks that fall out of every future query's window are released."""
+
+    kind: str                        # "full" | "sliding"
+    window: int | None
+    layer_ids: tuple[int, ...]       # slot s of a block holds layer layer_ids[s]
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a Llama-family decoder (Llama, Llama-3, Qwen2, Mistral)."""
+    """Architecture of a decoder-only transformer, as the loader found it. What differs
+    between families (Llama, Qwen2/3, Mistral, Mixtral, Gemma 3, Qwen3-MoE) is data here,
+    declared per family in models/families/ and read by one model (models/decoder.py)."""
 
     architecture: str
     vocab_size: int
@@ -53,12 +70,36 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     # Stored dtype of the weights in the checkpoint (e.g. "q4_1", "bf16"): for byte accounting.
     weight_dtype: str = "f32"
+    # --- what differs between families (models/families/) -------------------------------
+    # "pre": x + f(norm(x)) (Llama); "sandwich": x + norm'(f(norm(x))) around attention
+    # and MLP alike (Gemma: four norms a layer).
+    norm_placement: str = "pre"
+    qk_norm: bool = False                # RMSNorm over each head of q and k (Qwen3, Gemma 3)
+    hidden_act: str = "silu"             # the gated MLP's activation: silu | gelu_tanh
+    embedding_scale: float = 1.0         # embeddings are multiplied by it (Gemma: sqrt(d))
+    # attention scores are scaled by query_pre_attn_scalar ** -0.5 (None: head_dim ** -0.5)
+    query_pre_attn_scalar: float | None = None
+    # per layer "full" or "sliding" (empty: every layer full); sliding layers attend to the
+    # last `sliding_window` positions, with RoPE base `rope_local_theta` (None: rope_theta)
+    # and no rope scaling (Gemma 3's local layers)
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None
+    rope_local_theta: float | None = None
+    final_logit_softcapping: float | None = None   # logits = c * tanh(logits / c)
+    # Mixture of experts: layers in moe_layer_ids route each token to num_experts_per_tok
+    # of num_experts gated MLPs of moe_intermediate_size (softmax over all experts, top k,
+    # renormalised to sum 1 when norm_topk_prob); plus a shared expert of
+    # shared_expert_intermediate_size when > 0 (scaled by sigmoid(x . gate) when
+    # shared_expert_gate). Other layers have the dense MLP of intermediate_size.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    moe_layer_ids: tuple[int, ...] = ()
+    shared_expert_intermediate_size: int = 0
+    shared_expert_gate: bool = False
 
     def __post_init__(self) -> None:
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise ConfigError(
-                f"unsupported architecture {self.architecture!r}; supported: "
-                + ", ".join(SUPPORTED_ARCHITECTURES))
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim"):
             if getattr(self, name) <= 0:
@@ -67,6 +108,25 @@ class ModelConfig:
             raise ConfigError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})")
+        check_one_of("norm_placement", self.norm_placement, NORM_PLACEMENTS)
+        check_one_of("hidden_act", self.hidden_act, HIDDEN_ACTS)
+        if self.layer_types:
+            if len(self.layer_types) != self.num_hidden_layers:
+                raise ConfigError(f"layer_types has {len(self.layer_types)} entries for "
+                                  f"{self.num_hidden_layers} layers")
+            for kind in self.layer_types:
+                check_one_of("layer type", kind, LAYER_KINDS)
+            if "sliding" in self.layer_types and not (self.sliding_window or 0) > 0:
+                raise ConfigError("sliding layers need sliding_window > 0")
+        if self.moe_layer_ids:
+            if not 0 < self.num_experts_per_tok <= self.num_experts:
+                raise ConfigError(f"num_experts_per_tok must be in 1..num_experts "
+                                  f"({self.num_experts}), got {self.num_experts_per_tok}")
+            if self.moe_intermediate_size <= 0:
+                raise ConfigError("a mixture-of-experts model needs moe_intermediate_size > 0")
+            if not all(0 <= i < self.num_hidden_layers for i in self.moe_layer_ids):
+                raise ConfigError(f"moe_layer_ids {self.moe_layer_ids} outside the "
+                                  f"{self.num_hidden_layers} layers")
 
     @property
     def rope_scaling_dict(self) -> dict | None:
@@ -80,11 +140,69 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
 
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def layer_kind(self, layer_id: int) -> str:
+        return self.layer_types[layer_id] if self.layer_types else "full"
+
+    def layer_window(self, layer_id: int) -> int | None:
+        """W for a sliding layer, None for a full one."""
+        return self.sliding_window if self.layer_kind(layer_id) == "sliding" else None
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        return layer_id in self.moe_layer_ids
+
+    def kv_groups(self) -> tuple[KVGroup, ...]:
+        """The KV cache's layer groups (computed here only; the cache manager, the worker
+        and the KV transfer read them). Every group has the same number of layer slots, so
+        one pool of equal-sized blocks serves them all (as vLLM's hybrid manager does):
+
+            full attention only:  one group of every layer (a block holds all layers)
+            full + sliding:       groups of g layers of one kind each; Gemma 3 270M
+                                  (3 full, 15 sliding layers): 1 full + 5 sliding groups
+                                  of 3, so a long context holds ~W tokens in 5 of them
+
+        The last group of a kind may have fewer layers than slots (padding, unused)."""
+        kinds = [self.layer_kind(i) for i in range(self.num_hidden_layers)]
+        by_kind = {k: [i for i, x in enumerate(kinds) if x == k] for k in LAYER_KINDS}
+        by_kind = {k: v for k, v in by_kind.items() if v}
+        if len(by_kind) == 1:
+            ((kind, ids),) = by_kind.items()
+            return (KVGroup(kind, self.sliding_window if kind == "sliding" else None,
+                            tuple(ids)),)
+        g = _group_size([len(v) for v in by_kind.values()])
+        return tuple(KVGroup(kind, self.sliding_window if kind == "sliding" else None,
+                             tuple(ids[a:a + g]))
+                     for kind, ids in by_kind.items() for a in range(0, len(ids), g))
+
+    @property
+    def kv_layers_per_block(self) -> int:
+        """Layer slots of one KV block (all layers for a full-attention model)."""
+        return max(len(g.layer_ids) for g in self.kv_groups())
+
     def kv_bytes_per_token(self, bytes_per_element: float) -> float:
-        """KV cache bytes per token: 2 (K and V) x layers x kv_heads x head_dim x bytes
-        (the one definition; the worker sizes the cache with it, the cost model counts
-        its traffic)."""
+        """KV cache bytes per token of full attention: 2 (K and V) x layers x kv_heads x
+        head_dim x bytes (the one definition; the worker sizes blocks with kv_block_bytes,
+        the cost model counts traffic with it)."""
         return 2 * self.num_hidden_layers * self.kv_size * bytes_per_element
+
+    def kv_block_bytes(self, block_size: int, bytes_per_element: float) -> float:
+        """Bytes of one KV block: block_size tokens of kv_layers_per_block layers."""
+        return 2 * self.kv_layers_per_block * self.kv_size * bytes_per_element * block_size
+
+
+def _group_size(counts: list[int]) -> int:
+    """Layers per KV group for kinds with `counts` layers each: the largest size up to the
+    smallest count whose padding (unused slots of the last group of a kind) stays within
+    1/8 of the layers; else the size with the least padding."""
+    total = sum(counts)
+
+    def padding(g: int) -> int:
+        return sum(-(-c // g) * g for c in counts) - total
+    sizes = range(min(counts), 0, -1)
+    return next((g for g in sizes if padding(g) * 8 <= total), min(sizes, key=padding))
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -295,3 +413,6 @@ class SchedulerConfig:
     # Speculative decoding (core/spec_policy.SpecPolicy): how many drafts each request
     # verifies per step; None: no speculation.
     spec_policy: object | None = None
+    # The sliding window of each KV group (ModelConfig.kv_groups; None: full attention):
+    # the KV cache manager keeps one block table per group.
+    kv_windows: tuple[int | None, ...] = (None,)

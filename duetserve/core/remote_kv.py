@@ -98,12 +98,11 @@ class RemoteKV:
         local prefix hits kept, new blocks not cached), pop it and park it in `loading`.
         False (nothing changed) when the blocks do not fit. Mutates: the block pool,
         `waiting`, the request's counters, self.loading, self.new_loads."""
-        bs = kv.block_size
-        hit_blocks, num_hit = kv.get_computed_blocks(request)
-        num_hit = min(num_hit, request.num_external_tokens // bs * bs)
-        hit_blocks = hit_blocks[:num_hit // bs]
+        hit_blocks, num_hit = kv.get_computed_blocks(request,
+                                                     max_tokens=request.num_external_tokens)
         if kv.allocate_slots(request, request.num_external_tokens - num_hit, hit_blocks,
-                             register=False) is None:
+                             register=False,
+                             first_query=request.num_external_tokens) is None:
             return False
         waiting.pop()
         request.num_computed_tokens = num_hit

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from duetserve.config import SchedulerConfig
 from duetserve.core import hashing
@@ -67,6 +67,8 @@ class SchedulerStats:
     kv_usage: float = 0.0            # fraction of blocks held by requests
     num_used_blocks: int = 0
     num_total_blocks: int = 0
+    # blocks held per attention kind ("full", "sliding": KVCacheManager.used_blocks_by_kind)
+    used_blocks_by_kind: dict[str, int] = field(default_factory=dict)
     spec: SpecDecodeStats | None = None  # cumulative; None without speculation
 
 
@@ -76,9 +78,11 @@ class Scheduler:
         self.block_size = config.block_size
         self.enable_caching = config.enable_prefix_caching
         self.kv_cache_manager = KVCacheManager(config.num_blocks, config.block_size,
-                                               config.enable_prefix_caching)
+                                               config.enable_prefix_caching,
+                                               config.kv_windows)
         # A request can never grow past what the whole pool holds.
-        self.max_len = min(config.max_model_len, config.num_blocks * config.block_size)
+        self.max_len = min(config.max_model_len, self.kv_cache_manager.max_request_tokens(
+            config.max_num_batched_tokens))
         self.requests: dict[str, Request] = {}   # every unfinished request
         self.waiting = RequestQueue()
         self.running: list[Request] = []         # in admission order
@@ -119,7 +123,7 @@ class Scheduler:
             raise RequestError(
                 f"the prompt has {num_tokens} tokens; the limit is {self.max_len - 1} "
                 f"(max_model_len {self.config.max_model_len}, KV cache "
-                f"{self.config.num_blocks * self.block_size} tokens: {self.config.num_blocks} "
+                f"{self.max_len} tokens of one request: {self.kv_cache_manager.num_blocks} "
                 f"blocks x {self.block_size}), leaving room for at least one generated "
                 "token", "prompt")
 
@@ -438,6 +442,7 @@ class Scheduler:
             prefix_cache_hits=kv.prefix_cache_hits,
             num_preemptions=self.num_preemptions, kv_usage=kv.usage,
             num_used_blocks=kv.num_used_blocks, num_total_blocks=kv.num_blocks,
+            used_blocks_by_kind=kv.used_blocks_by_kind(),
             spec=None if self.spec_stats is None else self.spec_stats.copy())
 
     def check_integrity(self) -> None:
@@ -445,7 +450,8 @@ class Scheduler:
         self.kv_cache_manager.check_integrity()
         for request in self.running:
             assert request.status == RequestStatus.RUNNING, f"{request.req_id} in running"
-            blocks = self.kv_cache_manager.req_to_blocks.get(request.req_id, [])
+            tables = self.kv_cache_manager.req_to_blocks.get(request.req_id, [[]])
+            blocks = tables[0]
             assert len(blocks) >= cdiv(request.num_computed_tokens, self.block_size), (
                 f"{request.req_id}: {len(blocks)} blocks for "
                 f"{request.num_computed_tokens} computed tokens")

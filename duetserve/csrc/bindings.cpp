@@ -9,10 +9,16 @@ void bind_decode_stack(pybind11::module& m);
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   bind_decode_stack(m);
   const auto nogil = pybind11::call_guard<pybind11::gil_scoped_release>();
+  namespace py = pybind11;
   m.def("paged_decode_attention", &paged_decode_attention, nogil,
-        "decode attention over a paged KV cache, read in place");
+        "decode attention over a paged KV cache, read in place (window > 0: the last "
+        "window positions of each context only)",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
+        py::arg("context_lens"), py::arg("scale"), py::arg("window") = 0);
   m.def("prefill_attention", &prefill_attention, nogil,
-        "causal attention of a prompt chunk over itself, [n, H, D] float32 (empty: not covered)");
+        "causal attention of a prompt chunk over itself, [n, H, D] float32 (empty: not "
+        "covered; window > 0: sliding window)",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("scale"), py::arg("window") = 0);
   m.def("q4_gemv", &q4_gemv, nogil, "x[M,K] f32 (int8 per 32) @ packed q4 W^T -> [M,N] f32 (few rows)");
   m.def("q4k_gemv", &q4k_gemv, nogil, "x[M,K] f32 (int8 per 32) @ packed q4k (Q4_K) W^T -> [M,N] f32 (few rows)");
   m.def("q4k_dequant_bf16", &q4k_dequant_bf16, nogil, "rows [a, b) of a packed q4k weight (K columns) as bf16");
@@ -28,6 +34,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, nogil, "x * rsqrt(mean(x^2) + eps) * w, float32, one pass");
   m.def("add_rms_norm", &add_rms_norm, nogil, "x += delta (in place), then rms_norm(x, w)");
   m.def("silu_mul", &silu_mul, nogil, "silu(gate) * up of [T, 2I] -> [T, I] float32");
+  m.def("gelu_tanh_mul", &gelu_tanh_mul, nogil,
+        "gelu_tanh(gate) * up of [T, 2I] -> [T, I] float32");
   m.def("argmax_rows", &argmax_rows, nogil, "first index of each row's maximum, [M, V] float32 -> [M] int64");
   m.def("rope_kv_write", &rope_kv_write, nogil,
         "rotary on q/k of a qkv row block, k/v written into the paged cache; returns q");

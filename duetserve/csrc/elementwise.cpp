@@ -97,6 +97,49 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   return y;
 }
 
+// gate_up [T, 2I] (float32 or bfloat16) -> gelu_tanh(gate) * up [T, I] float32, with
+// gelu_tanh(a) = a / 2 (1 + tanh(c (a + 0.044715 a^3))), c = sqrt(2 / pi), and
+// tanh(z) = 1 - 2 / (e^(2z) + 1) (exp16 saturates: tanh -> +-1). Same instructions for
+// every element, as silu_mul.
+torch::Tensor gelu_tanh_mul(torch::Tensor gate_up) {
+  auto g = gate_up.to(torch::kFloat32).contiguous();
+  const int64_t two_i = g.size(-1), inter = two_i / 2, rows = g.numel() / two_i;
+  auto y = torch::empty({rows, inter}, g.options());
+  const float* gp = g.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  constexpr float kC = 0.7978845608028654f;
+  at::parallel_for(0, rows, 1, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const float* a = gp + r * two_i;
+      const float* u = a + inter;
+      float* o = yp + r * inter;
+#if defined(__AVX512F__)
+      for (int64_t i = 0; i < inter; i += 16) {
+        const __mmask16 m = i + 16 <= inter ? (__mmask16)0xFFFF
+                                            : (__mmask16)((1u << (inter - i)) - 1);
+        const __m512 av = _mm512_maskz_loadu_ps(m, a + i);
+        const __m512 a3 = _mm512_mul_ps(_mm512_mul_ps(av, av), av);
+        const __m512 z = _mm512_mul_ps(_mm512_set1_ps(kC),
+                                       _mm512_fmadd_ps(a3, _mm512_set1_ps(0.044715f), av));
+        const __m512 e2 = exp16(_mm512_add_ps(z, z));
+        const __m512 th = _mm512_sub_ps(_mm512_set1_ps(1.f),
+                                        _mm512_div_ps(_mm512_set1_ps(2.f),
+                                                      _mm512_add_ps(e2, _mm512_set1_ps(1.f))));
+        const __m512 gl = _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), av),
+                                        _mm512_add_ps(_mm512_set1_ps(1.f), th));
+        _mm512_mask_storeu_ps(o + i, m, _mm512_mul_ps(gl, _mm512_maskz_loadu_ps(m, u + i)));
+      }
+#else
+      for (int64_t i = 0; i < inter; ++i) {
+        const float x = a[i];
+        o[i] = 0.5f * x * (1.f + std::tanh(kC * (x + 0.044715f * x * x * x))) * u[i];
+      }
+#endif
+    }
+  });
+  return y;
+}
+
 // Decode steps: rotary on Q and K, and the K/V cache write, in one call (torch needs about
 // ten ops per layer for this: slices, mul, roll, addcmul, two transposed index_copy_s).
 //   qkv [T, (H + 2 KVH) D] float32, rows [q heads | k heads | v heads];

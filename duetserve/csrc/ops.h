@@ -5,9 +5,10 @@
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
                                      torch::Tensor v_cache, torch::Tensor block_tables,
-                                     torch::Tensor context_lens, double scale);
+                                     torch::Tensor context_lens, double scale,
+                                     int64_t window);
 torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
-                                double scale);
+                                double scale, int64_t window);
 torch::Tensor q4_gemv(torch::Tensor x, torch::Tensor packed, int64_t N);
 torch::Tensor q4k_gemv(torch::Tensor x, torch::Tensor packed, int64_t N);
 torch::Tensor q4k_dequant_bf16(torch::Tensor packed, int64_t K, int64_t a, int64_t b);
@@ -26,6 +27,7 @@ torch::Tensor f32_gemv(torch::Tensor x, torch::Tensor w);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor delta, torch::Tensor w, double eps);
 torch::Tensor silu_mul(torch::Tensor gate_up);
+torch::Tensor gelu_tanh_mul(torch::Tensor gate_up);
 torch::Tensor argmax_rows(torch::Tensor x);
 torch::Tensor rope_kv_write(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
                             torch::Tensor k_cache, torch::Tensor v_cache,

@@ -47,7 +47,7 @@ template <typename KV>
 static bool decode_avx512(const float* q, const KV* kc, const KV* vc, const int64_t* tables,
                           const int64_t* lens, float* out, int64_t B, int64_t H, int64_t KVH,
                           int64_t D, int64_t num_blocks, int64_t bs, int64_t max_blocks,
-                          float scale) {
+                          float scale, int64_t window) {
   constexpr int64_t MAXV = 16;                  // D / 16 <= 16
   const int64_t G = H / KVH, nv = D / 16;
   if (D % 16 || nv > MAXV || G > 8) return false;
@@ -58,17 +58,18 @@ static bool decode_avx512(const float* q, const KV* kc, const KV* vc, const int6
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / KVH, kh = item % KVH;
       const int64_t L = lens[b];
+      const int64_t T0 = window > 0 && L > window ? L - window : 0;   // first key read
       const int64_t* table = tables + b * max_blocks;
       const float* qb = q + (b * H + kh * G) * D;
       const KV* kbase = kc + kh * head_stride;
       const KV* vbase = vc + kh * head_stride;
       scores.resize(G * L);
-      // pass 1: scores
-      for (int64_t t0 = 0; t0 < L; t0 += bs) {
+      // pass 1: scores (of keys T0..L-1; the blocks before T0's may be released)
+      for (int64_t t0 = T0 / bs * bs; t0 < L; t0 += bs) {
         const int64_t n = std::min(bs, L - t0);
         const KV* kb = kbase + table[t0 / bs] * bs * D;
         const KV* knext = t0 + bs < L ? kbase + table[t0 / bs + 1] * bs * D : nullptr;
-        int64_t j = 0;
+        int64_t j = std::max<int64_t>(0, T0 - t0);
         for (; j + 4 <= n; j += 4) {
           if (knext)
             for (int64_t r = 0; r < 4; ++r) prefetch_row(knext + (j + r) * D, row_bytes);
@@ -101,10 +102,10 @@ static bool decode_avx512(const float* q, const KV* kc, const KV* vc, const int6
       for (int64_t g = 0; g < G; ++g) {
         float* sg = scores.data() + g * L;
         float m = -INFINITY;
-        for (int64_t t = 0; t < L; ++t) m = sg[t] > m ? sg[t] : m;
+        for (int64_t t = T0; t < L; ++t) m = sg[t] > m ? sg[t] : m;
         const __m512 mv = _mm512_set1_ps(m);
         __m512 sumv = _mm512_setzero_ps();
-        int64_t t = 0;
+        int64_t t = T0;
         for (; t + 16 <= L; t += 16) {
           const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + t), mv));
           _mm512_storeu_ps(sg + t, e);
@@ -113,17 +114,17 @@ static bool decode_avx512(const float* q, const KV* kc, const KV* vc, const int6
         float sum = _mm512_reduce_add_ps(sumv);
         for (; t < L; ++t) { sg[t] = std::exp(sg[t] - m); sum += sg[t]; }
         const float inv = 1.f / sum;
-        for (t = 0; t < L; ++t) sg[t] *= inv;
+        for (t = T0; t < L; ++t) sg[t] *= inv;
       }
       // pass 2: weighted sum of values
       __m512 acc[8][MAXV];
       for (int64_t g = 0; g < G; ++g)
         for (int64_t i = 0; i < nv; ++i) acc[g][i] = _mm512_setzero_ps();
-      for (int64_t t0 = 0; t0 < L; t0 += bs) {
+      for (int64_t t0 = T0 / bs * bs; t0 < L; t0 += bs) {
         const int64_t n = std::min(bs, L - t0);
         const KV* vb = vbase + table[t0 / bs] * bs * D;
         const KV* vnext = t0 + bs < L ? vbase + table[t0 / bs + 1] * bs * D : nullptr;
-        for (int64_t j = 0; j < n; ++j) {
+        for (int64_t j = std::max<int64_t>(0, T0 - t0); j < n; ++j) {
           if (vnext) prefetch_row(vnext + j * D, row_bytes);
           const KV* vrow = vb + j * D;
           for (int64_t i = 0; i < nv; ++i) {
@@ -146,7 +147,7 @@ template <typename KV>
 static void decode_impl(const float* q, const KV* kc, const KV* vc, const int64_t* tables,
                         const int64_t* lens, float* out, int64_t B, int64_t H, int64_t KVH,
                         int64_t D, int64_t num_blocks, int64_t bs, int64_t max_blocks,
-                        float scale) {
+                        float scale, int64_t window) {
   const int64_t G = H / KVH;
   const int64_t head_stride = num_blocks * bs * D;   // elements per KV head
   at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
@@ -155,12 +156,13 @@ static void decode_impl(const float* q, const KV* kc, const KV* vc, const int64_
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / KVH, kh = item % KVH;
       const int64_t L = lens[b];
+      const int64_t T0 = window > 0 && L > window ? L - window : 0;   // first key read
       const int64_t* table = tables + b * max_blocks;
       const float* qb = q + (b * H + kh * G) * D;     // G query heads, contiguous
       const KV* kh_base = kc + kh * head_stride;
       const KV* vh_base = vc + kh * head_stride;
       scores.assign(G * L, 0.f);
-      for (int64_t t = 0; t < L; ++t) {
+      for (int64_t t = T0; t < L; ++t) {
         const KV* krow = kh_base + (table[t / bs] * bs + t % bs) * D;
         for (int64_t g = 0; g < G; ++g) {
           const float* qg = qb + g * D;
@@ -173,14 +175,14 @@ static void decode_impl(const float* q, const KV* kc, const KV* vc, const int64_
       for (int64_t g = 0; g < G; ++g) {
         float* sg = scores.data() + g * L;
         float m = -INFINITY;
-        for (int64_t t = 0; t < L; ++t) m = sg[t] > m ? sg[t] : m;
+        for (int64_t t = T0; t < L; ++t) m = sg[t] > m ? sg[t] : m;
         float sum = 0.f;
-        for (int64_t t = 0; t < L; ++t) { sg[t] = std::exp(sg[t] - m); sum += sg[t]; }
+        for (int64_t t = T0; t < L; ++t) { sg[t] = std::exp(sg[t] - m); sum += sg[t]; }
         const float inv = 1.f / sum;
-        for (int64_t t = 0; t < L; ++t) sg[t] *= inv;
+        for (int64_t t = T0; t < L; ++t) sg[t] *= inv;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < L; ++t) {
+      for (int64_t t = T0; t < L; ++t) {
         const KV* vrow = vh_base + (table[t / bs] * bs + t % bs) * D;
         for (int64_t g = 0; g < G; ++g) {
           const float p = scores[g * L + t];
@@ -196,10 +198,12 @@ static void decode_impl(const float* q, const KV* kc, const KV* vc, const int64_
 }
 
 // q: [B, H, D] float32 contiguous; k_cache, v_cache: [KVH, num_blocks, bs, D];
-// block_tables: [B, max_blocks] int64; context_lens: [B] int64. Returns [B, H, D] float32.
+// block_tables: [B, max_blocks] int64; context_lens: [B] int64; window > 0: only the last
+// `window` positions of each context are read (a sliding-window layer), 0: all of them.
+// Returns [B, H, D] float32.
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
                                      torch::Tensor v_cache, torch::Tensor block_tables,
-                                     torch::Tensor context_lens, double scale) {
+                                     torch::Tensor context_lens, double scale, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32 && q.is_contiguous(),
               "q must be a contiguous float32 [B, H, D] tensor");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous(),
@@ -219,27 +223,27 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
     if (decode_avx512<float>(q.data_ptr<float>(), k_cache.data_ptr<float>(),
                           v_cache.data_ptr<float>(), block_tables.data_ptr<int64_t>(),
                           lens.data_ptr<int64_t>(), out.data_ptr<float>(), B, H, KVH, D, nb, bs,
-                          block_tables.size(1), static_cast<float>(scale)))
+                          block_tables.size(1), static_cast<float>(scale), window))
       return out;
 #endif
     decode_impl<float>(q.data_ptr<float>(), k_cache.data_ptr<float>(),
                        v_cache.data_ptr<float>(), block_tables.data_ptr<int64_t>(),
                        lens.data_ptr<int64_t>(), out.data_ptr<float>(), B, H, KVH, D, nb, bs,
-                       block_tables.size(1), static_cast<float>(scale));
+                       block_tables.size(1), static_cast<float>(scale), window);
   } else if (k_cache.scalar_type() == torch::kBFloat16) {
 #if defined(__AVX512F__)
     if (decode_avx512<at::BFloat16>(q.data_ptr<float>(), k_cache.data_ptr<at::BFloat16>(),
                                     v_cache.data_ptr<at::BFloat16>(),
                                     block_tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
                                     out.data_ptr<float>(), B, H, KVH, D, nb, bs,
-                                    block_tables.size(1), static_cast<float>(scale)))
+                                    block_tables.size(1), static_cast<float>(scale), window))
       return out;
 #endif
     decode_impl<at::BFloat16>(q.data_ptr<float>(), k_cache.data_ptr<at::BFloat16>(),
                               v_cache.data_ptr<at::BFloat16>(),
                               block_tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
                               out.data_ptr<float>(), B, H, KVH, D, nb, bs,
-                              block_tables.size(1), static_cast<float>(scale));
+                              block_tables.size(1), static_cast<float>(scale), window);
   } else {
     TORCH_CHECK(false, "KV cache dtype must be float32 or bfloat16");
   }

@@ -35,10 +35,11 @@ inline __mmask16 lane_mask(int64_t n_keys, int j) {
 
 // One task: rows [q0, q0 + rows) of head h. Qh: row r's q at Qh + r * qs; Kt: [D][np]
 // (this KV head, keys padded to np with zeros); Vh: key j's v at Vh + j * vs;
-// out: row r at out + r * os.
+// out: row r at out + r * os. window > 0: row p sees keys p - window + 1 .. p only.
 template <int NV>
 void attend(const float* Qh, int64_t qs, int64_t q0, int64_t rows, const float* Kt,
-            int64_t np, const float* Vh, int64_t vs, float* out, int64_t os, float scale) {
+            int64_t np, const float* Vh, int64_t vs, float* out, int64_t os, float scale,
+            int64_t window) {
   constexpr int64_t D = 16 * NV;
   alignas(64) float S[QB][KB];
   alignas(64) float O[QB][D];
@@ -49,7 +50,8 @@ void attend(const float* Qh, int64_t qs, int64_t q0, int64_t rows, const float* 
     for (int64_t d = 0; d < D; ++d) O[r][d] = 0.f;
   }
   const int64_t last = q0 + rows - 1;                 // the block's last query position
-  for (int64_t k0 = 0; k0 <= last; k0 += KB) {
+  const int64_t first_key = window > 0 ? std::max<int64_t>(0, q0 - window + 1) : 0;
+  for (int64_t k0 = first_key / KB * KB; k0 <= last; k0 += KB) {
     // S = scale * Q K^T for keys [k0, k0 + KB)
     for (int64_t r0 = 0; r0 < rows; r0 += R) {
       const int64_t rr = std::min<int64_t>(R, rows - r0);
@@ -75,16 +77,20 @@ void attend(const float* Qh, int64_t qs, int64_t q0, int64_t rows, const float* 
     // online softmax, then O += P V over the keys each row may see
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t n_keys = std::min<int64_t>(KB, q0 + r - k0 + 1);   // causal: keys <= row
+      // window: keys below q0 + r - window + 1 are out (none of this block: skip it)
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, q0 + r - window + 1 - k0) : 0;
+      if (lo >= n_keys) continue;
       float* s = S[r];
       __m512 mx = _mm512_set1_ps(-INFINITY);
       for (int j = 0; j < 4; ++j)
-        mx = _mm512_mask_max_ps(mx, lane_mask(n_keys, j), mx, _mm512_load_ps(s + 16 * j));
+        mx = _mm512_mask_max_ps(mx, lane_mask(n_keys, j) & ~lane_mask(lo, j), mx,
+                                _mm512_load_ps(s + 16 * j));
       const float m_new = std::max(m[r], _mm512_reduce_max_ps(mx));
       const float alpha = std::exp(m[r] - m_new);     // 0 on the first block (m = -inf)
       const __m512 mv = _mm512_set1_ps(m_new);
       __m512 sum = _mm512_setzero_ps();
       for (int j = 0; j < 4; ++j) {
-        const __m512 p = _mm512_maskz_mov_ps(lane_mask(n_keys, j),
+        const __m512 p = _mm512_maskz_mov_ps(lane_mask(n_keys, j) & ~lane_mask(lo, j),
                                              exp16(_mm512_sub_ps(_mm512_load_ps(s + 16 * j), mv)));
         _mm512_store_ps(s + 16 * j, p);
         sum = _mm512_add_ps(sum, p);
@@ -94,7 +100,7 @@ void attend(const float* Qh, int64_t qs, int64_t q0, int64_t rows, const float* 
       __m512 o[NV];
       const __m512 av = _mm512_set1_ps(alpha);
       for (int i = 0; i < NV; ++i) o[i] = _mm512_mul_ps(_mm512_load_ps(&O[r][16 * i]), av);
-      for (int64_t j = 0; j < n_keys; ++j) {
+      for (int64_t j = lo; j < n_keys; ++j) {
         const __m512 p = _mm512_set1_ps(s[j]);
         const float* vr = Vh + (k0 + j) * vs;
         for (int i = 0; i < NV; ++i) o[i] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vr + 16 * i), o[i]);
@@ -111,7 +117,7 @@ void attend(const float* Qh, int64_t qs, int64_t q0, int64_t rows, const float* 
 
 template <int NV>
 void run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-         torch::Tensor& out, float scale) {
+         torch::Tensor& out, float scale, int64_t window) {
   constexpr int64_t D = 16 * NV;
   const int64_t n = q.size(0), H = q.size(1), KVH = k.size(1), G = H / KVH;
   const int64_t np = (n + KB - 1) / KB * KB;
@@ -135,7 +141,7 @@ void run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
       const int64_t q0 = (i % 2 == 0 ? i / 2 : nb - 1 - i / 2) * QB;
       attend<NV>(qp + q0 * q.stride(0) + h * D, q.stride(0), q0, std::min(QB, n - q0),
                  kt.data() + g * D * np, np, vp + g * D, v.stride(0),
-                 op + (q0 * H + h) * D, H * D, scale);
+                 op + (q0 * H + h) * D, H * D, scale, window);
     }
   });
 }
@@ -144,10 +150,11 @@ void run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
 #endif
 
 // q [n, H, D], k / v [n, KVH, D] float32 (rows may be strided, each head's D contiguous)
-// -> [n, H, D]: causal attention of the chunk over itself. Returns an empty tensor where
-// this build or shape is not covered (no AVX-512, D not 64 or 128): the caller falls back.
+// -> [n, H, D]: causal attention of the chunk over itself (window > 0: each row over its
+// last `window` positions only). Returns an empty tensor where this build or shape is not
+// covered (no AVX-512, D not 64, 128 or 256): the caller falls back.
 torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
-                                double scale) {
+                                double scale, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v: [n, heads, D]");
   TORCH_CHECK(q.size(0) == k.size(0) && k.sizes() == v.sizes() && q.size(2) == k.size(2) &&
               q.size(1) % k.size(1) == 0, "shape mismatch");
@@ -156,10 +163,12 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor 
   const bool dense_heads = q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1 &&
                            q.stride(1) == D && k.stride(1) == D && v.stride(1) == D;
   if (q.scalar_type() == torch::kFloat32 && k.scalar_type() == torch::kFloat32 &&
-      v.scalar_type() == torch::kFloat32 && dense_heads && (D == 64 || D == 128)) {
+      v.scalar_type() == torch::kFloat32 && dense_heads && (D == 64 || D == 128 || D == 256)) {
     auto out = torch::empty({q.size(0), q.size(1), D}, q.options());
-    if (D == 64) run<4>(q, k, v, out, static_cast<float>(scale));
-    else run<8>(q, k, v, out, static_cast<float>(scale));
+    const float sc = static_cast<float>(scale);
+    if (D == 64) run<4>(q, k, v, out, sc, window);
+    else if (D == 128) run<8>(q, k, v, out, sc, window);
+    else run<16>(q, k, v, out, sc, window);
     return out;
   }
 #endif

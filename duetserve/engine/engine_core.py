@@ -45,7 +45,8 @@ from duetserve.request import Request
 from duetserve.sampling_params import SamplingParams
 from duetserve.spec_decode.factory import build_speculator, spec_policy_for
 from duetserve.structured import GrammarCompiler
-from duetserve.worker.kv_cache import kv_bytes_per_token, num_blocks_for_memory
+from duetserve.worker.kv_cache import (kv_block_bytes, kv_bytes_per_token,
+                                       num_blocks_for_memory)
 from duetserve.worker.model_runner import ModelRunner
 
 log = logging.getLogger("duetserve")
@@ -87,6 +88,7 @@ def _step_stats(st: SchedulerStats, **step: object) -> StepStats:
     (none: a snapshot that is not a step)."""
     return StepStats(num_running=st.num_running, num_waiting=st.num_waiting,
                      kv_usage=st.kv_usage, num_used_blocks=st.num_used_blocks,
+                     used_blocks_by_kind=st.used_blocks_by_kind,
                      num_preemptions=st.num_preemptions,
                      prefix_cache_queries=st.prefix_cache_queries,
                      prefix_cache_hits=st.prefix_cache_hits, spec=st.spec, **step)
@@ -141,12 +143,16 @@ class EngineCore:
                                  else config.max_model_len)
         self.num_blocks = config.num_gpu_blocks_override or num_blocks_for_memory(
             mcfg, self.kv_dtype, config.block_size, config.kv_cache_memory)
-        per_token = kv_bytes_per_token(mcfg, self.kv_dtype)
-        log.info("KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %d B/token); "
-                 "max_model_len %d; model loaded in %.1f s", self.num_blocks,
-                 config.block_size, self.num_blocks * config.block_size,
-                 self.num_blocks * config.block_size * per_token / 2**30, per_token,
-                 self.max_model_len, self.loaded.load_seconds)
+        groups = mcfg.kv_groups()
+        log.info("KV cache: %d blocks x %d tokens (%.2f GiB, %d B/token of full attention; "
+                 "%s); max_model_len %d; model loaded in %.1f s", self.num_blocks,
+                 config.block_size,
+                 self.num_blocks * kv_block_bytes(mcfg, self.kv_dtype, config.block_size)
+                 / 2**30, kv_bytes_per_token(mcfg, self.kv_dtype),
+                 f"{self.num_blocks * config.block_size} tokens" if len(groups) == 1 else
+                 f"{len(groups)} groups of {mcfg.kv_layers_per_block} layers, sliding "
+                 f"window {mcfg.sliding_window}", self.max_model_len,
+                 self.loaded.load_seconds)
 
     def _build_runner(self, kv_transfer: KVTransferConfig):
         """Sets speculator and runner (its KV cache in shareable memory when the instance
@@ -154,7 +160,7 @@ class EngineCore:
         config, mcfg = self.config, self.model_config
         shared = None
         if kv_transfer.is_disaggregated:      # the cache in shared memory
-            shared = make_shared_kv(kv_transfer, mcfg.num_hidden_layers,
+            shared = make_shared_kv(kv_transfer, mcfg.kv_layers_per_block,
                                     mcfg.num_key_value_heads, self.num_blocks,
                                     config.block_size, mcfg.head_dim, self.kv_dtype)
         spec = config.speculative_config
@@ -188,7 +194,8 @@ class EngineCore:
             max_num_waiting=config.max_waiting_requests,
             spec_policy=None if spec is None else spec_policy_for(
                 spec, self.speculator.needs_lookahead, self.step_time,
-                self._draft_seconds())))
+                self._draft_seconds()),
+            kv_windows=tuple(g.window for g in self.model_config.kv_groups())))
 
     def _resolve_step_time(self) -> tuple[StepTime | None, StepTimeSource]:
         """The step-time model: read from config.step_time, else measured at start-up (or
@@ -204,7 +211,9 @@ class EngineCore:
                 self.runner, self.loaded.path, config.kernel_switches(), self.num_threads,
                 self.model_config.vocab_size, self.model_config.num_attention_heads,
                 config.block_size,
-                min(self.max_model_len - 1, self.num_blocks * config.block_size))
+                # a probe's blocks are taken in every KV group (none released)
+                min(self.max_model_len - 1, self.num_blocks // len(self.runner.kv_windows)
+                    * config.block_size))
             release_free_memory()        # the measurement's activations, back to the OS
         else:
             return None, StepTimeSource("none", "fixed budget, no adaptive speculation")

@@ -144,8 +144,13 @@ class KVRoles:
                 log.error("no transfer parameters for %s", req_id)
                 self._start_failures.append(req_id)
                 continue
+            kv = self.scheduler.kv_cache_manager
+            # block ids interleave the KV groups' tables: a hit of n blocks is n entries
+            # of each group; released sliding entries (the null block) are never copied
             self.connector.start_load(req_id, params.remote_prefill, block_ids,
-                                      num_hit // self.scheduler.block_size)
+                                      num_hit // self.scheduler.block_size * kv.num_groups,
+                                      None if kv.null_block is None else
+                                      kv.null_block.block_id)
 
     def has_work_now(self) -> bool:
         wait = self.connector.seconds_to_next_deadline()

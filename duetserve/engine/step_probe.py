@@ -154,7 +154,9 @@ def _time_step(runner, probe: Probe, vocab_size: int, block_size: int) -> float:
         rid = f"{_PROBE_ID}{i}"
         token_ids = [(j * 7919) % vocab_size for j in range(ctx)]
         news.append(NewRequestData(rid, token_ids, ctx, SamplingParams(temperature=0),
-                                   list(range(-(-ctx // block_size))), ctx - new))
+                                   # block ids interleave the model's KV groups
+                                   list(range(-(-ctx // block_size)
+                                              * len(runner.kv_windows))), ctx - new))
         counts[rid] = new
     so = SchedulerOutput(scheduled_new_reqs=news, num_scheduled_tokens=counts,
                          total_num_scheduled_tokens=sum(counts.values()),
@@ -357,10 +359,11 @@ def forward_seconds(model: torch.nn.Module, kv_caches: list, block_size: int,
     on a bare model and its KV cache: a draft model's cost per proposed token. Runs
     1 + repeats steps into KV blocks 0 .. (block_size + rows - 1) // block_size (call it
     before any request exists)."""
-    blocks = list(range((block_size + rows - 1) // block_size + 1))
+    windows = tuple(g.window for g in model.config.kv_groups())
+    blocks = list(range(((block_size + rows - 1) // block_size + 1) * len(windows)))
     work = [SeqWork("probe", [(7919 * j) % vocab_size], block_size + j, blocks, True)
             for j in range(rows)]
-    batch = build_step_batch(work, block_size, "cpu", paged_decode)
+    batch = build_step_batch(work, block_size, "cpu", paged_decode, windows)
     times = []
     for _ in range(repeats + 1):
         t0 = time.perf_counter()

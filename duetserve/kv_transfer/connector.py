@@ -131,16 +131,22 @@ class KVConnector:
 
     # -- consumer ------------------------------------------------------------------------
     def start_load(self, req_id: str, remote: RemotePrefill, dst_block_ids: list[int],
-                   num_skip_blocks: int) -> None:
+                   num_skip_blocks: int, null_block_id: int | None = None) -> None:
         """Read the remote blocks past the first `num_skip_blocks` (already here: local
         prefix hits) into `dst_block_ids` (this load's blocks, same order) on a reader
-        thread. Mutates: the table. The result comes out of poll()."""
+        thread; pairs where either side is `null_block_id` (a sliding-window entry that
+        side released or never needed) are not copied. Mutates: the table. The result
+        comes out of poll()."""
         assert self.reader is not None, "start_load on an instance that is not a decode"
         t = self.table.add(remote.transfer_id, req_id, self.config.timeout_s)
         self.table.start(t.transfer_id)
         self._load_backend[t.transfer_id] = self.reader.name
         src_ids = remote.block_ids[num_skip_blocks:]
         dst_ids = dst_block_ids[num_skip_blocks:]
+        if null_block_id is not None:
+            pairs = [(a, b) for a, b in zip(src_ids, dst_ids)
+                     if a != null_block_id and b != null_block_id]
+            src_ids, dst_ids = [a for a, _ in pairs], [b for _, b in pairs]
         threading.Thread(target=self._read, args=(t.transfer_id, remote, src_ids, dst_ids),
                          name=f"kv-load-{req_id}", daemon=True).start()
 

@@ -20,6 +20,7 @@ from duetserve.loader.huge_pages import place_weights
 from duetserve.loader.tokenizer import Tokenizer
 from duetserve.loader.quantize import QUANTIZATIONS, QuantPlan
 from duetserve.loader.weights import load_weights
+from duetserve.models import families
 from duetserve.models.kernels import (TORCH_DTYPES, choose_dense_dtype, finish_dense,
                                       finish_policy)
 from duetserve.models.quant import KernelPolicy, QuantEmbedding, QuantLinear
@@ -125,7 +126,8 @@ def load_model(path: str | None, dtype: str = "float32", device: str = "cpu",
         torch_dtype = TORCH_DTYPES["float32" if dtype == "auto" else dtype]
     if hf_folder.is_hf_folder(path):
         cfg = hf_folder.hf_model_config(path)
-        tensors = hf_folder.iter_safetensors(path)
+        tensors = hf_folder.iter_safetensors(
+            path, families.by_name(cfg.architecture).hf_norm_offset)
         tokenizer = Tokenizer.from_hf_folder(path, cfg)
     elif os.path.isdir(path):
         raise CheckpointError(f"{path} is a folder without config.json (expected a HF "
@@ -133,12 +135,22 @@ def load_model(path: str | None, dtype: str = "float32", device: str = "cpu",
     else:
         reader = gguf_file.open_gguf(path)
         cfg = gguf_file.gguf_model_config(reader, path)
+        if plan is not None and any(t.tensor_type.name in ("Q4_K", "Q6_K")
+                                    for t in reader.tensors):
+            plan.measure_kquant_forms()          # its probe's memory freed before packing
+            release_free_memory()
         tensors = gguf_file.iter_gguf_tensors(reader, cfg)
         tokenizer = Tokenizer.from_gguf(reader, cfg)
     if not cfg.eos_token_ids and tokenizer.eos_token_ids:
         # EOS ids resolved once, here: the checkpoint's generation config, then its config,
         # then the tokenizer's eos token. Engine, scheduler and sampler all read cfg.
         cfg = dataclasses.replace(cfg, eos_token_ids=tuple(tokenizer.eos_token_ids))
+    turn_ends = [tokenizer.tok.token_to_id(t)
+                 for t in families.by_name(cfg.architecture).end_of_generation]
+    turn_ends = [i for i in turn_ends if i is not None and i not in cfg.eos_token_ids]
+    if turn_ends:                # the family's end-of-turn tokens end generation too
+        cfg = dataclasses.replace(cfg, eos_token_ids=cfg.eos_token_ids + tuple(turn_ends))
+        tokenizer.eos_token_ids = cfg.eos_token_ids
     with torch.device("meta"):
         model = model_class(cfg)(cfg)
     extras = load_weights(model, tensors, cfg, torch_dtype, device, plan)
@@ -146,7 +158,8 @@ def load_model(path: str | None, dtype: str = "float32", device: str = "cpu",
         gguf_file.drop_mapped_pages(reader)     # repacked: the file's pages are not needed
     if "rope_freqs" in extras:   # Llama-3.1 GGUF: per-frequency divisors
         model.rotary.freq_factors = torch.as_tensor(extras["rope_freqs"]).float()
-    model.rotary.build(max_positions or cfg.max_position_embeddings, device, torch_dtype)
+    for rotary in model.rotaries():
+        rotary.build(max_positions or cfg.max_position_embeddings, device, torch_dtype)
     model.eval()
     model.use_decode_stack = decode_stack      # models/decode_stack.py
     dense = sum(p.numel() * p.element_size() for p in model.parameters())

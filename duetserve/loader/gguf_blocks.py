@@ -21,6 +21,7 @@ Block layouts (ggml's, little-endian, `d`/`m`/`dmin` are float16):
 """
 from __future__ import annotations
 
+import mmap
 import os
 
 import numpy as np
@@ -44,6 +45,41 @@ class GGUFTensor:
         cols = int(tensor.shape[0])
         rows = int(np.prod([int(s) for s in tensor.shape[1:]])) if len(tensor.shape) > 1 else 1
         self.shape = (rows, cols) if len(tensor.shape) > 1 else (cols,)
+        if self._data.ndim > 2:             # experts stacked: [experts, rows, ...] -> 2-D
+            self._data = self._data.reshape(rows, -1)
+        self._row0 = 0          # a part() of a stacked tensor: its first row in the file
+        self._row_bytes = self._data.nbytes // rows
+
+    def part(self, name: str, a: int, b: int) -> "GGUFTensor":
+        """Rows [a, b) as a tensor of their own (one expert of a GGUF tensor that stacks
+        a layer's experts, [experts * rows, cols]); nothing is read."""
+        assert self.row_perm is None and len(self.shape) == 2 and 0 <= a < b <= self.shape[0]
+        out = object.__new__(GGUFTensor)
+        out.__dict__.update(self.__dict__)
+        out.name, out.shape, out._row0, out._file = name, (b - a, self.shape[1]), \
+            self._row0 + a, None
+        return out
+
+    def drop_pages(self) -> None:
+        """Unmap this tensor's pages of the file from the process (they were decoded or
+        repacked; a later read maps them again from the page cache). Loading a file
+        much larger than free memory stays near the size of what is kept: each tensor's
+        source pages leave the resident set once it is packed, not at the end."""
+        mm = _file_map(self._data)
+        if mm is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        offset, nbytes = self.file_span
+        start = offset // mmap.PAGESIZE * mmap.PAGESIZE
+        end = min(len(mm), -(-(offset + nbytes) // mmap.PAGESIZE) * mmap.PAGESIZE)
+        if end > start:
+            mm.madvise(mmap.MADV_DONTNEED, start, end - start)
+
+    @property
+    def file_span(self) -> tuple[int, int]:
+        """(offset, bytes) of this tensor's data in the file."""
+        if len(self.shape) == 1:
+            return self._offset, self._data.nbytes
+        return self._offset + self._row0 * self._row_bytes, self.shape[0] * self._row_bytes
 
     @property
     def is_int4(self) -> bool:
@@ -53,6 +89,7 @@ class GGUFTensor:
         data = self._data if self._data.ndim > 1 or len(self.shape) == 1 else \
             self._data.reshape(self.shape[0], -1)
         if self.row_perm is None:
+            a, b = a + self._row0, b + self._row0
             return np.asarray(data[a:b])
         return np.asarray(data[self.row_perm[a:b]])
 
@@ -71,7 +108,7 @@ class GGUFTensor:
         uniq, inv = np.unique(np.asarray(ids, dtype=np.int64), return_inverse=True)
         if uniq.size and (uniq[0] < 0 or uniq[-1] >= self.shape[0]):
             raise IndexError(f"row ids must be in [0, {self.shape[0]}) for {self.name}")
-        src = uniq if self.row_perm is None else self.row_perm[uniq]
+        src = uniq + self._row0 if self.row_perm is None else self.row_perm[uniq]
         if self._path is None or len(self.shape) != 2:
             data = self._data if self._data.ndim > 1 else \
                 self._data.reshape(self.shape[0], -1)
@@ -82,7 +119,7 @@ class GGUFTensor:
         """Raw rows `src` (as the map would give them: [n, row bytes] uint8, or the
         elements of a float tensor) read from the file, one read per run of consecutive
         rows."""
-        row_bytes = self._data.nbytes // self.shape[0]
+        row_bytes = self._row_bytes
         out = np.empty((len(src), row_bytes), np.uint8)
         if self._file is None:
             self._file = open(self._path, "rb", buffering=0)
@@ -130,6 +167,17 @@ class GGUFTensor:
         assert self.type == "Q6_K", self.type
         b = self.shape[0] if b is None else b
         return _q6_k(self._raw(a, b), self.shape[1])
+
+
+def _file_map(arr: np.ndarray) -> mmap.mmap | None:
+    """The mmap a numpy view of a memory-mapped file comes from (numpy.memmap keeps it as
+    `_mmap` on the array the views derive from), or None."""
+    while arr is not None:
+        mm = getattr(arr, "_mmap", None)
+        if isinstance(mm, mmap.mmap):
+            return mm
+        arr = getattr(arr, "base", None)
+    return None
 
 
 def _f16(raw: np.ndarray, off: int, n: int = 1) -> np.ndarray:

@@ -16,16 +16,16 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from duetserve.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from duetserve.config import ConfigError, ModelConfig
 from duetserve.errors import CheckpointError
+from duetserve.models import families
+from duetserve.models.families.base import Family
 from duetserve.loader.gguf_blocks import GGUFTensor
 from duetserve.loader.gguf_reader import GGUFFile, TruncatedGGUF
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
                           "Q4_K", "Q5_K", "Q6_K")
-# Architectures whose Q/K rows the converter permutes for interleaved rotary.
-PERMUTED_QK_ARCHS = ("llama", "mistral")
 
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -40,6 +40,8 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -74,14 +76,24 @@ def open_gguf(path: str) -> GGUFFile:
                               f"{type(e).__name__}: {e}") from None
 
 
-def gguf_model_config(reader: GGUFFile, path: str = "") -> ModelConfig:
-    """Build a ModelConfig from GGUF metadata; errors name the missing key or bad arch."""
+def gguf_family(reader: GGUFFile, path: str = "") -> Family:
+    """The model family of a GGUF file (models/families/), or CheckpointError naming the
+    supported architectures."""
     arch = reader.get("general.architecture")
     if arch is None:
         raise CheckpointError(f"GGUF file has no general.architecture: {path}")
-    if arch not in SUPPORTED_ARCHITECTURES:
+    family = families.by_gguf_arch(arch)
+    if family is None:
         raise CheckpointError(f"unsupported architecture {arch!r} in {path}; supported: "
-                              + ", ".join(SUPPORTED_ARCHITECTURES))
+                              + ", ".join(families.gguf_arch_names()))
+    return family
+
+
+def gguf_model_config(reader: GGUFFile, path: str = "") -> ModelConfig:
+    """Build a ModelConfig from GGUF metadata: the keys every family shares, then the
+    family's own; errors name the missing key or the unsupported architecture."""
+    family = gguf_family(reader, path)
+    arch = reader.get("general.architecture")
 
     def need(key: str):
         v = reader.get(f"{arch}.{key}")
@@ -89,44 +101,53 @@ def gguf_model_config(reader: GGUFFile, path: str = "") -> ModelConfig:
             raise CheckpointError(f"GGUF metadata key {arch}.{key} is missing: {path}")
         return v
 
+    def meta(key: str, default: object = None) -> object:
+        return reader.get(f"{arch}.{key}", default)
+
     hidden = int(need("embedding_length"))
     heads = int(need("attention.head_count"))
-    kv_heads = int(reader.get(f"{arch}.attention.head_count_kv", heads))
-    head_dim = int(reader.get(f"{arch}.attention.key_length", hidden // heads))
-    vocab = int(reader.get(f"{arch}.vocab_size",
-                       reader.array_len("tokenizer.ggml.tokens") or 0))
+    vocab = int(meta("vocab_size", reader.array_len("tokenizer.ggml.tokens") or 0))
     names = {t.name for t in reader.tensors}
     eos = reader.get("tokenizer.ggml.eos_token_id")
     eot = reader.get("tokenizer.ggml.eot_token_id")
     eos_ids = tuple(dict.fromkeys(int(x) for x in (eos, eot) if x is not None))
     rope_scaling = None
-    stype = reader.get(f"{arch}.rope.scaling.type")
+    stype = meta("rope.scaling.type")
     if stype == "linear":
         rope_scaling = (("rope_type", "linear"),
-                        ("factor", float(reader.get(f"{arch}.rope.scaling.factor", 1.0))))
+                        ("factor", float(meta("rope.scaling.factor", 1.0))))
     elif stype not in (None, "none"):
         raise CheckpointError(f"unsupported rope scaling type {stype!r} in {path}")
     weight_type = next((t.tensor_type.name.lower() for t in reader.tensors
                         if t.name.endswith("attn_q.weight")), "f32")
-    return ModelConfig(
-        architecture=arch,
+    fields = dict(
+        architecture=family.name,
         vocab_size=vocab,
         hidden_size=hidden,
-        intermediate_size=int(need("feed_forward_length")),
+        intermediate_size=int(meta("feed_forward_length", 0) or 0),
         num_hidden_layers=int(need("block_count")),
         num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        head_dim=head_dim,
-        rms_norm_eps=float(reader.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(reader.get(f"{arch}.rope.freq_base", 10000.0)),
+        num_key_value_heads=int(meta("attention.head_count_kv", heads)),
+        head_dim=int(meta("attention.key_length", hidden // heads)),
+        rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(meta("rope.freq_base", 10000.0)),
         rope_scaling=rope_scaling,
-        max_position_embeddings=int(reader.get(f"{arch}.context_length", 4096)),
+        max_position_embeddings=int(meta("context_length", 4096)),
         tie_word_embeddings="output.weight" not in names,
         has_qkv_bias="blk.0.attn_q.bias" in names,
         bos_token_id=reader.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=eos_ids,
         weight_dtype=weight_type,
     )
+    try:
+        fields.update(family.gguf_fields(meta))
+        fields.update(family.traits)
+        if not fields["intermediate_size"]:          # an all-MoE file has no dense FFN
+            fields["intermediate_size"] = fields.get("moe_intermediate_size", 0)
+        return ModelConfig(**fields)
+    except (ConfigError, ValueError, TypeError) as e:
+        raise CheckpointError(f"cannot read the {family.name} metadata of {path}: "
+                              f"{type(e).__name__}: {e}") from None
 
 
 def unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -166,12 +187,15 @@ def dequantize(tensor) -> np.ndarray:
 
 def iter_gguf_tensors(reader: GGUFFile, config: ModelConfig) -> Iterator[tuple[str, GGUFTensor]]:
     """Yield (hf_name, lazy GGUFTensor) for every tensor, Q/K rows restored to HF order
-    (as a row permutation applied when rows are read). Nothing is decoded here."""
-    permute = config.architecture in PERMUTED_QK_ARCHS
+    (as a row permutation applied when rows are read) for the families whose converter
+    permuted them, and a layer's stacked experts split into one tensor per expert
+    ("mlp.experts.{e}.gate_proj.weight"). Nothing is decoded here."""
+    family = families.by_name(config.architecture)
+    layer_names = {**_LAYER_NAMES, **family.gguf_tensor_names}
     for t in reader.tensors:
         m = _BLK.match(t.name)
         if m:
-            suffix = _LAYER_NAMES.get(m.group(2))
+            suffix = layer_names.get(m.group(2))
             if suffix is None:
                 raise CheckpointError(f"unexpected GGUF tensor {t.name}")
             name = f"model.layers.{m.group(1)}.{suffix}"
@@ -180,10 +204,26 @@ def iter_gguf_tensors(reader: GGUFFile, config: ModelConfig) -> Iterator[tuple[s
             if name is None:
                 raise CheckpointError(f"unexpected GGUF tensor {t.name}")
         _check_type(t)
+        if ".mlp.experts." in name:
+            yield from _expert_parts(name, GGUFTensor(t.name, t), config.num_experts)
+            continue
         perm = None
-        if permute and (".q_proj." in name or ".k_proj." in name):
+        if family.gguf_permuted_qk and (".q_proj." in name or ".k_proj." in name):
             heads = (config.num_attention_heads if ".q_proj." in name
                      else config.num_key_value_heads)
             rows = int(t.shape[1]) if len(t.shape) > 1 else int(t.shape[0])
             perm = unpermute_qk(np.arange(rows), heads)
         yield name, GGUFTensor(t.name, t, perm)
+
+
+def _expert_parts(name: str, tensor: GGUFTensor, num_experts: int):
+    """A GGUF tensor of a layer's experts ([experts * rows, cols]) as one lazy tensor per
+    expert under HF's per-expert name."""
+    rows = tensor.shape[0] // max(1, num_experts)
+    if num_experts < 1 or rows * num_experts != tensor.shape[0]:
+        raise CheckpointError(f"GGUF tensor {tensor.name} has {tensor.shape[0]} rows, not "
+                              f"a whole number per expert for {num_experts} experts")
+    head, tail = name.split(".mlp.experts.")
+    for e in range(num_experts):
+        yield f"{head}.mlp.experts.{e}.{tail}", tensor.part(f"{tensor.name}[{e}]",
+                                                           e * rows, (e + 1) * rows)

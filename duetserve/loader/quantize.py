@@ -69,6 +69,13 @@ def _chunks(parts):
             yield arr, a, min(arr.shape[0], a + _CHUNK)
 
 
+def _drop_pages(parts) -> None:
+    """The packed parts' file pages leave the process's resident set (GGUF sources)."""
+    for _, arr in parts:
+        if isinstance(arr, GGUFTensor):
+            arr.drop_pages()
+
+
 def _keeps_exact(ratio: float) -> bool:
     """Is a K-quant kept in its exact form, given t(exact) / t(widened) measured here?"""
     return ratio < EXACT_UNLESS_WIDENED_FASTER
@@ -114,6 +121,14 @@ class QuantPlan:
         if not all(isinstance(a, GGUFTensor) and a.type == qtype and a.shape[1] % 256 == 0
                    for _, a in parts):
             return False
+        self.measure_kquant_forms()
+        return _keeps_exact(self.exact_ratio[qtype])
+
+    def measure_kquant_forms(self) -> None:
+        """Decide the K-quants' forms (kernels.exact_kquant_forms: measured once per
+        machine, ~100 MiB of probe weights) unless decided. The loader calls it before any
+        weight is packed, so the probe's memory is gone before the weights arrive.
+        Mutates: exact_ratio, summary."""
         if self.exact_ratio is None:
             from duetserve.models.kernels import exact_kquant_forms
             self.exact_ratio = r = exact_kquant_forms(self.kquant_forms)
@@ -122,7 +137,6 @@ class QuantPlan:
                 f"{'int6' if _keeps_exact(r['Q6_K']) else 'int8'}"
                 + (f": exact-form GEMVs took {r['Q4_K']:.2f}x / {r['Q6_K']:.2f}x the "
                    "widened forms' time here" if 0 < r["Q4_K"] < 2 else ""))
-        return _keeps_exact(self.exact_ratio[qtype])
 
     def build(self, parts, shape) -> QuantWeight:
         form = self._form(parts)
@@ -172,6 +186,7 @@ class QuantPlan:
                 self.summary["embedding"] = "rows from the file"
                 continue
             qw = self.build(parts, tuple(params[target].shape))
+            _drop_pages(parts)
             if path == "embed_tokens":
                 model.embed_tokens = QuantEmbedding(qw)
                 if cfg.tie_word_embeddings:

@@ -11,13 +11,14 @@ import logging
 import os
 
 import numpy as np
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from duetserve.config import ModelConfig
 from duetserve.errors import CheckpointError
 from duetserve.loader.chat_template import render_chat_template
 from duetserve.loader.gguf_reader import GGUFFile
+from duetserve.models import families
 
 log = logging.getLogger(__name__)
 
@@ -113,9 +114,11 @@ class Tokenizer:
         side (its strings would pin Python's small-object arenas for good)."""
         field = reader.get
         kind = field("tokenizer.ggml.model")
+        if kind == "llama":
+            return cls._from_gguf_spm(reader, cfg)
         if kind != "gpt2":
             raise CheckpointError(f"unsupported GGUF tokenizer model {kind!r}; supported: "
-                                  "'gpt2' (byte-level BPE)")
+                                  "'gpt2' (byte-level BPE), 'llama' (SentencePiece BPE)")
         pre = field("tokenizer.ggml.pre", "default")
         if pre not in PRE_TOKENIZERS:
             log.warning("GGUF pre-tokenizer %r unknown; using GPT-2's (known: %s)", pre,
@@ -127,6 +130,27 @@ class Tokenizer:
         return cls(tok, bos_token_id=field("tokenizer.ggml.bos_token_id"),
                    eos_token_ids=cfg.eos_token_ids,
                    add_bos=bool(field("tokenizer.ggml.add_bos_token", False)),
+                   chat_template=field("tokenizer.chat_template"), special_tokens=special)
+
+    @classmethod
+    def _from_gguf_spm(cls, reader: GGUFFile, cfg: ModelConfig) -> "Tokenizer":
+        """A SentencePiece vocabulary (GGUF tokenizer model "llama": Llama-2, Gemma) as a
+        `tokenizers` BPE over "\u2581"-for-space text with byte fallback (<0xNN> tokens),
+        its merges rebuilt from the vocabulary (`_spm_merges`)."""
+        field = reader.get
+        family = families.by_name(cfg.architecture)
+        tok, special = _gguf_spm(reader, by_index=family.spm_merges_by_index)
+        steps = [normalizers.Replace(" ", "\u2581")]
+        if field("tokenizer.ggml.add_space_prefix", not family.spm_merges_by_index):
+            steps.insert(0, normalizers.Prepend("\u2581"))
+        tok.normalizer = normalizers.Sequence(steps)
+        tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "),
+                                         decoders.ByteFallback(), decoders.Fuse()]
+                                        + ([decoders.Strip(" ", 1, 0)] if len(steps) > 1
+                                           else []))
+        return cls(tok, bos_token_id=field("tokenizer.ggml.bos_token_id"),
+                   eos_token_ids=cfg.eos_token_ids,
+                   add_bos=bool(field("tokenizer.ggml.add_bos_token", True)),
                    chat_template=field("tokenizer.chat_template"), special_tokens=special)
 
     @classmethod
@@ -165,6 +189,64 @@ class Tokenizer:
                    chat_template=template, special_tokens=special)
 
 
+def _spm_merges(tokens: list[str], scores, by_index: bool) -> list[tuple[str, str]]:
+    """The merges a SentencePiece vocabulary implies: every split of a token into two
+    tokens, best first: by the token's score (higher first), or by its index (lower first)
+    where `by_index`; then by the longer left piece (transformers' generate_merges order)."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    found = []
+    for i, t in enumerate(tokens):
+        rank = i if by_index else -float(scores[i])
+        for cut in range(1, len(t)):
+            left, right = t[:cut], t[cut:]
+            if left in vocab and right in vocab:
+                found.append((rank, -cut, left, right))
+    found.sort(key=lambda m: (m[0], m[1]))
+    return [(m[2], m[3]) for m in found]
+
+
+def _gguf_spm(reader: GGUFFile, by_index: bool) -> tuple[HFTokenizer, dict[str, str]]:
+    """The SentencePiece BPE of a GGUF file's vocabulary, scores and token types (tokens
+    of spaces only are spelled with "\u2581", as the text is), control tokens special,
+    user-defined ones added; and the special tokens' strings by role."""
+    tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t
+              for t in reader.get("tokenizer.ggml.tokens")]
+    types = reader.get("tokenizer.ggml.token_type")
+    if types is None:
+        types = np.ones(len(tokens), dtype=np.int32)
+    scores = reader.get("tokenizer.ggml.scores")
+    if scores is None:
+        scores = np.zeros(len(tokens), dtype=np.float32)
+    unk = reader.get("tokenizer.ggml.unknown_token_id")
+    tok = HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)},
+                                 merges=_spm_merges(tokens, scores, by_index),
+                                 byte_fallback=True, fuse_unk=True,
+                                 unk_token=tokens[unk] if unk is not None else None))
+    _add_typed_tokens(tok, tokens, types)
+    return tok, _special_strings(reader, tokens)
+
+
+def _add_typed_tokens(tok: HFTokenizer, tokens: list[str], types) -> None:
+    """Register user-defined tokens as added tokens and control tokens as special ones,
+    so text containing them maps to them whole. Mutates tok."""
+    tok.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
+                    for i in np.flatnonzero(types == _USER_DEFINED)])
+    tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
+                            for i in np.flatnonzero(types == _CONTROL)])
+
+
+def _special_strings(reader: GGUFFile, tokens: list[str]) -> dict[str, str]:
+    """bos_token, eos_token, unk_token, pad_token strings, copied out of the vocabulary
+    list so that list can be freed whole."""
+    special = {}
+    for name in ("bos", "eos", "unknown", "padding"):
+        i = reader.get(f"tokenizer.ggml.{name}_token_id")
+        if i is not None and 0 <= i < len(tokens):
+            key = {"unknown": "unk", "padding": "pad"}.get(name, name)
+            special[f"{key}_token"] = "".join(list(tokens[i]))   # a copy, not the list's
+    return special
+
+
 def _gguf_bpe(reader: GGUFFile, ignore_merges: bool) -> tuple[HFTokenizer, dict[str, str]]:
     """The byte-level BPE of a GGUF file's vocabulary, merges and token types, its added
     (user-defined) and special (control) tokens registered, and the special tokens'
@@ -181,14 +263,5 @@ def _gguf_bpe(reader: GGUFFile, ignore_merges: bool) -> tuple[HFTokenizer, dict[
     tok = HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
                                  ignore_merges=ignore_merges))
     del merges
-    tok.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
-                    for i in np.flatnonzero(types == _USER_DEFINED)])
-    tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
-                            for i in np.flatnonzero(types == _CONTROL)])
-    special = {}
-    for name in ("bos", "eos", "unknown", "padding"):
-        i = reader.get(f"tokenizer.ggml.{name}_token_id")
-        if i is not None and 0 <= i < len(tokens):
-            key = {"unknown": "unk", "padding": "pad"}.get(name, name)
-            special[f"{key}_token"] = "".join(list(tokens[i]))   # a copy, not the list's
-    return tok, special
+    _add_typed_tokens(tok, tokens, types)
+    return tok, _special_strings(reader, tokens)

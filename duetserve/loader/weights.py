@@ -27,7 +27,8 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
 def _stack_plan(cfg: ModelConfig) -> dict[str, tuple[str, int, int]]:
-    """HF layer-suffix -> (our suffix, row offset, row count)."""
+    """HF layer-suffix -> (our suffix, row offset, row count); experts' suffixes are
+    matched with their index replaced by "E" (`_target`)."""
     q, kv, i = cfg.q_size, cfg.kv_size, cfg.intermediate_size
     plan = {
         "self_attn.q_proj.weight": ("self_attn.qkv_proj.weight", 0, q),
@@ -36,6 +37,11 @@ def _stack_plan(cfg: ModelConfig) -> dict[str, tuple[str, int, int]]:
         "mlp.gate_proj.weight": ("mlp.gate_up_proj.weight", 0, i),
         "mlp.up_proj.weight": ("mlp.gate_up_proj.weight", i, i),
     }
+    for part, n in (("experts.E", cfg.moe_intermediate_size),
+                    ("shared_expert", cfg.shared_expert_intermediate_size)):
+        if n:
+            plan[f"mlp.{part}.gate_proj.weight"] = (f"mlp.{part}.gate_up_proj.weight", 0, n)
+            plan[f"mlp.{part}.up_proj.weight"] = (f"mlp.{part}.gate_up_proj.weight", n, n)
     if cfg.has_qkv_bias:
         plan.update({
             "self_attn.q_proj.bias": ("self_attn.qkv_proj.bias", 0, q),
@@ -45,12 +51,26 @@ def _stack_plan(cfg: ModelConfig) -> dict[str, tuple[str, int, int]]:
     return plan
 
 
+# HF names of Mixtral's MoE block -> the ones used here (Qwen-MoE's).
+_RENAMES = ((re.compile(r"^block_sparse_moe\."), "mlp."),
+            (re.compile(r"^(mlp\.experts\.\d+)\.w1\."), r"\1.gate_proj."),
+            (re.compile(r"^(mlp\.experts\.\d+)\.w3\."), r"\1.up_proj."),
+            (re.compile(r"^(mlp\.experts\.\d+)\.w2\."), r"\1.down_proj."))
+_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.")
+
+
 def _target(name: str, plan: dict) -> tuple[str, int | None, int | None]:
     m = _LAYER.match(name)
     if m:
         layer, suffix = m.groups()
-        if suffix in plan:
-            ours, off, n = plan[suffix]
+        for pattern, repl in _RENAMES:
+            suffix = pattern.sub(repl, suffix)
+        e = _EXPERT.match(suffix)
+        key = _EXPERT.sub("mlp.experts.E.", suffix) if e else suffix
+        if key in plan:
+            ours, off, n = plan[key]
+            if e:
+                ours = ours.replace("experts.E.", f"experts.{e.group(1)}.")
             return f"layers.{layer}.{ours}", off, n
         return f"layers.{layer}.{suffix}", None, None
     if name.startswith("model."):
@@ -69,6 +89,19 @@ def _as_tensor(arr) -> torch.Tensor:
     return arr
 
 
+def _split_fused_experts(tensors: Iterable[tuple[str, object]]):
+    """transformers 5's fused expert tensors (mlp.experts.gate_up_proj [E, 2I, d] with gate
+    rows first, mlp.experts.down_proj [E, d, I]) as one tensor per expert."""
+    for name, arr in tensors:
+        if name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")) and \
+                len(arr.shape) == 3:
+            head, tail = name.rsplit(".", 1)
+            for e in range(arr.shape[0]):
+                yield f"{head}.{e}.{tail}.weight", arr[e]
+            continue
+        yield name, arr
+
+
 def load_weights(model: nn.Module, tensors: Iterable[tuple[str, object]], cfg: ModelConfig,
                  dtype: torch.dtype, device: str | torch.device = "cpu",
                  quant: QuantPlan | None = None) -> dict[str, object]:
@@ -77,6 +110,7 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, object]], cfg: M
     ones). Returns the non-parameter extras found (e.g. rope_freqs).
     Raises CheckpointError naming missing, duplicated, extra or mis-shaped tensors."""
     plan = _stack_plan(cfg)
+    tensors = _split_fused_experts(tensors)
     params = dict(model.named_parameters())
     buffers: dict[str, torch.Tensor] = {}
     pending: dict[str, list[tuple[int, object]]] = {}   # quantized target -> (row0, part)
@@ -111,6 +145,8 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, object]], cfg: M
         if buf is None:
             buf = buffers[target] = torch.empty(p.shape, dtype=dtype, device=device)
         buf[rows[0]:rows[1]].copy_(_as_tensor(arr).to(dtype))
+        if isinstance(arr, GGUFTensor):
+            arr.drop_pages()
     if extra:
         raise CheckpointError(f"unexpected tensors in checkpoint: {', '.join(extra[:8])}"
                               + (f" (+{len(extra) - 8} more)" if len(extra) > 8 else ""))

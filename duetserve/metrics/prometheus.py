@@ -91,6 +91,8 @@ class ServerMetrics:
         self.waiting = gauge("num_requests_waiting", "Requests waiting.")
         self.kv_usage = gauge("kv_cache_usage_perc", "KV cache usage (1 = full).")
         self.kv_used_blocks = gauge("kv_cache_used_blocks", "KV blocks in use.")
+        self._kv_kind = Gauge("duet:kv_cache_kind_used_blocks", "KV blocks in use per "
+                              "attention kind (full, sliding).", lbl + ["kind"], registry=r)
         self.preemptions = counter("num_preemptions", "Preemptions.")
         self.prefix_queries = counter("prefix_cache_queries", "Prefix cache queries (tokens).")
         self.prefix_hits = counter("prefix_cache_hits", "Prefix cache hits (tokens).")
@@ -167,6 +169,8 @@ class ServerMetrics:
         self.waiting.set(st.num_waiting)
         self.kv_usage.set(st.kv_usage)
         self.kv_used_blocks.set(st.num_used_blocks)
+        for kind, n in st.used_blocks_by_kind.items():
+            self._kv_kind.labels(self._model, kind).set(n)
         totals = (st.num_preemptions, st.prefix_cache_queries, st.prefix_cache_hits)
         for c, new, old in zip((self.preemptions, self.prefix_queries, self.prefix_hits),
                                totals, self._last_totals):

@@ -68,6 +68,17 @@ class AttentionMetadata:
     prefills: list[PrefillSeq] = field(default_factory=list)
     cos: torch.Tensor | None = None                   # [T, 1, hd] rotary, gathered once per step
     sin: torch.Tensor | None = None
+    # The KV group these tables are for (config.KVGroup: its layers share a block table):
+    # its sliding window (None: full attention), and, on the step's metadata, one view per
+    # group (None: a single group, this metadata itself). A view shares the token layout
+    # and differs in slot_mapping, decode_block_tables, prefills' ctx_slots, window and
+    # rotary rows.
+    window: int | None = None
+    groups: list["AttentionMetadata"] | None = None
+
+    def group(self, g: int) -> "AttentionMetadata":
+        """The metadata of KV group g (self for a single-group model)."""
+        return self if self.groups is None else self.groups[g]
 
 
 class AttentionBackend:
@@ -98,10 +109,13 @@ class AttentionBackend:
 
 
 class TorchAttention(AttentionBackend):
-    """Prefill with torch's SDPA; decode with the native in-place paged kernel
-    (models/native.py) when it is built, else with a gather per decode group."""
+    """Prefill with the native causal kernel or torch's SDPA; decode with the native
+    in-place paged kernel (models/native.py) when it is built, else with a gather per
+    decode group. `window`: a sliding-window layer's W (a query at p attends to keys
+    p-W+1..p); None: full attention. `scale`: the scores' scale (default head_dim^-0.5)."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
+                 scale: float | None = None, window: int | None = None) -> None:
         from duetserve.models.native import ops
         native = ops()
         self.paged_decode = None if native is None else native.paged_decode_attention
@@ -111,7 +125,9 @@ class TorchAttention(AttentionBackend):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.gqa = num_heads != num_kv_heads
-        self.scale = head_dim ** -0.5
+        self.scale = head_dim ** -0.5 if scale is None else scale
+        self.window = window
+        self.window_arg = window or 0          # the native kernels' form (0: none)
 
     def forward_qkv(self, qkv, kv_cache, meta):
         """Decode-only steps with the native kernels: two calls per layer (rotary + cache
@@ -124,7 +140,7 @@ class TorchAttention(AttentionBackend):
         q = self.rope_kv_write(qkv, meta.cos, meta.sin, k_cache, v_cache, meta.slot_mapping,
                                self.num_heads, self.num_kv_heads)
         return self.paged_decode(q, k_cache, v_cache, meta.decode_block_tables,
-                                 meta.decode_context_lens, self.scale)
+                                 meta.decode_context_lens, self.scale, self.window_arg)
 
     def forward(self, q, k, v, kv_cache, meta):
         k_cache, v_cache = kv_cache
@@ -146,14 +162,17 @@ class TorchAttention(AttentionBackend):
             if p.mask is None and self._native_prefill(q, k, v, p, out):
                 continue
             qp = q[p.start:p.end].transpose(0, 1)                # [H, n, hd]
-            if p.mask is None:   # no cached prefix: the new K/V are the whole context
+            if self.window is not None:
+                op = self._window_prefill(qp, k, v, k_flat, v_flat, p)
+            elif p.mask is None:   # no cached prefix: the new K/V are the whole context
                 kp = k[p.start:p.end].transpose(0, 1)
                 vp = v[p.start:p.end].transpose(0, 1).to(q.dtype)
                 # 4-D: torch's CPU flash kernel takes only [B, H, n, hd]; 3-D inputs
                 # fall back to the math path (~4x slower at 512 tokens: an explicit
                 # [H, n, n] score matrix, masked and softmaxed in separate passes)
                 op = F.scaled_dot_product_attention(qp[None], kp[None], vp[None],
-                                                    is_causal=True, enable_gqa=self.gqa)[0]
+                                                    is_causal=True, enable_gqa=self.gqa,
+                                                    scale=self.scale)[0]
             else:
                 kp = torch.index_select(k_flat, 1, p.ctx_slots).to(q.dtype)  # [KVH, L, hd]
                 vp = torch.index_select(v_flat, 1, p.ctx_slots).to(q.dtype)
@@ -179,11 +198,52 @@ class TorchAttention(AttentionBackend):
                 t.dtype not in (torch.float32, torch.bfloat16) for t in (q, k, v)):
             return False
         o = self.prefill_native(q[p.start:p.end].float(), k[p.start:p.end].float(),
-                                v[p.start:p.end].float(), self.scale)
+                                v[p.start:p.end].float(), self.scale, self.window_arg)
         if o.numel() == 0:
             return False
         out[p.start:p.end] = o
         return True
+
+    def _window_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        k_flat: torch.Tensor, v_flat: torch.Tensor,
+                        p: PrefillSeq) -> torch.Tensor:
+        """A sliding-window layer's chunk q [H, n, hd] (positions start..start+n-1 where
+        the context is `start` cached positions + the chunk): only keys within the window
+        of some query are read (the cached ones through ctx_slots, from
+        max(0, start - W + 1) on: the blocks before that may be released already)."""
+        n = q.shape[1]
+        if p.mask is None:                       # no cached prefix: the chunk's own K/V
+            start = 0
+            kc = k[p.start:p.end].transpose(0, 1).to(q.dtype)
+            vc = v[p.start:p.end].transpose(0, 1).to(q.dtype)
+            k_start = 0
+        else:
+            start = p.ctx_slots.shape[0] - n
+            k_start = max(0, start - self.window + 1)
+            slots = p.ctx_slots[k_start:]
+            kc = torch.index_select(k_flat, 1, slots).to(q.dtype)     # [KVH, L', hd]
+            vc = torch.index_select(v_flat, 1, slots).to(q.dtype)
+        return self._windowed(q, kc, vc, start, k_start)
+
+    def _windowed(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int,
+                  k_start: int) -> torch.Tensor:
+        """q [H, n, hd] at positions q_start.. over k, v [KVH, L, hd] at positions
+        k_start..: causal within the window W, in row blocks whose score matrices stay
+        near GROUPED_MAX_SCORES (`_grouped` on each)."""
+        h, n = q.shape[0], q.shape[1]
+        w = self.window
+        rows = max(16, GROUPED_MAX_SCORES // (h * (w + 64)))
+        out = []
+        for a in range(0, n, rows):
+            b = min(n, a + rows)
+            lo = max(k_start, q_start + a - w + 1)
+            hi = q_start + b
+            qpos = torch.arange(q_start + a, q_start + b)[:, None]
+            kpos = torch.arange(lo, hi)[None, :]
+            mask = (kpos <= qpos) & (kpos > qpos - w)
+            out.append(self._grouped(q[:, a:b], k[:, lo - k_start:hi - k_start],
+                                     v[:, lo - k_start:hi - k_start], mask))
+        return torch.cat(out, dim=1)
 
     def _grouped(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  mask: torch.Tensor) -> torch.Tensor:
@@ -213,7 +273,7 @@ class TorchAttention(AttentionBackend):
         flash = _FLASH_WITH_LSE
         if flash is None:
             return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask,
-                                                  enable_gqa=self.gqa)[0]
+                                                  enable_gqa=self.gqa, scale=self.scale)[0]
         cached = k.shape[1] - q.shape[1]
         o1, l1 = flash(q[None], k[None, :, :cached], v[None, :, :cached],
                        scale=self.scale)[:2]
@@ -225,7 +285,8 @@ class TorchAttention(AttentionBackend):
     def _paged(self, q, k_cache, v_cache, meta) -> torch.Tensor:
         """Decode tokens through the native kernel (float32 math, cache read in place)."""
         out = self.paged_decode(q.float().contiguous(), k_cache, v_cache,
-                                meta.decode_block_tables, meta.decode_context_lens, self.scale)
+                                meta.decode_block_tables, meta.decode_context_lens, self.scale,
+                                self.window_arg)
         return out.to(q.dtype)
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -245,7 +306,11 @@ class TorchAttention(AttentionBackend):
         vd = vd.view(kvh, n, ctx, hd).to(q.dtype)
         qg = q.view(n, kvh, self.num_heads // kvh, hd).transpose(0, 1)  # [KVH, G, Gq, hd]
         scores = torch.matmul(qg, kd.transpose(-1, -2)) * self.scale   # [KVH, G, Gq, ctx]
-        scores.masked_fill_(~g.mask, float("-inf"))
+        mask = g.mask
+        if self.window is not None:        # and only the last W positions of each context
+            lens = g.mask.sum(-1, keepdim=True)                         # [1, G, 1, 1]
+            mask = mask & (torch.arange(ctx) >= lens - self.window)
+        scores.masked_fill_(~mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out = torch.matmul(probs, vd)                                  # [KVH, G, Gq, hd]
         return out.transpose(0, 1).reshape(n, self.num_heads, hd)

@@ -155,19 +155,30 @@ class RotaryEmbedding(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)) with gate and up fused into one matmul."""
+    """down(act(gate(x)) * up(x)) with gate and up fused into one matmul; act is SiLU or
+    GELU with the tanh approximation (`hidden_act`)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int,
+                 hidden_act: str = "silu") -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
+        self.hidden_act = hidden_act
         self.gate_up_proj = DenseLinear(hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = DenseLinear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)                    # [T, 2I]
-        if _NATIVE is not None and x.shape[0] <= SILU_MUL_ROWS and gate_up.is_contiguous():
-            # one op, and each row's result independent of the row count (verify rows of
-            # speculative decoding equal decodes); csrc/decode_stack.cpp uses the same bound
-            return self.down_proj(_NATIVE.silu_mul(gate_up))
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(gated_act(self.gate_up_proj(x), self.hidden_act))
+
+
+def gated_act(gate_up: torch.Tensor, hidden_act: str) -> torch.Tensor:
+    """[T, 2I] (gate | up) -> act(gate) * up [T, I]. Steps of up to SILU_MUL_ROWS
+    rows run the native fused op, each row's result independent of the row count (verify
+    rows of speculative decoding equal decodes); csrc/decode_stack.cpp uses the same
+    bound."""
+    if _NATIVE is not None and gate_up.shape[0] <= SILU_MUL_ROWS and gate_up.is_contiguous():
+        return _NATIVE.silu_mul(gate_up) if hidden_act == "silu" else \
+            _NATIVE.gelu_tanh_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    if hidden_act == "silu":
+        return F.silu(gate) * up
+    return F.gelu(gate, approximate="tanh") * up

@@ -1,12 +1,9 @@
-"""Architecture name -> model class."""
+"""ModelConfig -> the model class. Every family (models/families/) runs on the one decoder."""
 from __future__ import annotations
 
-from duetserve.config import SUPPORTED_ARCHITECTURES, ModelConfig
-from duetserve.models.llama import LlamaForCausalLM
-
-_MODELS = {"llama": LlamaForCausalLM, "qwen2": LlamaForCausalLM, "mistral": LlamaForCausalLM}
-assert set(_MODELS) == set(SUPPORTED_ARCHITECTURES)
+from duetserve.config import ModelConfig
+from duetserve.models.decoder import DecoderForCausalLM
 
 
-def model_class(cfg: ModelConfig) -> type[LlamaForCausalLM]:
-    return _MODELS[cfg.architecture]
+def model_class(cfg: ModelConfig) -> type[DecoderForCausalLM]:
+    return DecoderForCausalLM

@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from duetserve.config import ModelConfig, SpeculativeConfig
+from duetserve.config import ConfigError, ModelConfig, SpeculativeConfig
 from duetserve.core.spec_policy import SpecPolicy
 from duetserve.core.step_time import StepTime
 from duetserve.errors import CheckpointError
@@ -44,6 +44,10 @@ def build_speculator(config: SpeculativeConfig, target: LoadedModel,
     EngineConfig.load_options); its KV cache has num_blocks blocks."""
     draft = None
     if config.method == "draft":
+        if len(model_config.kv_groups()) > 1:
+            raise ConfigError("a draft model shares the target's KV block tables, which a "
+                              "model with sliding-window layers splits per layer kind: use "
+                              'method "ngram" with this model')
         loaded = load_model(config.model, dtype, device, max_positions=max_positions,
                             quantization=config.quantization, **(load_options or {}))
         check_same_vocabulary(target, loaded)

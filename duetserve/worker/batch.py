@@ -82,35 +82,33 @@ def _slots(block_ids: list[int], positions: torch.Tensor, block_size: int) -> to
 
 
 def build_step_batch(work: list[SeqWork], block_size: int, device: torch.device | str = "cpu",
-                     paged_decode: bool = False) -> StepBatch:
+                     paged_decode: bool = False,
+                     windows: tuple[int | None, ...] = (None,)) -> StepBatch:
     """Decodes (one new token) first, then prefill chunks; see models/attention.py.
     `paged_decode`: the backend reads the cache in place, so decodes get one block table
     and context lengths instead of padded groups and masks, and chunks of up to
     CHUNK_AS_DECODE_ROWS tokens become decode rows (after the decodes, each chunk's rows
-    contiguous and in position order)."""
+    contiguous and in position order). `windows`: the sliding window of each KV group
+    (config.KVGroup.window; one None for a full-attention model); a SeqWork's block_ids
+    interleave the groups' tables (entry i * G + g is group g's block i), and the
+    metadata carries one view per group (AttentionMetadata.groups)."""
     decodes, prefills = _order(work, paged_decode)
     ordered = decodes + prefills
     ids: list[int] = []
     pos: list[int] = []
-    slots: list[int] = []
     for w in ordered:
         ids.extend(w.token_ids)
-        span = range(w.start_pos, w.start_pos + len(w.token_ids))
-        pos.extend(span)
-        bids = w.block_ids
-        slots.extend(bids[p // block_size] * block_size + p % block_size for p in span)
-    meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long))
-    meta.num_decodes = len(decodes)
-    if paged_decode and decodes:
-        width = max(len(w.block_ids) for w in decodes)
-        meta.decode_block_tables = torch.tensor(
-            [w.block_ids + [0] * (width - len(w.block_ids)) for w in decodes],
-            dtype=torch.long)
-        meta.decode_context_lens = torch.tensor([w.start_pos + 1 for w in decodes],
-                                                dtype=torch.long)
-    else:
-        meta.decode_groups = _decode_groups(decodes, block_size)
-    meta.prefills = _prefill_seqs(prefills, len(decodes), block_size)
+        pos.extend(range(w.start_pos, w.start_pos + len(w.token_ids)))
+    num_groups = len(windows)
+    views = []
+    for g, window in enumerate(windows):
+        def table(w: SeqWork, g=g) -> list[int]:
+            return w.block_ids if num_groups == 1 else w.block_ids[g::num_groups]
+        views.append(_group_meta(ordered, decodes, prefills, table, block_size, paged_decode))
+        views[-1].window = window
+    meta = views[0]
+    if num_groups > 1:
+        meta.groups = views
     logits_idx, logits_req = [], []
     offset = 0
     for w in ordered:
@@ -122,6 +120,31 @@ def build_step_batch(work: list[SeqWork], block_size: int, device: torch.device 
                      torch.tensor(pos, dtype=torch.long).to(device), meta,
                      torch.tensor(logits_idx, dtype=torch.long), logits_req,
                      list(dict.fromkeys(w.req_id for w in ordered)))
+
+
+def _group_meta(ordered: list[SeqWork], decodes: list[SeqWork], prefills: list[SeqWork],
+                table, block_size: int, paged_decode: bool) -> AttentionMetadata:
+    """The step's attention metadata for one KV group, whose block table of a slice is
+    table(slice): slots of the new tokens, decode block tables (or padded groups and
+    masks without the paged kernel), prefill chunks' context slots and masks."""
+    slots: list[int] = []
+    for w in ordered:
+        bids = table(w)
+        slots.extend(bids[p // block_size] * block_size + p % block_size
+                     for p in range(w.start_pos, w.start_pos + len(w.token_ids)))
+    meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long))
+    meta.num_decodes = len(decodes)
+    if paged_decode and decodes:
+        tables = [table(w) for w in decodes]
+        width = max(len(t) for t in tables)
+        meta.decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables],
+                                                dtype=torch.long)
+        meta.decode_context_lens = torch.tensor([w.start_pos + 1 for w in decodes],
+                                                dtype=torch.long)
+    else:
+        meta.decode_groups = _decode_groups(decodes, table, block_size)
+    meta.prefills = _prefill_seqs(prefills, table, len(decodes), block_size)
+    return meta
 
 
 def _order(work: list[SeqWork], paged_decode: bool) -> tuple[list[SeqWork], list[SeqWork]]:
@@ -138,7 +161,7 @@ def _order(work: list[SeqWork], paged_decode: bool) -> tuple[list[SeqWork], list
     return decodes, prefills
 
 
-def _decode_groups(decodes: list[SeqWork], block_size: int) -> list[DecodeGroup]:
+def _decode_groups(decodes: list[SeqWork], table, block_size: int) -> list[DecodeGroup]:
     """Decodes gathered in groups of DECODE_GROUP_SIZE (no in-place kernel): per group a
     block table padded to its longest context and the mask of each row's context."""
     groups = []
@@ -146,17 +169,19 @@ def _decode_groups(decodes: list[SeqWork], block_size: int) -> list[DecodeGroup]
         group = decodes[g0:g0 + DECODE_GROUP_SIZE]
         ctx_lens = torch.tensor([w.start_pos + 1 for w in group])           # [G]
         num_blocks = (int(ctx_lens.max()) + block_size - 1) // block_size
-        table = torch.zeros(len(group), num_blocks, dtype=torch.long)
+        tab = torch.zeros(len(group), num_blocks, dtype=torch.long)
         for i, w in enumerate(group):
-            n = min(len(w.block_ids), num_blocks)
-            table[i, :n] = torch.tensor(w.block_ids[:n])
+            bids = table(w)
+            n = min(len(bids), num_blocks)
+            tab[i, :n] = torch.tensor(bids[:n])
         ar = torch.arange(num_blocks * block_size)
         mask = (ar[None, :] < ctx_lens[:, None])[None, :, None, :]      # [1, G, 1, ctx]
-        groups.append(DecodeGroup(g0, g0 + len(group), table, mask))
+        groups.append(DecodeGroup(g0, g0 + len(group), tab, mask))
     return groups
 
 
-def _prefill_seqs(prefills: list[SeqWork], start: int, block_size: int) -> list[PrefillSeq]:
+def _prefill_seqs(prefills: list[SeqWork], table, start: int, block_size: int
+                  ) -> list[PrefillSeq]:
     """Each prefill slice's rows [start, start + n) of the flat batch; a chunk after
     cached context also gets its context's slots and its causal mask over them."""
     seqs = []
@@ -167,7 +192,7 @@ def _prefill_seqs(prefills: list[SeqWork], start: int, block_size: int) -> list[
         else:
             ctx = w.start_pos + n
             seq = PrefillSeq(start, start + n,
-                             _slots(w.block_ids, torch.arange(ctx), block_size),
+                             _slots(table(w), torch.arange(ctx), block_size),
                              torch.arange(ctx)[None, :] <= (w.start_pos + torch.arange(n))[:, None])
         seqs.append(seq)
         start += n

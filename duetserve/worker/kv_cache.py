@@ -1,7 +1,11 @@
 """KV cache sizing and allocation.
 
-One tensor for all layers: [layers, 2 (k, v), kv_heads, num_blocks, block_size, head_dim];
-layer i uses (cache[i, 0], cache[i, 1]), each [kv_heads, num_blocks, block_size, head_dim].
+One tensor for all layers: [slots, 2 (k, v), kv_heads, num_blocks, block_size, head_dim]
+where a block holds `slots` layers (config.ModelConfig.kv_groups): every layer for a
+full-attention model (slot i = layer i), g layers of one KV group for a hybrid one (Gemma
+3: a block id belongs to one group at a time, and slot s of it holds that group's s-th
+layer). Layer i uses (cache[s, 0], cache[s, 1]) for its slot s, each [kv_heads,
+num_blocks, block_size, head_dim], indexed by its group's block ids.
 
 NOTE: heads first (not [num_blocks, block_size, kv_heads, head_dim]) so that gathering a
 sequence's blocks yields, per KV head, a contiguous [context, head_dim] matrix: attention
@@ -20,14 +24,19 @@ GiB = 1 << 30
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    """KV cache bytes per token of a `dtype` cache (ModelConfig's formula), exact."""
+    """KV cache bytes per token of full attention in a `dtype` cache (ModelConfig's
+    formula), exact."""
     return int(cfg.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size()))
+
+
+def kv_block_bytes(cfg: ModelConfig, dtype: torch.dtype, block_size: int) -> int:
+    """Bytes of one KV block (ModelConfig.kv_block_bytes), exact."""
+    return int(cfg.kv_block_bytes(block_size, torch.empty((), dtype=dtype).element_size()))
 
 
 def num_blocks_for_memory(cfg: ModelConfig, dtype: torch.dtype, block_size: int,
                           memory_gib: float) -> int:
-    per_block = kv_bytes_per_token(cfg, dtype) * block_size
-    return max(1, int(memory_gib * GiB) // per_block)
+    return max(1, int(memory_gib * GiB) // kv_block_bytes(cfg, dtype, block_size))
 
 
 def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, huge: bool = False) -> torch.Tensor:
@@ -69,7 +78,7 @@ def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int,
     on the first use of its block, in 2 MiB pages where the kernel gives them (2 GiB:
     engine start 1.8-2.9 s, 1.2-1.5 s in 4 KiB pages, on the 2-core EPYC); a given `buffer` is
     left as it is (its owner maps it)."""
-    shape = (cfg.num_hidden_layers, 2, cfg.num_key_value_heads, num_blocks, block_size,
+    shape = (cfg.kv_layers_per_block, 2, cfg.num_key_value_heads, num_blocks, block_size,
              cfg.head_dim)
     if buffer is not None:
         cache = buffer.view(dtype).view(shape)
@@ -79,4 +88,5 @@ def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int,
             cache.zero_()
     else:
         cache = torch.zeros(shape, dtype=dtype, device=device)
-    return [(cache[i, 0], cache[i, 1]) for i in range(cfg.num_hidden_layers)]
+    slot = {i: s for g in cfg.kv_groups() for s, i in enumerate(g.layer_ids)}
+    return [(cache[slot[i], 0], cache[slot[i], 1]) for i in range(cfg.num_hidden_layers)]

@@ -61,6 +61,8 @@ class ModelRunner:
         self.paged_decode = getattr(backend, "paged_decode", None) is not None
         # prompt chunks of up to this many tokens run as decode rows (worker/batch.py)
         self.chunk_rows = chunk_rows(self.paged_decode)
+        # each KV group's sliding window (block ids of a request interleave the groups')
+        self.kv_windows = tuple(g.window for g in model_config.kv_groups())
         self.speculator = speculator
 
     # -- state -------------------------------------------------------------------------
@@ -118,7 +120,7 @@ class ModelRunner:
             return ModelRunnerOutput()
         spec = so.scheduled_spec_token_ids
         batch = build_step_batch(self._work(so), self.block_size, self.device,
-                                 self.paged_decode)
+                                 self.paged_decode, self.kv_windows)
         rows: dict[str, list[int]] = {}          # logits rows of each request
         for i, req_id in enumerate(batch.logits_req_ids):
             rows.setdefault(req_id, []).append(i)

@@ -45,7 +45,7 @@ def test_scripted_allocate_free_hit_evict() -> None:
     # C shares A's first block; the last token is never served from the cache.
     c = req("C", [0, 1, 2, 3, 50, 51, 52])
     hits, num_hit = kv.get_computed_blocks(c)
-    assert [b.block_id for b in hits] == [0] and num_hit == 4
+    assert [b.block_id for b in hits[0]] == [0] and num_hit == 4
     assert kv.allocate_slots(c, 3, hits) == [2]
     assert kv.get_block_ids("C") == [0, 2]
     assert pool.free_block_ids() == [5, 6, 7, 1]
@@ -55,7 +55,7 @@ def test_scripted_allocate_free_hit_evict() -> None:
     assert admit(kv, d) == [5, 6, 7, 1]
     assert pool.free_block_ids() == []
     probe = req("P", list(range(10)))
-    assert [b.block_id for b in kv.get_computed_blocks(probe)[0]] == [0]
+    assert [b.block_id for b in kv.get_computed_blocks(probe)[0][0]] == [0]
 
     # Nothing fits: None and nothing changed.
     e = req("E", [7, 7, 7])
@@ -67,7 +67,7 @@ def test_scripted_allocate_free_hit_evict() -> None:
     # G hits B's two blocks (both free) and needs one more: 3 > 2 free -> None, unchanged.
     g = req("G", list(range(100, 108)) + [9])
     hits, num_hit = kv.get_computed_blocks(g)
-    assert [b.block_id for b in hits] == [3, 4] and num_hit == 8
+    assert [b.block_id for b in hits[0]] == [3, 4] and num_hit == 8
     assert kv.allocate_slots(g, 1, hits) is None
     assert pool.free_block_ids() == [4, 3] and pool.blocks[3].ref_cnt == 0
 
@@ -111,7 +111,7 @@ def test_a_block_filled_by_decoding_is_offered_to_the_cache() -> None:
     # the second step's token completes block 1 ([4, 5, 60, 61]): cached at allocation
     assert kv.pool.num_cached_blocks == 2
     probe = req("P", list(range(6)) + [60, 61, 99])
-    assert [b.block_id for b in kv.get_computed_blocks(probe)[0]] == [0, 1]
+    assert [b.block_id for b in kv.get_computed_blocks(probe)[0][0]] == [0, 1]
     a.append_output_token_ids(62)
     hashing.update_block_hashes(a, BS)
     assert kv.allocate_slots(a, 1) == [2]     # the ninth token opens a third block

@@ -41,7 +41,7 @@ def _run_all(llm: LLM, prompts, one_at_a_time: bool = False) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
 
 
-def _check_all_modes(loaded, prompts, hf_model) -> None:
+def _check_all_modes(loaded, prompts, hf_model, small_blocks: int = 40) -> None:
     base = _run_all(_engine(loaded, max_num_batched_tokens=4096), prompts)
     assert all(len(t) == MAX_TOKENS for t in base)
     # (b) one prompt at a time
@@ -64,7 +64,7 @@ def _check_all_modes(loaded, prompts, hf_model) -> None:
     assert _run_all(cached, prompts) == base
     assert cached.engine.scheduler.make_stats().prefix_cache_hits > 0
     # (e) a KV cache so small that requests are preempted and recomputed
-    small = _engine(loaded, num_gpu_blocks_override=40, block_size=8)       # 320 tokens
+    small = _engine(loaded, num_gpu_blocks_override=small_blocks, block_size=8)  # 320 tokens
     assert _run_all(small, prompts) == base
     assert small.engine.scheduler.num_preemptions > 0
     assert small.engine.scheduler.kv_cache_manager.num_used_blocks == 0

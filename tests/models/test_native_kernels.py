@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from duetserve.models.layers import DenseLinear
-from duetserve.models.llama import _UNBUILT
+from duetserve.models.decoder import _UNBUILT
 from duetserve.models.native import ops
 from pinned import pinned_step_time
 
@@ -416,7 +416,9 @@ def _as_stacked(qw):
 
 @pytest.mark.parametrize("variant,quant", [("qwen2-qkv-bias", "int4"), ("llama-gqa-untied", "int8"),
                                            ("llama-gqa-tied", "none"), ("wide", "int6"),
-                                           ("wide", "int4k"), ("wide", "stacked")])
+                                           ("wide", "int4k"), ("wide", "stacked"),
+                                           ("gemma3", "int8"), ("qwen3_moe", "int4"),
+                                           ("mixtral", "int8"), ("gemma3", "none")])
 def test_native_decode_stack_equals_module_path(tiny_checkpoints, tmp_path, variant, quant):
     """Decode-only steps through the one-call native stack give the module path's logprobs
     exactly for q4 (with QKV bias), q4k, q6 and q8 linears (same kernels, same order), at 1 and 3
@@ -425,10 +427,17 @@ def test_native_decode_stack_equals_module_path(tiny_checkpoints, tmp_path, vari
     qwen2 of hidden size 256 (q4k blocks are 256 columns) with every linear made q6 / q4k
     (stacked: qkv a q4k part and a q6 part, the others q4k)."""
     from duetserve.models.quant import QuantLinear
+    from tiny_families import FAMILY_VARIANTS, make_family_checkpoint
     from tiny_models import make_tiny_checkpoint
-    path = make_tiny_checkpoint(str(tmp_path / "wide"), "qwen2-qkv-bias", hidden_size=256,
-                                intermediate_size=512) if variant == "wide" \
-        else tiny_checkpoints[variant]
+    # families: Gemma 3's sandwich norms, QK-norm, GELU, scaled embeddings and sliding
+    # window (8: the requests below pass it), experts routed per row (Qwen3-MoE, Mixtral)
+    if variant in FAMILY_VARIANTS:
+        path = make_family_checkpoint(str(tmp_path / variant), variant)
+    elif variant == "wide":
+        path = make_tiny_checkpoint(str(tmp_path / "wide"), "qwen2-qkv-bias", hidden_size=256,
+                                    intermediate_size=512)
+    else:
+        path = tiny_checkpoints[variant]
     from duetserve.config import EngineConfig
     from duetserve.engine.engine_core import EngineCore
     from duetserve.sampling_params import SamplingParams
@@ -458,7 +467,7 @@ def test_native_decode_stack_equals_module_path(tiny_checkpoints, tmp_path, vari
         model._stack = _UNBUILT if use_stack else None
         for t in (t for kv in eng.runner.kv_caches for t in kv):
             t.zero_()     # start-up measurements may have written slots (or read a cache)
-        sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=2)
+        sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
         eng.add_request("a", [3, 4, 5, 6, 7], sp)
         eng.add_request("b", [9, 8, 7], sp)
         eng.add_request("c", [11], sp)
@@ -708,3 +717,98 @@ def test_short_chunks_become_decode_rows_with_the_logits_at_their_end(monkeypatc
     plain = B.build_step_batch(work, 4, paged_decode=False)
     assert plain.meta.num_decodes == 1 and len(plain.meta.prefills) == 3
     assert plain.logits_req_ids == ["dec", "long", "chunk"]
+
+
+# --- sliding-window attention (Gemma 3's local layers) --------------------------------
+
+def _windowed_reference(q, kc, vc, tables, lens, window, scale):
+    kvh, _, bs, hd = kc.shape
+    out = []
+    for b, n in enumerate(lens.tolist()):
+        pos = torch.arange(max(0, n - window), n)
+        slots = tables[b][pos // bs] * bs + pos % bs
+        k = kc.reshape(kvh, -1, hd)[:, slots]
+        v = vc.reshape(kvh, -1, hd)[:, slots]
+        o = F.scaled_dot_product_attention(q[b].view(kvh, -1, 1, hd), k[:, None], v[:, None],
+                                           scale=scale)
+        out.append(o.reshape(-1, hd))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("kvh,heads,hd", [(2, 6, 32), (1, 4, 256), (1, 9, 64)])
+@pytest.mark.parametrize("window", [5, 16, 40])
+def test_paged_decode_window_reads_only_the_window(kvh, heads, hd, window):
+    """Only the last `window` positions are attended to, and the blocks wholly before them
+    are never read: the table points them at a block full of NaN (as a released sliding
+    block points at the null block)."""
+    q, kc, vc, tables, lens = _case(kvh, heads, hd, lens=(1, 15, 17, 40, 130))
+    poison = kc.shape[1] - 1
+    kc[:, poison] = float("nan")
+    vc[:, poison] = float("nan")
+    tables = tables.clone()
+    tables[tables == poison] = 0
+    bs = kc.shape[2]
+    for b, n in enumerate(lens.tolist()):
+        first = max(0, n - window) // bs             # the first block the window needs
+        tables[b, :first] = poison
+    scale = 0.3
+    got = native.paged_decode_attention(q, kc, vc, tables, lens, scale, window)
+    want = _windowed_reference(q, kc, vc, tables, lens, window, scale)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("n,heads,kvh,hd,window", [(100, 4, 1, 256, 37), (300, 9, 3, 64, 64),
+                                                   (70, 4, 2, 128, 1), (50, 4, 4, 64, 80)])
+def test_prefill_attention_window_matches_masked_sdpa(n, heads, kvh, hd, window):
+    q, k, v = _qkv_views(n, heads, kvh, hd, seed=5)
+    i = torch.arange(n)
+    mask = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)
+    want = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1),
+                                          v.transpose(0, 1), attn_mask=mask, scale=0.2,
+                                          enable_gqa=True).transpose(0, 1)
+    got = native.prefill_attention(q, k, v, 0.2, window)
+    if got.numel() == 0:
+        pytest.skip("prefill kernel not covered by this build (no AVX-512)")
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6 * hd / 64)   # longer dots
+
+
+def test_backend_window_paths_agree():
+    """A sliding-window layer's chunk through every path the backend has: without a
+    cached prefix (native kernel, and the row-block fallback), after a cached prefix
+    (gathered from the paged cache, blocks before the window poisoned with NaN), and as
+    decode rows read in place; all equal the masked reference."""
+    from duetserve.models.attention import AttentionMetadata, PrefillSeq, TorchAttention
+    heads, kvh, hd, window, bs, n = 4, 2, 64, 24, 8, 60
+    q, k, v = _qkv_views(n, heads, kvh, hd, seed=7)
+    i = torch.arange(n)
+    mask = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)
+    want = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1),
+                                          v.transpose(0, 1), attn_mask=mask,
+                                          enable_gqa=True).transpose(0, 1)
+    backend = TorchAttention(heads, kvh, hd, window=window)
+    nb = n // bs + 2
+    slots = torch.arange(n)                                   # blocks 0.. in order
+
+    def cache():
+        return torch.zeros(kvh, nb, bs, hd), torch.zeros(kvh, nb, bs, hd)
+    # whole chunk, no prefix
+    kc, vc = cache()
+    meta = AttentionMetadata(slot_mapping=slots, prefills=[PrefillSeq(0, n, slots[:0], None)])
+    torch.testing.assert_close(backend.forward(q, k, v, (kc, vc), meta), want, atol=2e-6, rtol=0)
+    torch.testing.assert_close(backend._windowed(q.transpose(0, 1), k.transpose(0, 1),
+                                                 v.transpose(0, 1), 0, 0).transpose(0, 1),
+                               want, atol=2e-6, rtol=0)
+    # the last 20 tokens after 40 cached ones; positions before the window poisoned
+    kc, vc = cache()
+    first = AttentionMetadata(slot_mapping=slots[:40],
+                              prefills=[PrefillSeq(0, 40, slots[:0], None)])
+    backend.forward(q[:40], k[:40], v[:40], (kc, vc), first)
+    cut = (40 - window + 1) // bs * bs                        # blocks before: released
+    kc.view(kvh, -1, hd)[:, :cut] = float("nan")
+    vc.view(kvh, -1, hd)[:, :cut] = float("nan")
+    ctx = torch.arange(n)
+    chunk = AttentionMetadata(slot_mapping=slots[40:], prefills=[PrefillSeq(
+        0, 20, ctx, ctx[None, :] <= (40 + torch.arange(20))[:, None])])
+    got = backend.forward(q[40:], k[40:], v[40:], (kc, vc), chunk)
+    torch.testing.assert_close(got, want[40:], atol=2e-6, rtol=0)

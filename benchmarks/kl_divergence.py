@@ -1,0 +1,158 @@
+"""KL divergence of the low-bit path against the float32 path on a fixed text, next to
+llama.cpp's own on the same file (`llama-perplexity --kl-divergence`), in one run.
+
+    .venv/bin/python benchmarks/kl_divergence.py --model FILE.gguf [--ctx 512] [--chunks 8]
+
+The text (default: docs/architecture.md) is cut into chunks of --ctx tokens, each starting
+with BOS where the model adds one, as llama-perplexity does; the next-token distributions
+of the second half of every chunk are compared, KL(p_float32 || p_lowbit) averaged over
+them. duetserve's side is computed twice:
+
+  prefill  the whole chunk in one step (many rows: the engine's prompt path)
+  decode   teacher-forced one token a step (few rows: the low-bit GEMVs that generate)
+
+and its float32 base is the same file with `--quantization none` (weights dequantized
+exactly). llama.cpp's base is an F32 copy of the file (benchmarks/peers/make_f32_gguf.py),
+its comparison the file itself, both with the same tokens (`--kl-divergence-base`).
+Prints a table and writes JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+
+import torch
+
+from duetserve.loader import load_model
+from duetserve.worker.batch import SeqWork, build_step_batch
+from duetserve.worker.kv_cache import allocate_kv_cache
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TEXT = os.path.join(HERE, "..", "docs", "architecture.md")
+
+
+class Forward:
+    """One loaded model over its own paged KV cache: a chunk's next-token log-probs."""
+
+    def __init__(self, loaded, ctx: int) -> None:
+        self.loaded, self.bs = loaded, 16
+        self.windows = tuple(g.window for g in loaded.config.kv_groups())
+        blocks = (ctx // self.bs + 2) * len(self.windows)
+        self.kv = allocate_kv_cache(loaded.config, blocks, self.bs, torch.float32, "cpu")
+        self.block_ids = list(range(blocks))
+        self.paged = loaded.model.layers[0].self_attn.backend.paged_decode is not None
+
+    @torch.inference_mode()
+    def logprobs(self, tokens: list[int], first: int, one_by_one: bool) -> torch.Tensor:
+        """log p(. | tokens[:i+1]) for i in [first - 1, len - 1): [n, vocab]."""
+        model, out = self.loaded.model, []
+        if not one_by_one:
+            b = self._batch([SeqWork("c", tokens, 0, self.block_ids, True)], rows=False)
+            hidden = model(b.input_ids, b.positions, self.kv, b.meta)
+            return torch.log_softmax(model.compute_logits(hidden[first - 1:-1]), -1)
+        b = self._batch([SeqWork("c", tokens[:first], 0, self.block_ids, True)], rows=False)
+        hidden = model(b.input_ids, b.positions, self.kv, b.meta)
+        out.append(model.compute_logits(hidden[-1:]))
+        for pos in range(first, len(tokens) - 1):
+            b = self._batch([SeqWork("c", [tokens[pos]], pos, self.block_ids, True)], True)
+            out.append(model.compute_logits(model(b.input_ids, b.positions, self.kv, b.meta)))
+        return torch.log_softmax(torch.cat(out), -1)
+
+    def _batch(self, work, rows: bool):
+        return build_step_batch(work, self.bs, paged_decode=self.paged and rows,
+                                windows=self.windows)
+
+
+def chunks(tokenizer, ctx: int, count: int) -> list[list[int]]:
+    with open(TEXT, encoding="utf-8") as f:
+        ids = tokenizer.encode(f.read(), add_special_tokens=False)
+    bos = [tokenizer.bos_token_id] if tokenizer.add_bos and tokenizer.bos_token_id is not None \
+        else []
+    n = ctx - len(bos)
+    return [bos + ids[i * n:(i + 1) * n] for i in range(min(count, len(ids) // n))]
+
+
+def kl(base: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    return (base.exp() * (base - other)).sum(-1)
+
+
+def ours(model: str, token_chunks: list[list[int]], ctx: int) -> dict:
+    f32 = Forward(load_model(model, quantization="none"), ctx)
+    low = Forward(load_model(model, quantization="auto"), ctx)
+    first = ctx // 2
+    res = {}
+    for mode, one in (("prefill", False), ("decode", True)):
+        kls, agree = [], []
+        for toks in token_chunks:
+            p = f32.logprobs(toks, first, one)
+            q = low.logprobs(toks, first, one)
+            kls.append(kl(p, q))
+            agree.append((p.argmax(-1) == q.argmax(-1)).float())
+        k = torch.cat(kls)
+        res[mode] = {"mean_kld": float(k.mean()), "p99_kld": float(k.quantile(0.99)),
+                     "same_top1": float(torch.cat(agree).mean()), "tokens": int(k.numel())}
+    return res
+
+
+def llama_cpp(model: str, token_chunks: list[list[int]], ctx: int, bin_dir: str,
+              threads: int, workdir: str) -> dict:
+    """llama-perplexity's KL divergence of `model` against its F32 copy on the same text
+    (its own tokenizer; chunk count limited like ours)."""
+    f32 = os.path.join(workdir, os.path.basename(model).replace(".gguf", ".F32.gguf"))
+    if not os.path.exists(f32):
+        subprocess.run([sys.executable, os.path.join(HERE, "peers", "make_f32_gguf.py"),
+                        "--input", model, "--output", f32], check=True)
+    base = os.path.join(workdir, "kld_base.bin")
+    common = ["-f", TEXT, "-c", str(ctx), "--chunks", str(len(token_chunks)), "-t",
+              str(threads), "-b", str(ctx)]
+    exe = os.path.join(bin_dir, "llama-perplexity")
+    subprocess.run([exe, "-m", f32, "--kl-divergence-base", base] + common, check=True,
+                   capture_output=True)
+    run = subprocess.run([exe, "-m", model, "--kl-divergence-base", base, "--kl-divergence"]
+                         + common, check=True, capture_output=True, text=True)
+    text = run.stdout + run.stderr
+    mean = re.search(r"Mean\s+KLD:\s+([0-9.eE+-]+)", text)
+    same = re.search(r"Same top p:\s+([0-9.]+)", text)
+    p99 = re.search(r"99\.0%\s+KLD:\s+([0-9.eE+-]+)", text)
+    return {"mean_kld": float(mean.group(1)) if mean else None,
+            "p99_kld": float(p99.group(1)) if p99 else None,
+            "same_top1": float(same.group(1)) / 100 if same else None, "log_tail": text[-2000:]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--ctx", type=int, default=512)
+    ap.add_argument("--chunks", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--llama-bin", default=None, help="llama.cpp bin/ (default: build it)")
+    ap.add_argument("--out", default="out/kl_divergence.json")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    workdir = os.path.dirname(os.path.abspath(args.out))
+    os.makedirs(workdir, exist_ok=True)
+    tokenizer = load_model(args.model, quantization="none").tokenizer
+    token_chunks = chunks(tokenizer, args.ctx, args.chunks)
+    result = {"model": args.model, "ctx": args.ctx, "chunks": len(token_chunks),
+              "duetserve": ours(args.model, token_chunks, args.ctx)}
+    bin_dir = args.llama_bin or subprocess.run(
+        ["bash", os.path.join(HERE, "peers", "build_llama_cpp.sh")], check=True,
+        capture_output=True, text=True).stdout.strip().splitlines()[-1]
+    result["llama.cpp"] = llama_cpp(args.model, token_chunks, args.ctx, bin_dir,
+                                    args.threads, workdir)
+    print(f"{'path':<22} {'mean KLD':>10} {'p99 KLD':>10} {'same top-1':>10}")
+    for name, r in (("duetserve prefill", result["duetserve"]["prefill"]),
+                    ("duetserve decode", result["duetserve"]["decode"]),
+                    ("llama.cpp", result["llama.cpp"])):
+        print(f"{name:<22} {r['mean_kld']:>10.5f} {r['p99_kld'] or float('nan'):>10.5f} "
+              f"{r['same_top1'] or float('nan'):>10.3f}")
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
