@@ -2,6 +2,7 @@
 
     POST /v1/completions, /v1/chat/completions     (serving.py, serving_chat.py)
     GET  /v1/models, /health, /version, /metrics
+    GET  /, /ui, /dashboard, /ui/info, /dashboard/data   (entrypoints/web/)
 
 Every client mistake is a 4xx with {"error": {"message", "type", "param", "code"}}:
 FastAPI's 422 validation errors (malformed JSON, wrong types, missing fields) become 400.
@@ -25,12 +26,14 @@ from duetserve.entrypoints.openai.protocol import (ChatCompletionRequest, Comple
 from duetserve.entrypoints.openai.http_guard import RequestGuard
 from duetserve.entrypoints.openai.serving import APIError, ServerContext, create_completion
 from duetserve.entrypoints.openai.serving_chat import create_chat_completion
+from duetserve.entrypoints.web import PAGE_PATHS
+from duetserve.entrypoints.web.server_routes import install as install_web_pages
 from duetserve.metrics.kv_transfer import KVTransferMetrics
 from duetserve.metrics.prometheus import CONTENT_TYPE, ServerMetrics
 
 log = logging.getLogger("duetserve.serve")
 
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health"}) | PAGE_PATHS     # the pages hold no data
 
 
 class ApiKeyMiddleware:
@@ -197,4 +200,5 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     async def prometheus_metrics():
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
+    install_web_pages(app, engine, served_model_name)   # /, /ui, /dashboard (web/)
     return app

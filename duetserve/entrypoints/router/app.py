@@ -10,6 +10,8 @@ prefill and decode instances (`duet serve --role prefill|decode`); or
     GET  /health                                 200 while each kind has a healthy one
     GET  /instances                              the pool: health, load, last error
     GET  /metrics                                requests, per-instance counts, TTFT split
+    GET  /, /dashboard                           chat page; every instance's dashboard
+                                                 and a summary (entrypoints/web/)
 
 `duet cluster` (duetserve/cluster/) builds the same app over a pool it fills at run time.
 """
@@ -33,6 +35,7 @@ from duetserve.entrypoints.router.policy import POLICIES, Policy
 from duetserve.entrypoints.router.pool import InstancePool, parse_urls
 from duetserve.entrypoints.router.proxy import Proxy
 from duetserve.entrypoints.shared_args import add_bind_arguments
+from duetserve.entrypoints.web.router_routes import install as install_web_pages
 
 log = logging.getLogger("duetserve.router")
 BUCKETS = [0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0]
@@ -214,6 +217,7 @@ def build_app(pool: InstancePool, prefill_policy: Policy, decode_policy: Policy,
     async def metrics():
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
+    install_web_pages(app, pool, lambda: state["client"])   # /, /dashboard (web/)
     return app
 
 

@@ -1,0 +1,227 @@
+"""The chat page and the dashboard in a real browser: headless Chromium (Debian's package)
+driven over the DevTools protocol (cdp.py), against `duet serve` with the default model,
+the router in front of it, and a tiny model without a chat template.
+
+Skipped, saying why, where no Chromium is installed; `.ci/run` installs it so CI runs
+them. DUET_UI_SCREENSHOTS=docs saves the README's screenshots (docs/ui_chat.png,
+docs/ui_dashboard.png); otherwise they go to the test's tmp dir.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+from cdp import Chromium, find_chromium
+from server_process import ServerProcess, free_port
+
+pytestmark = pytest.mark.skipif(
+    find_chromium() is None,
+    reason="no Chromium to drive (apt-get install chromium, or set DUET_CHROMIUM); "
+           ".ci/run installs it")
+
+COLOURS = ["red", "green", "blue"]
+
+
+@pytest.fixture(scope="module")
+def server():
+    with ServerProcess() as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    with Chromium.launch(str(tmp_path_factory.mktemp("chromium-profile"))) as b:
+        yield b
+
+
+def shot_path(tmp_path, name: str) -> str:
+    folder = os.environ.get("DUET_UI_SCREENSHOTS") or str(tmp_path)
+    os.makedirs(folder, exist_ok=True)
+    return os.path.join(folder, name)
+
+
+def open_chat(browser: Chromium, base: str, width: int = 1280, height: int = 800):
+    """A fresh chat page (saved settings cleared) with the server's info loaded."""
+    page = browser.new_page(width, height)
+    page.goto(base + "/")
+    page.evaluate("localStorage.clear()")
+    page.goto(base + "/")
+    page.wait_for("Chat.state.model")
+    return page
+
+
+def set_fields(page, **values: object) -> None:
+    for field, value in values.items():
+        page.evaluate(f"""(() => {{ const e = document.getElementById({json.dumps(field)});
+            e.value = {json.dumps(str(value))}; e.dispatchEvent(new Event("change")); }})()""")
+
+
+def send(page, text: str, timeout_s: float = 120.0) -> dict:
+    """Type `text`, press Send, wait for the reply's stats line; the reply's data."""
+    page.evaluate(f"""(() => {{ document.getElementById("input").value = {json.dumps(text)};
+        document.getElementById("send").click(); }})()""")
+    last = "[...document.querySelectorAll('.msg.assistant')].pop()"
+    page.wait_for(f"""(() => {{ const m = {last};
+        if (!m) return false;
+        const d = m.querySelector('.stats').dataset;
+        return d.tokens || d.error; }})()""", timeout_s)
+    return page.evaluate(f"""(() => {{ const m = {last};
+        return Object.assign({{text: m.querySelector('.body').textContent,
+                              error: m.querySelector('.body').classList.contains('err')}},
+                             m.querySelector('.stats').dataset); }})()""")
+
+
+def test_chat_streams_a_reply(server, browser, tmp_path) -> None:
+    page = open_chat(browser, server.base)
+    assert "chat template" in page.evaluate("document.getElementById('mode-note').textContent")
+    set_fields(page, max_tokens=24, temperature=0, seed=1)
+    reply = send(page, "Name three colours.")
+    assert not reply["error"] and reply["text"].strip()
+    tokens, chunks = int(reply["tokens"]), int(reply["chunks"])
+    assert 2 <= tokens <= 24 and chunks >= 2          # shown piece by piece as it came
+    assert float(reply["ttftMs"]) > 0 and float(reply["tpotMs"]) > 0 and float(reply["tps"]) > 0
+    assert reply["finish"] in ("stop", "length")
+    page.screenshot(shot_path(tmp_path, "ui_chat.png"))
+    assert page.errors == []
+
+
+def test_chat_structured_output(server, browser) -> None:
+    page = open_chat(browser, server.base)
+    schema = {"type": "object", "properties": {"colour": {"enum": COLOURS}},
+              "required": ["colour"], "additionalProperties": False}
+    set_fields(page, max_tokens=40, temperature=0, schema=json.dumps(schema))
+    reply = send(page, "Pick a colour.")
+    assert reply["json"] == "valid"
+    assert json.loads(reply["text"])["colour"] in COLOURS
+    set_fields(page, schema="{not json")
+    assert "JSON schema" in page.evaluate("document.getElementById('schema-error').textContent")
+    assert page.errors == []
+
+
+def _metrics(server) -> dict[str, float]:
+    m = server.metrics()
+    return {"v-steps": m.get("duet:step_duration_seconds_count", 0.0),
+            "v-tokens": m.get("duet:step_prefill_tokens_sum", 0.0)
+            + m.get("duet:step_decode_tokens_sum", 0.0),
+            "v-finished": m.get("duet:request_success_total", 0.0),
+            "v-gen-tokens": m.get("duet:generation_tokens_total", 0.0),
+            "v-prompt-tokens": m.get("duet:prompt_tokens_total", 0.0),
+            "v-prefix-queries": m.get("duet:prefix_cache_queries_total", 0.0),
+            "v-prefix-hits": m.get("duet:prefix_cache_hits_total", 0.0),
+            "v-kv-blocks": m.get("duet:kv_cache_used_blocks", 0.0),
+            "v-running": m.get("duet:num_requests_running", 0.0),
+            "v-waiting": m.get("duet:num_requests_waiting", 0.0),
+            "v-preemptions": m.get("duet:num_preemptions_total", 0.0)}
+
+
+def _shown(page, ids) -> dict[str, float]:
+    """The dashboard's numbers (data-value) after one more poll."""
+    return page.evaluate(f"""Dash.refresh().then(() => Object.fromEntries({json.dumps(list(ids))}
+        .map((id) => [id, Number(document.getElementById(id).dataset.value)])))""")
+
+
+def _value(page, element_id: str) -> float:
+    return page.evaluate(f"Number(document.getElementById('{element_id}').dataset.value)")
+
+
+def test_dashboard_moves_under_load_and_matches_metrics(server, browser, tmp_path) -> None:
+    page = browser.new_page(1280, 1480)
+    page.goto(server.base + "/dashboard")
+    page.wait_for("Dash.store.polls > 0")
+    before = _metrics(server)
+    body = {"prompt": "Once upon a time", "max_tokens": 2000, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    # The load runs until the test closes its streams: no race with its end.
+    with httpx.Client(base_url=server.base, timeout=120) as client:
+        with client.stream("POST", "/v1/completions", json=body) as a, \
+                client.stream("POST", "/v1/completions", json=body) as b:
+            lines = [a.iter_lines(), b.iter_lines()]
+            for it in lines:                       # both have their first token
+                assert next(line for line in it if line.startswith("data:"))
+            steps = _shown(page, ["v-steps"])["v-steps"]
+            page.wait_for(f"Number(document.getElementById('v-steps').dataset.value) > {steps}"
+                          " && Number(document.getElementById('v-running').dataset.value) >= 2"
+                          " && Number(document.getElementById('v-decode-tps').dataset.value) > 0")
+            page.wait_for(f"Number(document.getElementById('v-steps').dataset.value) > "
+                          f"{_value(page, 'v-steps')} && Dash.store.rows.length >= 3")
+            rows = page.evaluate("Dash.store.rows.length")
+            assert rows >= 3 and page.evaluate("Dash.store.rows.every((r) => r[Dash.store.idx.ai] > 0)")
+            page.screenshot(shot_path(tmp_path, "ui_dashboard.png"))
+    # The streams closed: both requests are aborted. At rest, the page and /metrics agree.
+    deadline = time.monotonic() + 60
+    while True:
+        expected = _metrics(server)
+        shown = _shown(page, list(expected))
+        settled = expected["v-running"] == 0 and \
+            expected["v-finished"] == before["v-finished"] + 2
+        if (settled and shown == expected) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)        # between bounded checks of a state the engine converges to
+    assert settled and shown == expected
+    assert page.errors == []
+
+
+def test_chat_without_a_chat_template(browser, tiny_checkpoints) -> None:
+    """A base model: auto mode sends a transcript to /v1/completions; forcing chat shows
+    the server's 400."""
+    with ServerProcess(tiny_checkpoints["llama-gqa-tied"]) as srv:
+        page = open_chat(browser, srv.base)
+        note = page.evaluate("document.getElementById('mode-note').textContent")
+        assert "no chat template" in note and "/v1/completions" in note
+        set_fields(page, max_tokens=6, temperature=0)
+        reply = send(page, "hi")
+        assert not reply["error"] and int(reply["tokens"]) >= 1
+        set_fields(page, mode="chat")
+        reply = send(page, "hi again")
+        assert reply["error"] and reply["text"].startswith("400:")
+        assert "chat template" in reply["text"]
+        # The browser logs the refused request itself; nothing else went wrong.
+        assert all("status of 400" in e for e in page.errors), page.errors
+
+
+def test_router_pages(server, browser) -> None:
+    port = free_port()
+    router = subprocess.Popen([sys.executable, "-m", "duetserve", "router", "--replica",
+                               server.base, "--port", str(port)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(router, base)
+        r = httpx.post(f"{base}/v1/completions", json={"prompt": "Hi", "max_tokens": 3},
+                       timeout=120)
+        assert r.status_code == 200
+        page = browser.new_page(1280, 900)
+        page.goto(base + "/dashboard")
+        row = f"document.querySelector('#summary tbody tr[data-name=\"{server.base}\"]')"
+        page.wait_for(f"{row} && Dash.store.polls > 0 && Dash.store.instance === "
+                      f"{json.dumps(server.base)}")
+        assert page.evaluate(f"{row}.classList.contains('on')")
+        steps = _value(page, "v-steps")
+        assert steps >= 1 and steps == _metrics(server)["v-steps"]
+        assert server.base.rsplit(":", 1)[1] in page.evaluate(
+            "document.getElementById('model-name').textContent")
+        chat = open_chat(browser, base)
+        assert chat.evaluate("Chat.state.info.router") is True
+        assert page.errors == [] and chat.errors == []
+    finally:
+        router.terminate()
+        router.wait(15)
+
+
+def _wait_healthy(proc: subprocess.Popen, base: str) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"router exited: {proc.stdout.read()}")
+        try:
+            if httpx.get(f"{base}/health", timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)    # between readiness attempts only
+    raise RuntimeError("router did not become ready")
