@@ -130,6 +130,7 @@ def main(args: argparse.Namespace) -> int:
     from duetserve.entrypoints.router.app import build_app, setup_logging
     from duetserve.entrypoints.router.policy import Policy
     from duetserve.entrypoints.router.pool import InstancePool
+    from duetserve.entrypoints.web import page_url
 
     counts = _initial(args)
     spec = _spec(args)
@@ -168,7 +169,8 @@ def main(args: argparse.Namespace) -> int:
     app = build_app(pool, Policy(args.prefill_policy), Policy(args.decode_policy),
                     Policy(args.replica_policy), lifespan_hook)
     add_admin_routes(app, controller_ref, args.admin_key or os.environ.get("DUET_ADMIN_KEY"))
-    log.warning("router at http://%s:%d/v1 (admin: /cluster)", args.host, args.port)
+    log.warning("router at http://%s:%d/v1 (admin: /cluster); dashboards: %s", args.host,
+                args.port, page_url(args.host, args.port, "/dashboard"))
     try:     # SIGTERM/SIGINT: the lifespan stops the actors, then Ray is left; exit 0
         QuietExitServer(uvicorn.Config(app, host=args.host, port=args.port,
                                        log_level="warning")).run()

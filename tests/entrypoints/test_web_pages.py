@@ -4,6 +4,7 @@ test_web_browser.py."""
 from __future__ import annotations
 
 import argparse
+import logging
 import re
 import tomllib
 from importlib import resources
@@ -13,22 +14,41 @@ import pytest
 from fastapi.testclient import TestClient
 
 from duetserve.entrypoints.openai import serve
-from duetserve.entrypoints.web import PAGE_PATHS
+from duetserve.entrypoints.web import PAGE_PATHS, page_url
 from duetserve.entrypoints.web.pages import PAGES, render
 
 KEY = {"Authorization": "Bearer k"}
 ROOT = Path(__file__).resolve().parents[2]
+START_LOG: list[str] = []     # what `duet serve` logged while the fixture built it
+
+
+class _Lines(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        START_LOG.append(record.getMessage())
 
 
 @pytest.fixture(scope="module")
 def client(tiny_checkpoints):
     p = argparse.ArgumentParser()
     serve.add_arguments(p)
-    args = p.parse_args([tiny_checkpoints["llama-gqa-tied"], "--port", "0",
+    args = p.parse_args([tiny_checkpoints["llama-gqa-tied"], "--port", "8123",
                          "--num-threads", "2", "--api-key", "k"])
-    app = serve.build_server(args).config.app
+    handler, logger = _Lines(), logging.getLogger("duetserve.serve")
+    logger.addHandler(handler)
+    try:
+        app = serve.build_server(args).config.app
+    finally:
+        logger.removeHandler(handler)
     with TestClient(app) as c:       # the lifespan stops the engine at exit
         yield c
+
+
+def test_start_up_log_prints_the_pages_address(client) -> None:
+    assert any("http://127.0.0.1:8123/ in a browser" in line and
+               "http://127.0.0.1:8123/dashboard" in line for line in START_LOG), START_LOG
+    assert page_url("0.0.0.0", 80) == "http://127.0.0.1:80/"
+    assert page_url("::1", 80, "/dashboard") == "http://[::1]:80/dashboard"
+    assert page_url("10.0.0.2", 9) == "http://10.0.0.2:9/"
 
 
 def test_pages_are_open_self_contained_and_locked_to_this_origin(client) -> None:

@@ -35,6 +35,7 @@ from duetserve.entrypoints.router.policy import POLICIES, Policy
 from duetserve.entrypoints.router.pool import InstancePool, parse_urls
 from duetserve.entrypoints.router.proxy import Proxy
 from duetserve.entrypoints.shared_args import add_bind_arguments
+from duetserve.entrypoints.web import page_url
 from duetserve.entrypoints.web.router_routes import install as install_web_pages
 
 log = logging.getLogger("duetserve.router")
@@ -246,6 +247,8 @@ def main(args: argparse.Namespace) -> int:
         log.info("router at http://%s:%d/v1: prefill %s (%s), decode %s (%s)", args.host,
                  args.port, args.prefill, args.prefill_policy, args.decode,
                  args.decode_policy)
+    log.info("open %s for the instances' dashboards, %s to chat",
+             page_url(args.host, args.port, "/dashboard"), page_url(args.host, args.port))
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
 

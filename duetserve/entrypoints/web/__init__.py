@@ -16,3 +16,13 @@ what they fetch (/v1/..., /dashboard/data) asks for the key like every other rou
 from __future__ import annotations
 
 PAGE_PATHS = frozenset({"/", "/ui", "/dashboard"})
+
+
+def page_url(host: str, port: int, path: str = "/") -> str:
+    """The address to open in a browser for a server bound to host:port (a wildcard bind
+    is reachable on loopback; an IPv6 literal gets its brackets)."""
+    if host in ("0.0.0.0", "::", ""):
+        host = "127.0.0.1"
+    elif ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"http://{host}:{port}{path}"

@@ -48,8 +48,10 @@ const Charts = (() => {
     ctx.lineWidth = 1;
     ctx.textAlign = "right";
     ctx.textBaseline = "middle";
-    for (let i = 0; i <= TICKS; i++) {
-      const y = o.yMax * i / TICKS;
+    // Counts below 5 (requests, rows) get one grid line per unit, not fractions.
+    const ticks = Number.isInteger(o.yMax) && o.yMax < TICKS ? o.yMax : TICKS;
+    for (let i = 0; i <= ticks; i++) {
+      const y = o.yMax * i / ticks;
       ctx.beginPath(); ctx.moveTo(PAD.l, Y(y)); ctx.lineTo(w - PAD.r, Y(y)); ctx.stroke();
       ctx.fillText(o.yFmt ? o.yFmt(y) : String(y), PAD.l - 6, Y(y));
     }
@@ -63,7 +65,7 @@ const Charts = (() => {
   }
 
   /* Lines over time: {xMin, xMax, yMax?, yFmt, xFmt, lines: [{color, points: [[x, y]],
-     fill}]}. yMax defaults to a round number above the data. */
+     fill, dots}]} (dots: a dot per point, no line). yMax defaults to a round number above the data. */
   function series(canvas, o) {
     const { ctx, w, h } = setup(canvas);
     let top = 0;
@@ -71,6 +73,13 @@ const Charts = (() => {
     const f = linearFrame(ctx, w, h, Object.assign({}, o, { yMax: o.yMax || niceMax(top) }));
     for (const l of o.lines) {
       if (!l.points.length) continue;
+      if (l.dots) {                     // sparse samples: no line across the gaps
+        ctx.fillStyle = l.color;
+        for (const p of l.points) {
+          ctx.beginPath(); ctx.arc(f.X(p[0]), f.Y(p[1]), 2.5, 0, 2 * Math.PI); ctx.fill();
+        }
+        continue;
+      }
       ctx.strokeStyle = l.color;
       ctx.lineWidth = l.width || 1.6;
       ctx.beginPath();

@@ -226,7 +226,7 @@ const Dash = (() => {
       .sort((a, b) => a[0] - b[0]).map(([s, b]) => [s + 0.5, 100 * b.prefix_hits / b.prefix_queries]);
     Charts.series(c, Object.assign(timeAxis(), { yMax: 100, yFmt: (y) => `${y}%`,
       lines: [{ color: Charts.color("--accent"), points: kv, fill: true },
-              { color: Charts.color("--ok"), points: hits }] }));
+              { color: Charts.color("--ok"), points: hits, dots: true }] }));
   }
 
   function renderQueue(now) {
@@ -239,9 +239,10 @@ const Dash = (() => {
 
   function renderSpec(data, now) {
     const c = $("c-spec"), spec = data.state.spec;
+    c.classList.toggle("hidden", !spec);
     if (!spec) {
-      $("n-spec").textContent = "";
-      return Charts.message(c, "speculative decoding is off on this instance");
+      $("n-spec").textContent = "off on this instance (duet serve --speculative-config ...)";
+      return;
     }
     const perPos = spec.accepted_per_pos.map((n) => (spec.drafts ? n / spec.drafts : 0));
     $("n-spec").textContent = `acceptance per second (line); since start, by draft position: ` +
@@ -250,7 +251,7 @@ const Dash = (() => {
     const pts = [...deltas.entries()].filter(([, b]) => b.spec_draft_tokens > 0)
       .sort((a, b) => a[0] - b[0]).map(([s, b]) => [s + 0.5, 100 * b.spec_accepted / b.spec_draft_tokens]);
     Charts.series(c, Object.assign(timeAxis(), { yMax: 100, yFmt: (y) => `${y}%`,
-      lines: [{ color: Charts.color("--ok"), points: pts, fill: true }] }));
+      lines: [{ color: Charts.color("--ok"), points: pts, dots: true }] }));
   }
 
   function renderTransfers(data, now) {
