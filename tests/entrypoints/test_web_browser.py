@@ -29,9 +29,15 @@ COLOURS = ["red", "green", "blue"]
 SHOTS = os.environ.get("DUET_UI_SCREENSHOTS")
 
 
+# n-gram speculation always on: the dashboard's speculation view and decode-row count
+# (a verify slice is one row of 1 + k tokens) are exercised; guided requests never
+# speculate, and greedy output is the same with or without it.
+SPEC = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "adaptive": False})
+
+
 @pytest.fixture(scope="module")
 def server():
-    with ServerProcess() as srv:
+    with ServerProcess("--speculative-config", SPEC) as srv:
         yield srv
 
 
@@ -119,7 +125,9 @@ def _metrics(server) -> dict[str, float]:
             "v-kv-blocks": m.get("duet:kv_cache_used_blocks", 0.0),
             "v-running": m.get("duet:num_requests_running", 0.0),
             "v-waiting": m.get("duet:num_requests_waiting", 0.0),
-            "v-preemptions": m.get("duet:num_preemptions_total", 0.0)}
+            "v-preemptions": m.get("duet:num_preemptions_total", 0.0),
+            "v-draft-tokens": m.get("duet:spec_decode_num_draft_tokens_total", 0.0),
+            "v-accepted": m.get("duet:spec_decode_num_accepted_tokens_total", 0.0)}
 
 
 def _shown(page, ids) -> dict[str, float]:
@@ -154,6 +162,11 @@ def test_dashboard_moves_under_load_and_matches_metrics(server, browser, tmp_pat
                           f"{_value(page, 'v-steps')} && Dash.store.rows.length >= 3")
             rows = page.evaluate("Dash.store.rows.length")
             assert rows >= 3 and page.evaluate("Dash.store.rows.every((r) => r[Dash.store.idx.ai] > 0)")
+            # Two requests decode: 2 rows per decode step whatever the drafts verified.
+            assert page.evaluate("Dash.store.rows.slice(-2).every((r) => "
+                                 "r[Dash.store.idx.decode_rows] === 2)")
+            assert not page.evaluate("document.getElementById('c-spec').classList"
+                                     ".contains('hidden')")
             extra = _docs_load(server.base, page) if SHOTS else 0
             page.screenshot(shot_path(tmp_path, "ui_dashboard.png"))
     # The streams closed: both requests are aborted. At rest, the page and /metrics agree.
