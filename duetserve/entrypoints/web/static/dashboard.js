@@ -245,7 +245,7 @@ const Dash = (() => {
       return;
     }
     const perPos = spec.accepted_per_pos.map((n) => (spec.drafts ? n / spec.drafts : 0));
-    $("n-spec").textContent = `accepted drafts per second (dots); since start, by draft position: ` +
+    $("n-spec").textContent = `acceptance rate per second (dots); since start, by draft position: ` +
       perPos.map((v, j) => `#${j + 1} ${Duet.fmt.pct(v, 0)}`).join(", ");
     const deltas = perSecondDeltas(["spec_draft_tokens", "spec_accepted"], now);
     const pts = [...deltas.entries()].filter(([, b]) => b.spec_draft_tokens > 0)
