@@ -206,6 +206,7 @@ class Page:
     def goto(self, url: str, timeout: float = CALL_TIMEOUT_S) -> None:
         """Navigate and wait for the load event (CDPError when it does not come)."""
         self._loaded.clear()
+        self.call("Page.bringToFront")      # headless shows one tab; the others are hidden
         result = self.call("Page.navigate", url=url)
         if result.get("errorText"):
             raise CDPError(f"navigating to {url}: {result['errorText']}")

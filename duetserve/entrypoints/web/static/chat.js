@@ -29,7 +29,9 @@ const Chat = (() => {
         const models = await Duet.getJSON("/v1/models");
         state.model = models.data[0].id;
       } catch (e2) {
-        $("model-name").textContent = "server unreachable: " + e2.message;
+        $("model-name").textContent = e2.status === 401
+          ? "this server needs an API key: enter it at the top right"
+          : "server unreachable: " + e2.message;
         return;
       }
     }

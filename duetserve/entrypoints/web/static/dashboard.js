@@ -57,7 +57,10 @@ const Dash = (() => {
       : `live · ${store.rows.length} steps recorded while this page is open`;
   }
 
+  /* Polls every POLL_MS while the page is visible; a hidden tab asks nothing (and after
+     30 s the server stops recording steps), and polls again as soon as it is shown. */
   function loop() {
+    if (document.hidden) { setTimeout(loop, POLL_MS); return; }
     refresh().finally(() => setTimeout(loop, POLL_MS));
   }
 
@@ -291,6 +294,7 @@ const Dash = (() => {
     }
     loop();
     window.addEventListener("resize", () => store.last && render(store.last));
+    document.addEventListener("visibilitychange", () => { if (!document.hidden) refresh(); });
   }
 
   start();

@@ -64,7 +64,8 @@ const Summary = (() => {
   }
 
   function start(select, selected) {
-    const loop = () => poll(select, selected).finally(() => setTimeout(loop, SUMMARY_MS));
+    const loop = () => (document.hidden ? Promise.resolve() : poll(select, selected))
+      .finally(() => setTimeout(loop, SUMMARY_MS));
     loop();
   }
 
