@@ -104,7 +104,8 @@ def bench_serve(args: argparse.Namespace, base: str, label: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "run.json")
         cmd = [PY, "-m", "duetserve", "bench", "serve", "--base-url", base,
-               "--num-prompts", str(args.num_prompts), "--request-rate", str(args.request_rate),
+               "--num-prompts", str(args.num_prompts),
+               "--request-rate", str(args.request_rate),
                "--input-len", args.input_len, "--output-len", args.output_len,
                "--ignore-eos", "--seed", str(args.seed), "--percentiles", "50,90,99",
                "--label", label, "--no-progress", "--output-json", out]
@@ -158,7 +159,8 @@ def report(runs: list[dict]) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--base-url", default=None, help="a running duet serve (default: start one)")
+    p.add_argument("--base-url", default=None,
+                   help="a running duet serve (default: start one)")
     p.add_argument("--serve-args", default="--num-threads 2",
                    help="flags of the duet serve started here (default %(default)s)")
     p.add_argument("--pairs", type=int, default=6)

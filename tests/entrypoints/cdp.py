@@ -144,7 +144,8 @@ class Chromium:
     # -- pages ----------------------------------------------------------------------------
     def new_page(self, width: int = 1280, height: int = 900) -> "Page":
         target = self.call("Target.createTarget", url="about:blank")["targetId"]
-        session = self.call("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
+        session = self.call("Target.attachToTarget", targetId=target,
+                            flatten=True)["sessionId"]
         page = Page(self, session)
         for method in ("Page.enable", "Runtime.enable", "Log.enable"):
             self.call(method, session)

@@ -71,7 +71,16 @@ def set_fields(page, **values: object) -> None:
 
 def send(page, text: str, timeout_s: float = 120.0) -> dict:
     """Type `text`, press Send, wait for the reply's stats line; the reply's data."""
-    page.evaluate(f"""(() => {{ document.getElementById("input").value = {json.dumps(text)};
+    # Every time the page changes, note how much reply text it shows: a reply that
+    # streams is seen at several lengths; one parsed at the end is seen once.
+    page.evaluate(f"""(() => {{
+        window.shownLengths = [];
+        const seen = () => {{
+            const b = [...document.querySelectorAll('.msg.assistant .body')].pop();
+            if (b && b.textContent) window.shownLengths.push(b.textContent.length); }};
+        new MutationObserver(seen).observe(document.getElementById("messages"),
+            {{childList: true, subtree: true, characterData: true}});
+        document.getElementById("input").value = {json.dumps(text)};
         document.getElementById("send").click(); }})()""")
     last = "[...document.querySelectorAll('.msg.assistant')].pop()"
     page.wait_for(f"""(() => {{ const m = {last};
@@ -80,7 +89,8 @@ def send(page, text: str, timeout_s: float = 120.0) -> dict:
         return d.tokens || d.error; }})()""", timeout_s)
     return page.evaluate(f"""(() => {{ const m = {last};
         return Object.assign({{text: m.querySelector('.body').textContent,
-                              error: m.querySelector('.body').classList.contains('err')}},
+                              error: m.querySelector('.body').classList.contains('err'),
+                              lengths: new Set(window.shownLengths).size}},
                              m.querySelector('.stats').dataset); }})()""")
 
 
@@ -92,8 +102,9 @@ def test_chat_streams_a_reply(server, browser, tmp_path) -> None:
     reply = send(page, "Name three colours.")
     assert not reply["error"] and reply["text"].strip()
     tokens, chunks = int(reply["tokens"]), int(reply["chunks"])
-    assert 2 <= tokens <= max_tokens and chunks >= 2   # shown piece by piece as it came
-    assert float(reply["ttftMs"]) > 0 and float(reply["tpotMs"]) > 0 and float(reply["tps"]) > 0
+    assert 2 <= tokens <= max_tokens and chunks >= 2
+    assert reply["lengths"] >= 2                       # shown piece by piece as it came
+    assert all(float(reply[k]) > 0 for k in ("ttftMs", "tpotMs", "tps"))
     assert reply["finish"] in ("stop", "length")
     page.screenshot(shot_path(tmp_path, "ui_chat.png"))
     assert page.errors == []
@@ -108,7 +119,8 @@ def test_chat_structured_output(server, browser) -> None:
     assert reply["json"] == "valid"
     assert json.loads(reply["text"])["colour"] in COLOURS
     set_fields(page, schema="{not json")
-    assert "JSON schema" in page.evaluate("document.getElementById('schema-error').textContent")
+    error = page.evaluate("document.getElementById('schema-error').textContent")
+    assert "JSON schema" in error
     assert page.errors == []
 
 
@@ -132,8 +144,9 @@ def _metrics(server) -> dict[str, float]:
 
 def _shown(page, ids) -> dict[str, float]:
     """The dashboard's numbers (data-value) after one more poll."""
-    return page.evaluate(f"""Dash.refresh().then(() => Object.fromEntries({json.dumps(list(ids))}
-        .map((id) => [id, Number(document.getElementById(id).dataset.value)])))""")
+    return page.evaluate(f"""Dash.refresh().then(() => Object.fromEntries(
+        {json.dumps(list(ids))}.map((id) =>
+            [id, Number(document.getElementById(id).dataset.value)])))""")
 
 
 def _value(page, element_id: str) -> float:
@@ -155,13 +168,14 @@ def test_dashboard_moves_under_load_and_matches_metrics(server, browser, tmp_pat
             for it in lines:                       # both have their first token
                 assert next(line for line in it if line.startswith("data:"))
             steps = _shown(page, ["v-steps"])["v-steps"]
-            page.wait_for(f"Number(document.getElementById('v-steps').dataset.value) > {steps}"
-                          " && Number(document.getElementById('v-running').dataset.value) >= 2"
-                          " && Number(document.getElementById('v-decode-tps').dataset.value) > 0")
+            shown = "Number(document.getElementById('{}').dataset.value)".format
+            page.wait_for(f"{shown('v-steps')} > {steps} && {shown('v-running')} >= 2"
+                          f" && {shown('v-decode-tps')} > 0")
             page.wait_for(f"Number(document.getElementById('v-steps').dataset.value) > "
                           f"{_value(page, 'v-steps')} && Dash.store.rows.length >= 3")
             rows = page.evaluate("Dash.store.rows.length")
-            assert rows >= 3 and page.evaluate("Dash.store.rows.every((r) => r[Dash.store.idx.ai] > 0)")
+            assert rows >= 3
+            assert page.evaluate("Dash.store.rows.every((r) => r[Dash.store.idx.ai] > 0)")
             # Two requests decode: 2 rows per decode step whatever the drafts verified.
             assert page.evaluate("Dash.store.rows.slice(-2).every((r) => "
                                  "r[Dash.store.idx.decode_rows] === 2)")
@@ -194,8 +208,8 @@ def _docs_load(base: str, page, seconds: float = 40.0) -> int:
             i = 0
             while not stop.is_set():
                 prompt = (prefix if i % 2 else f"Request {k}-{i}: ") + f"Tell me about {i}."
-                c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 24 + 8 * (i % 5),
-                                                "temperature": 0.7})
+                c.post("/v1/completions", json={"prompt": prompt, "temperature": 0.7,
+                                                "max_tokens": 24 + 8 * (i % 5)})
                 sent[0] += 1
                 i += 1
 

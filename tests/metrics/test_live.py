@@ -85,8 +85,9 @@ def test_account_fields_and_decode_rows_under_speculation() -> None:
 def _finished(ttft: float, tpot_s: float, n: int, prompt: int = 3) -> RequestOutput:
     t0 = time.time() - 5.0
     m = RequestMetrics(arrival_time=t0, first_scheduled_time=t0 + 0.1,
-                       first_token_time=t0 + ttft, last_token_time=t0 + ttft + tpot_s * (n - 1),
-                       finished_time=t0 + ttft + tpot_s * (n - 1), num_generation_tokens=n)
+                       first_token_time=t0 + ttft, num_generation_tokens=n,
+                       last_token_time=t0 + ttft + tpot_s * (n - 1),
+                       finished_time=t0 + ttft + tpot_s * (n - 1))
     return RequestOutput("r", "p", list(range(prompt)),
                          [CompletionOutput(0, "x", [1] * n, finish_reason="length")], True, m)
 
