@@ -228,8 +228,11 @@ def _docs_load(base: str, page, seconds: float = 40.0) -> int:
 
 def test_chat_without_a_chat_template(browser, tiny_checkpoints) -> None:
     """A base model: auto mode sends a transcript to /v1/completions; forcing chat shows
-    the server's 400."""
+    the server's 400. When the server goes away, the dashboard says so and keeps going."""
     with ServerProcess(tiny_checkpoints["llama-gqa-tied"]) as srv:
+        dash = browser.new_page(1280, 900)
+        dash.goto(srv.base + "/dashboard")
+        dash.wait_for("Dash.store.polls > 0 && Dash.store.error === null")
         page = open_chat(browser, srv.base)
         note = page.evaluate("document.getElementById('mode-note').textContent")
         assert "no chat template" in note and "/v1/completions" in note
@@ -242,6 +245,10 @@ def test_chat_without_a_chat_template(browser, tiny_checkpoints) -> None:
         assert "chat template" in reply["text"]
         # The browser logs the refused request itself; nothing else went wrong.
         assert all("status of 400" in e for e in page.errors), page.errors
+        dash.call("Page.bringToFront")
+    dash.wait_for("Dash.store.error !== null && document.getElementById('status')"
+                  ".textContent.startsWith('error')")
+    assert not [e for e in dash.errors if not e.startswith("log:")], dash.errors
 
 
 def test_router_pages(server, browser) -> None:

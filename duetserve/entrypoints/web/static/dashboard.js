@@ -50,18 +50,22 @@ const Dash = (() => {
     return p;
   }
 
+  /* refresh() for the page's own callers: a failed poll shows in the status line (not as an
+     unhandled rejection in the console). */
+  const tick = () => refresh().catch(() => null);
+
   function setStatus(error) {
     store.error = error ? error.message : null;
     $("status-dot").className = "dot " + (error ? "bad" : "ok");
     $("status").textContent = error ? "error: " + error.message
-      : `live · ${store.rows.length} steps recorded while this page is open`;
+      : `live · ${store.rows.length} steps in view (recorded while this page is open)`;
   }
 
   /* Polls every POLL_MS while the page is visible; a hidden tab asks nothing (and after
      30 s the server stops recording steps), and polls again as soon as it is shown. */
   function loop() {
     if (document.hidden) { setTimeout(loop, POLL_MS); return; }
-    refresh().finally(() => setTimeout(loop, POLL_MS));
+    tick().finally(() => setTimeout(loop, POLL_MS));
   }
 
   const col = (row, name) => row[store.idx[name]];
@@ -284,7 +288,7 @@ const Dash = (() => {
     for (const tr of document.querySelectorAll("#summary tbody tr")) {
       tr.classList.toggle("on", tr.dataset.name === name);
     }
-    refresh();
+    tick();
   }
 
   function start() {
@@ -294,7 +298,7 @@ const Dash = (() => {
     }
     loop();
     window.addEventListener("resize", () => store.last && render(store.last));
-    document.addEventListener("visibilitychange", () => { if (!document.hidden) refresh(); });
+    document.addEventListener("visibilitychange", () => { if (!document.hidden) tick(); });
   }
 
   start();
