@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 MODEL_STAMP := $(VENV)/.model
 
-.PHONY: setup libibverbs demo test serve bench clean
+.PHONY: setup libibverbs browser demo test serve bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -41,6 +41,19 @@ libibverbs:
 	      $$SUDO apt-get install -y --no-install-recommends libibverbs1 >/dev/null ) ) || \
 	  echo "warning: could not install libibverbs1; Mooncake transfers will be unavailable"; \
 	else echo "warning: no apt-get; install libibverbs1 for Mooncake transfers"; fi
+
+# Headless Chromium for the browser tests of the web pages (tests/entrypoints/
+# test_web_browser.py, driven over the DevTools protocol; chromium-driver for tools that
+# want WebDriver). Safe to run again; without a browser those tests skip and say why.
+browser:
+	@if command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1; then :; \
+	elif command -v apt-get >/dev/null 2>&1; then \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  ( $$SUDO apt-get install -y --no-install-recommends chromium chromium-driver >/dev/null 2>&1 || \
+	    ( $$SUDO apt-get update >/dev/null 2>&1 && \
+	      $$SUDO apt-get install -y --no-install-recommends chromium chromium-driver >/dev/null ) ) || \
+	  echo "warning: could not install chromium; the browser tests will be skipped"; \
+	else echo "warning: no apt-get; install chromium for the browser tests"; fi
 
 demo: setup
 	$(BIN)/duet generate --prompt "The three primary colors are" --max-tokens 48

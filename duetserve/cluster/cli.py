@@ -130,6 +130,7 @@ def main(args: argparse.Namespace) -> int:
     from duetserve.entrypoints.router.app import Policies, build_app, setup_logging
     from duetserve.entrypoints.router.pool import InstancePool
     from duetserve.entrypoints.router.upstream import Timeouts
+    from duetserve.entrypoints.web import page_url
 
     counts = _initial(args)
     spec = _spec(args)
@@ -171,7 +172,8 @@ def main(args: argparse.Namespace) -> int:
 
     app = build_app(pool, Policies.from_args(args), timeouts, lifespan_hook)
     add_admin_routes(app, controller_ref, args.admin_key or os.environ.get("DUET_ADMIN_KEY"))
-    log.warning("router at http://%s:%d/v1 (admin: /cluster)", args.host, args.port)
+    log.warning("router at http://%s:%d/v1 (admin: /cluster); dashboards: %s", args.host,
+                args.port, page_url(args.host, args.port, "/dashboard"))
     try:     # SIGTERM/SIGINT: the lifespan stops the actors, then Ray is left; exit 0
         QuietExitServer(uvicorn.Config(app, host=args.host, port=args.port,
                                        log_level="warning")).run()

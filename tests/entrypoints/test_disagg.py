@@ -157,6 +157,32 @@ def test_transfers_released_and_metrics(cluster):
     assert r.status_code == 400 and r.json()["error"]["param"] == "kv_transfer_params"
 
 
+def _sum(metrics: dict[str, float], name: str, *labels: str) -> float:
+    return sum(v for k, v in metrics.items()
+               if k.startswith(name + "{") and all(lbl in k for lbl in labels))
+
+
+def test_dashboard_shows_transfers(cluster):
+    """/dashboard/data of each role counts the transfers /metrics counts; the router's
+    summary lists every instance with its role."""
+    def agree(name: str, role: str) -> bool:
+        data = httpx.get(cluster[name].base + "/dashboard/data?steps=0", timeout=5).json()
+        m = cluster[name].metrics()
+        counts = data["transfers"]["counts"]          # {"backend:status": n}
+        want = {key: _sum(m, "duet:kv_transfers_total", f'backend="{key.split(":")[0]}"',
+                          f'status="{key.split(":")[1]}"') for key in counts}
+        return (data["info"]["role"] == role and counts and counts == want
+                and sum(counts.values()) == _sum(m, "duet:kv_transfers_total")
+                and data["transfers"]["bytes"] == _sum(m, "duet:kv_transfer_bytes_total"))
+
+    for name, role in (("prefill", "prefill"), ("shm", "decode")):
+        _poll(lambda: agree(name, role), 10, f"{name}'s dashboard transfers match /metrics")
+    summary = httpx.get(cluster["r_1p2d"].base + "/dashboard/summary", timeout=10).json()
+    roles = sorted(row["role"] for row in summary["instances"])
+    assert roles == sorted(["prefill"] + ["decode"] * (2 if MOONCAKE is None else 1))
+    assert not summary["colocated"] and all("error" not in r for r in summary["instances"])
+
+
 def test_stalled_transfer_is_freed_by_timeout(cluster):
     """A prefill whose KV no decode instance ever reads (a stalled transfer) holds its
     blocks until --kv-transfer-timeout, then frees them; a decode instance handed the

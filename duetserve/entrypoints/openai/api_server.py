@@ -4,6 +4,7 @@
                                                     generation, render_*.py)
     GET  /v1/models, /health, /version, /metrics
     GET  /load, POST /kv/release                   (prefill/decode disaggregation)
+    GET  /, /ui, /dashboard, /ui/info, /dashboard/data   (entrypoints/web/)
 
 Every client mistake is a 4xx with {"error": {"message", "type", "param", "code"}}:
 FastAPI's 422 validation errors (malformed JSON, wrong types, missing fields) become 400.
@@ -27,12 +28,14 @@ from duetserve.entrypoints.openai.protocol import (ChatCompletionRequest, Comple
 from duetserve.entrypoints.openai.http_guard import RequestGuard
 from duetserve.entrypoints.openai.context import APIError, ServerContext
 from duetserve.entrypoints.openai.serving import create_chat_completion, create_completion
+from duetserve.entrypoints.web import PAGE_PATHS
+from duetserve.entrypoints.web.server_routes import install as install_web_pages
 from duetserve.metrics.kv_transfer import KVTransferMetrics
 from duetserve.metrics.prometheus import CONTENT_TYPE, ServerMetrics
 
 log = logging.getLogger("duetserve.serve")
 
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health"}) | PAGE_PATHS     # the pages hold no data
 
 
 class ApiKeyMiddleware:
@@ -102,6 +105,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     add_generation_routes(app, ctx)
     add_info_routes(app, ctx, metrics, model_path)
     add_disaggregation_routes(app, ctx)
+    install_web_pages(app, engine, served_model_name)   # /, /ui, /dashboard (web/)
     return app
 
 

@@ -15,6 +15,7 @@ import os
 from duetserve.entrypoints.cli import UserError
 from duetserve.entrypoints.engine_args import add_engine_arguments, build_engine
 from duetserve.entrypoints.shared_args import add_bind_arguments, add_kv_backend_argument
+from duetserve.entrypoints.web import page_url
 from duetserve.kv_transfer.config import COMPRESSIONS, ROLES
 
 
@@ -124,6 +125,8 @@ def build_server(args: argparse.Namespace):
         log = logging.getLogger("duetserve.serve")
         log.info("serving %s at http://%s:%d/v1 (max_model_len %d%s)", name, args.host,
                  args.port, core.max_model_len, ", API key required" if api_key else "")
+        log.info("open %s in a browser to chat, %s for the live dashboard",
+                 page_url(args.host, args.port), page_url(args.host, args.port, "/dashboard"))
         ctx = app.state.ctx
         # Everything built so far (weights' Python objects, the tokenizer's vocabulary, the
         # app) lives as long as the server: out of the collector's sight, so a full

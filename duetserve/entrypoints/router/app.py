@@ -10,6 +10,8 @@ prefill and decode instances (`duet serve --role prefill|decode`); or
     GET  /health                                 200 while each kind has a healthy one
     GET  /instances                              the pool: health, load, last error
     GET  /metrics                                requests, per-instance counts, TTFT split
+    GET  /, /dashboard                           chat page; every instance's dashboard
+                                                 and a summary (entrypoints/web/)
 
 Every call to an instance goes through upstream.py (failover, timeouts, error bodies).
 build_app = the handlers' shared state (RouterState) + the lifespan (client, health loop)
@@ -39,6 +41,8 @@ from duetserve.entrypoints.router.proxy import Proxy
 from duetserve.entrypoints.router.upstream import (Timeouts, Upstream, UpstreamError,
                                                    answer_json, error_body, unavailable)
 from duetserve.entrypoints.shared_args import add_bind_arguments
+from duetserve.entrypoints.web import page_url
+from duetserve.entrypoints.web.router_routes import install as install_web_pages
 
 log = logging.getLogger("duetserve.router")
 BUCKETS = [0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0]
@@ -179,6 +183,8 @@ def build_app(pool: InstancePool, policies: Policies | None = None,
     app = FastAPI(title="duetserve router", lifespan=_lifespan(state, lifespan_hook))
     _add_generation_routes(app, state)
     _add_info_routes(app, state)
+    install_web_pages(app, state.pool,                   # /, /dashboard (web/)
+                      lambda: state.running.upstream.client)
     return app
 
 
@@ -329,6 +335,8 @@ def main(args: argparse.Namespace) -> int:
         log.info("router at http://%s:%d/v1: prefill %s (%s), decode %s (%s)", args.host,
                  args.port, args.prefill, args.prefill_policy, args.decode,
                  args.decode_policy)
+    log.info("open %s for the instances' dashboards, %s to chat",
+             page_url(args.host, args.port, "/dashboard"), page_url(args.host, args.port))
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
 
