@@ -128,9 +128,6 @@ class StepStats:
     num_waiting: int = 0
     kv_usage: float = 0.0
     num_used_blocks: int = 0
-    # blocks in use per attention kind ("full", "sliding"): models with sliding-window
-    # layers keep their KV in groups of their own (core/kv_cache_manager.py)
-    used_blocks_by_kind: dict[str, int] = field(default_factory=dict)
     num_preemptions: int = 0         # cumulative
     prefix_cache_queries: int = 0    # tokens, cumulative
     prefix_cache_hits: int = 0       # tokens, cumulative
@@ -140,6 +137,9 @@ class StepStats:
     # the engine's accountant (typed loosely: outputs.py sits below metrics/).
     account: object | None = None
     spec: SpecDecodeStats | None = None  # cumulative speculative-decoding counters
+    # blocks in use per attention kind ("full", "sliding"): models with sliding-window
+    # layers keep their KV in groups of their own (core/kv_cache_manager.py)
+    used_blocks_by_kind: dict[str, int] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
