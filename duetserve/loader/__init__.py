@@ -16,7 +16,7 @@ import torch
 from duetserve.config import ModelConfig
 from duetserve.errors import CheckpointError
 from duetserve.loader import gguf_file, hf_folder
-from duetserve.loader.huge_pages import place_weights
+from duetserve.loader.huge_pages import place_weights, release_free_memory
 from duetserve.loader.tokenizer import Tokenizer
 from duetserve.loader.quantize import QUANTIZATIONS, QuantPlan
 from duetserve.loader.weights import load_weights
@@ -90,15 +90,6 @@ class LoadedModel:
                 f"{f'; embedding {emb}' if emb else ''}{f'; {kq}' if kq else ''}); "
                 f"many-row GEMMs in {str(self.kernel_policy.dense_dtype).replace('torch.', '')}"
                 f" ({self.kernel_policy.reason}){pages}")
-
-
-def release_free_memory() -> None:
-    """glibc keeps freed heap pages; hand them back so RSS reflects what is kept."""
-    try:
-        import ctypes
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def load_model(path: str | None, dtype: str = "float32", device: str = "cpu",

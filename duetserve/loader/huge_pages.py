@@ -68,6 +68,18 @@ def _weight_tensors(model: nn.Module) -> list[torch.Tensor]:
     return list(found.values())
 
 
+def release_free_memory() -> None:
+    """glibc keeps freed heap pages; hand them back so RSS reflects what is kept."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+TRIM_EVERY = 32 * 2**20     # place_weights hands freed heap back after this many bytes
+
+
 def place_weights(model: nn.Module, enabled: bool = True) -> str:
     """Move the model's weight storages of at least MIN_STORAGE_BYTES into one 2 MiB-page
     mapping. Mutates the tensors in place (their storage). Returns where the weights are
@@ -95,8 +107,12 @@ def place_weights(model: nn.Module, enabled: bool = True) -> str:
     area.madvise(mmap.MADV_HUGEPAGE, base, total)
     arena = raw.untyped_storage()
     cursor = base
+    placed, moved = len(groups), 0
     with torch.no_grad():
-        for key, (storage, tensors) in groups.items():
+        # popped one by one and dropped once moved: each old storage is freed as soon as
+        # its tensors point into the arena, so the peak is the arena plus one storage
+        while groups:
+            key, (storage, tensors) = groups.popitem()
             n = storage.nbytes()
             src = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (n,), (1,))
             raw[cursor:cursor + n].copy_(src)
@@ -104,5 +120,10 @@ def place_weights(model: nn.Module, enabled: bool = True) -> str:
                 es = t.element_size()
                 t.set_(arena, cursor // es + t.storage_offset(), t.size(), t.stride())
             cursor += sizes[key]
+            del src, storage, tensors
+            moved += n
+            if moved >= TRIM_EVERY:        # freed storages sit in glibc's heap until trimmed
+                release_free_memory()
+                moved = 0
     return (f"in 2 MiB pages ({(cursor - base) / 2**20:.0f} MiB in "
-            f"{len(groups)} storages; transparent huge pages: {mode})")
+            f"{placed} storages; transparent huge pages: {mode})")

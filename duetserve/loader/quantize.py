@@ -32,6 +32,7 @@ from torch import nn
 
 from duetserve.config import QUANTIZATIONS, ModelConfig  # noqa: F401 (re-exported)
 from duetserve.loader.gguf_blocks import GGUFTensor
+from duetserve.loader.huge_pages import release_free_memory
 from duetserve.models.quant import (FileEmbedding, Int4KWeight, Int4Weight, Int6Weight,
                                     Int8Weight, KernelPolicy, QuantEmbedding, QuantLinear,
                                     QuantWeight, StackedWeight, int4_groups_from_float,
@@ -69,11 +70,37 @@ def _chunks(parts):
             yield arr, a, min(arr.shape[0], a + _CHUNK)
 
 
+def _block_weight(form: str, parts) -> Int4KWeight | Int6Weight:
+    """A K-quant run (int4k from Q4_K, int6 from Q6_K) packed in its exact form, chunk by
+    chunk of _CHUNK rows when every part is a whole number of row blocks (the packing's
+    intermediates are several times the packed size: a whole tied embedding at once
+    would double the load's peak), else at once."""
+    cls = Int4KWeight if form == "int4k" else Int6Weight
+
+    def build(arr, a: int, b: int) -> Int4KWeight | Int6Weight:
+        if form == "int4k":
+            return cls(*arr.q4_k_parts(a, b))
+        return cls.from_q6_k(*arr.q6_k_parts(a, b))
+    n = sum(arr.shape[0] for _, arr in parts)
+    k = parts[0][1].shape[1]
+    if all(arr.shape[0] % cls.ROWS == 0 for _, arr in parts) and _CHUNK % cls.ROWS == 0:
+        return cls.from_row_chunks(n, k, (build(arr, a, b) for arr, a, b in _chunks(parts)))
+    if form == "int4k":
+        q, sc, mn, d, dmin = (np.concatenate(p) for p in zip(
+            *(arr.q4_k_parts(a, b) for arr, a, b in _chunks(parts))))
+        return Int4KWeight(q, sc, mn, d, dmin)
+    q, sc, d = zip(*(arr.q6_k_parts(a, b) for arr, a, b in _chunks(parts)))
+    return Int6Weight.from_q6_k(np.concatenate(q), np.concatenate(sc), np.concatenate(d))
+
+
 def _drop_pages(parts) -> None:
-    """The packed parts' file pages leave the process's resident set (GGUF sources)."""
+    """The packed parts' file pages leave the process's resident set (GGUF sources), and
+    the packing's freed intermediates leave glibc's heap (kept there they add up over the
+    tensors to a third of the model on top of it)."""
     for _, arr in parts:
         if isinstance(arr, GGUFTensor):
             arr.drop_pages()
+    release_free_memory()
 
 
 def _keeps_exact(ratio: float) -> bool:
@@ -158,14 +185,8 @@ class QuantPlan:
         if form == "int4":
             q, d, m = zip(*(_int4_rows(arr, a, b) for arr, a, b in _chunks(parts)))
             return Int4Weight(torch.cat(q), torch.cat(d), torch.cat(m))
-        if form == "int4k":
-            q, sc, mn, d, dmin = (np.concatenate(p) for p in zip(
-                *(arr.q4_k_parts(a, b) for arr, a, b in _chunks(parts))))
-            return Int4KWeight(q, sc, mn, d, dmin)
-        if form == "int6":
-            q, sc, d = zip(*(arr.q6_k_parts(a, b) for arr, a, b in _chunks(parts)))
-            return Int6Weight.from_q6_k(np.concatenate(q), np.concatenate(sc),
-                                        np.concatenate(d))
+        if form in ("int4k", "int6"):
+            return _block_weight(form, parts)
         q, s = zip(*(quantize_int8(_rows_float(arr, a, b)) for arr, a, b in _chunks(parts)))
         return Int8Weight(torch.cat(q), torch.cat(s))
 

@@ -123,6 +123,25 @@ class _BlockWeight:
         t = padded.view(nb, tiles, tu, block).transpose(0, 1).contiguous()
         return torch.empty(0, dtype=t.dtype).set_(t.untyped_storage(), 0, (tiles, nb, tu, block))
 
+    @classmethod
+    def from_row_chunks(cls, n: int, k: int, chunks) -> "_BlockWeight":
+        """The weight of `n` rows of `k` columns from `chunks`: weights of this class over
+        consecutive rows, each a whole number of ROWS-row blocks but the last, copied into
+        one packed tensor as they come, so packing a big matrix (a tied embedding) holds one
+        chunk's intermediates at a time, not the whole matrix's."""
+        out, b0 = None, 0
+        for w in chunks:
+            if out is None:
+                tiles, _, tu, block = w.packed.shape
+                out = torch.empty(tiles, -(-n // cls.ROWS), tu, block, dtype=w.packed.dtype)
+            nb = w.packed.shape[1]
+            out[:, b0:b0 + nb] = w.packed
+            b0 += nb
+        assert out is not None and b0 == out.shape[1], (n, b0)
+        weight = object.__new__(cls)
+        weight.shape, weight.packed = (n, k), out
+        return weight
+
     def _row_blocks(self, ids: torch.Tensor) -> torch.Tensor:
         """The blocks holding rows `ids` [n]: [n, units, BLOCK] (a copy of those only)."""
         tiles, _, tu, block = self.packed.shape

@@ -347,3 +347,27 @@ def test_rows_are_read_without_mapping_the_file(tmp_path):
         got = GGUFTensor(t.name, t).rows(ids)
         assert _mapped_kib(path) == 0, t.name
         np.testing.assert_array_equal(got, ref[ids])
+
+
+def test_packing_by_row_chunks_equals_packing_at_once():
+    """A K-quant weight packed chunk by chunk of rows (how the loader packs big matrices,
+    to bound its intermediates) is byte for byte the weight packed at once, including a
+    last chunk that is not a whole block of rows."""
+    g = torch.Generator().manual_seed(0)
+    n, k = 75, 512           # 4 blocks of 16 rows + 11; two 256-column units, 4 128-units
+
+    def rand(hi, *shape, dtype=torch.uint8):
+        return torch.randint(0, hi, shape, generator=g, dtype=torch.int32).to(dtype)
+    q6 = (rand(64, n, k), (rand(256, n, k // 16) - 128).to(torch.int8),
+          torch.rand(n, k // 128, generator=g).to(torch.float16))
+    q4k = (rand(16, n, k), rand(64, n, k // 32), rand(64, n, k // 32),
+           torch.rand(n, k // 256, generator=g).to(torch.float16),
+           torch.rand(n, k // 256, generator=g).to(torch.float16))
+    for cls, parts in ((Int6Weight, q6), (Int4KWeight, q4k)):
+        whole = cls(*parts)
+        cuts = [(0, 32), (32, 64), (64, n)]
+        chunked = cls.from_row_chunks(n, k, (cls(*(p[a:b] for p in parts))
+                                             for a, b in cuts))
+        assert chunked.shape == whole.shape
+        assert torch.equal(chunked.packed, whole.packed), cls.__name__
+        assert torch.equal(chunked.dequantize(), whole.dequantize())
