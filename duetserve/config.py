@@ -28,6 +28,19 @@ def check_one_of(name: str, value: object, choices: tuple) -> None:
         raise ConfigError(f"{name} must be one of {choices}, got {value!r}")
 
 
+# A few-row kernel limit that every step is within (models/kernels.py decides it when the
+# low-bit kernels won at every row count measured): `rows <= limit` holds for any step, so
+# every reader of the limit (QuantLinear, the decode stack, core/step_time.Layout, the step
+# budget, the metrics) keeps its plain comparison.
+UNBOUNDED_ROWS = 1 << 30
+
+
+def describe_row_limit(rows: int) -> str:
+    """A few-row limit for logs and labels: "unbounded" for UNBOUNDED_ROWS, else the
+    number."""
+    return "unbounded" if rows >= UNBOUNDED_ROWS else str(rows)
+
+
 NORM_PLACEMENTS = ("pre", "sandwich")
 HIDDEN_ACTS = ("silu", "gelu_tanh")
 LAYER_KINDS = ("full", "sliding")

@@ -56,8 +56,12 @@ def fit_step_time(samples: Sequence[tuple[StepShape, float]], layout: Layout,
                   terms: Sequence[str] = TERMS) -> tuple[StepTime, dict]:
     """The StepTime over `terms` (the others 0) that best fits `samples` (shape, seconds),
     and a report: steps, outliers dropped, RMS / median / p90 relative error, the final
-    scale. A term no sample has stays 0. ValueError with fewer steps than the terms they
-    have, or a non-positive duration."""
+    scale. A term no sample has stays 0, but for the many-row path when no sample went past
+    a bounded few-row limit (engine/step_probe.py keeps its start-up probes within a
+    limit above 64 rows): that path is priced as the mixed one, which the few-row limit's
+    measurement (models/kernels.py) found about as fast at the limit and slower past it,
+    so those steps are overpriced a little. ValueError with fewer steps than the terms
+    they have, or a non-positive duration."""
     feats = [s.features() for s, _ in samples]
     cols = [TERMS.index(t) for t in terms if any(f[TERMS.index(t)] for f in feats)]
     if len(samples) < len(cols):
@@ -77,6 +81,10 @@ def fit_step_time(samples: Sequence[tuple[StepShape, float]], layout: Layout,
     full = [0.0] * len(TERMS)
     for i, c in zip(cols, coef):
         full[i] = float(c * scale)
+    if ("many_row" in terms and layout.few_rows and not layout.is_unbounded
+            and not any(f[TERMS.index("many_step")] for f in feats)):
+        for path_term in ("step", "row"):
+            full[TERMS.index(f"many_{path_term}")] = full[TERMS.index(f"mixed_{path_term}")]
     model = StepTime(layout, tuple(full))
     rel = pred * scale / seconds - 1.0
     report = {"num_steps": len(samples), "num_outliers": int((~keep).sum()),

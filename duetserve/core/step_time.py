@@ -13,6 +13,7 @@ The scheduler's step budget (core/step_budget.py), the speculation policy
     rows  <= few_rows, some prefill slice  "mixed"  the same GEMVs through the per-layer
                                                      modules (the stack takes decode rows only)
     rows  >  few_rows                      "many"   dense GEMMs (bf16 or fp32), a cliff
+    (few_rows = UNBOUNDED_ROWS: the low-bit kernels run every step, no step is "many")
 
     a slice of n new tokens after c cached ones is laid out as
       n == 1 (decode) or n <= chunk_rows   decode rows: row j reads c + j + 1 KV entries
@@ -38,6 +39,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Protocol
+
+from duetserve.config import UNBOUNDED_ROWS
 
 SCHEMA = "duet-step-time/1"
 
@@ -73,9 +76,15 @@ class Layout:
     the model report at start-up (engine/step_probe.layout_of)."""
 
     few_rows: int = 0            # steps of up to this many rows run the few-row kernels
+                                 # (UNBOUNDED_ROWS: every step does)
     chunk_rows: int = 0          # chunks of up to this many tokens run as decode rows
     masked_max_scores: int = 0   # chunks after context with at most this many score
                                  # entries n*(c+n) run one masked matrix (0: none do)
+
+    @property
+    def is_unbounded(self) -> bool:
+        """Every step runs the few-row kernels (none takes the "many" path)."""
+        return self.few_rows >= UNBOUNDED_ROWS
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -248,9 +257,11 @@ class StepTime:
 
     def is_plausible(self) -> bool:
         """A larger step must cost more: a model whose rows are free on the path most
-        steps take (many rows, or few when every step fits) was measured on a machine too
-        noisy to tell; it is neither used nor cached."""
-        paths = ("few", "many") if self.layout.few_rows else ("many",)
+        steps take (few and many rows; few and mixed when the few-row kernels run every
+        step) was measured on a machine too noisy to tell; it is neither used nor cached."""
+        lay = self.layout
+        paths = ("few", "mixed") if lay.is_unbounded else \
+            ("few", "many") if lay.few_rows else ("many",)
         return all(self.row_seconds(p) + self.term("logit") > 1e-7 for p in paths)
 
     def describe(self) -> str:
@@ -266,7 +277,9 @@ class StepTime:
             scale = {"ms": 1e3, "ms/row": 1e3, "ms/request": 1e3, "us/entry": 1e6,
                      "ns/pair": 1e9, "ns/entry": 1e9}[unit]
             parts.append(f"{name} {x * scale:.3g} {unit}")
-        return (f"few-row kernels up to {lay.few_rows} rows, chunks of up to "
+        few = "at every step size" if lay.is_unbounded else \
+            f"up to {lay.few_rows} rows"
+        return (f"few-row kernels {few}, chunks of up to "
                 f"{lay.chunk_rows} tokens as decode rows, masked chunk attention up to "
                 f"{lay.masked_max_scores} entries; " + ", ".join(parts))
 

@@ -55,6 +55,11 @@ DECODE_CONTEXT = 128       # each decode probe stream's context
 LONG_CONTEXT = 512         # decodes and chunks after this many cached tokens: attention
 DECODES = 16               # the larger decode-only probe: min(DECODES, few-row limit)
 LARGE = 128                # rows of the largest start-up probe (dense GEMMs)
+# Few-row limits above this (prefill chunks on the low-bit kernels, or every step): the
+# start-up probes are sized as for this limit and kept within the real one, so start-up
+# takes what it does at 64; the many-row path, if any, is priced as the mixed one
+# (core/step_fit.fit_step_time).
+PROBE_FEW_ROWS = 64
 REPEATS = 2
 NOISE_RATIO = 1.5          # repeats of one probe further apart than this: a noisy machine
 STALE_RATIO = 1.5          # a cached decode step this much slower than now: re-measured
@@ -100,30 +105,37 @@ def _mixed(name: str, rows: int, decodes: int, ctx: int = DECODE_CONTEXT) -> Pro
 
 def startup_probes(layout: Layout) -> list[Probe]:
     """The start-up probe set: decode-only steps of 1 and min(DECODES, R) streams (R: the
-    few-row limit) and of those streams after LONG_CONTEXT (decode attention), steps of
-    a short chunk beside one decode and of R rows (the few-row kernels with prompt work),
-    of R + 16 and LARGE rows (8 decodes beside a chunk: the dense GEMMs) and of 32
-    decodes past R (the LM head's rows on the dense path), a chunk of decode rows and a
-    prefill-laid chunk each after LONG_CONTEXT cached tokens against the same fresh."""
-    r = layout.few_rows if layout.few_rows >= 4 else 0
+    few-row limit, at most PROBE_FEW_ROWS) and of those streams after LONG_CONTEXT
+    (decode attention), steps of a short chunk beside one decode and of R rows (the
+    few-row kernels with prompt work), of R + 16 and LARGE rows (8 decodes beside a
+    chunk: the dense GEMMs) and of 32 decodes past R (the LM head's rows on the dense
+    path), a chunk of decode rows and a prefill-laid chunk each after LONG_CONTEXT cached
+    tokens against the same fresh. With a few-row limit past PROBE_FEW_ROWS no probe
+    exceeds it: every probe runs the few-row kernels."""
+    r = min(layout.few_rows, PROBE_FEW_ROWS) if layout.few_rows >= 4 else 0
+    most = layout.few_rows if layout.few_rows > PROBE_FEW_ROWS else None
     d2 = min(DECODES, r) if r else DECODES
     small = r + 16 if r else 16
     probes = [Probe("decode1", ((DECODE_CONTEXT, 1),)),
               Probe("decode", ((DECODE_CONTEXT, 1),) * d2),
               Probe("decode_long", ((LONG_CONTEXT, 1),) * d2),
-              Probe("decode_many", ((DECODE_CONTEXT, 1),) * max(32, r + 8)),
-              _mixed("small", small, min(8, small // 2)),
-              _mixed("large", max(LARGE, small * 2), 8)]
+              Probe("decode_many", ((DECODE_CONTEXT, 1),) * _within(max(32, r + 8), most)),
+              _mixed("small", _within(small, most), min(8, small // 2)),
+              _mixed("large", _within(max(LARGE, small * 2), most), 8)]
     if r:
         probes += [_mixed("low1", max(3, min(8, r // 2)), 1), _mixed("low2", r, r - 2)]
     row_chunk = min(r or 16, layout.chunk_rows) if layout.chunk_rows else 0
     if row_chunk >= 2:
         probes += [Probe("rows_fresh", ((row_chunk, row_chunk),)),
                    Probe("rows_context", ((LONG_CONTEXT + row_chunk, row_chunk),))]
-    chunk = max(layout.chunk_rows + 32, 64)
+    chunk = _within(max(layout.chunk_rows + 32, 64), most)
     probes += [Probe("chunk_fresh", ((chunk, chunk),)),
                Probe("chunk_context", ((LONG_CONTEXT + chunk, chunk),))]
     return probes
+
+
+def _within(rows: int, most: int | None) -> int:
+    return rows if most is None else min(rows, most)
 
 
 def calibration_probes(layout: Layout) -> list[Probe]:

@@ -70,7 +70,7 @@ class LoadedModel:
     @property
     def few_row_rows(self) -> int:
         """Steps of up to this many rows run the few-row kernels (the low-bit GEMVs, or
-        the float32 GEMV of a dense model); 0: none measured."""
+        the float32 GEMV of a dense model); 0: none measured; UNBOUNDED_ROWS: every step."""
         if self.kernel_policy is not None:
             return self.kernel_policy.lowbit_max_rows
         return getattr(self.model, "dense_gemv_rows", 0) if self.dense_kernels else 0

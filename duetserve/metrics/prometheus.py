@@ -18,6 +18,7 @@ import prometheus_client
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge,
                                Histogram, generate_latest)
 
+from duetserve.config import describe_row_limit
 from duetserve.metrics.step_accounting import StepAccount
 from duetserve.outputs import RequestOutput, SpecDecodeStats, StepStats
 
@@ -139,10 +140,11 @@ class ServerMetrics:
     # -- engine-thread feeds ----------------------------------------------------------
     def set_kernel_info(self, weights: str, dense_dtype: str, lowbit_max_rows: int,
                         reason: str) -> None:
-        """Once at start-up: what `LoadedModel.describe()` logs, as labels."""
+        """Once at start-up: what `LoadedModel.describe()` logs, as labels (the row limit
+        "unbounded" when the low-bit kernels run every step)."""
         self._lowbit_max_rows = lowbit_max_rows
-        self.kernel_info.labels(self._model, weights, dense_dtype, str(lowbit_max_rows),
-                                reason).set(1)
+        self.kernel_info.labels(self._model, weights, dense_dtype,
+                                describe_row_limit(lowbit_max_rows), reason).set(1)
 
     def observe_step(self, st: StepStats) -> None:
         with self._lock:

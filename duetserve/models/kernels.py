@@ -5,8 +5,11 @@
   where bf16 is *slower*). `--dtype auto` computes many-row steps in bfloat16 only when
   this says it pays (>= 1.3x).
 - `calibrate_lowbit_rows(layer)`: for one of the model's own linears, the largest row
-  count at which the low-bit kernel beats the dense path; decode steps up to that many
-  rows use low-bit weights, bigger steps the dense GEMM.
+  count at which the low-bit kernel beats the dense path (a resident dense copy, or the
+  weights dequantized for the call, dequantization included), measured over the row
+  counts steps really have (1 to 2,048: decode batches and prefill chunks); steps up to
+  that many rows use low-bit weights, bigger steps the dense GEMM; UNBOUNDED_ROWS (every
+  step on the low-bit kernels) when the dense path wins at no count.
 - `exact_kquant_forms()`: whether GGUF Q4_K and Q6_K weights run faster in their exact
   packed forms (int4k, int6: fewer bytes, more instructions a byte) than widened to int4
   with float16 scales and int8 per row: one-row GEMVs of each pair over weights read from
@@ -26,9 +29,11 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 
 import torch
 
+from duetserve.config import UNBOUNDED_ROWS
 from duetserve.models.native import cache_dir, cpu_flags, cpu_name, ops
 from duetserve.models.quant import (Int4KWeight, Int4Weight, Int6Weight, Int8Weight,
                                     KernelPolicy, QuantLinear)
@@ -36,7 +41,12 @@ from duetserve.models.quant import (Int4KWeight, Int4Weight, Int6Weight, Int8Wei
 log = logging.getLogger("duetserve")
 
 BF16_MIN_SPEEDUP = 1.3
-_ROWS = (1, 2, 4, 8, 16, 32, 64)
+# Row counts of the low-bit / dense crossover: up to the largest step a derived token
+# budget gives (core/step_budget.IDLE_BUDGET, 2,048; a test keeps the two equal).
+LOWBIT_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+# best of this many timed calls up to 64 rows, of _LOWBIT_REPS_MANY above (a 2,048-row call
+# on a 1.5B model's gate/up projection takes 0.1-0.4 s on 2 cores)
+_LOWBIT_REPS, _LOWBIT_REPS_MANY = 5, 3
 _DENSE_ROWS = (1, 2, 4, 6, 8, 12, 16, 24, 32)
 # The dense calibration times whole layers' linears until they hold this many bytes: more
 # than any L3 here, so the weights come from DRAM as in a step (SmolLM2: all 30 layers).
@@ -82,30 +92,46 @@ def _best_of(fn, reps: int = 5) -> float:
     return best
 
 
-def _crossover(rows: tuple[int, ...], make_input, run, reps: int) -> int:
+def _crossover(rows: tuple[int, ...], make_input, run, reps: int | Callable[[int], int],
+               confirm: bool = False) -> int:
     """Largest count of `rows` up to which run(x, bound=count) (the few-row kernel) is at
-    least as fast as run(x, bound=0) (the GEMM) at every count measured; the first count
-    where the GEMM wins ends the search; 0 if it wins at the first. x = make_input(count).
-    The two are timed alternately (best of `reps` each, one untimed call of each first:
-    oneDNN builds its primitive then), so a load that comes and goes during the
-    measurement slows both alike."""
-    def elapsed(x, bound: int) -> float:
-        t = time.perf_counter()
-        run(x, bound)
-        return time.perf_counter() - t
+    least as fast as run(x, bound=0) (the GEMM); 0 if the GEMM wins at the first.
+    x = make_input(count). The two are timed alternately (best of `reps`, or of
+    reps(count), each; one untimed call of each first: oneDNN builds its primitive then),
+    so a load that comes and goes during the measurement slows both alike.
 
-    best = 0
-    for count in rows:
+    Without `confirm` the first count where the GEMM wins ends the search. With it, a GEMM
+    win ends the search only when the GEMM wins the next count too (at the last count:
+    wins it again, measured once more); else the few-row kernel keeps both counts and the
+    search goes on. So one lucky sample of the GEMM cannot cut the bound short, and one of
+    the few-row kernel carries it at most one count past the real crossover."""
+    def gemm_wins(count: int) -> bool:
         x = make_input(count)
         run(x, count), run(x, 0)
         t_few = t_many = float("inf")
-        for _ in range(reps):
-            t_few = min(t_few, elapsed(x, count))
-            t_many = min(t_many, elapsed(x, 0))
-        if t_few > t_many:
+        for _ in range(reps(count) if callable(reps) else reps):
+            t_few = min(t_few, _elapsed(run, x, count))
+            t_many = min(t_many, _elapsed(run, x, 0))
+        return t_few > t_many
+
+    best, i = 0, 0
+    while i < len(rows):
+        if not gemm_wins(rows[i]):
+            best, i = rows[i], i + 1
+            continue
+        if not confirm:
             break
-        best = count
+        again = rows[min(i + 1, len(rows) - 1)]       # the next count, or the last again
+        if gemm_wins(again):
+            break
+        best, i = again, i + 2
     return best
+
+
+def _elapsed(run, x, bound: int) -> float:
+    t = time.perf_counter()
+    run(x, bound)
+    return time.perf_counter() - t
 
 
 def bf16_gemm_speedup() -> float:
@@ -200,12 +226,19 @@ def _clone(w):
 
 
 def calibrate_lowbit_rows(layer: QuantLinear) -> int:
-    """Largest row count of _ROWS up to which `layer`'s low-bit kernel is at least as fast
-    as its dense path at every count measured (the first count where dense wins ends the
-    search); 0 if dense wins at 1 row. Uses the layer as it is (dense copy or not).
-    Timed by `_crossover`, best of 5. A start-up measured while the machine was busy once
-    returned 64 on a model whose crossover is 4-16 (the old search only stopped at a loss
-    from 8 rows on, so one noisy win carried it on)."""
+    """The most rows a step may have for `layer`'s low-bit kernel to run it rather than its
+    dense path (the layer as it is: a resident dense copy, or the weights dequantized for
+    the call; both timed as whole calls, so the dequantization is priced). Timed at
+    LOWBIT_ROWS by `_crossover` with confirmation (best of 5 up to 64 rows, of 3 above):
+    the last count before the dense path wins two counts in a row; 0 if that starts at 1
+    row; UNBOUNDED_ROWS when it never does. The low-bit kernels' time grows with the rows
+    (each row's products are its own), so a step past 2,048 rows on them costs what its
+    chunks would; the dense path's there is not measured.
+
+    A start-up measured while the machine was busy once returned 64 on a model whose
+    crossover is 4-16; and on the 1.5B Q4_K_M the old search, which stopped at 64 rows,
+    sent 512-row prefill steps to the dense path 2.8x slower than eight 64-row chunks on
+    the low-bit kernels (issue 67)."""
     policy = layer.policy
     kind = "dense" if layer.dense is not None else "dequant"
 
@@ -213,20 +246,25 @@ def calibrate_lowbit_rows(layer: QuantLinear) -> int:
         policy.lowbit_max_rows = lowbit_rows
         layer(x)
 
+    @torch.inference_mode()
     def measure() -> int:
         saved = policy.lowbit_max_rows
         try:
-            return _crossover(_ROWS, lambda m: torch.randn(m, layer.in_features), run, reps=5)
+            return _crossover(LOWBIT_ROWS, lambda m: torch.randn(m, layer.in_features), run,
+                              lambda m: _LOWBIT_REPS if m <= 64 else _LOWBIT_REPS_MANY,
+                              confirm=True)
         finally:
             policy.lowbit_max_rows = saved
     gemv = "native-v13" if ops() is not None else "torch"   # bump when kernels change
-    return int(_cached(_key("lowbit_rows", layer.out_features, layer.in_features,
-                            f"int{layer.qweight.bits}", kind, policy.dense_dtype, gemv),
-                       measure))
+    rows = int(_cached(_key("lowbit_rows", layer.out_features, layer.in_features,
+                            f"int{layer.qweight.bits}", kind, policy.dense_dtype, gemv,
+                            f"upto{LOWBIT_ROWS[-1]}-confirmed"), measure))
+    return UNBOUNDED_ROWS if rows >= LOWBIT_ROWS[-1] else rows
 
 
 def finish_policy(model: torch.nn.Module, policy: KernelPolicy) -> None:
-    """Calibrate `policy.lowbit_max_rows` on the model's largest quantized linear.
+    """Calibrate `policy.lowbit_max_rows` on the model's largest quantized linear and say
+    what was decided and why in `policy.reason` (the start-up log's kernel line).
     Mutates `policy` (shared by every QuantLinear)."""
     layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
     if not layers:
@@ -234,11 +272,19 @@ def finish_policy(model: torch.nn.Module, policy: KernelPolicy) -> None:
     # The MLP's gate/up projection: the most common shape in a step's weight bytes.
     big = max((m for m in layers if m is not getattr(model, "lm_head", None)),
               key=lambda m: m.out_features * m.in_features, default=layers[0])
-    policy.lowbit_max_rows = calibrate_lowbit_rows(big)
-    policy.reason += (f"; low-bit kernels for steps of <= {policy.lowbit_max_rows} rows "
-                      f"(measured on {big.out_features}x{big.in_features} "
-                      f"int{big.qweight.bits}, dense path "
-                      f"{'resident' if big.dense is not None else 'dequantized per call'})")
+    rows = policy.lowbit_max_rows = calibrate_lowbit_rows(big)
+    dense = "resident" if big.dense is not None else "dequantized per call"
+    measured = (f"measured on {big.out_features}x{big.in_features} int{big.qweight.bits} "
+                f"at 1..{LOWBIT_ROWS[-1]} rows")
+    if rows >= UNBOUNDED_ROWS:
+        policy.reason += (f"; low-bit kernels at every step size (faster than the dense "
+                          f"path, {dense}, at every row count {measured})")
+    elif rows == 0:
+        policy.reason += (f"; dense path ({dense}) at every step size (faster than the "
+                          f"low-bit kernels from 1 row, {measured})")
+    else:
+        policy.reason += (f"; low-bit kernels for steps of <= {rows} rows, dense path "
+                          f"({dense}) above (faster there, {measured})")
 
 
 def _dense_linears(model: torch.nn.Module) -> list:
@@ -298,10 +344,10 @@ def finish_dense(model: torch.nn.Module) -> str:
 
 def few_row_limit(model: torch.nn.Module) -> int:
     """The most rows a step may have for this model's linears to run their few-row kernels
-    (low-bit GEMVs: the policies' `lowbit_max_rows`; float32 linears: the native GEMV's
-    `dense_gemv_rows`); above it they run dense GEMMs. The one place the simulator's cost
-    model (core/step_time.Layout.few_rows, engine/step_probe.py) reads the engine's kernel
-    switch from."""
+    (low-bit GEMVs: the policies' `lowbit_max_rows`, UNBOUNDED_ROWS when they run every
+    step; float32 linears: the native GEMV's `dense_gemv_rows`); above it they run dense
+    GEMMs. The one place the simulator's cost model (core/step_time.Layout.few_rows,
+    engine/step_probe.py) reads the engine's kernel switch from."""
     limits = {m.policy.lowbit_max_rows for m in model.modules() if isinstance(m, QuantLinear)}
     if limits:
         return min(limits)

@@ -25,9 +25,10 @@ The int8 activations add their own error to a product: per group, |x - dx xq| <=
 with dx = max|x_g| / 127 (what llama.cpp's Q8_0 activations do; accuracy against the
 float32 path is measured by benchmarks/quant_accuracy.py).
 
-`QuantLinear.forward` picks per call: rows <= `policy.lowbit_max_rows` (decode steps) run
-the low-bit GEMV-style kernel, which reads 4 or 8 bits per weight; more rows (prefill
-chunks, large batches) are bound by FLOPs, so they run a dense GEMM in `policy.dense_dtype`
+`QuantLinear.forward` picks per call: rows <= `policy.lowbit_max_rows` run the low-bit
+kernel, which reads 4 or 8 bits per weight (decode steps; and prefill chunks where it
+measured faster than the dense path: `UNBOUNDED_ROWS`, every step, when it won at every
+row count measured, models/kernels.py); more rows run a dense GEMM in `policy.dense_dtype`
 on a resident dense copy when one was kept, else on weights dequantized for the call.
 """
 from __future__ import annotations
@@ -55,7 +56,7 @@ TILE_COLS = 2048
 class KernelPolicy:
     """Shared by every QuantLinear of a model; set once at load (see models/kernels.py)."""
 
-    lowbit_max_rows: int = 8
+    lowbit_max_rows: int = 8       # rows <= this: low-bit kernels (UNBOUNDED_ROWS: always)
     dense_dtype: torch.dtype = torch.float32
     reason: str = ""
 

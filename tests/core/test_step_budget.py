@@ -8,6 +8,7 @@ import pytest
 from duetserve.core.step_budget import (CHUNK_EFFICIENCY, IDLE_BUDGET, MAX_GAP_FACTOR,
                                         MIN_CHUNK, STEP_FACTOR, StepBudget,
                                         default_max_step_ms, derive_step_budget)
+from duetserve.config import UNBOUNDED_ROWS
 from duetserve.core.step_time import Layout, StepTime
 
 # Shaped like the default model on a 2-core CPU: decode-only steps much cheaper than steps
@@ -137,3 +138,23 @@ def test_a_burst_of_prompts_gets_a_token_each_per_step() -> None:
     assert policy.for_step(8, 40) == 8 + 40
     assert policy.for_step(1, 5000) == 1 + 5000 > IDLE_BUDGET    # hi follows lo
     assert policy.for_step(0, 40) == IDLE_BUDGET
+
+
+def test_a_budget_over_the_few_row_kernels_at_every_size() -> None:
+    """The low-bit kernels won at every row count (UNBOUNDED_ROWS): every step is priced
+    on the few and mixed paths; budgets, floors and chunk charges stay the largest that
+    fit, as on MEASURED's few-row side."""
+    every = StepTime.of(Layout(few_rows=UNBOUNDED_ROWS), few_step=0.012, few_row=0.002,
+                        mixed_step=0.020, mixed_row=0.001, chunk_pair=0.5e-6)
+    budget, policy = derive_step_budget(every, None, 256)
+    assert policy is not None and budget == IDLE_BUDGET
+    for d in (1, 8, 64, 256):
+        rows = policy.token_budget(d, policy.target_ms(d))
+        assert d < rows < 10_000
+        assert policy.step_ms(d, rows - d) <= policy.target_ms(d) + 1e-9
+        assert policy.step_ms(d, rows - d + 16) > policy.target_ms(d)
+        assert 1 <= policy.efficient_chunk(d) <= policy.for_step(d) - d
+    assert policy.token_budget(8, 30.0) == 8 + 2      # 20 ms + 10 rows of 1 ms: 30 ms
+    # a chunk after 1,000 cached tokens is charged in rows of the mixed path (1 ms)
+    assert policy.chunk_cost(16, 1000, 2048) == 16 + math.ceil(16.136 * 0.5)
+    assert "at every step size" in every.describe()

@@ -5,6 +5,7 @@ import random
 
 import pytest
 
+from duetserve.config import UNBOUNDED_ROWS
 from duetserve.core.step_fit import fit_step_time
 from duetserve.core.step_time import TERMS, Layout, StepShape, StepTime
 from duetserve.outputs import ScheduledSlice
@@ -105,3 +106,47 @@ def test_fit_leaves_terms_without_samples_at_zero() -> None:
     assert model.seconds(samples[3][0]) == pytest.approx(samples[3][1], rel=1e-6)
     with pytest.raises(ValueError, match="need at least"):
         fit_step_time(samples[:1], LAYOUT, ("few_step", "few_row"))
+
+
+def test_an_unbounded_few_row_limit_runs_every_step_on_the_few_row_kernels() -> None:
+    """UNBOUNDED_ROWS (the low-bit kernels won at every row count measured): no step is
+    "many", however large; plausible when the few and mixed paths' rows cost time; the
+    layout survives JSON and says so in its description."""
+    lay = Layout(UNBOUNDED_ROWS, 8, 4096)
+    assert lay.is_unbounded and not LAYOUT.is_unbounded
+    assert StepShape.of([(8192, 0, 1)], lay).path == "mixed"
+    assert StepShape.decode_rows(lay, 512, 512, 100).path == "few"
+    model = StepTime.of(lay, few_step=0.004, few_row=0.001, mixed_step=0.008,
+                        mixed_row=0.002)
+    assert model.seconds(StepShape.of([(2048, 0, 1)], lay)) == pytest.approx(0.008 + 4.096)
+    assert model.is_plausible()
+    assert not StepTime.of(lay, few_row=1e-3, mixed_step=0.01).is_plausible()
+    assert StepTime.from_json(model.to_json()) == model
+    assert "few-row kernels at every step size" in model.describe()
+
+
+def test_an_unprobed_many_path_is_priced_as_the_mixed_one() -> None:
+    """Start-up probes stay within a few-row limit above 64 rows: the fit prices the
+    many-row path (steps past the limit) as the mixed one; with samples past the limit, or
+    an unbounded limit, it does not."""
+    lay = Layout(512, 0, 0)
+    truth = StepTime.of(lay, few_step=0.004, few_row=0.001, mixed_step=0.009,
+                        mixed_row=0.002)
+    shapes = ([StepShape.decode_rows(lay, d, d, 50) for d in (1, 4, 16, 64)]
+              + [StepShape.of([(1, 50, 1)] * d + [(n, 0, 1)], lay)
+                 for d, n in ((1, 8), (8, 72), (8, 152), (2, 62))])
+    samples = [(s, truth.seconds(s)) for s in shapes]
+    model, _ = fit_step_time(samples, lay)
+    for part in ("step", "row"):
+        assert model.term(f"many_{part}") == model.term(f"mixed_{part}") > 0
+    unbounded = Layout(UNBOUNDED_ROWS, 0, 0)
+    big = [(1, 50, 1)] * 8 + [(1024, 0, 1)]            # past the limit: "many"
+    assert model.seconds(StepShape.of(big, lay)) == pytest.approx(
+        StepTime(unbounded, model.coef).seconds(StepShape.of(big, unbounded)))
+    model, _ = fit_step_time([(StepShape.decode_rows(unbounded, d, d, 50), 0.004 + 0.001 * d)
+                              for d in (1, 2, 3)], unbounded, ("few_step", "few_row"))
+    assert model.term("many_row") == 0.0
+    past = [(StepShape.of([(1, 50, 1)] * 8 + [(600, 0, 1)], lay), 2.0)]
+    model, _ = fit_step_time(samples + past, lay, ("few_step", "few_row", "mixed_step",
+                                                   "mixed_row", "many_row"))
+    assert model.term("many_step") == 0.0 and model.term("many_row") > 0

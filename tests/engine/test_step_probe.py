@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from duetserve.config import EngineConfig
+from duetserve.config import UNBOUNDED_ROWS, EngineConfig
 from duetserve.core.step_time import Layout, StepShape, StepTime
 from duetserve.engine import step_probe
 from duetserve.engine.engine_core import EngineCore
@@ -145,3 +145,49 @@ def test_flipping_a_switch_measures_the_real_engine_again(tiny_checkpoints, tmp_
     pinned.write_text(json.dumps(first.resolved_config()))        # --print-config's output
     again = engine(step_time=str(pinned))
     assert again.step_time == first.step_time and again.step_time_source.how == "file"
+
+
+@pytest.mark.parametrize("few_rows", [0, 16, 64, 65, 128, 512, UNBOUNDED_ROWS])
+def test_startup_probes_stay_small_whatever_the_few_row_limit(few_rows) -> None:
+    """Probe sizes follow the few-row limit R up to PROBE_FEW_ROWS; past it (prefill
+    chunks on the low-bit kernels, or every step) they stay those of R = 64 and within R,
+    so start-up takes what it does at 64 and every probe runs the few-row kernels."""
+    layout = Layout(few_rows, 64, step_probe.GROUPED_MAX_SCORES // 4)
+    def rows(lay: Layout) -> list[int]:
+        return [sum(new for _, new in p.seqs) for p in step_probe.startup_probes(lay)]
+    assert max(rows(layout)) <= max(rows(Layout(64, 64, 0))) == 160
+    paths = {p.shape(layout).path for p in step_probe.startup_probes(layout)}
+    if few_rows > step_probe.PROBE_FEW_ROWS:
+        assert max(rows(layout)) <= few_rows and paths == {"few", "mixed"}
+    else:
+        assert "many" in paths
+
+
+def test_an_unbounded_layout_is_measured_plausible_and_cached(model, monkeypatch) -> None:
+    """Every step on the few-row kernels: the start-up fit over the probes (none past the
+    limit) prices the few and mixed paths, is plausible and cached; a bounded limit past
+    the probes gets its many-row path priced as the mixed one."""
+    for few_rows in (UNBOUNDED_ROWS, 512):
+        layout = Layout(few_rows, 8, step_probe.GROUPED_MAX_SCORES // 4)
+        truth = StepTime.of(layout, few_step=0.010, few_row=0.001, mixed_step=0.015,
+                            mixed_row=0.002, logit=1e-4)
+        FakeProbes(monkeypatch, model=truth)
+        monkeypatch.setattr(FakeRunner, "model", _policy_model(few_rows))
+        got, source = start(model)
+        assert got.layout == layout and got.is_plausible() and "cached" in source.detail
+        every = Layout(UNBOUNDED_ROWS, 8, 0)       # the truth's mixed path at 2,048 rows
+        assert got.seconds(StepShape.of([(2048, 0, 1)], layout)) == pytest.approx(
+            StepTime(every, truth.coef).seconds(StepShape.of([(2048, 0, 1)], every)),
+            rel=0.05)
+        if few_rows == 512:
+            assert got.term("many_row") == got.term("mixed_row") > 0
+        else:
+            assert got.term("many_row") == 0.0
+
+
+def _policy_model(lowbit_max_rows: int) -> torch.nn.Module:
+    """A model whose one quantized linear runs the low-bit kernels up to this many rows."""
+    from duetserve.models.quant import Int8Weight, KernelPolicy, QuantLinear, quantize_int8
+    layer = QuantLinear(Int8Weight(*quantize_int8(torch.randn(8, 64))), None,
+                        KernelPolicy(lowbit_max_rows=lowbit_max_rows))
+    return torch.nn.Sequential(layer)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+from duetserve.config import UNBOUNDED_ROWS
 from duetserve.metrics.prometheus import ServerMetrics, buckets_1_2_5
 from duetserve.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepStats
 
@@ -72,6 +73,13 @@ def test_kernel_choice_visible() -> None:
     assert 'lowbit_max_rows="4"' in text and 'weights="120 int4"' in text
     assert _sample(text, 'duet:steps_by_kernel_total{kernel="lowbit",model_name="m"}') == 2
     assert _sample(text, 'duet:steps_by_kernel_total{kernel="dense",model_name="m"}') == 1
+    every = ServerMetrics("m", 2048, 512)      # the low-bit kernels at every step size
+    every.set_kernel_info("120 int4", "float32", UNBOUNDED_ROWS, "measured")
+    every.observe_step(StepStats(start_time=0.0, step_seconds=0.5, num_prefill_tokens=2048,
+                                 num_decode_tokens=0))
+    text = every.render().decode()
+    assert 'lowbit_max_rows="unbounded"' in text
+    assert _sample(text, 'duet:steps_by_kernel_total{kernel="lowbit",model_name="m"}') == 1
 
 
 def test_spec_decode_counters_follow_cumulative_totals() -> None:

@@ -1,0 +1,144 @@
+"""Prefill speed with the engine's default step budget against fixed small budgets: does a
+long prompt run slower in one step than in the chunks a small budget cuts it into (issue
+67: the default must be at least the best of max_num_batched_tokens 64 / 128 / 256)?
+
+For each configuration (the defaults, then each --budgets value as
+max_num_batched_tokens) a fresh process builds one `LLM` with --threads threads and
+prefix caching off, warms up with one request of each prompt length, then for each
+prompt length times --repeats fresh requests (unique prompts, max_tokens=1): prefill
+tok/s = prompt tokens / TTFT (arrival to first token, so it includes the one sampling
+step), the median reported. Prints a table and writes JSON: every run, and per
+configuration the start-up's kernel decision (the weights line of the log), its few-row
+limit and its step budget.
+
+    .venv/bin/python benchmarks/prefill_paths.py \\
+        --model ~/.cache/duetserve-models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf \\
+        --threads 2 --repeats 3 --out out/prefill_paths.json
+
+Run it alone on the machine: another process's load spoils every timing.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+DEFAULT_PROMPT_LENS = (64, 512, 2048)
+DEFAULT_BUDGETS = (64, 128, 256)
+
+
+def _prompt(length: int, seed: int, vocab: int) -> list[int]:
+    """A prompt no other run shares a block with (the seed changes every token)."""
+    return [(7919 * (i + 1) + 104729 * seed) % (vocab - 300) + 100 for i in range(length)]
+
+
+def bench_config(model: str, threads: int, budget: int | None, prompt_lens: list[int],
+                 repeats: int, quantization: str, dtype: str) -> dict:
+    """One configuration in this process: {"budget", "load_s", "kernels", "few_row_limit",
+    "max_num_batched_tokens", "step_budget", "runs": {len: [tok/s]}, "tok_s": {len:
+    median}}."""
+    from duetserve import LLM, SamplingParams
+    from duetserve.config import describe_row_limit
+    from duetserve.models.kernels import few_row_limit
+    t0 = time.perf_counter()
+    llm = LLM(model=model, num_threads=threads, quantization=quantization, dtype=dtype,
+              kv_cache_memory=0.5, max_model_len=max(prompt_lens) + 16,
+              max_num_batched_tokens=budget, enable_prefix_caching=False)
+    load_s = time.perf_counter() - t0
+    engine = llm.engine
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    seed = 0
+    for n in prompt_lens:                                  # warm-up
+        seed += 1
+        llm.generate([_prompt(n, seed, vocab)], params)
+    runs: dict[str, list[float]] = {}
+    for n in prompt_lens:
+        runs[str(n)] = []
+        for _ in range(repeats):
+            seed += 1
+            out = llm.generate([_prompt(n, seed, vocab)], params)[0]
+            ttft = out.metrics.first_token_time - out.metrics.arrival_time
+            runs[str(n)].append(n / ttft)
+    step_budget = getattr(engine, "step_budget", None)
+    return {"budget": budget, "load_s": load_s, "kernels": engine.loaded.describe(),
+            "few_row_limit": describe_row_limit(few_row_limit(engine.loaded.model)),
+            "max_num_batched_tokens": engine.max_num_batched_tokens,
+            "step_budget": step_budget.describe() if step_budget is not None else None,
+            "runs": runs, "tok_s": {k: statistics.median(v) for k, v in runs.items()}}
+
+
+def _in_fresh_process(args, budget: int | None) -> dict:
+    """bench_config in a new interpreter (no weights, caches or allocator state shared
+    between configurations)."""
+    call = (f"bench_config({args.model!r}, {args.threads}, {budget!r}, "
+            f"{list(args.prompt_lens)!r}, {args.repeats}, {args.quantization!r}, "
+            f"{args.dtype!r})")
+    res = subprocess.run([sys.executable, "-c", (
+        "import json,sys;sys.argv=['x'];from benchmarks.prefill_paths import bench_config;"
+        f"print(json.dumps({call}))")], capture_output=True, text=True,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if res.returncode:
+        sys.exit(res.stderr)
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def _name(budget: int | None) -> str:
+    return "default" if budget is None else f"max_num_batched_tokens={budget}"
+
+
+def report(rows: list[dict], prompt_lens: list[int]) -> dict:
+    """Print the table; return per prompt length the default's tok/s over the best fixed
+    budget's (>= 1: the default is not slower than its chunks)."""
+    print(f"{'configuration':30} " + " ".join(f"{f'{n} tok/s':>12}" for n in prompt_lens))
+    for r in rows:
+        print(f"{_name(r['budget']):30} "
+              + " ".join(f"{r['tok_s'][str(n)]:12.1f}" for n in prompt_lens))
+    ratios = {}
+    default = next((r for r in rows if r["budget"] is None), None)
+    fixed = [r for r in rows if r["budget"] is not None]
+    if default is not None and fixed:
+        for n in prompt_lens:
+            best = max(fixed, key=lambda r: r["tok_s"][str(n)])
+            ratios[str(n)] = default["tok_s"][str(n)] / best["tok_s"][str(n)]
+            print(f"{n} tokens: default / best fixed ({_name(best['budget'])}) = "
+                  f"{ratios[str(n)]:.2f}")
+    for r in rows:
+        print(f"{_name(r['budget'])}: few-row limit {r['few_row_limit']}, step budget "
+              f"{r['max_num_batched_tokens']} tokens")
+    if rows:
+        print(f"kernels: {rows[0]['kernels']}")
+    return ratios
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True, help="a GGUF file")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prompt-lens", type=int, nargs="+", default=list(DEFAULT_PROMPT_LENS))
+    ap.add_argument("--budgets", type=int, nargs="*", default=list(DEFAULT_BUDGETS),
+                    help="fixed max_num_batched_tokens to compare with the default")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--quantization", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    args.model = os.path.expanduser(args.model)
+    rows = [_in_fresh_process(args, b) for b in [None, *args.budgets]]
+    print(f"model {os.path.basename(args.model)}, {args.threads} threads, prefill tok/s "
+          f"(prompt tokens / TTFT, median of {args.repeats} fresh prompts)")
+    ratios = report(rows, args.prompt_lens)
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump({"model": args.model, "threads": args.threads,
+                       "prompt_lens": args.prompt_lens, "repeats": args.repeats,
+                       "rows": rows, "default_over_best_fixed": ratios}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
