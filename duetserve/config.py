@@ -416,3 +416,6 @@ class SchedulerConfig:
     # The sliding window of each KV group (ModelConfig.kv_groups; None: full attention):
     # the KV cache manager keeps one block table per group.
     kv_windows: tuple[int | None, ...] = (None,)
+    # Goodput-first scheduling (core/slo.SloPolicy: SLO targets, slack-widened budgets,
+    # TPOT-bounded admission, TTFT-deadline order); None: StepBudget's budget, FCFS.
+    slo: object | None = None
