@@ -77,6 +77,15 @@ class SloPolicy:
         self.ttft_share = ttft_share
         self._chunks: dict[tuple[int, int], int] = {}
 
+    def _key(self) -> tuple:
+        return (self.budget, self.targets, self.margin, self.ttft_share)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, SloPolicy) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
     def __repr__(self) -> str:
         return (f"SloPolicy(ttft {self.targets.ttft_s * 1e3:g} ms, tpot "
                 f"{self.targets.tpot_s * 1e3:g} ms, margin {self.margin})")
@@ -171,7 +180,7 @@ class SloPolicy:
             1e3 * self.margin * self.targets.tpot_s
 
     def describe(self) -> str:
-        """The policy as reported at start-up."""
+        """The policy as reported at start-up (and by the simulator)."""
         most = 1
         while most < 1024 and self.admits(most):
             most += 1
@@ -181,3 +190,13 @@ class SloPolicy:
                 f"stream allows {self.chunk_tokens(1, 1e3 * self.margin * self.targets.tpot_s)}"
                 f" prompt tokens a step beside it; admission stops at {most} running "
                 "streams (their decode-only step within TPOT)")
+
+
+def slo_policy_for(budget: StepBudget | None, scheduling_policy: str, slo_ttft_ms: float,
+                   slo_tpot_ms: float) -> SloPolicy | None:
+    """The engine's rule (EngineCore and the simulator's profiles both call it): an
+    SloPolicy for scheduling_policy "slo" over a derived StepBudget, else None (a fixed
+    budget has no step-time model to plan with)."""
+    if scheduling_policy != "slo" or budget is None:
+        return None
+    return SloPolicy(budget, SloTargets(slo_ttft_ms / 1e3, slo_tpot_ms / 1e3))
