@@ -279,19 +279,23 @@ class Scheduler:
                                                 0))
         prefills = len(self.running) - len(decodes) + admissible
         budget = policy.for_step(len(decodes), prefills)
-        if self.slo is None or now is None or not decodes or not prefills:
+        prompt = self._next_prompt()
+        if self.slo is None or now is None or not decodes or prompt is None:
             return budget
-        return max(budget, min(max(policy.idle, budget),
-                               self.slo.token_budget(now, decodes, self._next_prompt())))
+        return min(max(policy.idle, budget),
+                   self.slo.token_budget(now, decodes, prompt, budget))
 
-    def _next_prompt(self) -> int:
-        """Tokens left to compute of the prompt next in line: the first running request
-        more than one token behind, else the first waiting one (its prefix hit not
-        counted). Mutates nothing."""
+    def _next_prompt(self) -> Request | None:
+        """The prompt next in line: the first running request more than one token behind,
+        else the first waiting one that may be admitted (its prefix hit not known yet:
+        counted as uncached); None. Mutates nothing."""
         for r in self.running:
             if r.num_tokens - r.num_computed_tokens > 1:
-                return r.num_tokens - r.num_computed_tokens
-        return self.waiting.peek().num_tokens if self.waiting else 1
+                return r
+        if not self.waiting or len(self.running) >= self.config.max_num_seqs or (
+                self.slo is not None and not self.slo.admits(len(self.running))):
+            return None
+        return self.waiting.peek()
 
     def _chunk(self, num_new: int, start: int, budget: int, step_budget: int
                ) -> tuple[int, int]:

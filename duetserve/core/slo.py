@@ -11,21 +11,27 @@ next token, due at now + x, while
 
 `banked` is the stream's slack: how far it runs ahead of a reader who reads one token
 per `tpot` (0 for a stream whose first token just came; it grows by tpot - step with
-every step shorter than tpot). A step may take what keeps every running stream within
-its target. Spent all at once the slack would make one long gap; spread over the N steps
-that a waiting prompt's prefill takes, each step may take
+every step shorter than tpot). Spread over the N steps of a prompt's prefill, the
+streams allow each of those steps
 
     T(N) = min over running decodes i of (tpot_i + banked_i / N)
 
-and the prompt's prefill takes the least N with N x chunk(T(N)) >= its remaining tokens,
-chunk(T) being the most prompt tokens beside the D decodes whose step the step-time
-model prices within T (StepBudget.token_budget). The step's budget is the larger of that
-and StepBudget's own (its target of STEP_FACTOR x the decode-only step, its floors): the
-policy only ever widens steps, by the streams' slack, so under heavy load, where the
-streams have none, the budget protects TPOT exactly as StepBudget does. No step is
-planned longer than STEP_TTFT_SHARE of the TTFT target, since a request that arrives
-during a step waits for its end. Every target is planned at SLO_MARGIN of its value,
-a margin for the step-time model's error.
+Spending that slack is not free: slower streams live longer, so more of them run at once
+(Little's law), and every step of a larger batch costs more; with a cliff in step time
+(the few-row kernels' limit) that lowers capacity and raises everyone's TTFT. So the
+slack is spent only on a prompt that needs it. The prompt next in line (the oldest
+running prefill, else the first waiting request) has `left` = its TTFT target minus the
+time it has waited. If StepBudget's chunks (its budget this step, kept as the floor) end
+its prefill within `left`, nothing changes. Else, over the prefill plans of N steps of
+c = ceil(remaining / N) tokens (N = 1, 2, ... fewer than StepBudget's plan needs) whose
+step the step-time model prices within T(N), the policy takes the plan that meets the
+deadline with the most steps (the least slack spent), or, when none does, the one that
+ends the prefill soonest (a late first token is still better early than later), and
+widens the budget to D + c. Under heavy load the streams have no slack, no plan fits,
+and the budget protects TPOT exactly as StepBudget does. No step is planned longer than
+STEP_TTFT_SHARE of the TTFT target (a request that arrives during a step waits for its
+end), and every target is planned at SLO_MARGIN of its value, a margin for the
+step-time model's error.
 
 Admission: a waiting request is admitted beside running ones only while the decode-only
 step of all of them (it included) stays within the server's TPOT target (planned at the
@@ -46,8 +52,7 @@ from duetserve.request import Request
 
 SLO_MARGIN = 0.9          # plan against this fraction of every target (model error)
 STEP_TTFT_SHARE = 0.5     # no planned step longer than this share of the TTFT target
-TARGET_QUANTUM_MS = 0.1   # step targets are rounded down to this before pricing
-MAX_MEMO = 65536          # remembered (decodes, target) -> chunk answers
+STEP_COUNT_GROWTH = 1.25  # prefill plans tried: 1, 2, 3, ... steps, then x1.25 apart
 
 
 @dataclass(frozen=True)
@@ -65,9 +70,9 @@ class SloTargets:
 
 class SloPolicy:
     """The goodput-first step budget, admission check and waiting order (module
-    docstring). Mutates only its memo of chunk sizes (the step-time model is frozen)."""
+    docstring). Immutable after construction (the step-time model is frozen)."""
 
-    __slots__ = ("budget", "targets", "margin", "ttft_share", "_chunks")
+    __slots__ = ("budget", "targets", "margin", "ttft_share")
 
     def __init__(self, budget: StepBudget, targets: SloTargets, margin: float = SLO_MARGIN,
                  ttft_share: float = STEP_TTFT_SHARE) -> None:
@@ -75,7 +80,6 @@ class SloPolicy:
         self.targets = targets
         self.margin = margin
         self.ttft_share = ttft_share
-        self._chunks: dict[tuple[int, int], int] = {}
 
     def _key(self) -> tuple:
         return (self.budget, self.targets, self.margin, self.ttft_share)
@@ -124,50 +128,46 @@ class SloPolicy:
                 for r in decodes)
         return min(1e3 * t, self.cap_ms())
 
-    def chunk_tokens(self, num_decodes: int, target_ms: float) -> int:
-        """Most prompt tokens beside `num_decodes` decodes in a step priced within
-        `target_ms` (rounded down to TARGET_QUANTUM_MS); 0 when none fit. Remembered."""
-        q = math.floor(target_ms / TARGET_QUANTUM_MS + 1e-9)
-        if q <= 0:
-            return 0
-        key = (num_decodes, q)
-        value = self._chunks.get(key)
-        if value is None:
-            if len(self._chunks) >= MAX_MEMO:
-                self._chunks.clear()
-            value = self._chunks[key] = self.budget.token_budget(
-                num_decodes, q * TARGET_QUANTUM_MS) - num_decodes
-        return value
+    def plan(self, now: float, decodes: Sequence[Request], prompt: Request, floor: int
+             ) -> tuple[int, int]:
+        """(N, chunk): the prefill plan of `prompt` (next in line) beside the running
+        `decodes` (module docstring). `floor`: StepBudget's budget this step. Returns
+        (0, 0) when StepBudget's own chunks meet the prompt's TTFT target (or it has
+        output already: preempted, no TTFT to meet) or no wider step fits the streams'
+        slack; else the N steps of `chunk` tokens each (the last one fewer) that meet the
+        deadline with the fewest tokens a step, or, when none meets it, that end the
+        prefill soonest. Mutates nothing."""
+        d, start = len(decodes), prompt.num_computed_tokens
+        num_left = prompt.num_tokens - start
+        if prompt.num_output_tokens or num_left <= 1:
+            return 0, 0
+        left_ms = 1e3 * (self.margin * self.ttft_s(prompt) - (now - prompt.arrival_time))
+        c0 = max(1, floor - d)
+        n0 = -(-num_left // c0)
+        if n0 * self.budget.step_ms(d, min(c0, num_left), start) <= left_ms:
+            return 0, 0
+        meets, soonest = (0, 0), (math.inf, 0, 0)
+        for n in _step_counts(n0 - 1):
+            c = -(-num_left // n)
+            t = self.budget.step_ms(d, c, start)
+            if t > self.step_ms(now, decodes, n):
+                continue                        # beyond what the streams' slack allows
+            if n * t <= left_ms:
+                meets = max(meets, (n, c))
+            soonest = min(soonest, (n * t, n, c))
+        return meets if meets[0] or left_ms <= 0 else soonest[1:]
 
-    def plan(self, now: float, decodes: Sequence[Request], num_prompt_tokens: int
-             ) -> tuple[int, float]:
-        """(N, T(N) in ms): the fewest steps N (at most num_prompt_tokens) whose steps of
-        T(N) carry `num_prompt_tokens` prompt tokens beside `decodes` (binary search:
-        N x chunk(T(N)) grows with N), or N = num_prompt_tokens when none do."""
-        d = len(decodes)
-
-        def enough(n: int) -> bool:
-            return n * self.chunk_tokens(d, self.step_ms(now, decodes, n)) \
-                >= num_prompt_tokens
-        lo, hi = 1, max(1, num_prompt_tokens)
-        if not enough(hi):
-            return hi, self.step_ms(now, decodes, hi)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if enough(mid):
-                hi = mid
-            else:
-                lo = mid + 1
-        return lo, self.step_ms(now, decodes, lo)
-
-    def token_budget(self, now: float, decodes: Sequence[Request], num_prompt_tokens: int
-                     ) -> int:
-        """The step's token budget by slack: D + chunk(T(N)) for the plan of the prompt
-        next in line (`num_prompt_tokens` left to compute) beside the running `decodes`
-        (D >= 1); D when no prompt token fits. The scheduler takes the larger of this
-        and StepBudget.for_step. Mutates only the memo."""
-        _, target_ms = self.plan(now, decodes, num_prompt_tokens)
-        return len(decodes) + self.chunk_tokens(len(decodes), target_ms)
+    def token_budget(self, now: float, decodes: Sequence[Request], prompt: Request,
+                     floor: int) -> int:
+        """The step's token budget: StepBudget's `floor`, or wider by the plan (`plan`)
+        of the prompt next in line: D + its chunk's charge (its rows, plus its attention
+        over cached tokens in rows' worth, StepBudget.chunk_cost). Mutates nothing."""
+        n, chunk = self.plan(now, decodes, prompt, floor)
+        if not n:
+            return floor
+        rows = len(decodes) + chunk
+        return max(floor, len(decodes) + self.budget.chunk_cost(
+            chunk, prompt.num_computed_tokens, rows))
 
     # -- admission -----------------------------------------------------------------------
     def admits(self, num_running: int) -> bool:
@@ -186,10 +186,9 @@ class SloPolicy:
             most += 1
         return (f"goodput-first (SLO TTFT {self.targets.ttft_s * 1e3:g} ms, TPOT "
                 f"{self.targets.tpot_s * 1e3:g} ms, planned at {self.margin:g}): steps "
-                f"widened by the streams' TPOT slack up to {self.cap_ms():.0f} ms; a fresh "
-                f"stream allows {self.chunk_tokens(1, 1e3 * self.margin * self.targets.tpot_s)}"
-                f" prompt tokens a step beside it; admission stops at {most} running "
-                "streams (their decode-only step within TPOT)")
+                f"widened, for a prompt that would miss its TTFT target, by the streams' "
+                f"TPOT slack up to {self.cap_ms():.0f} ms; admission stops at {most} "
+                "running streams (their decode-only step within TPOT)")
 
 
 def slo_policy_for(budget: StepBudget | None, scheduling_policy: str, slo_ttft_ms: float,
@@ -200,3 +199,13 @@ def slo_policy_for(budget: StepBudget | None, scheduling_policy: str, slo_ttft_m
     if scheduling_policy != "slo" or budget is None:
         return None
     return SloPolicy(budget, SloTargets(slo_ttft_ms / 1e3, slo_tpot_ms / 1e3))
+
+
+def _step_counts(most: int) -> list[int]:
+    """1, 2, ..., 8, then about STEP_COUNT_GROWTH apart, up to `most`: the prefill plans
+    `SloPolicy.plan` prices (a few dozen whatever the prompt's length)."""
+    counts, n = [], 1
+    while n <= most:
+        counts.append(n)
+        n = n + 1 if n < 8 else max(n + 1, int(n * STEP_COUNT_GROWTH))
+    return counts

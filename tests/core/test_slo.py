@@ -47,41 +47,63 @@ def test_slack_is_the_streams_lead_over_its_planned_tpot() -> None:
     assert p.banked_s(Request("w", [1], SamplingParams()), now=9.0) == 0.0
 
 
-def test_light_load_gives_large_chunks_within_the_tpot_target() -> None:
+def prompt(num_tokens: int, arrival: float, **params: object) -> Request:
+    return Request("p", list(range(1, num_tokens + 1)), SamplingParams(**params),
+                   arrival_time=arrival)
+
+
+def test_no_widening_while_the_step_budget_meets_the_ttft_target() -> None:
     """One fresh stream: StepBudget's target (1.5 x 11 ms) gives a 200-token prompt 5
-    tokens a step; by slack the step may take the planned TPOT, 90 ms: 80 rows, 79 of
-    them prompt, so the prompt needs 3 steps instead of 40."""
-    p = policy()
+    tokens a 16 ms step, 640 ms in all, within the 1.8 s planned: nothing to spend."""
     assert StepBudget(LINE).for_step(1, 1) == 6
     a = stream("a", 1, anchor=0.0)
-    assert p.plan(0.0, [a], 200) == (3, pytest.approx(90.0))
-    assert p.token_budget(0.0, [a], 200) == 80
-    # banked slack is spread over the prompt's prefill: 0.8 s ahead, T(N) = 90 + 800 / N
-    b = stream("b", 21, anchor=0.0)
-    n, t = p.plan(1.0, [b], 900)
-    assert (n, t) == (2, pytest.approx(490.0))          # 2 x 479 >= 900; 1 x 879 < 900
-    assert p.token_budget(1.0, [b], 900) == 480         # 1 decode + 479 prompt tokens
-    # the tightest stream bounds the step
-    assert p.token_budget(1.0, [a, b], 900) < p.token_budget(1.0, [b], 900)
+    assert policy().plan(0.0, [a], prompt(200, 0.0), 6) == (0, 0)
+    assert policy().token_budget(0.0, [a], prompt(200, 0.0), 6) == 6
 
 
-def test_a_step_is_never_planned_past_the_ttft_share() -> None:
-    p = policy()
+def test_a_prompt_that_would_miss_ttft_gets_the_least_widening_that_meets_it() -> None:
+    """TTFT 0.5 s (450 ms planned): StepBudget's 40 steps of 16 ms miss it. Plans of N
+    steps of ceil(200 / N) tokens, each step 11 + c ms within the fresh stream's 90 ms:
+    N = 18 (12 tokens, 18 x 23 = 414 ms) is the most steps that still meet 450 ms
+    (N = 22: 10 tokens, 462 ms)."""
+    p = SloPolicy(StepBudget(LINE), SloTargets(ttft_s=0.5, tpot_s=0.100))
+    a = stream("a", 1, anchor=0.0)
+    assert p.plan(0.0, [a], prompt(200, 0.0), 6) == (18, 12)
+    assert p.token_budget(0.0, [a], prompt(200, 0.0), 6) == 13
+    # 1 s already waited: late whatever happens; the streams keep their slack
+    assert p.plan(1.0, [stream("a", 1, anchor=1.0)], prompt(200, 0.0), 6) == (0, 0)
+
+
+def test_when_no_plan_meets_the_deadline_the_prefill_ends_soonest() -> None:
+    """2,000 tokens in 450 ms cannot be done within 90 ms steps (at most 79 tokens each);
+    the soonest plan among those tried: 27 steps of 75 tokens (86 ms)."""
+    p = SloPolicy(StepBudget(LINE), SloTargets(ttft_s=0.5, tpot_s=0.100))
+    a = stream("a", 1, anchor=0.0)
+    assert p.plan(0.0, [a], prompt(2000, 0.0), 6) == (27, 75)
+    assert p.token_budget(0.0, [a], prompt(2000, 0.0), 6) == 76
+
+
+def test_banked_slack_is_spread_and_a_step_is_never_past_the_ttft_share() -> None:
+    """A stream 16 s ahead allows T(N) = 90 + 16,000 / N ms, capped at half the TTFT
+    target (250 ms): the soonest plan is 10 steps of 200 tokens (211 ms), not one step of
+    2,000 (2,011 ms, which the slack alone would allow)."""
+    p = SloPolicy(StepBudget(LINE), SloTargets(ttft_s=0.5, tpot_s=0.100))
     rich = stream("r", 201, anchor=0.0)                 # 200 x 90 ms - 2 s: 16 s ahead
-    assert p.cap_ms() == pytest.approx(1000.0)
-    assert p.plan(2.0, [rich], 5000)[1] == pytest.approx(1000.0)
-    assert p.token_budget(2.0, [rich], 5000) == 1 + 975  # 990 rows -> 976
+    assert p.cap_ms() == pytest.approx(250.0)
+    assert p.step_ms(2.0, [rich], 1) == pytest.approx(250.0)
+    assert p.step_ms(2.0, [rich], 1000) == pytest.approx(106.0)
+    assert p.plan(2.0, [rich], prompt(2000, 2.0), 6) == (10, 200)
 
 
 def test_heavy_load_keeps_the_step_budget() -> None:
-    """80 streams decode in 90 ms: no slack (T(N) <= 90 ms leaves no prompt token), so
-    the scheduler keeps StepBudget's budget; behind their target even more so."""
-    p = policy()
+    """80 streams decode in 90 ms: no plan fits their slack, so the scheduler keeps
+    StepBudget's budget; streams behind their target even more so."""
+    p = SloPolicy(StepBudget(LINE), SloTargets(ttft_s=0.5, tpot_s=0.100))
     busy = [stream(f"s{i}", 11, anchor=0.0) for i in range(80)]   # 10 gaps in 0.9 s
-    assert p.token_budget(0.9, busy, 200) == 80
+    assert p.plan(0.9, busy, prompt(200, 0.9), 112) == (0, 0)
+    assert p.token_budget(0.9, busy, prompt(200, 0.9), 112) == 112
     behind = [stream(f"s{i}", 6, anchor=0.0) for i in range(8)]   # 5 gaps in 1 s
-    n, t = p.plan(1.0, behind, 200)
-    assert t < 90.0 and p.token_budget(1.0, behind, 200) < 8 + 80
+    assert p.step_ms(1.0, behind, 18) < 90.0
 
 
 def test_admission_stops_where_decodes_would_miss_tpot() -> None:
@@ -93,12 +115,12 @@ def test_admission_stops_where_decodes_would_miss_tpot() -> None:
 
 
 # --- the scheduler with the policy -----------------------------------------------------
-def scheduler(slo: bool) -> Scheduler:
+def scheduler(slo: bool, targets: SloTargets = TARGETS) -> Scheduler:
     budget = StepBudget(LINE)
     return Scheduler(SchedulerConfig(
         max_num_batched_tokens=2048, max_num_seqs=128, max_model_len=4096, block_size=16,
         num_blocks=2048, step_budget=budget,
-        slo=SloPolicy(budget, TARGETS) if slo else None))
+        slo=SloPolicy(budget, targets) if slo else None))
 
 
 def run(sched: Scheduler, now: float) -> tuple[SchedulerOutput, float]:
@@ -119,12 +141,13 @@ def req(req_id: str, num_prompt: int, arrival: float, **params: object) -> Reque
                    arrival_time=arrival)
 
 
-@pytest.mark.parametrize("slo,chunks", [(False, [5] * 40), (True, [79, 79, 42])])
-def test_new_prompt_beside_one_stream(slo: bool, chunks: list[int]) -> None:
-    """With the policy each step of the prompt takes the planned TPOT (90 ms: 1 decode +
-    79 prompt rows), so the stream banks nothing and stays on target; without it, 5
-    prompt tokens a 16 ms step."""
-    sched = scheduler(slo)
+@pytest.mark.parametrize("slo", [False, True])
+def test_new_prompt_beside_one_stream(slo: bool) -> None:
+    """TTFT target 0.5 s: without the policy the prompt gets 5 tokens a 16 ms step and
+    its first token comes after 40 steps, past the target; with it, the prefill is
+    planned to meet 450 ms (first chunk: 12 tokens, see the plan test above), re-planned
+    every step, and the stream stays within its planned TPOT."""
+    sched = scheduler(slo, SloTargets(ttft_s=0.5, tpot_s=0.100))
     sched.add_request(req("a", 8, 0.0))
     _, now = run(sched, 0.0)                            # a's prefill: 18 ms
     assert sched.requests["a"].slo_anchor_time == pytest.approx(0.018)
@@ -135,11 +158,14 @@ def test_new_prompt_beside_one_stream(slo: bool, chunks: list[int]) -> None:
         out, now = run(sched, now)
         assert out.num_scheduled_tokens["a"] == 1       # the stream runs every step
         got.append(out.num_scheduled_tokens["b"])
-    assert got == chunks
+    ttft = now - sched.requests["b"].arrival_time
     a = sched.requests["a"]
     tpot = (now - a.slo_anchor_time) / (a.num_output_tokens - 1)
-    # steps of 90, 90 and 53 ms (1 + 42 rows) with the policy: within the 90 ms planned
-    assert tpot == pytest.approx((0.090 + 0.090 + 0.053) / 3 if slo else 0.016)
+    if slo:
+        assert got[0] == 12 and sum(got) == 200
+        assert ttft <= 0.450 and tpot <= 0.090
+    else:
+        assert got == [5] * 40 and ttft == pytest.approx(0.640)
 
 
 def test_admission_is_bounded_by_the_tpot_target() -> None:
