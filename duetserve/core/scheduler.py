@@ -29,10 +29,11 @@ Waiting order and preemption victims follow one key, (priority, arrival): smalle
 priority first, then earlier add_request; preempted requests go to the front of their
 priority in the waiting queue.
 
-Goodput-first (config.slo, core/slo.py): the budget is widened by the running streams'
-TPOT slack (never narrowed below StepBudget's), a waiting request joins running ones only
-while their decode-only step stays within the TPOT target, and the waiting order within a
-priority is the TTFT deadline. The scheduler reads no clock: `schedule(now)` and
+Goodput-first (config.slo, core/slo.py): for a prompt that would miss its TTFT target
+with StepBudget's chunks, the budget is widened within the running streams' TPOT slack
+(never narrowed below StepBudget's); a waiting request joins running ones only while
+their decode-only step stays within the TPOT target; the waiting order within a priority
+is the TTFT deadline. The scheduler reads no clock: `schedule(now)` and
 `update_from_output(..., now)` are given the time (the engine's time.time(), the
 simulator's simulated time), in the clock of Request.arrival_time; without it the budget
 is StepBudget's.
