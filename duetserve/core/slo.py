@@ -124,9 +124,20 @@ class SloPolicy:
 
     def step_ms(self, now: float, decodes: Sequence[Request], num_steps: int) -> float:
         """T(N) of the module docstring for N = `num_steps`, in ms, at most cap_ms()."""
-        t = min(self.margin * self.tpot_s(r) + self.banked_s(r, now) / num_steps
-                for r in decodes)
-        return min(1e3 * t, self.cap_ms())
+        return self._allowance(self._slack(now, decodes), num_steps)
+
+    def _slack(self, now: float, decodes: Sequence[Request]) -> list[tuple[float, float]]:
+        """(planned TPOT, least banked slack) per distinct planned TPOT of `decodes`, in
+        seconds: all T(N) needs (a + b / N is least at the least b for each a)."""
+        least: dict[float, float] = {}
+        for r in decodes:
+            a, b = self.margin * self.tpot_s(r), self.banked_s(r, now)
+            if b < least.get(a, math.inf):
+                least[a] = b
+        return list(least.items())
+
+    def _allowance(self, slack: list[tuple[float, float]], num_steps: int) -> float:
+        return min(1e3 * min(a + b / num_steps for a, b in slack), self.cap_ms())
 
     def plan(self, now: float, decodes: Sequence[Request], prompt: Request, floor: int
              ) -> tuple[int, int]:
@@ -147,10 +158,11 @@ class SloPolicy:
         if n0 * self.budget.step_ms(d, min(c0, num_left), start) <= left_ms:
             return 0, 0
         meets, soonest = (0, 0), (math.inf, 0, 0)
+        slack = self._slack(now, decodes)
         for n in _step_counts(n0 - 1):
             c = -(-num_left // n)
             t = self.budget.step_ms(d, c, start)
-            if t > self.step_ms(now, decodes, n):
+            if t > self._allowance(slack, n):
                 continue                        # beyond what the streams' slack allows
             if n * t <= left_ms:
                 meets = max(meets, (n, c))
