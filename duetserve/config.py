@@ -222,6 +222,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 KQUANT_FORMS = ("measure", "exact", "widened")
+SCHEDULING_POLICIES = ("slo", "fcfs")
 
 
 SPEC_METHODS = ("ngram", "draft")
@@ -338,6 +339,14 @@ class EngineConfig:
     # the speculation policy use it as is, nothing is measured; pins the schedule of a run
     # on any machine. None: measured at start-up (cached per machine and switches).
     step_time: str | None = None
+    # What the scheduler optimizes (core/slo.py). "slo": goodput, the requests meeting
+    # both SLO targets below: steps widened by the running streams' TPOT slack,
+    # admission bounded by the TPOT target, waiting order by TTFT deadline. "fcfs": the
+    # step-time target alone and arrival order. Both need the derived budget (no
+    # --max-num-batched-tokens) to differ; docs/scheduling.md explains the defaults.
+    scheduling_policy: str = "slo"
+    slo_ttft_ms: float = 2000.0         # time to first token: the interactive limit
+    slo_tpot_ms: float = 100.0          # time per output token: ahead of fast reading
     max_num_seqs: int = 128
     max_n: int = 128                    # cap on samples per request (OpenAI's limit)
     max_waiting_requests: int = 1024    # refuse new requests past this many waiting (0: no cap)
@@ -370,6 +379,11 @@ class EngineConfig:
             raise ConfigError(f"max_step_ms must be > 0, got {self.max_step_ms}")
         if self.max_n < 1:
             raise ConfigError(f"max_n must be >= 1, got {self.max_n}")
+        check_one_of("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
+        for name in ("slo_ttft_ms", "slo_tpot_ms"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and 0 < value < float("inf")):
+                raise ConfigError(f"{name} must be a number of ms > 0, got {value!r}")
         if self.max_waiting_requests < 0:
             raise ConfigError(
                 f"max_waiting_requests must be >= 0, got {self.max_waiting_requests}")
@@ -429,3 +443,6 @@ class SchedulerConfig:
     # The sliding window of each KV group (ModelConfig.kv_groups; None: full attention):
     # the KV cache manager keeps one block table per group.
     kv_windows: tuple[int | None, ...] = (None,)
+    # Goodput-first scheduling (core/slo.SloPolicy: SLO targets, slack-widened budgets,
+    # TPOT-bounded admission, TTFT-deadline order); None: StepBudget's budget, FCFS.
+    slo: object | None = None

@@ -14,6 +14,7 @@ Who mutates what (NOTE: the worker never touches a Request):
                                      output_token_ids/all_token_ids (via
                                      append_output_token_ids), block_hashes,
                                      spec_token_ids and the acceptance counts,
+                                     slo_anchor_time/slo_anchor_tokens (first output),
                                      status/finish_reason/stop_reason on finish
   - Scheduler.abort_requests()/finish_requests(): status, finish_reason, stop_reason
   - the engine: eos_token_ids before add_request; for prefill/decode disaggregation (kv_transfer/) also, before
@@ -91,6 +92,11 @@ class Request:
     spec_streak: bool = False
     spec_streak_accepted: int = 0
     spec_streak_rejections: int = 0
+    # Goodput-first scheduling (core/slo.py): the request's TPOT clock, started when its
+    # first output token is appended (the time update_from_output was given, and the
+    # output count then); None until then.
+    slo_anchor_time: float | None = None
+    slo_anchor_tokens: int = 0
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)

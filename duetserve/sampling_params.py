@@ -14,6 +14,7 @@ from duetserve.errors import RequestError
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0
 MAX_PENALTY = 2.0
+MAX_SLO_MS = 86_400_000.0   # a day: per-request SLO targets (slo_ttft_ms, slo_tpot_ms)
 GUIDED_KINDS = ("json", "json_object", "regex", "choice", "grammar", "tool_calls")
 
 
@@ -85,6 +86,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = field(default=None, hash=False)
     guided: GuidedDecoding | None = None   # constrained decoding (structured output)
+    # This request's SLO targets (core/slo.py) in ms; None: the server's
+    # (--slo-ttft-ms / --slo-tpot-ms). The engine refuses values tighter than the server's.
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
 
     def __post_init__(self) -> None:
         """Normalise containers (str/list -> tuple, logit_bias copied with int keys) and
@@ -166,6 +171,10 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
                 raise bad(name, f"None or an integer in [0, {MAX_LOGPROBS}]")
+        for name in ("slo_ttft_ms", "slo_tpot_ms"):
+            value = getattr(self, name)
+            if value is not None and (not _is_real(value) or not 0 < value <= MAX_SLO_MS):
+                raise bad(name, f"None or a number of ms in (0, {MAX_SLO_MS:g}]")
 
     def _validate_stops(self) -> None:
         for s in self.stop:

@@ -31,6 +31,9 @@ INVALID = [
     ({"stop_token_ids": [-1]}, "stop_token_ids"),
     ({"logit_bias": {5: 101.0}}, "logit_bias"),
     ({"logit_bias": {"x": 1.0}}, "logit_bias"),
+    ({"slo_ttft_ms": 0}, "slo_ttft_ms"),
+    ({"slo_tpot_ms": float("inf")}, "slo_tpot_ms"),
+    ({"slo_tpot_ms": "fast"}, "slo_tpot_ms"),
 ]
 
 
@@ -56,6 +59,7 @@ def test_valid_edges_accepted() -> None:
                    frequency_penalty=2.0, repetition_penalty=0.5, max_tokens=None,
                    min_tokens=3, logprobs=0, prompt_logprobs=20, seed=0)
     SamplingParams(top_k=-1, max_tokens=1, min_tokens=1, logit_bias={0: -100, 3: 100})
+    SamplingParams(slo_ttft_ms=86_400_000.0, slo_tpot_ms=0.5)
 
 
 def test_defaults_and_normalisation() -> None:

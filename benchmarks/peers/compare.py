@@ -180,7 +180,8 @@ def bench_argv(engine: str, base: str, args: argparse.Namespace, out_json: Path,
             "--endpoint", "completions", "--dataset", "random", "--input-len", args.input_len,
             "--output-len", args.output_len, "--ignore-eos", "--seed", str(args.seed), "--temperature", "0",
             "--num-prompts", str(args.num_prompts), "--sweep-rates", args.rates, "--percentiles", "50,90,99",
-            "--label", engine, "--output-json", str(out_json), "--no-progress"]
+            "--label", engine, "--output-json", str(out_json), "--no-progress",
+            "--slo", *args.slo.split()]
     if args.max_concurrency:
         argv += ["--max-concurrency", str(args.max_concurrency)]
     if extra_body:
@@ -223,16 +224,20 @@ def _fmt(v: float | None, digits: int = 2) -> str:
 def row(summary: dict[str, Any]) -> list[float | None]:
     s = summary
     return [s["request_throughput"], s["output_throughput"], s["ttft_ms"]["median"], s["ttft_ms"].get("p99"),
-            s["tpot_ms"]["median"], s["tpot_ms"].get("p99")]
+            s["tpot_ms"]["median"], s["tpot_ms"].get("p99"), s.get("goodput")]
 
 
 def table(docs: dict[str, dict[str, Any]]) -> str:
     """Per rate: one row per engine and one ratio row duet/peer per peer."""
-    cols = ["req/s", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99"]
+    cols = ["req/s", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "goodput"]
     head = f"{'rate':>6} {'engine':<22}" + "".join(f"{c:>11}" for c in cols) + f"{'failed':>8}"
-    lines = ["latencies in ms; ratio rows = duetserve / peer (throughput: >1 duet faster; "
-             "latency: <1 duet faster)", head, "-" * len(head)]
-    rates = [r["request_rate"] for r in next(iter(docs.values()))["runs"]]
+    first = next(iter(docs.values()))
+    slo = first["runs"][0]["summary"].get("slo_ms") or {}
+    lines = ["latencies in ms; ratio rows = duetserve / peer (throughput and goodput: >1 duet "
+             "faster; latency: <1 duet faster); goodput: req/s meeting "
+             + (" and ".join(f"{k} <= {v:g} ms" for k, v in slo.items()) or "no SLO"),
+             head, "-" * len(head)]
+    rates = [r["request_rate"] for r in first["runs"]]
     for i, rate in enumerate(rates):
         rows: dict[str, list[float | None]] = {}
         for engine, doc in docs.items():
@@ -259,6 +264,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--input-len", default="32:256")
     p.add_argument("--output-len", default="32:128")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--slo", default="ttft=2000 tpot=100",
+                   help="goodput SLOs for both engines, as duet bench serve's --slo (default: "
+                        "duet serve's --slo-ttft-ms / --slo-tpot-ms defaults)")
     p.add_argument("--max-concurrency", type=int, default=None, help="passed to duet bench serve")
     p.add_argument("--threads", type=int, default=2, help="compute threads of every engine")
     p.add_argument("--warmup", type=int, default=2, help="short requests before measuring")

@@ -29,6 +29,15 @@ Waiting order and preemption victims follow one key, (priority, arrival): smalle
 priority first, then earlier add_request; preempted requests go to the front of their
 priority in the waiting queue.
 
+Goodput-first (config.slo, core/slo.py): for a prompt that would miss its TTFT target
+with StepBudget's chunks, the budget is widened within the running streams' TPOT slack
+(never narrowed below StepBudget's); a waiting request joins running ones only while
+their decode-only step stays within the TPOT target; the waiting order within a priority
+is the TTFT deadline. The scheduler reads no clock: `schedule(now)` and
+`update_from_output(..., now)` are given the time (the engine's time.time(), the
+simulator's simulated time), in the clock of Request.arrival_time; without it the budget
+is StepBudget's.
+
 In their own modules: the step being assembled and its SchedulerOutput, where the phase
 of each slice is decided (step_plan.py); speculation's per-step arithmetic
 (spec_schedule.py); the disaggregation states and transitions (remote_kv.py).
@@ -44,6 +53,7 @@ from duetserve.core import hashing
 from duetserve.core.kv_cache_manager import KVCacheManager, cdiv
 from duetserve.core.remote_kv import RemoteKV
 from duetserve.core.request_queue import RequestQueue
+from duetserve.core.slo import SloPolicy
 from duetserve.core.spec_policy import SpecPolicy
 from duetserve.core.spec_schedule import (count_spec, drafts_for, lookahead, num_to_propose,
                                           plan_spec)
@@ -84,7 +94,9 @@ class Scheduler:
         self.max_len = min(config.max_model_len, self.kv_cache_manager.max_request_tokens(
             config.max_num_batched_tokens))
         self.requests: dict[str, Request] = {}   # every unfinished request
-        self.waiting = RequestQueue()
+        self.slo: SloPolicy | None = config.slo  # type: ignore[assignment]
+        self.waiting = RequestQueue(None if self.slo is None else self.slo.deadline)
+        self._now: float | None = None           # the last schedule()'s time
         self.running: list[Request] = []         # in admission order
         self._finished_req_ids: set[str] = set() # since the last schedule()
         self._arrival = itertools.count()
@@ -235,12 +247,15 @@ class Scheduler:
         return len(self.waiting)
 
     # --- one step ------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
-        """Pick this step's work. Mutates: running/waiting queues, block tables, and for the
-        requests it touches status, num_computed_tokens (admission: prefix hit; preemption:
-        0), num_preemptions. num_computed_tokens of scheduled requests is
-        advanced later, by update_from_output. Returns the SchedulerOutput for the runner."""
-        step = StepPlan(self._token_budget())
+    def schedule(self, now: float | None = None) -> SchedulerOutput:
+        """Pick this step's work. `now`: the time, in the clock of Request.arrival_time
+        (the goodput-first budget needs it; None: StepBudget's alone). Mutates:
+        running/waiting queues, block tables, and for the requests it touches status,
+        num_computed_tokens (admission: prefix hit; preemption: 0), num_preemptions.
+        num_computed_tokens of scheduled requests is advanced later, by
+        update_from_output. Returns the SchedulerOutput for the runner."""
+        self._now = now
+        step = StepPlan(self._token_budget(now))
         self.remote.run_loaded(self.running, self.config.max_num_seqs)
         if self.spec_policy is not None:
             plan_spec(self.spec_policy, self.running, step)
@@ -251,19 +266,37 @@ class Scheduler:
             self._schedule_waiting(step)
         return self._build_output(step)
 
-    def _token_budget(self) -> int:
+    def _token_budget(self, now: float | None) -> int:
         """This step's budget: fixed, or re-derived from the number of running decodes
         (requests one token behind) and of requests with prompt tokens to compute (the
         other running ones and the waiting ones that could be admitted) when the config
-        carries a StepBudget."""
+        carries a StepBudget; with an SloPolicy and the time, the larger of that and the
+        budget the decodes' TPOT slack allows for the prompt next in line."""
         policy = self.config.step_budget
         if policy is None:
             return self.config.max_num_batched_tokens
-        decodes = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
+        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         admissible = min(len(self.waiting), max(self.config.max_num_seqs - len(self.running),
                                                 0))
-        prefills = len(self.running) - decodes + admissible
-        return policy.for_step(decodes, prefills)
+        prefills = len(self.running) - len(decodes) + admissible
+        budget = policy.for_step(len(decodes), prefills)
+        prompt = self._next_prompt()
+        if self.slo is None or now is None or not decodes or prompt is None:
+            return budget
+        return min(max(policy.idle, budget),
+                   self.slo.token_budget(now, decodes, prompt, budget))
+
+    def _next_prompt(self) -> Request | None:
+        """The prompt next in line: the first running request more than one token behind,
+        else the first waiting one that may be admitted (its prefix hit not known yet:
+        counted as uncached); None. Mutates nothing."""
+        for r in self.running:
+            if r.num_tokens - r.num_computed_tokens > 1:
+                return r
+        if not self.waiting or len(self.running) >= self.config.max_num_seqs or (
+                self.slo is not None and not self.slo.admits(len(self.running))):
+            return None
+        return self.waiting.peek()
 
     def _chunk(self, num_new: int, start: int, budget: int, step_budget: int
                ) -> tuple[int, int]:
@@ -344,7 +377,8 @@ class Scheduler:
                 if not self.remote.admit_load(request, kv, self.waiting):
                     break
                 continue
-            if len(self.running) >= self.config.max_num_seqs:
+            if len(self.running) >= self.config.max_num_seqs or (
+                    self.slo is not None and not self.slo.admits(len(self.running))):
                 break
             hit_blocks, num_hit = kv.get_computed_blocks(request)
             num_new, charge = self._chunk(request.num_tokens - num_hit, num_hit, step.budget,
@@ -374,11 +408,15 @@ class Scheduler:
 
     # --- after the step ------------------------------------------------------------------
     def update_from_output(self, scheduler_output: SchedulerOutput,
-                           runner_output: ModelRunnerOutput) -> list[Request]:
+                           runner_output: ModelRunnerOutput,
+                           now: float | None = None) -> list[Request]:
         """Apply a step's results. For every scheduled request still alive: advance
         num_computed_tokens, append the sampled tokens (stopping at the first one that
-        finishes it), extend block hashes, and free it when finished. Returns the requests
-        that got new tokens or finished in this step, in schedule order."""
+        finishes it), start its TPOT clock at its first output (at `now`, the step's end;
+        None: the time given to schedule()), extend block hashes, and free it when
+        finished. Returns the requests that got new tokens or finished in this step, in
+        schedule order."""
+        now = self._now if now is None else now
         touched = []
         sampled = runner_output.sampled_token_ids
         for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
@@ -403,6 +441,9 @@ class Scheduler:
                 request.append_output_token_ids(token_id)
                 if self._check_stop(request, token_id):
                     break
+            if request.slo_anchor_time is None and new_token_ids and now is not None:
+                request.slo_anchor_time, request.slo_anchor_tokens = \
+                    now, request.num_output_tokens
             if self.enable_caching:
                 hashing.update_block_hashes(request, self.block_size)
             if request.is_finished:

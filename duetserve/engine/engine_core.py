@@ -26,6 +26,7 @@ import torch
 
 from duetserve.config import EngineConfig, SchedulerConfig
 from duetserve.core.scheduler import Scheduler, SchedulerStats
+from duetserve.core.slo import SloPolicy, slo_policy_for
 from duetserve.core.step_budget import (FALLBACK_TOKEN_BUDGET, StepBudget,
                                         default_max_step_ms, derive_step_budget)
 from duetserve.core.step_time import StepTime
@@ -184,10 +185,11 @@ class EngineCore:
         self.max_step_ms: float | None = None
         self.step_budget: StepBudget | None = None
         self.max_num_batched_tokens = self._resolve_token_budget()
+        self.slo_policy = self._resolve_slo_policy()
         spec = config.speculative_config
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_batched_tokens=self.max_num_batched_tokens,
-            step_budget=self.step_budget,
+            step_budget=self.step_budget, slo=self.slo_policy,
             max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
             block_size=config.block_size, num_blocks=self.num_blocks,
             enable_prefix_caching=config.enable_prefix_caching,
@@ -247,6 +249,22 @@ class EngineCore:
         log.info("step budget: %s", self.step_budget.describe())
         return budget
 
+    def _resolve_slo_policy(self) -> SloPolicy | None:
+        """The goodput-first policy (core/slo.py) for --scheduling-policy slo over a
+        derived budget; None (logged) otherwise."""
+        config = self.config
+        if config.scheduling_policy != "slo":
+            log.info("scheduling: fcfs (--scheduling-policy fcfs)")
+            return None
+        if self.step_budget is None:
+            log.info("scheduling: fcfs (goodput-first scheduling needs the derived step "
+                     "budget, not a fixed one)")
+            return None
+        policy = slo_policy_for(self.step_budget, config.scheduling_policy,
+                                config.slo_ttft_ms, config.slo_tpot_ms)
+        log.info("scheduling: %s", policy.describe())
+        return policy
+
     def _draft_seconds(self) -> float:
         """A draft model's cost per proposed token (its 1-row forward, measured now);
         0 without a draft model or adaptive speculation."""
@@ -282,6 +300,8 @@ class EngineCore:
                              "max_step_ms": self.max_step_ms,
                              "step_budget": self.step_budget.describe()
                              if self.step_budget is not None else None,
+                             "scheduling": self.slo_policy.describe()
+                             if self.slo_policy is not None else "fcfs",
                              "kernels": self.loaded.describe()},
                 "step_time": None if self.step_time is None else self.step_time.to_json(),
                 "step_time_source": {"how": self.step_time_source.how,
@@ -312,6 +332,11 @@ class EngineCore:
                 f"the context of {self.max_model_len} tokens (max_model_len); ask for at "
                 f"most {self.max_model_len - num}", "max_tokens")
         params.validate_for_vocab(vocab)
+        for name in ("slo_ttft_ms", "slo_tpot_ms"):
+            own, server = getattr(params, name), getattr(self.config, name)
+            if own is not None and own < server:
+                raise RequestError(f"{name} may relax the server's target, not tighten it: "
+                                   f"at least {server:g} ms, got {own:g}", name)
         if params.guided is not None:
             # Compiled here once (the server does it first on a worker thread, so this
             # is a cache hit there): an invalid grammar never reaches a step.
@@ -418,13 +443,13 @@ class EngineCore:
         t0, start = time.perf_counter(), time.time()
         load_failures = {} if self.kv_roles is None else {
             r.req_id: error for r, error in self.kv_roles.poll()}
-        so = self.scheduler.schedule()
+        so = self.scheduler.schedule(start)
         if self.kv_roles is not None:
             self.kv_roles.start_loads()
         self._stamp_scheduled(so)
         ro, failed = self.executor.execute(so)
         failed_users = self._fail_children({**load_failures, **failed})
-        updated = self.scheduler.update_from_output(so, ro)
+        updated = self.scheduler.update_from_output(so, ro, time.time())
         outputs = self._make_outputs(updated, ro, failed_users)
         self._record_step(so, outputs, start, time.perf_counter() - t0)
         return outputs

@@ -7,7 +7,7 @@ import argparse
 import logging
 
 from duetserve.config import (DTYPES, KQUANT_FORMS, KV_CACHE_DTYPES, QUANTIZATIONS,
-                              ConfigError, EngineConfig)
+                              SCHEDULING_POLICIES, ConfigError, EngineConfig)
 from duetserve.entrypoints.cli import UserError
 from duetserve.outputs import OutputAccumulator
 
@@ -77,6 +77,19 @@ def _add_scheduler_arguments(g: argparse._ArgumentGroup) -> None:
                         "shows it (that file works as is): nothing is measured, so the "
                         "budget is the same on any machine; default: measured at start-up "
                         "(cached per machine and kernel switches)")
+    g.add_argument("--scheduling-policy", default=d.scheduling_policy,
+                   choices=list(SCHEDULING_POLICIES),
+                   help="slo (default): goodput first, steps widened by the running "
+                        "streams' TPOT slack, admission bounded by the TPOT target, "
+                        "waiting order by TTFT deadline; fcfs: the step-time target alone, "
+                        "arrival order")
+    g.add_argument("--slo-ttft-ms", type=float, default=d.slo_ttft_ms,
+                   help="time-to-first-token target the scheduler plans for (default "
+                        "%(default)s); a request may relax it (slo_ttft_ms in its body)")
+    g.add_argument("--slo-tpot-ms", type=float, default=d.slo_tpot_ms,
+                   help="time-per-output-token target the scheduler plans for (default "
+                        "%(default)s: 10 tokens/s, ahead of fast reading); a request may "
+                        "relax it (slo_tpot_ms)")
     g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
                    help="cap on running requests")
     g.add_argument("--max-n", type=int, default=d.max_n,
@@ -122,7 +135,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             huge_pages=args.huge_pages, step_time=args.step_time,
             check_integrity_when_idle=args.check_integrity_when_idle,
             max_num_batched_tokens=args.max_num_batched_tokens, max_step_ms=args.max_step_ms,
-            max_num_seqs=args.max_num_seqs, max_n=args.max_n,
+            scheduling_policy=args.scheduling_policy, slo_ttft_ms=args.slo_ttft_ms,
+            slo_tpot_ms=args.slo_tpot_ms, max_num_seqs=args.max_num_seqs, max_n=args.max_n,
             max_waiting_requests=args.max_waiting_requests,
             enable_prefix_caching=args.enable_prefix_caching, num_threads=args.num_threads,
             seed=args.seed, trace_file=args.trace_file,

@@ -37,14 +37,16 @@ def default_calibrated_path(model: str | None, num_threads: int) -> Path:
 def served_scheduler_settings(engine) -> dict:
     """The profile's "scheduler" entry for an engine built with the serving defaults: its
     SchedulerConfig's settings plus, when the engine derived its per-step budget, the
-    step time and max_step_ms it derived it from (SimProfile.scheduler_config rebuilds
-    the same StepBudget through core.step_budget.derive_step_budget)."""
-    from duetserve.sim.profile import SCHEDULER_KEYS
+    step time and max_step_ms it derived it from and its scheduling objective
+    (SimProfile.scheduler_config rebuilds the same StepBudget and SloPolicy through
+    core.step_budget.derive_step_budget and core.slo.slo_policy_for)."""
+    from duetserve.sim.profile import POLICY_KEYS, SCHEDULER_KEYS
     cfg = engine.scheduler.config
     settings = {k: getattr(cfg, k) for k in SCHEDULER_KEYS}
     if cfg.step_budget is not None:
         settings["step_time"] = engine.step_time.to_json()
         settings["max_step_ms"] = engine.config.max_step_ms
+        settings.update({k: getattr(engine.config, k) for k in POLICY_KEYS})
     return settings
 
 

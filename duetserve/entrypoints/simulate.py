@@ -16,7 +16,7 @@ from typing import Any
 
 from duetserve.bench import serve as bench_serve
 from duetserve.bench.bench_metrics import write_json
-from duetserve.config import DTYPES, ConfigError
+from duetserve.config import DTYPES, SCHEDULING_POLICIES, ConfigError
 from duetserve.entrypoints.cli import UserError
 
 PD_PATTERN = re.compile(r"^(\d+)P(\d+)D$", re.IGNORECASE)
@@ -47,6 +47,13 @@ def add_profile_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-step-ms", type=float, default=None,
                    help="fixed step-time target of the per-step budget (as the engine's "
                    "flag; needs a calibrated profile, which carries the engine's step time)")
+    g.add_argument("--scheduling-policy", choices=list(SCHEDULING_POLICIES), default=None,
+                   help="the engine's --scheduling-policy (default: slo, with a profile "
+                        "that carries the engine's step time; a fixed budget is fcfs)")
+    g.add_argument("--slo-ttft-ms", type=float, default=None,
+                   help="the engine's --slo-ttft-ms, the target its scheduler plans for "
+                        "(--slo sets what goodput is measured against)")
+    g.add_argument("--slo-tpot-ms", type=float, default=None, help="the engine's --slo-tpot-ms")
     g.add_argument("--max-num-seqs", type=int, default=None)
     g.add_argument("--num-blocks", type=int, default=None, help="KV blocks per instance")
     g.add_argument("--block-size", type=int, default=None)
@@ -114,7 +121,9 @@ def scheduler_overrides(args: argparse.Namespace) -> dict[str, Any]:
             "max_step_ms": args.max_step_ms,
             "max_num_seqs": args.max_num_seqs, "num_blocks": args.num_blocks,
             "block_size": args.block_size, "max_model_len": args.max_model_len,
-            "enable_prefix_caching": False if args.no_prefix_caching else None}
+            "enable_prefix_caching": False if args.no_prefix_caching else None,
+            "scheduling_policy": args.scheduling_policy, "slo_ttft_ms": args.slo_ttft_ms,
+            "slo_tpot_ms": args.slo_tpot_ms}
 
 
 def cluster_spec(args: argparse.Namespace, pd: str | None = None, instances: int = 1):
@@ -135,8 +144,9 @@ def cluster_spec(args: argparse.Namespace, pd: str | None = None, instances: int
 def scheduler_json(config) -> dict[str, Any]:
     """A SchedulerConfig for the results document (its StepBudget described)."""
     out = {f.name: getattr(config, f.name) for f in fields(config)
-           if f.name not in ("step_budget", "spec_policy")}
+           if f.name not in ("step_budget", "spec_policy", "slo")}
     out["step_budget"] = None if config.step_budget is None else config.step_budget.describe()
+    out["scheduling"] = "fcfs" if config.slo is None else config.slo.describe()
     return out
 
 

@@ -3,7 +3,9 @@
 Fed on the engine thread from two sources:
   * `observe_step(StepStats)`   every engine step (gauges, cumulative counters, step sizes)
   * `observe_finished(out, reason)`  once per request (latency histograms from
-    RequestOutput.metrics, token counts, request_success_total{finished_reason})
+    RequestOutput.metrics, token counts, request_success_total{finished_reason}, and
+    goodput_requests_total{slo, outcome}: against the server's SLO targets, whether the
+    request met its TTFT target, its TPOT target and both)
 Each app owns its CollectorRegistry, so several servers can live in one process (tests).
 A one-line throughput log (prefill / decode tokens/s) is written at most every
 `log_interval` seconds while steps run.
@@ -18,7 +20,7 @@ import prometheus_client
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge,
                                Histogram, generate_latest)
 
-from duetserve.config import describe_row_limit
+from duetserve.config import EngineConfig, describe_row_limit
 from duetserve.metrics.step_accounting import StepAccount
 from duetserve.outputs import RequestOutput, SpecDecodeStats, StepStats
 
@@ -50,7 +52,10 @@ def buckets_1_2_5(max_value: int) -> list[float]:
 
 class ServerMetrics:
     def __init__(self, model_name: str, max_model_len: int, max_num_batched_tokens: int,
-                 log_interval: float = 10.0) -> None:
+                 log_interval: float = 10.0,
+                 slo_s: tuple[float, float] | None = None) -> None:
+        """`slo_s`: the server's (TTFT, TPOT) targets in seconds that the goodput
+        counters judge ended requests by; None: EngineConfig's defaults."""
         prometheus_client.disable_created_metrics()   # no `*_created` series (as vLLM)
         self.registry = CollectorRegistry(auto_describe=True)
         r, lbl = self.registry, ["model_name"]
@@ -88,6 +93,25 @@ class ServerMetrics:
         self.gen_tokens = counter("generation_tokens", "Generated tokens of ended requests.")
         self._success = Counter("duet:request_success", "Ended requests by finish reason.",
                                 lbl + ["finished_reason"], registry=r)
+        self._goodput = Counter(
+            "duet:goodput_requests", "Requests that ended with output (stop or length; "
+            "errors count as missed, aborts not at all), by SLO (ttft, tpot, both) and "
+            "outcome (met, missed) against the server's targets "
+            "(duet:goodput_slo_seconds); goodput = rate of slo=both, outcome=met.",
+            lbl + ["slo", "outcome"], registry=r)
+        slo_gauge = Gauge("duet:goodput_slo_seconds", "The SLO targets the goodput "
+                          "counters use (--slo-ttft-ms, --slo-tpot-ms).", lbl + ["slo"],
+                          registry=r)
+        if slo_s is None:
+            defaults = EngineConfig()
+            slo_s = (defaults.slo_ttft_ms / 1e3, defaults.slo_tpot_ms / 1e3)
+        self.slo_s = slo_s
+        for name, value in zip(("ttft", "tpot"), slo_s):
+            slo_gauge.labels(model_name, name).set(value)
+            for outcome in ("met", "missed"):        # every series from the start
+                self._goodput.labels(model_name, name, outcome)
+        for outcome in ("met", "missed"):
+            self._goodput.labels(model_name, "both", outcome)
         self.running = gauge("num_requests_running", "Requests running.")
         self.waiting = gauge("num_requests_waiting", "Requests waiting.")
         self.kv_usage = gauge("kv_cache_usage_perc", "KV cache usage (1 = full).")
@@ -217,6 +241,7 @@ class ServerMetrics:
     def observe_finished(self, out: RequestOutput | None, reason: str) -> None:
         with self._lock:
             self._success.labels(self._model, reason).inc()
+            self._count_goodput(out, reason)
             if out is None:
                 return
             m = out.metrics
@@ -234,6 +259,19 @@ class ServerMetrics:
                     hist.observe(value)
             for value in m.inter_token_latencies:
                 self.itl.observe(value)
+
+    def _count_goodput(self, out: RequestOutput | None, reason: str) -> None:
+        """One ended request into goodput_requests_total (class docstring): TTFT met when
+        its TTFT is within the target, TPOT met when its mean TPOT is (or it has fewer
+        than two tokens, as `duet bench serve` counts it). Caller holds the lock."""
+        if reason == "abort":
+            return
+        m = None if out is None else out.metrics
+        ok = reason in ("stop", "length") and m is not None and m.ttft is not None
+        ttft_ok = ok and m.ttft <= self.slo_s[0]
+        tpot_ok = ok and (m.tpot is None or m.tpot <= self.slo_s[1])
+        for name, met in (("ttft", ttft_ok), ("tpot", tpot_ok), ("both", ttft_ok and tpot_ok)):
+            self._goodput.labels(self._model, name, "met" if met else "missed").inc()
 
     # -- exposition -----------------------------------------------------------------------
     def render(self) -> bytes:

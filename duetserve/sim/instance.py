@@ -84,14 +84,15 @@ class SimInstance:
                 refused.append((request, str(e)))
         return refused
 
-    def begin_step(self) -> float | None:
-        """Admit pending requests, schedule one step and
+    def begin_step(self, now: float | None = None) -> float | None:
+        """Admit pending requests, schedule one step at simulated time `now` (what the
+        goodput-first scheduler plans with) and
         return its duration in seconds (None: nothing to run, the instance goes idle): the
         step-time model's price of the step's shape, plus the arrivals' cost. Mutates the
         scheduler and `idle`."""
         num_added = len(self.pending)
         self.pending = []
-        so = self.scheduler.schedule()
+        so = self.scheduler.schedule(now)
         if so.total_num_scheduled_tokens == 0:
             self.busy = False
             self._so = None
@@ -127,18 +128,19 @@ class SimInstance:
                 shape.num_logits += s.num_logits
         return shape
 
-    def end_step(self) -> list[Request]:
-        """Apply the step begun by begin_step: one synthetic token per sampled slice, then
-        the scheduler's update (counters, token stops, freeing). Returns the requests that
-        got a token or finished, in schedule order. Mutates the scheduler and `idle`; the
-        instance is between steps (`busy` False) until the next begin_step."""
+    def end_step(self, now: float | None = None) -> list[Request]:
+        """Apply the step begun by begin_step, ending at simulated time `now`: one
+        synthetic token per sampled slice, then the scheduler's update (counters, token
+        stops, freeing). Returns the requests that got a token or finished, in schedule
+        order. Mutates the scheduler and `idle`; the instance is between steps (`busy`
+        False) until the next begin_step."""
         so = self._so
         assert so is not None, "end_step without begin_step"
         ids = output_token_ids(self._next_token, len(self._sampled), self.id_range)
         self._next_token += len(ids)
         ro = ModelRunnerOutput(req_ids=list(so.num_scheduled_tokens),
                                sampled_token_ids={r: [t] for r, t in zip(self._sampled, ids)})
-        touched = self.scheduler.update_from_output(so, ro)
+        touched = self.scheduler.update_from_output(so, ro, now)
         for req in touched:
             if req.is_finished:
                 self.kv_loaded.pop(req.req_id, None)

@@ -32,7 +32,8 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from duetserve.config import ConfigError, SchedulerConfig, cache_dir
+from duetserve.config import ConfigError, EngineConfig, SchedulerConfig, cache_dir
+from duetserve.core.slo import slo_policy_for
 from duetserve.core.step_budget import derive_step_budget
 from duetserve.core.step_time import StepPricer, StepTime
 from duetserve.metrics.hardware import get_hardware
@@ -43,6 +44,8 @@ SCHEMA = "duet-sim-profile/2"
 SCHEDULER_KEYS = ("max_num_batched_tokens", "max_num_seqs", "num_blocks", "block_size",
                   "max_model_len", "enable_prefix_caching")
 BUDGET_KEYS = ("step_time", "max_step_ms")       # the engine's StepBudget inputs
+# the engine's scheduling objective (EngineConfig fields of the same names, same defaults)
+POLICY_KEYS = ("scheduling_policy", "slo_ttft_ms", "slo_tpot_ms")
 
 
 @dataclass
@@ -70,9 +73,15 @@ class SimProfile:
         given = {k: v for k, v in overrides.items() if v is not None}
         values = {**self.scheduler, **given}
         unknown = set(values) - set(SCHEDULER_KEYS) - set(BUDGET_KEYS) \
-            - {"long_prefill_token_threshold"}
+            - set(POLICY_KEYS) - {"long_prefill_token_threshold"}
         if unknown:
             raise ConfigError(f"unknown scheduler settings {sorted(unknown)}")
+        engine = EngineConfig()
+        objective = [values.pop(k, getattr(engine, k)) for k in POLICY_KEYS]
+        try:
+            EngineConfig(**dict(zip(POLICY_KEYS, objective)))   # validated as the engine's
+        except ConfigError as e:
+            raise ConfigError(f"profile {self.name}: {e}") from None
         engine_time = values.pop("step_time", None)
         max_step_ms = values.pop("max_step_ms", None)
         if max_step_ms is not None and not max_step_ms > 0:
@@ -88,7 +97,8 @@ class SimProfile:
             raise ConfigError(f"bad engine step_time in profile {self.name}: {e}") from None
         budget, policy = derive_step_budget(model, max_step_ms, values["max_num_seqs"])
         values["max_num_batched_tokens"] = budget
-        return SchedulerConfig(**values, step_budget=policy)
+        return SchedulerConfig(**values, step_budget=policy,
+                               slo=slo_policy_for(policy, *objective))
 
     def to_json(self) -> dict:
         return {"schema": SCHEMA, "name": self.name, "kind": self.kind,

@@ -136,12 +136,12 @@ class Simulation:
     def _begin(self, inst: SimInstance) -> None:
         for request, error in inst.admit_pending():
             self._fail(self._turns[request.req_id], error)
-        duration = inst.begin_step()
+        duration = inst.begin_step(self.now)
         if duration is not None:
             self._push(self.now + duration, _STEP_END, inst)
 
     def _on_step_end(self, inst: SimInstance) -> None:
-        for req in inst.end_step():
+        for req in inst.end_step(self.now):
             state = self._turns.get(req.req_id)
             if state is None:
                 continue

@@ -226,6 +226,10 @@ BAD_REQUESTS = [
     ("completions", {"prompt": [10**9]}, 400, "prompt"),
     ("completions", {"prompt": PROMPT, "logit_bias": {"99999999": 1}}, 400, "logit_bias"),
     ("completions", {"prompt": PROMPT, "model": "no-such-model"}, 404, "model"),
+    # per-request SLO targets: positive ms, never tighter than the server's
+    ("completions", {"prompt": PROMPT, "slo_ttft_ms": -1}, 400, "slo_ttft_ms"),
+    ("completions", {"prompt": PROMPT, "slo_tpot_ms": "fast"}, 400, "slo_tpot_ms"),
+    ("chat/completions", {"messages": CHAT, "slo_tpot_ms": 5}, 400, "slo_tpot_ms"),
     # Lone surrogates (a JSON \ud800..\udfff escape without its pair; the prompt was a 500)
     ("completions", b'{"prompt": "a\\ud9e2b", "max_tokens": 2}', 400, "prompt"),
     ("completions", b'{"prompt": ["a", "\\udfff"], "max_tokens": 2}', 400, "prompt"),
@@ -246,6 +250,12 @@ def test_bad_requests_are_openai_errors(server, path, body, status, param) -> No
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
     assert err["code"] == status and err["param"] == param
+
+
+def test_a_request_may_relax_the_slo_targets(client, model) -> None:
+    r = client.completions.create(model=model, prompt=PROMPT, max_tokens=2,
+                                  extra_body={"slo_ttft_ms": 60_000, "slo_tpot_ms": 1000})
+    assert r.usage.completion_tokens == 2
 
 
 def test_long_text_prompt_and_server_still_serves(client, model) -> None:

@@ -58,6 +58,36 @@ def test_metrics_feed_and_render(caplog) -> None:
     assert buckets_1_2_5(100) == [1, 2, 5, 10, 20, 50, 100]
 
 
+def test_goodput_counters_judge_ended_requests_by_the_slo() -> None:
+    m = ServerMetrics("m", 2048, 512, slo_s=(1.0, 0.1))
+
+    def ended(ttft: float, tpot: float | None, reason: str = "stop") -> None:
+        n = 1 if tpot is None else 11
+        metrics = RequestMetrics(arrival_time=0.0, first_token_time=ttft,
+                                 last_token_time=ttft + (tpot or 0) * (n - 1),
+                                 finished_time=ttft + (tpot or 0) * (n - 1),
+                                 num_generation_tokens=n)
+        out = RequestOutput("r", None, [1], [CompletionOutput(0, "x", [4] * n,
+                                                            finish_reason=reason)], True,
+                            metrics)
+        m.observe_finished(out, reason)
+    ended(0.5, 0.05)                     # both met
+    ended(0.5, 0.2)                      # TPOT missed
+    ended(1.5, 0.05, "length")           # TTFT missed
+    ended(0.2, None)                     # one token: no TPOT, which cannot be missed
+    m.observe_finished(None, "error")    # missed everything
+    m.observe_finished(None, "abort")    # the client's choice: not counted
+    text = m.render().decode()
+
+    def count(slo: str, outcome: str) -> float:
+        return _sample(text, f'duet:goodput_requests_total{{model_name="m",outcome="{outcome}"'
+                             f',slo="{slo}"}}')
+    assert (count("ttft", "met"), count("ttft", "missed")) == (3, 2)
+    assert (count("tpot", "met"), count("tpot", "missed")) == (3, 2)
+    assert (count("both", "met"), count("both", "missed")) == (2, 3)
+    assert 'duet:goodput_slo_seconds{model_name="m",slo="tpot"} 0.1' in text
+
+
 def test_kernel_choice_visible() -> None:
     """The start-up kernel choice is an info series; each step counts under the kernel its
     row count selects."""

@@ -11,9 +11,12 @@ from dataclasses import replace
 import pytest
 
 from duetserve.config import ConfigError, EngineConfig
+from duetserve.core.slo import SloPolicy, SloTargets
 from duetserve.core.step_budget import FALLBACK_TOKEN_BUDGET, StepBudget
 from duetserve.core.step_time import Layout, StepTime
 from duetserve.engine.engine_core import EngineCore
+from duetserve.errors import RequestError
+from duetserve.sampling_params import SamplingParams
 from duetserve.entrypoints.sim_calibrate import served_scheduler_settings
 from duetserve.sim.cluster import ClusterSpec
 from duetserve.sim.gpu import Efficiency
@@ -63,6 +66,28 @@ def test_profile_rebuilds_the_engines_scheduler_config(tiny_engine, tmp_path) ->
     assert explicit.step_budget is None
     assert profile.scheduler_config(max_num_batched_tokens=256) == replace(explicit,
                                                                            max_num_waiting=0)
+
+
+def test_the_scheduling_objective_is_the_engines_in_the_simulator(tiny_engine,
+                                                                   tmp_path) -> None:
+    """--scheduling-policy and the SLO targets reach the scheduler (core/slo.py) and the
+    profile rebuilds the same policy; a request may relax the targets, not tighten them."""
+    engine = tiny_engine(LINE, slo_ttft_ms=500.0, slo_tpot_ms=40.0)
+    cfg = engine.scheduler.config
+    assert cfg.slo == SloPolicy(cfg.step_budget, SloTargets(0.5, 0.04))
+    assert "goodput-first" in engine.resolved_config()["resolved"]["scheduling"]
+    profile = saved(engine, tmp_path)
+    assert profile.scheduler_config() == replace(cfg, max_num_waiting=0)
+    assert profile.scheduler_config(scheduling_policy="fcfs").slo is None
+    engine.validate_request([1, 2, 3], SamplingParams(slo_ttft_ms=500.0, slo_tpot_ms=1e4))
+    with pytest.raises(RequestError, match="at least 40 ms") as e:
+        engine.validate_request([1, 2, 3], SamplingParams(slo_tpot_ms=20.0))
+    assert e.value.param == "slo_tpot_ms"
+    assert tiny_engine(LINE, scheduling_policy="fcfs").scheduler.config.slo is None
+    for bad in ({"scheduling_policy": "edf"}, {"slo_ttft_ms": 0.0},
+                {"slo_tpot_ms": float("inf")}):
+        with pytest.raises(ConfigError):
+            EngineConfig(**bad)
 
 
 def test_an_implausible_step_time_falls_back_to_the_fixed_budget(tiny_engine, tmp_path) -> None:

@@ -114,7 +114,9 @@ def server_metrics(engine: AsyncEngine, served_model_name: str) -> ServerMetrics
     (and, disaggregated, its KV transfers). Mutates the engine's observer lists."""
     core = engine.engine
     metrics = ServerMetrics(served_model_name, engine.max_model_len,
-                            core.max_num_batched_tokens)
+                            core.max_num_batched_tokens,
+                            slo_s=(core.config.slo_ttft_ms / 1e3,
+                                   core.config.slo_tpot_ms / 1e3))
     loaded = core.loaded
     policy = loaded.kernel_policy
     metrics.set_kernel_info(

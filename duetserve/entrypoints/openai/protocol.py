@@ -93,6 +93,10 @@ class _SamplingFields(_Strict):
     guided_grammar: str | None = None
     # Accepted when they ask for nothing (None / their no-op value); else a 400.
     service_tier: str | None = None
+    # duetserve's extension: this request's SLO targets in ms (core/slo.py), which may
+    # relax the server's --slo-ttft-ms / --slo-tpot-ms (a batch client: "no hurry").
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
     # Prefill/decode disaggregation (kv_transfer/params.py): set by `duet router`.
     kv_transfer_params: dict[str, Any] | None = None
 
@@ -126,7 +130,8 @@ class _SamplingFields(_Strict):
             stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output,
             logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
-            logit_bias=self.logit_bias, guided=constraint)
+            logit_bias=self.logit_bias, guided=constraint, slo_ttft_ms=self.slo_ttft_ms,
+            slo_tpot_ms=self.slo_tpot_ms)
 
     @property
     def include_usage(self) -> bool:

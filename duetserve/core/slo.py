@@ -1,0 +1,223 @@
+"""Goodput-first scheduling: SLO targets and the slack of each request decide how much
+prompt work a step carries (pure arithmetic, no torch, no clock: `now` is passed in).
+
+Goodput is the rate of requests that meet both a TTFT and a TPOT target. TPOT is the
+mean time per output token after the first: (end - first token) / (outputs - 1). A
+stream that has produced k tokens since its first one at t1 meets its target after its
+next token, due at now + x, while
+
+    (now + x - t1) / k <= tpot      i.e.   x <= tpot + banked,
+    banked = tpot x (k - 1) - (now - t1)
+
+`banked` is the stream's slack: how far it runs ahead of a reader who reads one token
+per `tpot` (0 for a stream whose first token just came; it grows by tpot - step with
+every step shorter than tpot). Spread over the N steps of a prompt's prefill, the
+streams allow each of those steps
+
+    T(N) = min over running decodes i of (tpot_i + banked_i / N)
+
+Spending that slack is not free: slower streams live longer, so more of them run at once
+(Little's law), and every step of a larger batch costs more; with a cliff in step time
+(the few-row kernels' limit) that lowers capacity and raises everyone's TTFT. So the
+slack is spent only on a prompt that needs it. The prompt next in line (the oldest
+running prefill, else the first waiting request) has `left` = its TTFT target minus the
+time it has waited. If StepBudget's chunks (its budget this step, kept as the floor) end
+its prefill within `left`, nothing changes. Else, over the prefill plans of N steps of
+c = ceil(remaining / N) tokens (N = 1, 2, ... fewer than StepBudget's plan needs) whose
+step the step-time model prices within T(N), the policy takes the plan that meets the
+deadline with the most steps (the least slack spent), or, when none does, the one that
+ends the prefill soonest (a late first token is still better early than later), and
+widens the budget to D + c. Under heavy load the streams have no slack, no plan fits,
+and the budget protects TPOT exactly as StepBudget does. No step is planned longer than
+STEP_TTFT_SHARE of the TTFT target (a request that arrives during a step waits for its
+end), and every target is planned at SLO_MARGIN of its value, a margin for the
+step-time model's error.
+
+Admission: a waiting request is admitted beside running ones only while the decode-only
+step of all of them (it included) stays within the server's TPOT target (planned at the
+margin): past that every stream misses TPOT, so admitting more lowers goodput. Waiting
+requests are ordered by TTFT deadline (arrival + target; with one target for all, that
+is arrival order). Per-request targets (SamplingParams.slo_ttft_ms / slo_tpot_ms) may
+only relax the server's (validated by the engine): a looser TPOT gives its slack to
+others, a looser TTFT lets others go first; neither lets one request take the others'.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from duetserve.core.step_budget import StepBudget
+from duetserve.request import Request
+
+SLO_MARGIN = 0.9          # plan against this fraction of every target (model error)
+STEP_TTFT_SHARE = 0.5     # no planned step longer than this share of the TTFT target
+STEP_COUNT_GROWTH = 1.25  # prefill plans tried: 1, 2, 3, ... steps, then x1.25 apart
+
+
+@dataclass(frozen=True)
+class SloTargets:
+    """The server's targets in seconds (EngineConfig.slo_ttft_ms / slo_tpot_ms)."""
+
+    ttft_s: float
+    tpot_s: float
+
+    def __post_init__(self) -> None:
+        if not (self.ttft_s > 0 and self.tpot_s > 0):
+            raise ValueError(f"SLO targets must be > 0, got ttft {self.ttft_s} s, tpot "
+                             f"{self.tpot_s} s")
+
+
+class SloPolicy:
+    """The goodput-first step budget, admission check and waiting order (module
+    docstring). Immutable after construction (the step-time model is frozen)."""
+
+    __slots__ = ("budget", "targets", "margin", "ttft_share")
+
+    def __init__(self, budget: StepBudget, targets: SloTargets, margin: float = SLO_MARGIN,
+                 ttft_share: float = STEP_TTFT_SHARE) -> None:
+        self.budget = budget
+        self.targets = targets
+        self.margin = margin
+        self.ttft_share = ttft_share
+
+    def _key(self) -> tuple:
+        return (self.budget, self.targets, self.margin, self.ttft_share)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, SloPolicy) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __repr__(self) -> str:
+        return (f"SloPolicy(ttft {self.targets.ttft_s * 1e3:g} ms, tpot "
+                f"{self.targets.tpot_s * 1e3:g} ms, margin {self.margin})")
+
+    # -- a request's targets ------------------------------------------------------------
+    def tpot_s(self, request: Request) -> float:
+        """The request's TPOT target in seconds (its own, else the server's)."""
+        own = request.sampling_params.slo_tpot_ms
+        return self.targets.tpot_s if own is None else own / 1e3
+
+    def ttft_s(self, request: Request) -> float:
+        """The request's TTFT target in seconds (its own, else the server's)."""
+        own = request.sampling_params.slo_ttft_ms
+        return self.targets.ttft_s if own is None else own / 1e3
+
+    def deadline(self, request: Request) -> float:
+        """When the request's first token is due (its waiting order)."""
+        return request.arrival_time + self.ttft_s(request)
+
+    def banked_s(self, request: Request, now: float) -> float:
+        """Seconds the stream runs ahead of its planned TPOT before its next token (module
+        docstring; 0 before its TPOT clock started)."""
+        if request.slo_anchor_time is None:
+            return 0.0
+        gaps = request.num_output_tokens - request.slo_anchor_tokens
+        return self.margin * self.tpot_s(request) * gaps - (now - request.slo_anchor_time)
+
+    # -- the step ------------------------------------------------------------------------
+    def cap_ms(self) -> float:
+        """The longest step planned (STEP_TTFT_SHARE of the server's TTFT target)."""
+        return 1e3 * self.ttft_share * self.targets.ttft_s
+
+    def step_ms(self, now: float, decodes: Sequence[Request], num_steps: int) -> float:
+        """T(N) of the module docstring for N = `num_steps`, in ms, at most cap_ms()."""
+        return self._allowance(self._slack(now, decodes), num_steps)
+
+    def _slack(self, now: float, decodes: Sequence[Request]) -> list[tuple[float, float]]:
+        """(planned TPOT, least banked slack) per distinct planned TPOT of `decodes`, in
+        seconds: all T(N) needs (a + b / N is least at the least b for each a)."""
+        least: dict[float, float] = {}
+        for r in decodes:
+            a, b = self.margin * self.tpot_s(r), self.banked_s(r, now)
+            if b < least.get(a, math.inf):
+                least[a] = b
+        return list(least.items())
+
+    def _allowance(self, slack: list[tuple[float, float]], num_steps: int) -> float:
+        return min(1e3 * min(a + b / num_steps for a, b in slack), self.cap_ms())
+
+    def plan(self, now: float, decodes: Sequence[Request], prompt: Request, floor: int
+             ) -> tuple[int, int]:
+        """(N, chunk): the prefill plan of `prompt` (next in line) beside the running
+        `decodes` (module docstring). `floor`: StepBudget's budget this step. Returns
+        (0, 0) when StepBudget's own chunks meet the prompt's TTFT target (or it has
+        output already: preempted, no TTFT to meet) or no wider step fits the streams'
+        slack; else the N steps of `chunk` tokens each (the last one fewer) that meet the
+        deadline with the fewest tokens a step, or, when none meets it, that end the
+        prefill soonest. Mutates nothing."""
+        d, start = len(decodes), prompt.num_computed_tokens
+        num_left = prompt.num_tokens - start
+        if prompt.num_output_tokens or num_left <= 1:
+            return 0, 0
+        left_ms = 1e3 * (self.margin * self.ttft_s(prompt) - (now - prompt.arrival_time))
+        c0 = max(1, floor - d)
+        n0 = -(-num_left // c0)
+        if n0 * self.budget.step_ms(d, min(c0, num_left), start) <= left_ms:
+            return 0, 0
+        meets, soonest = (0, 0), (math.inf, 0, 0)
+        slack = self._slack(now, decodes)
+        for n in _step_counts(n0 - 1):
+            c = -(-num_left // n)
+            t = self.budget.step_ms(d, c, start)
+            if t > self._allowance(slack, n):
+                continue                        # beyond what the streams' slack allows
+            if n * t <= left_ms:
+                meets = max(meets, (n, c))
+            soonest = min(soonest, (n * t, n, c))
+        return meets if meets[0] or left_ms <= 0 else soonest[1:]
+
+    def token_budget(self, now: float, decodes: Sequence[Request], prompt: Request,
+                     floor: int) -> int:
+        """The step's token budget: StepBudget's `floor`, or wider by the plan (`plan`)
+        of the prompt next in line: D + its chunk's charge (its rows, plus its attention
+        over cached tokens in rows' worth, StepBudget.chunk_cost). Mutates nothing."""
+        n, chunk = self.plan(now, decodes, prompt, floor)
+        if not n:
+            return floor
+        rows = len(decodes) + chunk
+        return max(floor, len(decodes) + self.budget.chunk_cost(
+            chunk, prompt.num_computed_tokens, rows))
+
+    # -- admission -----------------------------------------------------------------------
+    def admits(self, num_running: int) -> bool:
+        """Whether one more request may join `num_running` running ones: always beside
+        none, else while the decode-only step of num_running + 1 streams is priced within
+        the server's TPOT target at the margin."""
+        if num_running == 0:
+            return True
+        return self.budget.decode_ms(num_running + 1) <= \
+            1e3 * self.margin * self.targets.tpot_s
+
+    def describe(self) -> str:
+        """The policy as reported at start-up (and by the simulator)."""
+        most = 1
+        while most < 1024 and self.admits(most):
+            most += 1
+        return (f"goodput-first (SLO TTFT {self.targets.ttft_s * 1e3:g} ms, TPOT "
+                f"{self.targets.tpot_s * 1e3:g} ms, planned at {self.margin:g}): steps "
+                f"widened, for a prompt that would miss its TTFT target, by the streams' "
+                f"TPOT slack up to {self.cap_ms():.0f} ms; admission stops at {most} "
+                "running streams (their decode-only step within TPOT)")
+
+
+def slo_policy_for(budget: StepBudget | None, scheduling_policy: str, slo_ttft_ms: float,
+                   slo_tpot_ms: float) -> SloPolicy | None:
+    """The engine's rule (EngineCore and the simulator's profiles both call it): an
+    SloPolicy for scheduling_policy "slo" over a derived StepBudget, else None (a fixed
+    budget has no step-time model to plan with)."""
+    if scheduling_policy != "slo" or budget is None:
+        return None
+    return SloPolicy(budget, SloTargets(slo_ttft_ms / 1e3, slo_tpot_ms / 1e3))
+
+
+def _step_counts(most: int) -> list[int]:
+    """1, 2, ..., 8, then about STEP_COUNT_GROWTH apart, up to `most`: the prefill plans
+    `SloPolicy.plan` prices (a few dozen whatever the prompt's length)."""
+    counts, n = [], 1
+    while n <= most:
+        counts.append(n)
+        n = n + 1 if n < 8 else max(n + 1, int(n * STEP_COUNT_GROWTH))
+    return counts
