@@ -112,7 +112,8 @@ class StepShape:
     cold: bool = False
     # with layout.window = W > 0, the same sums with every row's keys capped at W (what a
     # sliding-window layer reads): decode rows' KV entries, prefill slices' (query, key)
-    # pairs, and prefill slices' cached positions read (sum of min(c, W))
+    # pairs, and prefill slices' cached positions read (sum of min(c, W - 1): the first
+    # new token's window less itself)
     window_decode_kv: int = 0
     window_pairs: int = 0
     window_context: int = 0
@@ -138,7 +139,7 @@ class StepShape:
         pairs = attention_pairs(n, c)
         if w:
             self.window_pairs += attention_pairs(n, c, w)
-            self.window_context += min(c, w)
+            self.window_context += min(c, w - 1)
         if c == 0:
             self.fresh_pairs += pairs
         elif n * (c + n) <= lay.masked_max_scores:

@@ -31,9 +31,9 @@ Bytes:
   a step reads E * (1 - (1 - k/E)^T) experts of every MoE layer in expectation
   (`expert_read_fraction`): k at T = 1, all of them once T >> E/k.
 - KV cache: each request's context is read once per step (flash-style kernels reuse it
-  across the request's new tokens): c tokens in a full-attention layer, min(c, W) in a
-  sliding one; the new tokens' K and V are written in every layer (n tokens), not read
-  back. What a request holds (`kv_bytes_held`) follows the cache's KV groups: a sliding
+  across the request's new tokens): c tokens in a full-attention layer, min(c, W - 1) in
+  a sliding one (the W keys of its first new token's window, less that token itself); the
+  new tokens' K and V are written in every layer (n tokens), not read back. What a request holds (`kv_bytes_held`) follows the cache's KV groups: a sliding
   group keeps at most its window.
 - activations are NOT counted (small next to weights at low batch; say so in reports).
 """
@@ -313,7 +313,7 @@ def step_work(cfg: ModelConfig, step: Sequence[tuple[int, int]], *,
     read = [(n, c) for n, c in step if n > 0]
     kv_read = (kv_tok - kv_sliding) * sum(c for _, c in read)
     if kv_sliding:
-        kv_read += kv_sliding * sum(min(c, cfg.sliding_window) for _, c in read)
+        kv_read += kv_sliding * sum(min(c, cfg.sliding_window - 1) for _, c in read)
     kv_write = kv_tok * num_tokens
     byte_terms += [("kv_read", kv_read), ("kv_write", kv_write)]
     return StepWork(flops=sum(v for _, v in flops_terms),

@@ -116,7 +116,8 @@ def test_sliding_layers_read_at_most_the_window() -> None:
     per_layer_pair = 2 * 4 * 256                              # scores (values the same)
     assert dict(c.flops_terms)["attn_scores"] == per_layer_pair * (3 * 8192 + 15 * 512)
     per_layer_token = 2 * 1 * 256 * 2                          # K and V, one kv head, bf16
-    assert c.kv_read_bytes == per_layer_token * (3 * 8191 + 15 * 512)
+    # the context read: all 8191 cached tokens, or the window's 511 besides the new one
+    assert c.kv_read_bytes == per_layer_token * (3 * 8191 + 15 * 511)
     assert c.kv_write_bytes == per_layer_token * 18            # every layer writes
     # within the window nothing changes against full attention
     full = replace(cfg, layer_types=())
