@@ -49,7 +49,6 @@ TINYLLAMA_1_1B = ModelConfig(
     max_position_embeddings=2048, weight_dtype="bf16")
 
 
-
 def _qwen3(vocab: int = 151936, **shape: object) -> ModelConfig:
     """Qwen3 (dense and MoE): QK-norm, no QKV bias, head_dim 128, RoPE base 1e6, 40,960
     positions (their config.json files)."""
