@@ -46,6 +46,23 @@ HIDDEN_ACTS = ("silu", "gelu_tanh")
 LAYER_KINDS = ("full", "sliding")
 
 
+def attention_pairs(num_new: int, num_computed: int, window: int | None = None) -> int:
+    """(query, key) pairs of `num_new` new tokens after `num_computed` cached ones, causal:
+    new token j (0-based) attends to num_computed + j + 1 keys, at most `window` of them
+    in a sliding-window layer (None: all). The one definition: the cost model
+    (metrics/cost_model.py) and the step shape (core/step_time.py) both count with it.
+
+        keys of row j:  min(c + j + 1, W)    rows c+1 .. W-1 grow, the rest hold W
+    """
+    n, c = num_new, num_computed
+    if n <= 0:
+        return 0
+    if window is None or c + n <= window:
+        return n * c + n * (n + 1) // 2
+    grow = max(0, window - c - 1)            # rows whose keys are still below W
+    return grow * c + grow * (grow + 1) // 2 + (n - grow) * window
+
+
 @dataclass(frozen=True)
 class KVGroup:
     """Layers whose KV lives in the same blocks (core/kv_cache_manager.py keeps one block
@@ -163,6 +180,11 @@ class ModelConfig:
     def layer_window(self, layer_id: int) -> int | None:
         """W for a sliding layer, None for a full one."""
         return self.sliding_window if self.layer_kind(layer_id) == "sliding" else None
+
+    @property
+    def num_sliding_layers(self) -> int:
+        """Layers that attend over a sliding window (0 for a full-attention model)."""
+        return sum(1 for i in range(self.num_hidden_layers) if self.layer_kind(i) == "sliding")
 
     def is_moe_layer(self, layer_id: int) -> bool:
         return layer_id in self.moe_layer_ids

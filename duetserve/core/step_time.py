@@ -40,7 +40,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Protocol
 
-from duetserve.config import UNBOUNDED_ROWS
+from duetserve.config import UNBOUNDED_ROWS, attention_pairs
 
 SCHEMA = "duet-step-time/1"
 
@@ -80,6 +80,11 @@ class Layout:
     chunk_rows: int = 0          # chunks of up to this many tokens run as decode rows
     masked_max_scores: int = 0   # chunks after context with at most this many score
                                  # entries n*(c+n) run one masked matrix (0: none do)
+    # The window W of the model's sliding-window layers, for a pricer that prices those
+    # layers apart (sim/gpu.RooflineStepTime): the shape then also counts keys capped at
+    # W (the window_* sums). 0: none counted (no sliding layers, or a pricer whose terms
+    # cover every layer alike, as the measured StepTime's do).
+    window: int = 0
 
     @property
     def is_unbounded(self) -> bool:
@@ -92,7 +97,7 @@ class Layout:
     @classmethod
     def from_json(cls, d: dict) -> "Layout":
         return cls(int(d.get("few_rows", 0)), int(d.get("chunk_rows", 0)),
-                   int(d.get("masked_max_scores", 0)))
+                   int(d.get("masked_max_scores", 0)), int(d.get("window", 0)))
 
 
 @dataclass(slots=True)
@@ -112,6 +117,13 @@ class StepShape:
     chunk_scores: int = 0
     chunk_pairs: int = 0
     cold: bool = False
+    # with layout.window = W > 0, the same sums with every row's keys capped at W (what a
+    # sliding-window layer reads): decode rows' KV entries, prefill slices' (query, key)
+    # pairs, and prefill slices' cached positions read (sum of min(c, W - 1): the first
+    # new token's window less itself)
+    window_decode_kv: int = 0
+    window_pairs: int = 0
+    window_context: int = 0
 
     def add(self, num_new: int, num_computed: int, num_logits: int) -> None:
         """Count one request's slice: `num_new` tokens after `num_computed` cached ones,
@@ -122,14 +134,19 @@ class StepShape:
         self.num_reqs += 1
         self.num_rows += num_new
         self.num_logits += num_logits
-        n, c = num_new, num_computed
+        n, c, w = num_new, num_computed, lay.window
         if n == 1 or n <= lay.chunk_rows:
             self.num_decode_rows += n
-            self.decode_kv += n * c + n * (n + 1) // 2
+            self.decode_kv += attention_pairs(n, c)
+            if w:
+                self.window_decode_kv += attention_pairs(n, c, w)
             return
         self.num_prefills += 1
         self.prefill_context += c
-        pairs = n * c + n * (n + 1) // 2
+        pairs = attention_pairs(n, c)
+        if w:
+            self.window_pairs += attention_pairs(n, c, w)
+            self.window_context += min(c, w - 1)
         if c == 0:
             self.fresh_pairs += pairs
         elif n * (c + n) <= lay.masked_max_scores:
@@ -169,7 +186,9 @@ class StepShape:
         `num_rows` rows in all (a verify slice is k+1 rows of one request), each row
         after about `context` cached tokens."""
         return cls(layout, num_reqs=num_reqs, num_rows=num_rows, num_logits=num_rows,
-                   num_decode_rows=num_rows, decode_kv=num_rows * (context + 1))
+                   num_decode_rows=num_rows, decode_kv=num_rows * (context + 1),
+                   window_decode_kv=(num_rows * min(context + 1, layout.window)
+                                     if layout.window else 0))
 
     def features(self) -> list[float]:
         """The value of each of TERMS for this shape (core/step_fit.py fits on them)."""

@@ -43,6 +43,7 @@ def served_scheduler_settings(engine) -> dict:
     from duetserve.sim.profile import POLICY_KEYS, SCHEDULER_KEYS
     cfg = engine.scheduler.config
     settings = {k: getattr(cfg, k) for k in SCHEDULER_KEYS}
+    settings["kv_windows"] = list(cfg.kv_windows)      # as the profile's JSON holds it
     if cfg.step_budget is not None:
         settings["step_time"] = engine.step_time.to_json()
         settings["max_step_ms"] = engine.config.max_step_ms

@@ -51,6 +51,18 @@ def load_model_config(path: str | None) -> ModelConfig:
     return gguf_file.gguf_model_config(gguf_file.open_gguf(path), path)
 
 
+def checkpoint_shape(path: str | None) -> tuple[ModelConfig, int]:
+    """(architecture, stored bytes of the weights) of a checkpoint, weights unread: a GGUF
+    file's tensors at their own types (a Q4_K_M file's mix of Q4_K, Q6_K, ...), a HF
+    folder's safetensors shards (their small headers included). `duet roofline` reads it."""
+    path = resolve_model_path(path)
+    if hf_folder.is_hf_folder(path):
+        return (hf_folder.hf_model_config(path),
+                sum(os.path.getsize(f) for f in hf_folder.safetensors_files(path)))
+    reader = gguf_file.open_gguf(path)
+    return gguf_file.gguf_model_config(reader, path), sum(t.n_bytes for t in reader.tensors)
+
+
 @dataclass
 class LoadedModel:
     model: torch.nn.Module

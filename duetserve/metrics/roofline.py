@@ -13,15 +13,20 @@ import os
 import sys
 
 from duetserve.config import ConfigError, ModelConfig
-from duetserve.metrics.cost_model import (COMPUTE_DTYPE_OF, StepWork, bits_per_weight, decode_step,
+from duetserve.metrics.cost_model import (COMPUTE_DTYPE_OF, StepWork, bits_per_weight,
+                                          decode_step, expert_read_fraction, kv_bytes_held,
                                           kv_bytes_per_token, normalise_dtype, param_count,
                                           prefill_step, step_work)
 from duetserve.metrics.hardware import HardwareProfile, get_hardware, hardware_names
 from duetserve.metrics.known_models import KNOWN_MODELS, get_known_model
 
 _FLOAT_KV = ("f32", "f16", "bf16", "fp8")
-NOTES = ("activations are not counted in bytes; norms/RoPE/softmax are not counted in FLOPs",
-         "each request's KV context is read once per step; new tokens' K/V are written",
+NOTES = ("activations are not counted in bytes; norms/RoPE/softmax/activation functions are "
+         "not counted in FLOPs",
+         "each request's KV context is read once per step (at most the window in a "
+         "sliding-window layer); new tokens' K/V are written in every layer",
+         "MoE: FLOPs follow the active parameters (router, top-k experts, shared expert); a "
+         "step reads E*(1-(1-k/E)^rows) experts a layer (uniform, independent routing)",
          "prefill is one prompt from an empty cache; decode is `batch` requests at context_len")
 
 
@@ -41,23 +46,35 @@ def ridge_crossing_batch(cfg: ModelConfig, context_len: int, ridge: float,
                          **dtypes: str | float | None) -> tuple[int | None, float]:
     """Return (smallest decode batch whose AI >= ridge or None, AI limit as batch -> inf).
 
-    Decode cost is affine in the batch: flops = F0 + B*F, bytes = W + B*K, so
-    AI(B) >= ridge  <=>  B*(F - ridge*K) >= ridge*W - F0; never when F <= ridge*K.
+    Decode cost is affine in the batch but for the experts a MoE step reads:
+    flops = F0 + B*F, bytes = W + B*K + X * frac(B), with X all experts' bytes and
+    frac(B) = cost_model.expert_read_fraction (concave, from k/E at B = 1 to 1), so AI(B)
+    rises towards F/K: never reached when F <= ridge*K, else found by bisection.
     """
     c1 = step_work(cfg, decode_step(1, context_len), **dtypes)
     c2 = step_work(cfg, decode_step(2, context_len), **dtypes)
-    f, k = c2.flops - c1.flops, c2.bytes - c1.bytes
-    f0, w = c1.flops - f, c1.bytes - k
+    x1 = dict(c1.byte_terms).get("weights.experts", 0.0)
+    x2 = dict(c2.byte_terms).get("weights.experts", 0.0)
+    f, k = c2.flops - c1.flops, (c2.bytes - x2) - (c1.bytes - x1)
+    f0, w = c1.flops - f, c1.bytes - x1 - k
+    experts = x1 / expert_read_fraction(cfg.num_experts, cfg.num_experts_per_tok, 1) if x1 else 0.0
     limit = f / k if k else math.inf
+
+    def ai(batch: int) -> float:
+        frac = expert_read_fraction(cfg.num_experts, cfg.num_experts_per_tok, batch)
+        return (f0 + batch * f) / (w + batch * k + experts * frac)
     if f <= ridge * k:
         return None, limit
-    batch = max(1, math.ceil((ridge * w - f0) / (f - ridge * k)))
-    # NOTE: guard against float rounding at the boundary.
-    while batch > 1 and (f0 + (batch - 1) * f) / (w + (batch - 1) * k) >= ridge:
-        batch -= 1
-    while (f0 + batch * f) / (w + batch * k) < ridge:
-        batch += 1
-    return batch, limit
+    hi = 1
+    while ai(hi) < ridge:
+        hi *= 2
+        if hi > 1 << 40:         # the limit is above the ridge by a rounding error only
+            return None, limit
+    lo = hi // 2                 # ai(lo) < ridge, or lo == 0
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if ai(mid) >= ridge else (mid, hi)
+    return hi, limit
 
 
 def analyse(model_config: ModelConfig, hardware: HardwareProfile | str, batch: int,
@@ -94,14 +111,21 @@ def analyse(model_config: ModelConfig, hardware: HardwareProfile | str, batch: i
     cross, ai_limit = ridge_crossing_batch(model_config, context_len, ridge, **kw)
     cross0, _ = ridge_crossing_batch(model_config, 0, ridge, **kw)
     kv_tok = kv_bytes_per_token(model_config, kvd)
+    kv_req = kv_bytes_held(model_config, context_len, kvd)
     free = hw.memory_bytes - model_bytes
     return {
-        "model": {"params": params.total, "weight_dtype": wdtype, "kv_dtype": kvd,
+        "model": {"params": params.total, "active_params": params.active,
+                  "weight_dtype": wdtype, "kv_dtype": kvd,
                   "compute_dtype": compute_dtype, "bits_per_weight": model_bytes * 8 / params.total,
                   "weight_bytes_total": model_bytes,
                   "layers": model_config.num_hidden_layers,
                   "kv_heads": model_config.num_key_value_heads,
-                  "head_dim": model_config.head_dim},
+                  "head_dim": model_config.head_dim,
+                  "num_experts": model_config.num_experts if params.experts else 0,
+                  "experts_per_tok": model_config.num_experts_per_tok if params.experts else 0,
+                  "sliding_layers": model_config.num_sliding_layers,
+                  "sliding_window": (model_config.sliding_window
+                                     if model_config.num_sliding_layers else None)},
         "hardware": {"name": hw.name, "description": hw.description, "peak_flops": peak,
                      "mem_bandwidth": hw.mem_bandwidth, "memory_bytes": hw.memory_bytes,
                      "measured": hw.measured, "source": hw.source},
@@ -113,24 +137,26 @@ def analyse(model_config: ModelConfig, hardware: HardwareProfile | str, batch: i
         "decode_tok_s_batch1_model_size": hw.mem_bandwidth / model_bytes,
         "ridge_crossing_batch": cross, "ridge_crossing_batch_context0": cross0,
         "decode_ai_limit": ai_limit,
-        "kv_bytes_per_token": kv_tok, "kv_bytes_per_request": kv_tok * context_len,
+        "kv_bytes_per_token": kv_tok, "kv_bytes_per_request": kv_req,
         "prefill_time_s": prefill["time_s"],
-        "max_batch_by_memory": (int(free // (kv_tok * context_len))
-                                if free > 0 and context_len else None),
+        "max_batch_by_memory": int(free // kv_req) if free > 0 and kv_req else None,
         "notes": list(NOTES),
     }
 
 
-def resolve_model(name_or_path: str) -> tuple[str, ModelConfig]:
-    """Return (display name, ModelConfig) for a known model name or a checkpoint path."""
+def resolve_model(name_or_path: str) -> tuple[str, ModelConfig, int | None]:
+    """Return (display name, ModelConfig, stored weight bytes) for a known model name (no
+    bytes: its dtype says) or a checkpoint path (the bytes of its weight tensors, e.g. a
+    Q4_K_M file's mix of types)."""
     if name_or_path.strip().lower() in KNOWN_MODELS or not os.path.exists(name_or_path):
-        return name_or_path.strip().lower(), get_known_model(name_or_path)
+        return name_or_path.strip().lower(), get_known_model(name_or_path), None
     try:
-        from duetserve.loader import load_model_config  # lazy: loader pulls in heavy readers
+        from duetserve.loader import checkpoint_shape  # lazy: loader pulls in heavy readers
     except ImportError as e:
         raise ConfigError(f"cannot read checkpoint {name_or_path!r}: the loader is not "
                           f"available ({e}); use a known model: {', '.join(KNOWN_MODELS)}")
-    return os.path.basename(name_or_path.rstrip("/")), load_model_config(name_or_path)
+    cfg, nbytes = checkpoint_shape(name_or_path)
+    return os.path.basename(name_or_path.rstrip("/")), cfg, nbytes
 
 
 def _si(x: float, unit: str) -> str:
@@ -146,15 +172,25 @@ def format_list() -> str:
     from duetserve.metrics.hardware import GPU_PROFILES, local_profile
     lines = ["models:"]
     for name, cfg in KNOWN_MODELS.items():
-        lines.append(f"  {name:15s} {param_count(cfg).total / 1e9:7.3f} B params, "
+        p = param_count(cfg)
+        lines.append(f"  {name:15s} {p.total / 1e9:7.3f} B params, "
                      f"{cfg.num_hidden_layers} layers, {cfg.num_attention_heads} q / "
-                     f"{cfg.num_key_value_heads} kv heads x {cfg.head_dim}, {cfg.weight_dtype}")
+                     f"{cfg.num_key_value_heads} kv heads x {cfg.head_dim}, {cfg.weight_dtype}"
+                     + _family_text(cfg.num_experts if p.experts else 0, cfg.num_experts_per_tok,
+                                    p.active, cfg.num_sliding_layers, cfg.sliding_window))
     lines.append("hardware (dense peak of the default compute dtype):")
     for hw in (*GPU_PROFILES.values(), local_profile()):
         lines.append(f"  {hw.name:15s} {_si(hw.peak(hw.default_compute), 'FLOP/s')} "
                      f"{hw.default_compute}, {_si(hw.mem_bandwidth, 'B/s')}, ridge "
                      f"{hw.ridge_point():.1f} FLOP/B  ({hw.description})")
     return "\n".join(lines)
+
+
+def _family_text(experts: int, top_k: int, active: int, sliding: int,
+                 window: int | None) -> str:
+    """", top 8 of 128 experts (3.35 B active)" / ", 15 sliding-window layers (512)"."""
+    out = f", top {top_k} of {experts} experts ({active / 1e9:.3g} B active)" if experts else ""
+    return out + (f", {sliding} sliding-window layers ({window})" if sliding else "")
 
 
 def _row(label: str, p: dict) -> str:
@@ -170,10 +206,14 @@ def format_result(r: dict) -> str:
     cross_txt = (f"{cross}" if cross is not None else
                  f"never (AI tends to {r['decode_ai_limit']:.1f} FLOP/B < ridge)")
     kv_req = r["kv_bytes_per_request"]
+    stored = ("as stored in the file" if m.get("weight_source") == "file"
+              else m["weight_dtype"])
     lines = [
-        f"model     {m.get('name', '?')}: {m['params']:,} params; weights {m['weight_dtype']} "
-        f"({m['bits_per_weight']:g} bits/weight, {_si(m['weight_bytes_total'], 'B')}), "
-        f"KV {m['kv_dtype']}, compute {m['compute_dtype']}",
+        f"model     {m.get('name', '?')}: {m['params']:,} params"
+        + _family_text(m["num_experts"], m["experts_per_tok"], m["active_params"],
+                       m["sliding_layers"], m["sliding_window"])
+        + f"; weights {stored} ({m['bits_per_weight']:.4g} bits/weight, "
+        f"{_si(m['weight_bytes_total'], 'B')}), KV {m['kv_dtype']}, compute {m['compute_dtype']}",
         f"hardware  {hw['name']}: {hw['description']}",
         f"          {_si(hw['peak_flops'], 'FLOP/s')} {m['compute_dtype']} dense, "
         f"{_si(hw['mem_bandwidth'], 'B/s')}",
@@ -194,8 +234,10 @@ def format_result(r: dict) -> str:
         "tok/s at batch 1 (counts the whole embedding table)",
         f"decode crosses the ridge at batch: {cross_txt} at context {r['context_len']}; "
         f"{r['ridge_crossing_batch_context0']} at context 0 (weights only)",
-        f"KV cache  {r['kv_bytes_per_token']:,.0f} bytes/token; {kv_req:,.0f} bytes/request "
-        f"at {r['context_len']} tokens ({kv_req / 2**30:.4g} GiB)",
+        f"KV cache  {r['kv_bytes_per_token']:,.0f} bytes/token written; {kv_req:,.0f} "
+        f"bytes/request held at {r['context_len']} tokens ({kv_req / 2**30:.4g} GiB"
+        + (f"; sliding layers hold at most {m['sliding_window']}" if m["sliding_layers"]
+           else "") + ")",
         f"prefill   {r['prompt_len']} tokens at the roofline: {r['prefill_time_s'] * 1e3:.3f} ms "
         f"({r['prefill']['bound']} bound)",
     ]
@@ -255,7 +297,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--compute-dtype", default=None, choices=("fp32", "tf32", "bf16", "fp16", "fp8"),
       help="compute dtype for the peak FLOP/s (default: from --dtype)")
     a("--weight-bytes", type=float, default=None,
-      help="total stored weight bytes (mixed-quant files); overrides --dtype's bits/weight")
+      help="total stored weight bytes (mixed-quant files); overrides --dtype's bits/weight "
+      "(default for a checkpoint path without --dtype: the bytes of its weight tensors)")
     a("--list", action="store_true", help="list known models and hardware, then exit")
     a("--json", action="store_true", help="print the analysis as JSON")
     a("--plot", default=None, metavar="OUT.png", help="draw the log-log roofline (matplotlib)")
@@ -273,12 +316,18 @@ def main(args: argparse.Namespace) -> int:
         if args.measure:
             from duetserve.metrics.measure import format_measure, measure_and_cache
             print(format_measure(measure_and_cache(threads=args.threads)))
-        name, cfg = resolve_model(args.model)
+        name, cfg, file_bytes = resolve_model(args.model)
         context = args.prompt_len if args.context_len is None else args.context_len
+        # the given total, else the given dtype, else what the checkpoint stores
+        weight_bytes = args.weight_bytes if args.weight_bytes is not None else (
+            None if args.dtype else file_bytes)
         result = analyse(cfg, args.hardware, args.batch, args.prompt_len, context, args.dtype,
                          kv_dtype=args.kv_dtype, compute_dtype=args.compute_dtype,
-                         weight_bytes=args.weight_bytes)
+                         weight_bytes=weight_bytes)
         result["model"]["name"] = name
+        result["model"]["weight_source"] = (
+            "given" if args.weight_bytes is not None else
+            "file" if weight_bytes is not None else "dtype")
         print(json.dumps(result, indent=2) if args.json else format_result(result))
         if args.plot:
             plot(result, args.plot)

@@ -29,7 +29,10 @@ from typing import Sequence
 
 from duetserve.config import ConfigError, ModelConfig
 from duetserve.core.step_time import Layout, StepShape
-from duetserve.metrics.cost_model import bits_per_weight, param_count, step_work
+from duetserve.metrics.cost_model import (attention_flops_per_pair, bits_per_weight,
+                                          bytes_per_element, expert_read_fraction,
+                                          kv_bytes_per_token, kv_bytes_per_token_sliding,
+                                          param_count, step_work)
 from duetserve.metrics.hardware import GPU_PROFILES, HardwareProfile
 
 # A GPU engine's layout: every slice through the same GEMMs (no few-row kernels), no
@@ -44,12 +47,16 @@ class RooflineStepTime:
 
         linear    max(FLOPs_lin / (peak*mfu), weight bytes / (bw*mbu))   weights read once
                   per step, so prefill rows ride on a memory-bound decode step up to the
-                  ridge point (FLOPs_lin = per_token * T + per_logit * L)
+                  ridge point (FLOPs_lin = per_token * T + per_logit * L; a MoE model's
+                  experts: expert_bytes x the fraction T rows choose, cost_model's
+                  expert_read_fraction)
         prefill attention  max(per_pair * pairs / (peak*mfu), KV read / (bw*mbu))
         decode attention   max(per_pair * entries / (peak*mfu), KV read / (bw*mbu))
         KV write  kv_bytes_per_token * T / (bw*mbu)
         + step_overhead_s + request_overhead_s * requests
 
+    Sliding-window layers (Gemma 3) take their share of per_pair and of the KV bytes
+    (`*_sliding`) over the shape's window_* sums (keys capped at W; the layout carries W).
     Per-unit FLOPs and bytes follow metrics/cost_model.py (`unit_costs`)."""
 
     peak_flops: float
@@ -63,7 +70,12 @@ class RooflineStepTime:
     flops_per_logit: float
     weight_bytes: float          # every step (layers, norms; embedding rows ignored)
     head_bytes: float            # steps that sample anything
-    kv_bytes_per_token: float
+    kv_bytes_per_token: float    # every layer's (what a token writes, what P/D moves)
+    flops_per_pair_sliding: float = 0.0      # of flops_per_pair: the sliding layers'
+    kv_bytes_per_token_sliding: float = 0.0  # of kv_bytes_per_token: the sliding layers'
+    expert_bytes: float = 0.0    # every routed expert of a MoE model
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
     layout: Layout = GPU_LAYOUT
 
     def seconds(self, s: StepShape) -> float:
@@ -72,14 +84,20 @@ class RooflineStepTime:
             return 0.0
         flop_s = self.peak_flops * self.mfu
         byte_s = self.mem_bandwidth * self.mbu
-        kv = self.kv_bytes_per_token
+        kv, kv_sl = self.kv_bytes_per_token, self.kv_bytes_per_token_sliding
+        pair, pair_sl = self.flops_per_pair, self.flops_per_pair_sliding
+        weights = (self.weight_bytes + (self.head_bytes if s.num_logits else 0.0)
+                   + self.expert_bytes * expert_read_fraction(
+                       self.num_experts, self.num_experts_per_tok, s.num_rows))
         linear = max((self.flops_per_token * s.num_rows
-                      + self.flops_per_logit * s.num_logits) / flop_s,
-                     (self.weight_bytes + (self.head_bytes if s.num_logits else 0.0)) / byte_s)
+                      + self.flops_per_logit * s.num_logits) / flop_s, weights / byte_s)
         pairs = s.fresh_pairs + s.chunk_pairs + s.chunk_scores
-        prefill = max(self.flops_per_pair * pairs / flop_s, kv * s.prefill_context / byte_s)
-        decode = max(self.flops_per_pair * s.decode_kv / flop_s,
-                     kv * (s.decode_kv - s.num_decode_rows) / byte_s)
+        prefill = max(((pair - pair_sl) * pairs + pair_sl * s.window_pairs) / flop_s,
+                      ((kv - kv_sl) * s.prefill_context + kv_sl * s.window_context) / byte_s)
+        rows = s.num_decode_rows
+        decode = max(((pair - pair_sl) * s.decode_kv + pair_sl * s.window_decode_kv) / flop_s,
+                     ((kv - kv_sl) * (s.decode_kv - rows)
+                      + kv_sl * max(0, s.window_decode_kv - rows)) / byte_s)
         return (linear + prefill + decode + kv * s.num_rows / byte_s
                 + self.step_overhead_s + self.request_overhead_s * s.num_reqs)
 
@@ -114,19 +132,27 @@ def efficiency_for(hardware: str, **overrides: float | None) -> Efficiency:
 
 def unit_costs(cfg: ModelConfig, weight_dtype: str = "bf16", kv_dtype: str = "bf16"
                ) -> dict[str, float]:
-    """Per-unit FLOPs and bytes of a step, read off metrics.cost_model's breakdown of a
-    probe step with 2 new tokens after 3 cached (pairs = 2*3 + 2*3/2 = 9), 1 logit."""
+    """Per-unit FLOPs and bytes of a step (RooflineStepTime's fields), from
+    metrics.cost_model: the linear layers' off its breakdown of a probe step with 2 new
+    tokens after 3 cached, 1 logit; attention and KV per layer kind from its per-pair and
+    per-token figures; the experts' bytes from its parameter count."""
     probe = step_work(cfg, [(2, 3)], num_logits=1, weight_dtype=weight_dtype,
                       kv_dtype=kv_dtype).breakdown()
     linear = sum(v for k, v in probe.items() if k.startswith("flops.")
                  and k not in ("flops.attn_scores", "flops.attn_values", "flops.lm_head"))
+    full, sliding = attention_flops_per_pair(cfg)
     return {
         "flops_per_token": linear / 2,
-        "flops_per_pair": (probe["flops.attn_scores"] + probe["flops.attn_values"]) / 9,
+        "flops_per_pair": full + sliding,
         "flops_per_logit": probe["flops.lm_head"],
         "weight_bytes": probe["bytes.weights.layers"] + probe["bytes.weights.final_norm"],
         "head_bytes": probe["bytes.weights.lm_head"],
-        "kv_bytes_per_token": probe["bytes.kv_read"] / 3,
+        "kv_bytes_per_token": kv_bytes_per_token(cfg, kv_dtype),
+        "flops_per_pair_sliding": sliding,
+        "kv_bytes_per_token_sliding": kv_bytes_per_token_sliding(cfg, kv_dtype),
+        "expert_bytes": param_count(cfg).experts * bits_per_weight(weight_dtype) / 8,
+        "num_experts": cfg.num_experts if cfg.moe_layer_ids else 0,
+        "num_experts_per_tok": cfg.num_experts_per_tok if cfg.moe_layer_ids else 0,
     }
 
 
@@ -141,18 +167,22 @@ def roofline_cost(cfg: ModelConfig, hw: HardwareProfile, eff: Efficiency,
     if not (0 < eff.mfu <= 1 and 0 < eff.mbu <= 1):
         raise ConfigError(f"mfu and mbu must be in (0, 1], got {eff.mfu}, {eff.mbu}")
     u = unit_costs(cfg, weight_dtype, kv_dtype)
+    window = cfg.sliding_window if cfg.num_sliding_layers else 0
     return RooflineStepTime(peak_flops=hw.peak(compute_dtype), mem_bandwidth=hw.mem_bandwidth,
-                        mfu=eff.mfu, mbu=eff.mbu, step_overhead_s=eff.step_overhead_ms / 1e3,
-                        request_overhead_s=eff.request_overhead_ms / 1e3, **u)
+                            mfu=eff.mfu, mbu=eff.mbu,
+                            step_overhead_s=eff.step_overhead_ms / 1e3,
+                            request_overhead_s=eff.request_overhead_ms / 1e3,
+                            layout=replace(GPU_LAYOUT, window=window or 0), **u)
 
 
 def kv_blocks(cfg: ModelConfig, hw: HardwareProfile, block_size: int,
               weight_dtype: str = "bf16", kv_dtype: str = "bf16") -> int:
-    """KV blocks that fit one device: memory x utilisation - weights - activation reserve.
-    ConfigError when the weights alone do not fit."""
+    """KV blocks that fit one device: memory x utilisation - weights - activation reserve,
+    over ModelConfig.kv_block_bytes (a block of a model with sliding-window layers holds
+    one KV group's layers). ConfigError when the weights alone do not fit."""
     free = (hw.memory_bytes * (GPU_MEMORY_UTILIZATION - ACTIVATION_RESERVE)
             - weight_bytes_total(cfg, weight_dtype))
-    per_block = unit_costs(cfg, weight_dtype, kv_dtype)["kv_bytes_per_token"] * block_size
+    per_block = cfg.kv_block_bytes(block_size, bytes_per_element(kv_dtype))
     if free < per_block:
         raise ConfigError(f"{hw.name} ({hw.memory_bytes / 1e9:.0f} GB) has no room for a KV "
                           f"cache beside {weight_bytes_total(cfg, weight_dtype) / 1e9:.1f} GB "

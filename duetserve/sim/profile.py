@@ -4,7 +4,8 @@ models, saved as JSON so a calibration is reused and a GPU profile can be edited
     {"schema": "duet-sim-profile/2", "name", "kind": "calibrated" | "roofline",
      "description", "created",
      "scheduler": {max_num_batched_tokens, max_num_seqs, num_blocks, block_size,
-                   max_model_len, enable_prefix_caching,
+                   max_model_len, enable_prefix_caching, kv_windows (each KV group's
+                   sliding window or null: the model's ModelConfig.kv_groups),
                    step_time: the engine's own StepTime JSON | absent, max_step_ms},
      "step_time": StepTime JSON (calibrated) | {"hardware", "model", "mfu", "mbu",
                   "step_overhead_ms", "request_overhead_ms", "peak_flops",
@@ -42,7 +43,7 @@ from duetserve.sim.gpu import Efficiency, RooflineStepTime, kv_blocks, roofline_
 
 SCHEMA = "duet-sim-profile/2"
 SCHEDULER_KEYS = ("max_num_batched_tokens", "max_num_seqs", "num_blocks", "block_size",
-                  "max_model_len", "enable_prefix_caching")
+                  "max_model_len", "enable_prefix_caching", "kv_windows")
 BUDGET_KEYS = ("step_time", "max_step_ms")       # the engine's StepBudget inputs
 # the engine's scheduling objective (EngineConfig fields of the same names, same defaults)
 POLICY_KEYS = ("scheduling_policy", "slo_ttft_ms", "slo_tpot_ms")
@@ -82,6 +83,8 @@ class SimProfile:
             EngineConfig(**dict(zip(POLICY_KEYS, objective)))   # validated as the engine's
         except ConfigError as e:
             raise ConfigError(f"profile {self.name}: {e}") from None
+        if "kv_windows" in values:       # a JSON list; absent in older profiles: one group
+            values["kv_windows"] = tuple(values["kv_windows"])
         engine_time = values.pop("step_time", None)
         max_step_ms = values.pop("max_step_ms", None)
         if max_step_ms is not None and not max_step_ms > 0:
@@ -143,7 +146,8 @@ def roofline_profile(model: str, hardware: str, eff: Efficiency, *, block_size: 
                  "num_blocks": kv_blocks(cfg, hw, block_size, weight_dtype, kv_dtype),
                  "block_size": block_size,
                  "max_model_len": max_model_len or cfg.max_position_embeddings,
-                 "enable_prefix_caching": enable_prefix_caching}
+                 "enable_prefix_caching": enable_prefix_caching,
+                 "kv_windows": [g.window for g in cfg.kv_groups()]}
     return _roofline_from_json(f"{hw.name}-{model.lower()}", doc, scheduler,
                                f"{model} on {hw.description}", {})
 

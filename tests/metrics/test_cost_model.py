@@ -104,8 +104,24 @@ def test_published_param_counts() -> None:
     expected = {"llama-3-8b": 8_030_261_248, "llama-2-7b": 6_738_415_616,
                 "llama-3-70b": 70_553_706_496, "qwen2.5-7b": 7_615_616_512,
                 "qwen2.5-0.5b": 494_032_768, "smollm2-135m": 134_515_008,
-                "tinyllama-1.1b": 1_100_048_384}
+                "tinyllama-1.1b": 1_100_048_384,
+                # Qwen3 model cards: 0.6B (0.44B non-embedding), 1.7B (1.4B), 4.0B (3.6B),
+                # 8.2B (6.95B); Qwen3-30B-A3B 30.5B, 3.3B activated, 29.9B non-embedding
+                "qwen3-0.6b": 596_049_920, "qwen3-1.7b": 1_720_574_976,
+                "qwen3-4b": 4_022_468_096, "qwen3-8b": 8_190_735_360,
+                "qwen3-30b-a3b": 30_532_122_624,
+                # Gemma 3 270M: 268M (170M embedding); 4B: its text part (the checkpoint's
+                # 4.3B include a ~0.4B SigLIP vision tower)
+                "gemma-3-270m": 268_098_176, "gemma-3-4b": 3_880_263_168}
     assert {k: param_count(m).total for k, m in KNOWN_MODELS.items()} == expected
+    published_non_embedding = {"qwen3-0.6b": 0.44, "qwen3-1.7b": 1.4, "qwen3-4b": 3.6,
+                               "qwen3-8b": 6.95, "qwen3-30b-a3b": 29.9}
+    for name, billions in published_non_embedding.items():
+        layers = param_count(KNOWN_MODELS[name]).layers / 1e9
+        assert layers == pytest.approx(billions, abs=0.05 if billions < 1 else 0.06), name
+    moe = param_count(KNOWN_MODELS["qwen3-30b-a3b"])
+    assert moe.active / 1e9 == pytest.approx(3.3, abs=0.06) and round(moe.total / 1e9, 1) == 30.5
+    assert param_count(KNOWN_MODELS["gemma-3-270m"]).embedding == 167_772_160
 
 
 def test_kv_cache_reference_2gib() -> None:

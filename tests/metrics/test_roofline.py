@@ -2,14 +2,15 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
 from duetserve.config import ConfigError
 from duetserve.entrypoints.cli import main as cli_main
 from duetserve.metrics import hardware
-from duetserve.metrics.cost_model import decode_step, step_work
-from duetserve.metrics.known_models import LLAMA_2_7B, LLAMA_3_8B, SMOLLM2_135M
+from duetserve.metrics.cost_model import decode_step, kv_bytes_held, param_count, step_work
+from duetserve.metrics.known_models import GEMMA_3_270M, LLAMA_2_7B, LLAMA_3_8B, SMOLLM2_135M
 from duetserve.metrics.roofline import analyse
 
 
@@ -106,3 +107,75 @@ def test_plot(tmp_path) -> None:
     assert cli_main(["roofline", "--model", "llama-3-8b", "--hardware", "a100", "--batch", "32",
                      "--plot", str(out)]) == 0
     assert out.stat().st_size > 1000
+
+
+def test_known_family_profiles(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["roofline", "--list"]) == 0
+    out = capsys.readouterr().out
+    assert "qwen3-30b-a3b" in out and "top 8 of 128 experts (3.35 B active)" in out
+    assert "gemma-3-270m" in out and "15 sliding-window layers (512)" in out
+    assert cli_main(["roofline", "--model", "gemma-3-270m", "--context-len", "8192",
+                     "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    full = r["kv_bytes_per_token"] * 8192
+    assert r["kv_bytes_per_request"] / full == pytest.approx(1 / 6 + 5 / 6 * 512 / 8192)
+    assert (r["model"]["sliding_layers"], r["model"]["sliding_window"]) == (15, 512)
+
+
+def _moe_roofline(path: str, capsys) -> dict:
+    assert cli_main(["roofline", "--model", path, "--context-len", "64", "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_moe_checkpoint_folder_and_gguf(tmp_path, capsys) -> None:
+    """A tiny random Qwen3-MoE (tests/tiny_families.py: d 64, 3 layers, 4 q / 2 kv heads
+    of 16, vocab 300, top 2 of 8 experts of 32, layer 1 a dense MLP of 160), as a HF folder
+    and as a GGUF (llama.cpp's format: experts in every layer)."""
+    from gguf_writer import write_gguf
+    from tiny_families import make_family_checkpoint
+
+    from duetserve.loader import load_model_config
+    folder = make_family_checkpoint(str(tmp_path / "moe"), "qwen3_moe")
+    r = _moe_roofline(folder, capsys)
+    # attention 4096 + 2048 + 2048 + 4096 a layer; norms 2 x 64 + QK-norm 2 x 16; layer
+    # 1's MLP 3 x 64 x 160; layers 0 and 2: router 64 x 8, experts of 3 x 64 x 32 = 6144
+    layers = 3 * 12288 + 3 * 160 + 30720 + 2 * (512 + 8 * 6144)
+    assert r["model"]["params"] == layers + 2 * 300 * 64 + 64 == 205856
+    assert r["model"]["active_params"] == 205856 - 2 * 6 * 6144 == 132128
+    assert r["model"]["weight_source"] == "file"      # the safetensors shard's bytes
+    # the GGUF: experts in all 3 layers, float32 tensors: 4 bytes a parameter exactly
+    gguf_dir = make_family_checkpoint(str(tmp_path / "moe_all"), "qwen3_moe", mlp_only_layers=[])
+    path = write_gguf(gguf_dir, str(tmp_path / "moe.gguf"))
+    g = _moe_roofline(path, capsys)
+    cfg = load_model_config(path)
+    assert cfg.moe_layer_ids == (0, 1, 2)
+    total = 3 * (12288 + 160 + 512 + 8 * 6144) + 2 * 300 * 64 + 64
+    assert g["model"]["params"] == total and g["model"]["weight_bytes_total"] == 4 * total
+    assert g["model"]["bits_per_weight"] == 32.0
+    # float32 weights: a float32 KV cache (the roofline takes a float weight dtype for it)
+    dec = step_work(cfg, decode_step(1, 64), weight_bytes=4 * total, kv_dtype="f32")
+    assert g["decode_batch1"]["bytes"] == dec.bytes
+    # one row reads 2 of the 8 experts of each layer
+    assert dict(dec.byte_terms)["weights.experts"] == 3 * 2 * 6144 * 4
+
+
+GEMMA_FILE = os.path.join(os.environ.get("DUET_MODELS",
+                                         os.path.expanduser("~/.cache/duetserve-models")),
+                          "gemma-3-270m-q4_k_m.gguf")
+
+
+@pytest.mark.skipif(not os.path.isfile(GEMMA_FILE),
+                    reason=f"{GEMMA_FILE} absent (shared/models/fetch.sh gemma3-270m)")
+def test_real_gemma3_file(capsys) -> None:
+    """The real Gemma 3 270M GGUF: the shape of the built-in profile, its sliding layers,
+    and the bytes of its (mixed Q4_K_M) tensors."""
+    from duetserve.loader import checkpoint_shape
+    cfg, nbytes = checkpoint_shape(GEMMA_FILE)
+    assert param_count(cfg) == param_count(GEMMA_3_270M)
+    assert cfg.layer_types == GEMMA_3_270M.layer_types and cfg.sliding_window == 512
+    assert 0.9 * os.path.getsize(GEMMA_FILE) < nbytes < os.path.getsize(GEMMA_FILE)
+    assert cli_main(["roofline", "--model", GEMMA_FILE, "--context-len", "8192",
+                     "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["model"]["weight_bytes_total"] == nbytes and r["model"]["sliding_layers"] == 15
+    assert r["kv_bytes_per_request"] == kv_bytes_held(cfg, 8192, "f16")

@@ -68,6 +68,25 @@ def test_mixed_step_matches_cost_model() -> None:
     assert acc.mbu == pytest.approx(cost.bytes / 0.25 / HW.mem_bandwidth)
 
 
+def test_a_moe_step_with_sliding_layers_is_accounted_by_family() -> None:
+    """TINY with top-2 of 4 experts of 6 in layer 1 and a sliding window of 4 in layer 0:
+    a decode after 10 tokens reads its own 2 experts and 3 cached tokens of layer 0."""
+    from dataclasses import replace
+    cfg = replace(TINY, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=6,
+                  moe_layer_ids=(1,), layer_types=("sliding", "full"), sliding_window=4)
+    params = 1184 - 384 + 8 * 4 + 4 * 144                      # layer 1: router + experts
+    acc = StepAccountant(cfg, (params + 1608) * 4, "float32", HW).observe(
+        Stats([("a", 1, 10)], 0, 1))
+    # FLOPs: attention projections 2 * 192 * 2 layers, layer 0's MLP 2 * 384, the router
+    #        2 * 32, 2 experts 2 * 288; (query, key) pairs 11 in the full layer and 4 in
+    #        the sliding one, 2 * 4 heads * 2 dim * 2 (scores, values) = 32 FLOPs each;
+    #        lm head 1600
+    assert acc.flops == 2 * 192 * 2 + 2 * 384 + 2 * 32 + 2 * 288 + 32 * (11 + 4) + 1600
+    # bytes: every weight but the experts, 2 of the 4 experts, head, a row; KV 32 B a
+    # token and layer: 10 read in the full layer, 3 in the sliding one, 2 written
+    assert acc.bytes == ((params - 576) + 288 + 8 + 800 + 8) * 4 + 32 * (10 + 3) + 32 * 2
+
+
 def test_explicit_num_logits() -> None:
     stats = Stats([("a", 4, 0)], 4, 0)
     default = accountant().account(stats)

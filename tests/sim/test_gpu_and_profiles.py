@@ -8,10 +8,13 @@ import pytest
 from duetserve.config import ConfigError
 from duetserve.core.step_fit import nnls
 from duetserve.core.step_time import Layout, StepShape, StepTime
-from duetserve.metrics.cost_model import step_work
+from duetserve.metrics.cost_model import param_count, step_work
 from duetserve.metrics.hardware import GPU_PROFILES
-from duetserve.metrics.known_models import LLAMA_3_8B
+from duetserve.metrics.known_models import GEMMA_3_270M, LLAMA_3_8B, get_known_model
+from duetserve.request import Request
+from duetserve.sampling_params import SamplingParams
 from duetserve.sim.gpu import GPU_LAYOUT, Efficiency, fit_efficiency, roofline_cost, unit_costs
+from duetserve.sim.instance import SimInstance
 from duetserve.sim.profile import calibrated_profile, load_profile, roofline_profile
 
 
@@ -111,3 +114,60 @@ def test_kv_blocks_fill_the_memory_beside_the_weights() -> None:
     assert kv_tokens == pytest.approx((80e9 * 0.85 - 16.06e9) / 131072, rel=0.01)
     with pytest.raises(ConfigError, match="no room"):
         roofline_profile("llama-3-70b", "l40s", Efficiency())
+
+
+@pytest.mark.parametrize("model", ["gemma-3-270m", "qwen3-30b-a3b"])
+def test_the_roofline_step_time_prices_families_as_the_cost_model(model) -> None:
+    """At MFU = MBU = 1 and no overheads, memory-bound decode steps take the cost model's
+    bytes / bandwidth (Gemma 3's sliding layers read at most their window, a MoE step the
+    experts its rows are expected to choose) and a compute-bound prefill its FLOPs / peak
+    (sliding layers' pairs capped at the window)."""
+    cfg = get_known_model(model)
+    hw = GPU_PROFILES["h100-sxm"]
+    cost = roofline_cost(cfg, hw, Efficiency(mfu=1.0, mbu=1.0, step_overhead_ms=0.0,
+                                             request_overhead_ms=0.0))
+    assert cost.layout.window == (512 if model.startswith("gemma") else 0)
+    bw, peak = hw.mem_bandwidth, hw.peak("bf16")
+    kw = {"weight_dtype": "bf16", "kv_dtype": "bf16"}
+    for rows, context in ((1, 8191), (16, 3000), (4, 100)):
+        ref = step_work(cfg, [(1, context)] * rows, **kw)
+        embedding = dict(ref.byte_terms)["weights.embedding"]     # rows gathered: ignored
+        shape = StepShape.of([(1, context, 1)] * rows, cost.layout)
+        assert cost.seconds(shape) == pytest.approx((ref.bytes - embedding) / bw, rel=1e-12)
+    ref = step_work(cfg, [(8192, 0)], num_logits=1, **kw)
+    shape = StepShape.of([(8192, 0, 1)], cost.layout)
+    assert cost.seconds(shape) == pytest.approx(ref.flops / peak + ref.kv_write_bytes / bw,
+                                                rel=1e-12)
+
+
+def test_a_gemma3_profile_simulates_its_sliding_kv_groups(tmp_path) -> None:
+    """The profile's scheduler keeps one block table per KV group, in blocks of one group's
+    layers, so a long context holds about the window in the sliding groups."""
+    prof = roofline_profile("gemma-3-270m", "h100-sxm", Efficiency())
+    assert prof.scheduler["kv_windows"] == [None] + [512] * 5
+    per_block = GEMMA_3_270M.kv_block_bytes(16, 2)                # 3 layers of bf16
+    free = 80e9 * 0.85 - param_count(GEMMA_3_270M).total * 2
+    assert prof.scheduler["num_blocks"] == int(free // per_block)
+    again = load_profile(prof.save(tmp_path / "gemma.json"))
+    assert again.scheduler == prof.scheduler and again.step_time == prof.step_time
+    config = again.scheduler_config(num_blocks=2000, max_num_batched_tokens=256)
+    assert config.kv_windows == (None, 512, 512, 512, 512, 512)
+    # one simulated instance, stepped by hand: two prompts of 6,000 tokens, 3 tokens each
+    inst = SimInstance(0, config, again.step_time)
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    for i in range(2):
+        inst.submit(Request(f"r{i}", [1000 + (i * 31 + j) % 5000 for j in range(6000)],
+                            params))
+    inst.admit_pending()
+    peak: dict[str, int] = {}
+    seconds = 0.0
+    while (duration := inst.begin_step()) is not None:
+        seconds += duration
+        used = inst.scheduler.kv_cache_manager.used_blocks_by_kind()
+        peak = {k: max(n, peak.get(k, 0)) for k, n in used.items()}
+        inst.end_step()
+    assert not inst.scheduler.has_unfinished_requests() and seconds > 0
+    # the full group holds a whole request (6,003 tokens: 376 blocks) at least; each of
+    # the 5 sliding groups at most the window and a chunk of 256 a request: 50 blocks
+    assert peak["full"] >= 376
+    assert 5 * 512 // 16 <= peak["sliding"] <= 5 * 2 * 50
