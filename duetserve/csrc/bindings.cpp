@@ -23,10 +23,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4k_gemv", &q4k_gemv, nogil, "x[M,K] f32 (int8 per 32) @ packed q4k (Q4_K) W^T -> [M,N] f32 (few rows)");
   m.def("q4k_dequant_bf16", &q4k_dequant_bf16, nogil, "rows [a, b) of a packed q4k weight (K columns) as bf16");
   m.def("q4k_dequant_f32", &q4k_dequant_f32, nogil, "rows [a, b) of a packed q4k weight (K columns) as float32");
-  m.def("stacked_gemv", &stacked_gemv, nogil, "x[M,K] f32 @ [packed q4 / q4k / q6 parts stacked along N]^T -> [M, sum N] f32 (few rows)");
+  m.def("stacked_gemv", &stacked_gemv, nogil, "x[M,K] f32 @ [packed q4 / q4k / q6 / q8g parts stacked along N]^T -> [M, sum N] f32 (few rows)");
   m.def("q6_gemv", &q6_gemv, nogil, "x[M,K] f32 (int8 per 32) @ packed q6 (Q6_K) W^T -> [M,N] f32 (few rows)");
   m.def("q6_dequant_bf16", &q6_dequant_bf16, nogil, "rows [a, b) of a packed q6 weight (K columns) as bf16");
   m.def("q6_dequant_f32", &q6_dequant_f32, nogil, "rows [a, b) of a packed q6 weight (K columns) as float32");
+  m.def("q8g_gemv", &q8g_gemv, nogil, "x[M,K] f32 (int8 per 32) @ packed q8g (Q8_0 / Q5_x) W^T -> [M,N] f32 (few rows)");
+  m.def("q8g_dequant_bf16", &q8g_dequant_bf16, nogil, "rows [a, b) of a packed q8g weight (K columns) as bf16");
+  m.def("q8g_dequant_f32", &q8g_dequant_f32, nogil, "rows [a, b) of a packed q8g weight (K columns) as float32");
   m.def("q8_gemv", &q8_gemv, nogil, "x[M,K] f32 (int8 per 32) @ packed int8 W^T * row scale -> [M,N] f32");
   m.def("q4_dequant_bf16", &q4_dequant_bf16, nogil, "rows [a, b) of a packed q4 weight (K columns) as bf16");
   m.def("q4_dequant_f32", &q4_dequant_f32, nogil, "rows [a, b) of a packed q4 weight (K columns) as float32");

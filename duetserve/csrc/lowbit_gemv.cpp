@@ -36,6 +36,12 @@
 //   d [16 rows] as float16 (32 bytes). So the dots see each weight as one byte, lane r one
 //   row, as q4's do, with bytes 4t..4t+3 of a lane = elements 4t..4t+3.
 //   Per half-group: sum_k w_k x_k = d sc dx (sum_k q_k xq_k - 32 sum_k xq_k).
+// q8g weights (GGUF Q8_0, Q5_0 and Q5_1 kept exactly): groups of 32 along K, w = d * u + m
+//   with u in 0..255 (Q8_0: u = q + 128, m = -128 d; Q5_0: u = q, m = -16 d; Q5_1: the
+//   file's d and m), units of 576 bytes (packed [tiles, ceil(N/16), tu, 576] uint8), one
+//   per block of 16 rows and group: 8 vectors of 64 bytes (vector v, dword r, byte j:
+//   element 4v + j of row r), then d [16 rows] and m [16] as float16. q4's sums with a
+//   byte a weight: sum_k w_k x_k = d * dx * sum_k u_k xq_k + m * (dx * sum_k xq_k).
 // q8 weights, one float32 scale per row: w = s_n * q, packed like q4 for streaming:
 //   packed [ceil(N/4), ceil(K/64), 256] int8: per block of 4 rows, 64 columns of each row
 //   in turn; rows and columns past N and K are zero.
@@ -64,6 +70,7 @@ constexpr int64_t G = 32;       // group size along K
 constexpr int64_t CH = 4;       // groups per chunk of 128 columns (quantizer, q6)
 constexpr int64_t ROWS = 16;                    // q4, q4k, q6: weight rows per block
 constexpr int64_t Q4_BLOCK = ROWS * 16 + 2 * 32;      // q4: bytes per block of 16 rows x 1 group
+constexpr int64_t Q8G_BLOCK = 8 * 64 + 2 * 32;  // q8g: bytes per block of 16 rows x 1 group
 constexpr int64_t Q8_BLOCK = 4 * 64;            // q8: bytes per block of 4 rows x 64 columns
 constexpr int64_t Q4K_CODES = 8 * 256, Q4K_D = Q4K_CODES + 4 * 48;
 constexpr int64_t Q4K_BLOCK = Q4K_D + 64;       // q4k: bytes per block of 16 rows x 256 columns
@@ -356,6 +363,44 @@ void q4_span(const Tiles& W, const QuantizedX& X, int64_t nb, int64_t t, int64_t
   for (int i = 0; i < MM; ++i) acc[i] = sum[i];
 }
 
+// The same for a q8g weight: a group's 8 byte vectors, one dot chain each half.
+template <int MM>
+void q8g_span(const Tiles& W, const QuantizedX& X, int64_t nb, int64_t t, int64_t m0,
+              __m512* acc) {
+  const int64_t M = X.m;   // GROUPED
+  const uint8_t* first = W.span(nb, t);
+  const int64_t u0 = t * W.tu, u1 = W.end(t);
+  __m512 sum[MM];
+#pragma GCC unroll 8
+  for (int i = 0; i < MM; ++i) sum[i] = acc[i];
+  for (int64_t g = u0; g < u1; ++g) {
+    const uint8_t* blk = first + (g - u0) * Q8G_BLOCK;
+    for (int l = 0; l < Q8G_BLOCK / 64; ++l)   // two units ahead (runs into the next block)
+      _mm_prefetch(reinterpret_cast<const char*>(blk + 2 * Q8G_BLOCK + l * 64), _MM_HINT_T0);
+    const __m512 dv = _mm512_cvtph_ps(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 512)));
+    const __m512 mv = _mm512_cvtph_ps(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 544)));
+    __m512i w[8];
+    for (int v = 0; v < 8; ++v) w[v] = _mm512_loadu_si512(blk + v * 64);
+    const int8_t* xg = X.q.data() + (g * M + m0) * G;
+    const float* dg = X.d.data() + g * M + m0;
+    const float* sg = X.s.data() + g * M + m0;
+#pragma GCC unroll 8
+    for (int i = 0; i < MM; ++i) {
+      const int8_t* xq = xg + i * G;
+      __m512i a, b;   // elements 0-15, 16-31
+      dot_pairs(w, w + 4, xq, xq + 16, 4, &a, &b);
+      const __m512i e = _mm512_add_epi32(a, b);
+      sum[i] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(e), _mm512_set1_ps(dg[i])),
+                               dv, sum[i]);
+      sum[i] = _mm512_fmadd_ps(mv, _mm512_set1_ps(sg[i]), sum[i]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < MM; ++i) acc[i] = sum[i];
+}
+
 // Lane r of acc[i] into y[m0 + i, 16 nb + r] (rows below N).
 template <int MM>
 inline void store_rows16(const __m512* acc, float* y, int64_t N, int64_t nb, int64_t m0) {
@@ -623,6 +668,35 @@ void q4_rows(const Tiles& W, const QuantizedX& X, float* y, int64_t N,
 #endif
 }
 
+// Element k of row r in a q8g unit (one group of 16 rows, its byte vectors at `blk`).
+inline int q8g_unit_u(const uint8_t* blk, int r, int k) {
+  return blk[(k / 4) * 64 + r * 4 + k % 4];
+}
+
+void q8g_rows(const Tiles& W, const QuantizedX& X, float* y, int64_t N,
+              int64_t b0, int64_t b1, int64_t m0, int64_t mm) {
+#if defined(DUET_VNNI)
+  dispatch<true>(mm, [&](auto MM) {
+    over_tiles<MM.value>(W, b0, b1,
+        [&](int64_t nb, int64_t t, __m512* acc) { q8g_span<MM.value>(W, X, nb, t, m0, acc); },
+        [&](int64_t nb, const __m512* acc) { store_rows16<MM.value>(acc, y, N, nb, m0); });
+  });
+#else
+  const int64_t M = X.m;   // GROUPED
+  plain_rows(y, N, b0, b1, m0, mm, [&](int64_t nb, int r, int64_t m, float& total) {
+    for (int64_t g = 0; g < W.units; ++g) {
+      const uint8_t* blk = W.at(nb, g);
+      const int8_t* xq = X.q.data() + (g * M + m) * G;
+      int32_t dot = 0;
+      for (int k = 0; k < G; ++k) dot += q8g_unit_u(blk, r, k) * xq[k];
+      total += half_to_float(reinterpret_cast<const uint16_t*>(blk + 512)[r]) * X.d[g * M + m] *
+               float(dot) + half_to_float(reinterpret_cast<const uint16_t*>(blk + 544)[r]) *
+               X.s[g * M + m];
+    }
+  });
+#endif
+}
+
 // Group g's d and m of row r of a q4k block (g in 0..7 over the block's 256 columns).
 inline void q4k_dm(const uint8_t* blk, int r, int g, float* d, float* m) {
   const uint16_t* dd = reinterpret_cast<const uint16_t*>(blk + Q4K_D);
@@ -783,17 +857,20 @@ struct Form {
 const Form Q4_FORM{G, Q4_BLOCK, GROUPED, q4_rows, WIDE_PASS_ROWS};
 const Form Q4K_FORM{256, Q4K_BLOCK, GROUPED, q4k_rows, WIDE_PASS_ROWS};
 const Form Q6_FORM{CH * G, Q6_BLOCK, GROUPED, q6_rows, WIDE_PASS_ROWS};
+const Form Q8G_FORM{G, Q8G_BLOCK, GROUPED, q8g_rows, WIDE_PASS_ROWS};
 
 // The form of a packed weight of K columns, told apart by its block size (320 q4, 576
 // q4k, 424 q6); `want`, when given, is the only form accepted.
 Form form_of(const torch::Tensor& packed, int64_t K, const Form* want = nullptr) {
   TORCH_CHECK(packed.dim() == 4, "packed: uint8 [tiles, row blocks, units a tile, block]");
   const int64_t b = packed.size(3);
-  TORCH_CHECK(b == Q4_BLOCK || b == Q4K_BLOCK || b == Q6_BLOCK, "packed blocks of ", Q4_BLOCK,
-              " (q4), ", Q4K_BLOCK, " (q4k) or ", Q6_BLOCK, " (q6) bytes, got ", b);
+  TORCH_CHECK(b == Q4_BLOCK || b == Q4K_BLOCK || b == Q6_BLOCK || b == Q8G_BLOCK,
+              "packed blocks of ", Q4_BLOCK, " (q4), ", Q4K_BLOCK, " (q4k), ", Q6_BLOCK,
+              " (q6) or ", Q8G_BLOCK, " (q8g) bytes, got ", b);
   TORCH_CHECK(want == nullptr || b == want->block, "expected packed blocks of ", want->block,
               " bytes, got ", b);
   if (b == Q4_BLOCK) return Q4_FORM;
+  if (b == Q8G_BLOCK) return Q8G_FORM;
   if (b == Q4K_BLOCK) {     // whole Q4_K blocks of 256 (the loader packs no others)
     TORCH_CHECK(K % 256 == 0, "q4k: K must be a multiple of 256");
     return Q4K_FORM;
@@ -838,6 +915,10 @@ torch::Tensor q4k_gemv(torch::Tensor x, torch::Tensor packed, int64_t N) {
 
 torch::Tensor q6_gemv(torch::Tensor x, torch::Tensor packed, int64_t N) {
   return packed_gemv(x, packed, N, &Q6_FORM);
+}
+
+torch::Tensor q8g_gemv(torch::Tensor x, torch::Tensor packed, int64_t N) {
+  return packed_gemv(x, packed, N, &Q8G_FORM);
 }
 
 torch::Tensor lowbit_gemv(torch::Tensor x, torch::Tensor packed, int64_t N) {
@@ -1097,6 +1178,22 @@ torch::Tensor q6_dequant(const torch::Tensor& packed, int64_t K, int64_t a, int6
 
 }
 
+template <typename T>
+torch::Tensor q8g_dequant(const torch::Tensor& packed, int64_t K, int64_t a, int64_t b) {
+  return packed_dequant<T>(packed, K, a, b, G, Q8G_BLOCK,
+                           [&](const Tiles& W, int64_t nb, int r, T* orow) {
+    for (int64_t g = 0; g < K / G; ++g) {
+      const uint8_t* blk = W.at(nb, g);
+      const float dv = half_to_float(reinterpret_cast<const uint16_t*>(blk + 512)[r]);
+      const float mv = half_to_float(reinterpret_cast<const uint16_t*>(blk + 544)[r]);
+      uint8_t u[G];   // the row's group in element order (vector v: elements 4v .. 4v + 3)
+      for (int v = 0; v < 8; ++v) std::memcpy(u + 4 * v, blk + v * 64 + r * 4, 4);
+      // u * d exact in float32 (8 + 11 bits), so with or without an FMA the sum rounds once
+      for (int k = 0; k < G; ++k) orow[g * G + k] = T(float(u[k]) * dv + mv);
+    }
+  });
+}
+
 torch::Tensor q4_dequant_bf16(torch::Tensor packed, int64_t K, int64_t a, int64_t b) {
   return q4_dequant<at::BFloat16>(packed, K, a, b);
 }
@@ -1114,4 +1211,10 @@ torch::Tensor q6_dequant_bf16(torch::Tensor packed, int64_t K, int64_t a, int64_
 }
 torch::Tensor q6_dequant_f32(torch::Tensor packed, int64_t K, int64_t a, int64_t b) {
   return q6_dequant<float>(packed, K, a, b);
+}
+torch::Tensor q8g_dequant_bf16(torch::Tensor packed, int64_t K, int64_t a, int64_t b) {
+  return q8g_dequant<at::BFloat16>(packed, K, a, b);
+}
+torch::Tensor q8g_dequant_f32(torch::Tensor packed, int64_t K, int64_t a, int64_t b) {
+  return q8g_dequant<float>(packed, K, a, b);
 }

@@ -14,7 +14,10 @@ torch::Tensor q4k_gemv(torch::Tensor x, torch::Tensor packed, int64_t N);
 torch::Tensor q4k_dequant_bf16(torch::Tensor packed, int64_t K, int64_t a, int64_t b);
 torch::Tensor q4k_dequant_f32(torch::Tensor packed, int64_t K, int64_t a, int64_t b);
 torch::Tensor q6_gemv(torch::Tensor x, torch::Tensor packed, int64_t N);
-// Any packed form (q4, q4k or q6), told apart by its block size.
+torch::Tensor q8g_gemv(torch::Tensor x, torch::Tensor packed, int64_t N);
+torch::Tensor q8g_dequant_bf16(torch::Tensor packed, int64_t K, int64_t a, int64_t b);
+torch::Tensor q8g_dequant_f32(torch::Tensor packed, int64_t K, int64_t a, int64_t b);
+// Any packed form (q4, q4k, q6 or q8g), told apart by its block size.
 torch::Tensor lowbit_gemv(torch::Tensor x, torch::Tensor packed, int64_t N);
 torch::Tensor q6_dequant_bf16(torch::Tensor packed, int64_t K, int64_t a, int64_t b);
 torch::Tensor q6_dequant_f32(torch::Tensor packed, int64_t K, int64_t a, int64_t b);

@@ -11,6 +11,8 @@ whole) and decodes a range of rows at a time, so a whole model never exists in f
 - `int4_groups(a, b)`: for Q4_0 / Q4_1 / Q4_K, the *exact* group-of-32 form
   `w = d * q + m` with `q` in 0..15 (d and m in float32), which models/quant.py packs.
   Other formats return None (they are not 4-bit).
+- `int8_groups(a, b)`: for Q8_0 / Q5_0 / Q5_1 (and the 4-bit group formats), the exact
+  form `w = d * u + m` with `u` in 0..255 and float16 d and m (models/quant.py: Int8GWeight).
 
 Block layouts (ggml's, little-endian, `d`/`m`/`dmin` are float16):
   Q4_0  [d | 16 bytes]:           x_j = qs[j] & 15, x_{j+16} = qs[j] >> 4;  w = d * (x - 8)
@@ -18,6 +20,10 @@ Block layouts (ggml's, little-endian, `d`/`m`/`dmin` are float16):
   Q4_K  [d | dmin | 12 | 128]:    8 sub-blocks of 32 with 6-bit (sc, mn) pairs;
                                   w = d * sc * x - dmin * mn; in each 32-byte run of qs the
                                   low nibbles are sub-block 2i, the high ones 2i + 1.
+  Q5_0  [d | qh 4 | 16 bytes]:    x_j = (qs[j] & 15) | bit j of qh << 4, x_{j+16} =
+                                  (qs[j] >> 4) | bit j + 16 of qh << 4;   w = d * (x - 16)
+  Q5_1  [d | m | qh 4 | 16]:      same 5-bit values;                       w = d * x + m
+  Q8_0  [d | 32 int8]:            w = d * q
 """
 from __future__ import annotations
 
@@ -27,6 +33,8 @@ import os
 import numpy as np
 
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+# types with an exact group-of-32 byte form (int8_groups)
+INT8G_TYPES = ("Q8_0", "Q5_0", "Q5_1", "Q4_0", "Q4_1")
 GROUP = 32
 
 
@@ -154,6 +162,17 @@ class GGUFTensor:
         b = self.shape[0] if b is None else b
         return _DECODERS[self.type](self._raw(a, b), self.shape[1])
 
+    def int8_groups(self, a: int = 0, b: int | None = None):
+        """(u uint8 [n, K], d float16 [n, K/32], m float16 [n, K/32]) for rows [a, b) with
+        w = d * u + m exactly, for the types in INT8G_TYPES."""
+        assert self.type in INT8G_TYPES, self.type
+        b = self.shape[0] if b is None else b
+        raw, cols = self._raw(a, b), self.shape[1]
+        if self.type in ("Q4_0", "Q4_1"):
+            u, d, m = _DECODERS[self.type](raw, cols)
+            return u, d.astype(np.float16), m.astype(np.float16)
+        return _BYTE_GROUPS[self.type](raw, cols)
+
     def q4_k_parts(self, a: int = 0, b: int | None = None):
         """For a Q4_K tensor, rows [a, b) as the file's own numbers (q, sc, mn, d, dmin),
         see _q4_k_parts."""
@@ -253,3 +272,35 @@ def _q6_k(raw: np.ndarray, cols: int):
     sc = blocks[..., 192:208].copy().view(np.int8).reshape(n, nb * 16)
     d = blocks[..., 208:210].copy().view(np.float16).reshape(n, nb)
     return q, sc, d
+
+
+def _q5(blocks: np.ndarray, qh_at: int) -> np.ndarray:
+    """Q5 blocks [n, groups, bytes] -> their 5-bit values [n, groups, 32] (qh: 4 bytes at
+    qh_at, the 16 bytes of nibbles right after)."""
+    qh = blocks[..., qh_at:qh_at + 4].copy().view(np.uint32)               # [n, g, 1]
+    high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)    # [n, g, 32]
+    return _nibbles32(blocks[..., qh_at + 4:qh_at + 20]) | (high << 4)
+
+
+def _q5_0_bytes(raw: np.ndarray, cols: int):
+    blocks = raw.reshape(raw.shape[0], cols // 32, 22)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0]
+    u = _q5(blocks, 2).reshape(raw.shape[0], cols)
+    return u, d, (d.astype(np.float32) * -16.0).astype(np.float16)
+
+
+def _q5_1_bytes(raw: np.ndarray, cols: int):
+    blocks = raw.reshape(raw.shape[0], cols // 32, 24)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0]
+    m = blocks[..., 2:4].copy().view(np.float16)[..., 0]
+    return _q5(blocks, 4).reshape(raw.shape[0], cols), d, m
+
+
+def _q8_0_bytes(raw: np.ndarray, cols: int):
+    blocks = raw.reshape(raw.shape[0], cols // 32, 34)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0]
+    u = (blocks[..., 2:34].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+    return u.reshape(raw.shape[0], cols), d, (d.astype(np.float32) * -128.0).astype(np.float16)
+
+
+_BYTE_GROUPS = {"Q5_0": _q5_0_bytes, "Q5_1": _q5_1_bytes, "Q8_0": _q8_0_bytes}

@@ -6,8 +6,10 @@
   (Q4_K -> int4 with float16 d and m per group, Q6_K -> int8 per row;
   models/kernels.py: exact_kquant_forms), else widened; a stacked target whose parts
   differ (a Q6_K v beside Q4_K q and k) -> a `StackedWeight` of each part's form where
-  every part has a 4- or 6-bit one; other quantized GGUF types (Q5_x, Q8_0), and stacked
-  targets mixing in one of them -> int8 per row;
+  every part has a 4- or 6-bit one; Q8_0, Q5_0 and Q5_1 -> int8g (exact: a byte a weight
+  with float16 d and m per group of 32), also a stacked target mixing them with Q4_0/Q4_1;
+  other quantized GGUF types (K-quants other than Q4_K/Q6_K), and stacked targets mixing
+  in one of them -> int8 per row;
   float tensors (F32/F16/BF16 GGUF, HF folders) stay dense.
 - int8 / int4: every linear weight (and the embedding) is packed so, quantizing float
   checkpoints at load (4-bit sources stay exact under int4).
@@ -19,7 +21,7 @@ table costs resident memory only for the pages of the tokens seen.
 
 A stacked target (qkv, gate_up) is one form when its parts share it; otherwise each run
 of parts of one form is packed in that form (`StackedWeight`), or, where a part has no
-4- or 6-bit form, the whole target is int8. Parts are decoded in row chunks, so no whole tensor is ever held in
+exact form, the whole target is int8. Parts are decoded in row chunks, so no whole tensor is ever held in
 float32 (except for the dense copies a `KernelPolicy` asks for, see models/kernels.py).
 """
 from __future__ import annotations
@@ -31,10 +33,10 @@ import torch
 from torch import nn
 
 from duetserve.config import QUANTIZATIONS, ModelConfig  # noqa: F401 (re-exported)
-from duetserve.loader.gguf_blocks import GGUFTensor
+from duetserve.loader.gguf_blocks import INT8G_TYPES, GGUFTensor
 from duetserve.loader.huge_pages import release_free_memory
 from duetserve.models.quant import (FileEmbedding, Int4KWeight, Int4Weight, Int6Weight,
-                                    Int8Weight, KernelPolicy, QuantEmbedding, QuantLinear,
+                                    Int8GWeight, Int8Weight, KernelPolicy, QuantEmbedding, QuantLinear,
                                     QuantWeight, StackedWeight, int4_groups_from_float,
                                     quantize_int8)
 
@@ -70,27 +72,41 @@ def _chunks(parts):
             yield arr, a, min(arr.shape[0], a + _CHUNK)
 
 
-def _block_weight(form: str, parts) -> Int4KWeight | Int6Weight:
-    """A K-quant run (int4k from Q4_K, int6 from Q6_K) packed in its exact form, chunk by
-    chunk of _CHUNK rows when every part is a whole number of row blocks (the packing's
-    intermediates are several times the packed size: a whole tied embedding at once
-    would double the load's peak), else at once."""
-    cls = Int4KWeight if form == "int4k" else Int6Weight
+class _NotHalfExact(ValueError):
+    """A group's m (-128 d for Q8_0, -16 d for Q5_0) is past float16's range."""
 
-    def build(arr, a: int, b: int) -> Int4KWeight | Int6Weight:
-        if form == "int4k":
-            return cls(*arr.q4_k_parts(a, b))
-        return cls.from_q6_k(*arr.q6_k_parts(a, b))
+
+def _int8g_parts(arr, a: int, b: int):
+    u, d, m = arr.int8_groups(a, b)
+    if not (np.isfinite(d).all() and np.isfinite(m).all()):
+        raise _NotHalfExact(arr.name)
+    return u, d, m
+
+
+_BLOCK_FORMS = {   # form: (class, the exact parts of rows [a, b) of a GGUF tensor)
+    "int4k": (Int4KWeight, lambda arr, a, b: arr.q4_k_parts(a, b)),
+    "int6": (Int6Weight, lambda arr, a, b: arr.q6_k_parts(a, b)),
+    "int8g": (Int8GWeight, _int8g_parts),
+}
+
+
+def _block_weight(form: str, parts) -> Int4KWeight | Int6Weight | Int8GWeight:
+    """A run of parts packed in its exact block form (int4k from Q4_K, int6 from Q6_K,
+    int8g from Q8_0 / Q5_x), chunk by chunk of _CHUNK rows when every part is a whole
+    number of row blocks (the packing's intermediates are several times the packed size: a
+    whole tied embedding at once would double the load's peak), else at once."""
+    cls, exact_parts = _BLOCK_FORMS[form]
+
+    def build(arr, a: int, b: int):
+        p = exact_parts(arr, a, b)
+        return Int6Weight.from_q6_k(*p) if form == "int6" else cls(*p)
     n = sum(arr.shape[0] for _, arr in parts)
     k = parts[0][1].shape[1]
     if all(arr.shape[0] % cls.ROWS == 0 for _, arr in parts) and _CHUNK % cls.ROWS == 0:
         return cls.from_row_chunks(n, k, (build(arr, a, b) for arr, a, b in _chunks(parts)))
-    if form == "int4k":
-        q, sc, mn, d, dmin = (np.concatenate(p) for p in zip(
-            *(arr.q4_k_parts(a, b) for arr, a, b in _chunks(parts))))
-        return Int4KWeight(q, sc, mn, d, dmin)
-    q, sc, d = zip(*(arr.q6_k_parts(a, b) for arr, a, b in _chunks(parts)))
-    return Int6Weight.from_q6_k(np.concatenate(q), np.concatenate(sc), np.concatenate(d))
+    joined = [np.concatenate(p) for p in zip(
+        *(exact_parts(arr, a, b) for arr, a, b in _chunks(parts)))]
+    return Int6Weight.from_q6_k(*joined) if form == "int6" else cls(*joined)
 
 
 def _drop_pages(parts) -> None:
@@ -137,8 +153,11 @@ class QuantPlan:
             return "int4"
         if self.mode == "auto" and self._exact(parts, "Q6_K"):
             return "int6"
+        if self.mode == "auto" and all(isinstance(a, GGUFTensor) and a.type in INT8G_TYPES
+                                       for _, a in parts):
+            return "int8g"
         if self.mode == "auto" and len(parts) > 1 and all(
-                self._form([p]) in ("int4k", "int4", "int6") for p in parts):
+                self._form([p]) in ("int4k", "int4", "int6", "int8g") for p in parts):
             return "stacked"
         return "int8"
 
@@ -178,15 +197,21 @@ class QuantPlan:
                 runs[-1][1].append(part)
             else:
                 runs.append((f, [part]))
-        return StackedWeight([self._packed(f, run) for f, run in runs])
+        packed = [self._packed(f, run) for f, run in runs]
+        if any(isinstance(p, Int8Weight) for p in packed):   # a run fell back (_NotHalfExact)
+            return self._packed("int8", parts)
+        return StackedWeight(packed)
 
     @staticmethod
-    def _packed(form: str, parts) -> Int4Weight | Int4KWeight | Int6Weight | Int8Weight:
+    def _packed(form: str, parts) -> QuantWeight:
         if form == "int4":
             q, d, m = zip(*(_int4_rows(arr, a, b) for arr, a, b in _chunks(parts)))
             return Int4Weight(torch.cat(q), torch.cat(d), torch.cat(m))
-        if form in ("int4k", "int6"):
-            return _block_weight(form, parts)
+        if form in _BLOCK_FORMS:
+            try:
+                return _block_weight(form, parts)
+            except _NotHalfExact:     # a scale past float16's range: int8 per row below
+                pass
         q, s = zip(*(quantize_int8(_rows_float(arr, a, b)) for arr, a, b in _chunks(parts)))
         return Int8Weight(torch.cat(q), torch.cat(s))
 

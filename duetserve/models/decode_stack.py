@@ -24,8 +24,8 @@ from duetserve.models.attention import AttentionMetadata, TorchAttention
 from duetserve.models.layers import DenseLinear, GatedMLP
 from duetserve.models.moe import MoEFFN
 from duetserve.models.native import ops
-from duetserve.models.quant import (Int4KWeight, Int4Weight, Int6Weight, Int8Weight, QuantLinear,
-                                    StackedWeight)
+from duetserve.models.quant import (Int4KWeight, Int4Weight, Int6Weight, Int8GWeight,
+                                    Int8Weight, QuantLinear, StackedWeight)
 
 _EMPTY_IDS = torch.empty(0, dtype=torch.int64)
 
@@ -38,7 +38,7 @@ def _linear(native, mod: nn.Module, gemv_rows: int):
     """The NativeLinear of one linear module (raises _Unsupported for any other kernel)."""
     if isinstance(mod, QuantLinear):
         w, bias = mod.qweight, mod.bias
-        if isinstance(w, Int4Weight | Int4KWeight | Int6Weight):
+        if isinstance(w, Int4Weight | Int4KWeight | Int6Weight | Int8GWeight):
             return native.NativeLinear.lowbit(w.packed, w.shape[0], bias)
         if isinstance(w, Int8Weight):
             return native.NativeLinear.q8(w.packed, w.scale32, bias)

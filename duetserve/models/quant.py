@@ -16,10 +16,15 @@ AVX512-VNNI, one float scale per group), else plain torch:
 - `Int6Weight`: GGUF Q6_K kept exactly, `w = d * sc * (q - 32)`, q in 0..63, an int8 sc
   per 16 weights and a float16 d per 128 (0.828 bytes per weight against the file's
   0.820), in blocks of 16 rows x 128 columns (layout in csrc/lowbit_gemv.cpp).
-  The three share the 16-row blocks (`_BlockWeight.ROWS`).
-- `Int8Weight`: one scale per output row, symmetric. Formats that are neither 4-bit nor
-  Q6_K (Q5_x, Q8_0, and float checkpoints) are requantized into it: |error| <= scale / 2 =
-  max|w_row| / 254 per weight (+ the bfloat16 rounding of the scale, 2^-8 relative).
+  The four block forms share the 16-row blocks (`_BlockWeight.ROWS`).
+- `Int8GWeight`: GGUF Q8_0, Q5_0 and Q5_1 kept exactly, `w = d * u + m` per group of 32
+  along K, u in 0..255 (Q8_0: its int8 code + 128 with m = -128 d; Q5_x: the 5-bit code),
+  float16 d and m: units of 16 rows x 1 group, 576 bytes (1.125 bytes per weight; Q8_0's
+  file has 1.0625, Q5_0's 0.6875: one byte a weight keeps a single kernel for the three).
+- `Int8Weight`: one scale per output row, symmetric. Float checkpoints under
+  `--quantization int8` are quantized into it (and GGUF types with no exact form under
+  `--quantization int8`): |error| <= scale / 2 = max|w_row| / 254 per weight (+ the
+  bfloat16 rounding of the scale, 2^-8 relative).
 
 The int8 activations add their own error to a product: per group, |x - dx xq| <= dx / 2
 with dx = max|x_g| / 127 (what llama.cpp's Q8_0 activations do; accuracy against the
@@ -359,6 +364,45 @@ class Int6Weight(_BlockWeight):
     _unpack = parts
 
 
+class Int8GWeight(_BlockWeight):
+    """Units of one group (32 columns) of 16 rows, 576 bytes: the rows' bytes as 8 vectors
+    of 64 (vector v, dword r, byte j: element 4v + j of row r), then d [16 rows] and m [16]
+    as float16; w = d * u + m, u in 0..255 (GGUF Q8_0: u = q + 128, m = -128 d; Q5_0:
+    u = q, m = -16 d; Q5_1: u = q and the file's m; all exact). Padding is zero."""
+
+    bits = 8
+    COLS = 32
+    BLOCK = 8 * 64 + 2 * 32
+    _GEMV, _DEQUANT = "q8g_gemv", "q8g_dequant"
+
+    def __init__(self, u, d, m) -> None:
+        """u: [N, K] uint8; d, m: [N, K/32] float values that float16 holds exactly."""
+        u, d, m = (torch.as_tensor(t) for t in (u, d, m))
+        n, k = u.shape
+        if k % GROUP:
+            raise ValueError(f"int8 groups need K % {GROUP} == 0, got K = {k}")
+        self.shape = (n, k)
+        ng, nb = k // GROUP, -(-n // 16)
+        codes = _pad_rows(u, nb * 16, torch.uint8).view(nb, 16, ng, 8, 4)   # b, r, g, v, j
+        codes = codes.permute(0, 2, 3, 1, 4).reshape(nb, ng, 512)
+        dm = torch.stack([_pad_rows(d, nb * 16, torch.float16),
+                          _pad_rows(m, nb * 16, torch.float16)])           # 2, R, g
+        dm = dm.view(2, nb, 16, ng).permute(1, 3, 0, 2).contiguous()       # b, g, 2, r
+        self.packed = self._tiled(torch.cat([codes, dm.view(torch.uint8).reshape(nb, ng, 64)],
+                                            dim=-1))
+
+    def groups(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rows `ids` [n] unpacked: (u [n, K/32, 32] uint8, d, m [n, K/32] float16)."""
+        blk, r, n = self._row_blocks(ids), ids % self.ROWS, len(ids)
+        ar = torch.arange(n)
+        u = blk[..., :512].reshape(n, -1, 8, 16, 4)[ar, :, :, r].reshape(n, -1, GROUP)
+        dm = blk[..., 512:].contiguous().view(torch.float16).view(n, -1, 2, 16)[ar, :, :, r]
+        return u, dm[..., 0], dm[..., 1]
+
+    _unpack = groups
+    _decode = staticmethod(Int4Weight._decode)
+
+
 class Int8Weight:
     """int8 [N, K] + one bfloat16 scale per row, packed like `Int4Weight` for streaming:
     `packed` [ceil(N/4), ceil(K/64), 256] int8, per block of 4 rows 64 columns of each row
@@ -477,7 +521,7 @@ class StackedWeight:
         return sum(p.nbytes for p in self.parts)
 
 
-QuantWeight = Int4Weight | Int4KWeight | Int6Weight | Int8Weight | StackedWeight
+QuantWeight = Int4Weight | Int4KWeight | Int6Weight | Int8GWeight | Int8Weight | StackedWeight
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,7 +15,7 @@ from gguf_helpers import k_quant_blocks
 from duetserve.loader import load_model
 from duetserve.loader.gguf_blocks import GGUFTensor
 from duetserve.loader.gguf_file import open_gguf
-from duetserve.models.quant import (Int4KWeight, Int4Weight, Int6Weight, Int8Weight,
+from duetserve.models.quant import (Int4KWeight, Int4Weight, Int6Weight, Int8GWeight, Int8Weight,
                                     QuantEmbedding, QuantLinear, int4_groups_from_float,
                                     quantize_int8)
 
@@ -27,7 +27,7 @@ def quant_file(tmp_path_factory):
     rng = np.random.default_rng(0)
     path = str(tmp_path_factory.mktemp("qw") / "q.gguf")
     w = gguf.GGUFWriter(path, "llama")
-    for qt in (Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q5_0):
+    for qt in (Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q5_0, Q.Q5_1):
         w.add_tensor(qt.name, quants.quantize(rng.standard_normal((ROWS, COLS))
                                               .astype(np.float32), qt), raw_dtype=qt)
     for qt in (Q.Q4_K, Q.Q6_K):
@@ -136,7 +136,8 @@ def test_mixed_stacked_target_keeps_each_part_exact(quant_file, monkeypatch):
     """A stacked target whose parts differ (Q4_K q and k beside a Q6_K v, as in Q4_K_M
     files) packs each run of parts in its own exact form, in the parts' order: the whole
     dequantizes to gguf's values bit for bit, and its product is each part's product.
-    A part with no 4- or 6-bit form (Q8_0) still makes the whole target int8."""
+    Q8_0 beside Q4_K is a run of its own (int8g); a part with no exact form (Q6_K when
+    its int8 widening measured faster) makes the whole target int8."""
     from duetserve.loader.quantize import QuantPlan
     from duetserve.models.quant import StackedWeight
     t = {name: GGUFTensor(name, quant_file[name]) for name in ("Q4_K", "Q6_K", "Q4_0", "Q8_0")}
@@ -155,9 +156,51 @@ def test_mixed_stacked_target_keeps_each_part_exact(quant_file, monkeypatch):
         assert torch.equal(w.matmul(x), torch.cat([p.matmul(x) for p in w.parts], dim=1))
     w = plan.build([(0, t["Q4_0"]), (1, t["Q6_K"])], (2 * ROWS, COLS))
     assert [type(p) for p in w.parts] == [Int4Weight, Int6Weight]
-    assert isinstance(plan.build([(0, t["Q4_K"]), (1, t["Q8_0"])], (2 * ROWS, COLS)),
+    w = plan.build([(0, t["Q4_K"]), (1, t["Q8_0"])], (2 * ROWS, COLS))
+    assert [type(p) for p in w.parts] == [Int4KWeight, Int8GWeight]
+    ref = np.concatenate([_reference(quant_file[n]) for n in ("Q4_K", "Q8_0")])
+    np.testing.assert_array_equal(w.dequantize().numpy(), ref)
+    monkeypatch.setattr("duetserve.loader.quantize._keeps_exact", lambda ratio: False)
+    widened = QuantPlan("auto", kquant_forms="exact")
+    assert isinstance(widened.build([(0, t["Q6_K"]), (1, t["Q8_0"])], (2 * ROWS, COLS)),
                       Int8Weight)
-    assert plan.summary["stacked"] == 2 and plan.summary["int8"] == 1
+    assert plan.summary["stacked"] == 3 and widened.summary["int8"] == 1
+
+
+@pytest.mark.parametrize("names", [("Q8_0",), ("Q5_0",), ("Q5_1",), ("Q5_0", "Q5_0", "Q8_0"),
+                                   ("Q4_0", "Q8_0")])
+def test_byte_group_types_pack_exactly(quant_file, names):
+    """Q8_0 and Q5_x (alone, or stacked like Gemma 3 files' Q5_0 q and k beside a Q8_0 v,
+    or with Q4_0) pack into int8g: gguf's dequantization bit for bit, rows and row
+    slices included, and its product is the int8-activation product of those values."""
+    from duetserve.loader.quantize import QuantPlan
+    plan = QuantPlan("auto", kquant_forms="exact")
+    parts = [(i, GGUFTensor(n, quant_file[n])) for i, n in enumerate(names)]
+    w = plan.build(parts, (len(names) * ROWS, COLS))
+    assert isinstance(w, Int8GWeight) and plan.summary == {"int8g": 1}
+    ref = np.concatenate([_reference(quant_file[n]) for n in names])
+    np.testing.assert_array_equal(w.dequantize().numpy(), ref)
+    n = len(names) * ROWS
+    np.testing.assert_array_equal(w.dequantize(torch.float32, 3, n - 5).numpy(), ref[3:n - 5])
+    np.testing.assert_array_equal(w.rows(torch.tensor([7, 0, 7])).numpy(), ref[[7, 0, 7]])
+    x = torch.randn(2, COLS, dtype=torch.float64)
+    g = x.view(2, -1, 32)
+    dx = g.abs().amax(-1, keepdim=True) / 127
+    xq = (torch.round(g / dx) * dx).view(2, COLS)
+    torch.testing.assert_close(w.matmul(x.float()).double(), xq @ torch.from_numpy(ref).double().t(),
+                               atol=1e-4, rtol=1e-5)
+
+
+def test_half_overflowing_scale_falls_back_to_int8(quant_file, monkeypatch):
+    """A Q8_0 group whose -128 d is past float16's range has no int8g form: int8 per row."""
+    from duetserve.loader import quantize
+    t = GGUFTensor("Q8_0", quant_file["Q8_0"])
+    u, d, m = t.int8_groups()
+    m = m.copy()
+    m[3, 2] = np.inf
+    monkeypatch.setattr(GGUFTensor, "int8_groups", lambda self, a=0, b=None: (u[a:b], d[a:b], m[a:b]))
+    w = quantize.QuantPlan("auto").build([(0, t)], (ROWS, COLS))
+    assert isinstance(w, Int8Weight)
 
 
 @pytest.mark.parametrize("name", ["Q8_0", "Q5_0", "Q6_K"])
@@ -185,9 +228,9 @@ def test_int4_from_float_bound():
 
 
 def test_default_model_packed_like_the_file(default_model):
-    """Q4_1 projections -> int4, the tied Q8_0 embedding/head -> int8; every packed
-    weight within its bound of the float load of the same file (stacking and the Q/K
-    row order included)."""
+    """Q4_1 projections -> int4, the tied Q8_0 embedding/head -> int8g; every packed
+    weight equal to the float load of the same file (stacking and the Q/K row order
+    included)."""
     q = load_model(None, quantization="auto")
     dense = dict(default_model.model.named_parameters())
     seen = 0
@@ -205,9 +248,8 @@ def test_default_model_packed_like_the_file(default_model):
     assert q.model.lm_head.qweight is q.model.embed_tokens.qweight       # tied, one copy
     emb = dense["embed_tokens.weight"]
     head = q.model.lm_head.qweight
-    assert isinstance(head, Int8Weight)
-    amax = emb.abs().amax(1, keepdim=True)
-    assert torch.all((head.dequantize() - emb).abs() <= amax / 254 * 1.01 + emb.abs() / 256)
+    assert isinstance(head, Int8GWeight)
+    assert torch.equal(head.dequantize(), emb)     # Q8_0 packs losslessly too
     ids = torch.tensor([0, 5, 49151])
     assert torch.equal(q.model.embed_tokens(ids), head.dequantize()[ids])
     assert q.weight_bytes < 0.35 * default_model.weight_bytes     # low-bit, not float32

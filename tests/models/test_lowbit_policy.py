@@ -128,14 +128,20 @@ def test_a_dense_win_at_the_last_count_is_measured_again(monkeypatch) -> None:
     assert kernels.calibrate_lowbit_rows(lucky.layer) == UNBOUNDED_ROWS
 
 
-@pytest.mark.parametrize("form", ["int4", "int4k", "int6", "int8"])
+@pytest.mark.parametrize("form", ["int4", "int4k", "int6", "int8g", "int8"])
 def test_many_rows_on_the_lowbit_kernels_equal_the_dense_result(form) -> None:
     """A 300-row input (several 8-row passes and weight tiles) through a QuantLinear under
     the "always low-bit" policy gives the dense path's product within the int8 rounding of
     the activations (|x - dx xq| <= dx / 2 per element, dx = max|x_g| / 127), and really
     runs the low-bit path (the policy bound is above any step)."""
     gen = torch.Generator().manual_seed(1)
-    w = kernels.probe_forms(96, 512, gen)[form]
+    if form == "int8g":
+        from duetserve.models.quant import Int8GWeight
+        w = Int8GWeight(torch.randint(0, 256, (96, 512), dtype=torch.uint8, generator=gen),
+                        torch.full((96, 16), 1e-3, dtype=torch.float16),
+                        torch.full((96, 16), -0.128, dtype=torch.float16))
+    else:
+        w = kernels.probe_forms(96, 512, gen)[form]
     x = torch.randn(300, 512, generator=gen)
     lowbit = QuantLinear(w, None, KernelPolicy(lowbit_max_rows=UNBOUNDED_ROWS))
     dense = QuantLinear(w, None, KernelPolicy(lowbit_max_rows=0))

@@ -201,16 +201,27 @@ def _random_q4k(n: int, k: int, gen: torch.Generator):
                        codes(), codes(), scales(), scales())
 
 
+def _random_q8g(n: int, k: int, gen: torch.Generator):
+    """Bytes 0..255 with float16 d and m per group (Q8_0's m is -128 d; any m here)."""
+    from duetserve.models.quant import Int8GWeight
+    return Int8GWeight(torch.randint(0, 256, (n, k), dtype=torch.uint8, generator=gen),
+                       (torch.rand(n, k // 32, generator=gen) * 1e-2).half(),
+                       (torch.randn(n, k // 32, generator=gen) * 0.3).half())
+
+
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 9])
 @pytest.mark.parametrize("form,n,k", [("q4k", 99, 512), ("q4k", 8, 256),    # 2 / 1 blocks
+                                      ("q8g", 99, 96), ("q8g", 8, 32),      # 3 / 1 groups
+                                      ("q8g", 37, 2176),                    # 2 K tiles
                                       ("q6", 99, 384), ("q6", 8, 128),      # 3 / 1 chunks
                                       ("q4k", 99, 2304), ("q6", 99, 2176)])  # 2 K tiles
 def test_k_quant_gemv_equals_dequantized(rows, form, n, k):
     """As for q4 (the last block padded): the float64 product of the int8-quantized
     activation and the exact dequantized weight, with each group's d and m computed from
-    Q4_K's codes (q4k), each half-group's scale applied to its own dot (q6)."""
+    Q4_K's codes (q4k), each half-group's scale applied to its own dot (q6), a byte a
+    weight (q8g: GGUF Q8_0 / Q5_x)."""
     gen = torch.Generator().manual_seed(rows)
-    qw = (_random_q4k if form == "q4k" else _random_q6)(n, k, gen)
+    qw = {"q4k": _random_q4k, "q6": _random_q6, "q8g": _random_q8g}[form](n, k, gen)
     x = torch.randn(rows, k, generator=gen)
     got = getattr(native, f"{form}_gemv")(x, qw.packed, n).double()
     w = qw.dequantize().double()
@@ -222,14 +233,15 @@ def _random_q4(n: int, k: int, gen: torch.Generator):
     return Int4Weight(*int4_groups_from_float(torch.randn(n, k, generator=gen)))
 
 
-@pytest.mark.parametrize("form,k", [("q4", 2176), ("q4k", 2304), ("q6", 2176), ("q6", 4608)])
+@pytest.mark.parametrize("form,k", [("q4", 2176), ("q4k", 2304), ("q6", 2176), ("q6", 4608),
+                                    ("q8g", 2176)])
 def test_k_tiles_compute_what_one_tile_does(monkeypatch, form, k):
     """A weight whose K spans several tiles (models/quant.py: TILE_COLS; the last tile
     padded for all but q6 4608) gives the products, dequantization, rows and row prefixes
     of the same numbers packed as one tile, bit for bit: each output adds its units in the
     same order."""
     import duetserve.models.quant as quant
-    make = {"q4": _random_q4, "q4k": _random_q4k, "q6": _random_q6}[form]
+    make = {"q4": _random_q4, "q4k": _random_q4k, "q6": _random_q6, "q8g": _random_q8g}[form]
     tiled = make(99, k, torch.Generator().manual_seed(1))
     monkeypatch.setattr(quant, "TILE_COLS", 1 << 20)
     whole = make(99, k, torch.Generator().manual_seed(1))
@@ -256,13 +268,14 @@ def test_k_tiles_compute_what_one_tile_does(monkeypatch, form, k):
 @pytest.mark.parametrize("rows", [1, 3, 5, 9])
 @pytest.mark.parametrize("forms,ns,k", [(("q4k", "q6"), (99, 37), 512),
                                         (("q4", "q6", "q4k"), (8, 5, 64), 2304),   # 2 K tiles
-                                        (("q6", "q4"), (3, 2), 128)])
+                                        (("q6", "q4"), (3, 2), 128),
+                                        (("q4k", "q8g"), (40, 24), 256)])   # Q4_K q, k + Q8_0 v
 def test_stacked_gemv_is_each_part_gemv(rows, forms, ns, k):
     """Parts of different packed forms stacked along N (a Q4_K_M file's qkv: Q4_K q and
     k, Q6_K v): one call gives every part's own GEMV, bit for bit, at 1 and 2 threads."""
     from duetserve.models.quant import StackedWeight
     gen = torch.Generator().manual_seed(rows)
-    make = {"q4": _random_q4, "q4k": _random_q4k, "q6": _random_q6}
+    make = {"q4": _random_q4, "q4k": _random_q4k, "q6": _random_q6, "q8g": _random_q8g}
     parts = [make[f](n, k, gen) for f, n in zip(forms, ns)]
     x = torch.randn(rows, k, generator=gen)
     want = torch.cat([getattr(native, f"{f}_gemv")(x, p.packed, n)
@@ -303,6 +316,14 @@ def _check_dequant_slices(qw, form: str) -> None:
 def test_q4k_dequant_slices():
     gen = torch.Generator().manual_seed(0)
     _check_dequant_slices(_random_q4k(254, 512, gen), "q4k")
+
+
+def test_q8g_dequant_slices():
+    gen = torch.Generator().manual_seed(0)
+    qw = _random_q8g(254, 96, gen)
+    _check_dequant_slices(qw, "q8g")
+    ref = _torch_dequant(qw)             # u * d is exact: bf16 rounds d * u + m once
+    assert torch.equal(native.q8g_dequant_bf16(qw.packed, 96, 0, 254), ref.to(torch.bfloat16))
 
 
 def test_q6_dequant_slices():
