@@ -352,6 +352,11 @@ class EngineConfig:
     kquant_forms: str = "measure"       # GGUF Q4_K/Q6_K weights: their exact forms, the
                                         # widened int4/int8 ones, or measure which is faster
     huge_pages: bool = True             # weights moved into 2 MiB pages (loader/huge_pages.py)
+    # Batch-invariant results: every step runs the same per-row kernels whatever its rows
+    # (low-bit / float32 GEMVs, prompt tokens as decode rows of the paged attention), so a
+    # request's tokens do not depend on what shares its steps, on chunking or on the prefix
+    # cache (models/kernels.py: make_row_invariant). Needs the native kernels.
+    deterministic: bool = False
     # Token budget per step. None: derived from max_step_ms and the step-time model
     # (measured at start-up, engine/step_probe.py, or read from `step_time`), so long
     # prompts are chunked finely enough that running streams keep flowing.
@@ -409,6 +414,9 @@ class EngineConfig:
         if self.max_waiting_requests < 0:
             raise ConfigError(
                 f"max_waiting_requests must be >= 0, got {self.max_waiting_requests}")
+        if self.deterministic and not self.native_kernels:
+            raise ConfigError("deterministic needs the native kernels (its per-row kernels "
+                              "are duetserve's C++ ones); drop --no-native-kernels")
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_model_len is not None and self.max_model_len < 1:
@@ -418,12 +426,13 @@ class EngineConfig:
         """The options that change which kernels a step runs (the step-time cache key)."""
         return {k: getattr(self, k) for k in (
             "dtype", "quantization", "kv_cache_dtype", "native_kernels", "decode_stack",
-            "kquant_forms", "huge_pages", "kv_prefault")}
+            "kquant_forms", "huge_pages", "kv_prefault", "deterministic")}
 
     def load_options(self) -> dict[str, object]:
         """The kernel switches as load_model's keywords (loader/__init__.py)."""
         return {"native": self.native_kernels, "decode_stack": self.decode_stack,
-                "kquant_forms": self.kquant_forms, "huge_pages": self.huge_pages}
+                "kquant_forms": self.kquant_forms, "huge_pages": self.huge_pages,
+                "deterministic": self.deterministic}
 
     def to_json(self) -> dict:
         """Every field (the speculative config as a dict): `--print-config`."""

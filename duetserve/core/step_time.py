@@ -277,9 +277,12 @@ class StepTime:
     def is_plausible(self) -> bool:
         """A larger step must cost more: a model whose rows are free on the path most
         steps take (few and many rows; few and mixed when the few-row kernels run every
-        step) was measured on a machine too noisy to tell; it is neither used nor cached."""
+        step; few alone when every chunk is laid out as decode rows too, as deterministic
+        mode does: no step is mixed) was measured on a machine too noisy to tell; it is
+        neither used nor cached."""
         lay = self.layout
-        paths = ("few", "mixed") if lay.is_unbounded else \
+        paths = ("few",) if lay.is_unbounded and lay.chunk_rows >= UNBOUNDED_ROWS else \
+            ("few", "mixed") if lay.is_unbounded else \
             ("few", "many") if lay.few_rows else ("many",)
         return all(self.row_seconds(p) + self.term("logit") > 1e-7 for p in paths)
 
@@ -298,8 +301,9 @@ class StepTime:
             parts.append(f"{name} {x * scale:.3g} {unit}")
         few = "at every step size" if lay.is_unbounded else \
             f"up to {lay.few_rows} rows"
-        return (f"few-row kernels {few}, chunks of up to "
-                f"{lay.chunk_rows} tokens as decode rows, masked chunk attention up to "
+        rows = "every chunk" if lay.chunk_rows >= UNBOUNDED_ROWS else \
+            f"chunks of up to {lay.chunk_rows} tokens"
+        return (f"few-row kernels {few}, {rows} as decode rows, masked chunk attention up to "
                 f"{lay.masked_max_scores} entries; " + ", ".join(parts))
 
     def to_json(self) -> dict:

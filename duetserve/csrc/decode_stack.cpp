@@ -26,10 +26,9 @@
 
 namespace {
 
-// Steps of up to this many rows run the fused activation kernels and the router's GEMV
-// (models/layers.py's SILU_MUL_ROWS: the modules use the same bound, so both paths
-// compute the same activations).
-constexpr int64_t kFusedRows = 16;
+// Steps of up to a layer's `fused_rows` rows run the fused activation kernels and the
+// router's GEMV (the modules' act_rows / router_rows, models/layers.py's SILU_MUL_ROWS
+// unless deterministic mode lifted it: both paths compute the same activations).
 
 }  // namespace
 
@@ -69,12 +68,13 @@ struct NativeLayer {
   std::vector<NativeLinear> expert_gate_up, expert_down;
   int64_t top_k = 0;
   bool norm_topk = true;
+  int64_t fused_rows = 16;
 };
 
 namespace {
 
-torch::Tensor gated_act(const torch::Tensor& gu, bool gelu) {
-  if (gu.size(0) <= kFusedRows && gu.is_contiguous())
+torch::Tensor gated_act(const torch::Tensor& gu, bool gelu, int64_t fused_rows) {
+  if (gu.size(0) <= fused_rows && gu.is_contiguous())
     return gelu ? gelu_tanh_mul(gu) : silu_mul(gu);   // rows independent of T
   auto parts = gu.chunk(2, -1);
   return (gelu ? at::gelu(parts[0], "tanh") : at::silu(parts[0])) * parts[1];
@@ -83,7 +83,7 @@ torch::Tensor gated_act(const torch::Tensor& gu, bool gelu) {
 // models/moe.py's MoEFFN.forward, op for op.
 torch::Tensor moe(const NativeLayer& l, const torch::Tensor& x) {
   const int64_t T = x.size(0), E = l.router.size(0);
-  torch::Tensor logits = T <= kFusedRows ? f32_gemv(x, l.router) : at::linear(x, l.router);
+  torch::Tensor logits = T <= l.fused_rows ? f32_gemv(x, l.router) : at::linear(x, l.router);
   auto [weights, ids] = at::topk(at::softmax(logits, -1), l.top_k, -1);
   if (l.norm_topk) weights = weights / weights.sum(-1, true);
   auto out = torch::zeros(x.sizes(), x.options());
@@ -98,7 +98,8 @@ torch::Tensor moe(const NativeLayer& l, const torch::Tensor& x) {
     const int64_t n = cp[e];
     if (n == 0) continue;
     auto r = rows.slice(0, at_, at_ + n);
-    auto y = l.expert_down[e](gated_act(l.expert_gate_up[e](x.index_select(0, r)), l.gelu));
+    auto y = l.expert_down[e](
+        gated_act(l.expert_gate_up[e](x.index_select(0, r)), l.gelu, l.fused_rows));
     out.index_add_(0, r, y * w.slice(0, at_, at_ + n).unsqueeze(1));
     at_ += n;
   }
@@ -219,8 +220,9 @@ class DecodeStack {
       } else {
         h = add_rms_norm(x, o, l.post_attn_norm, eps_);
       }
-      torch::Tensor f = l.expert_down.empty() ? l.down(gated_act(l.gate_up(h), l.gelu))
-                                              : moe(l, h);
+      torch::Tensor f = l.expert_down.empty()
+                            ? l.down(gated_act(l.gate_up(h), l.gelu, l.fused_rows))
+                            : moe(l, h);
       delta = l.sandwich ? rms_norm(f, l.post_ffn_norm, eps_) : f;
     }
     return delta.defined() ? add_rms_norm(x, delta, final_norm_, eps_)
@@ -303,7 +305,8 @@ void bind_decode_stack(pybind11::module& m) {
       .def_readwrite("expert_gate_up", &NativeLayer::expert_gate_up)
       .def_readwrite("expert_down", &NativeLayer::expert_down)
       .def_readwrite("top_k", &NativeLayer::top_k)
-      .def_readwrite("norm_topk", &NativeLayer::norm_topk);
+      .def_readwrite("norm_topk", &NativeLayer::norm_topk)
+      .def_readwrite("fused_rows", &NativeLayer::fused_rows);
   py::class_<DecodeStack>(m, "DecodeStack")
       .def(py::init<std::vector<NativeLayer>, torch::Tensor, int64_t, int64_t, double, double,
                     double>())

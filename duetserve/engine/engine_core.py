@@ -173,7 +173,8 @@ class EngineCore:
                                   self.grammars,
                                   kv_buffer=shared[1].tensor if shared else None,
                                   speculator=self.speculator,
-                                  kv_prefault=config.kv_prefault)
+                                  kv_prefault=config.kv_prefault,
+                                  deterministic=config.deterministic)
         return shared
 
     def _build_scheduler(self) -> None:

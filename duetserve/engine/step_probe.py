@@ -128,7 +128,9 @@ def startup_probes(layout: Layout) -> list[Probe]:
     if row_chunk >= 2:
         probes += [Probe("rows_fresh", ((row_chunk, row_chunk),)),
                    Probe("rows_context", ((LONG_CONTEXT + row_chunk, row_chunk),))]
-    chunk = _within(max(layout.chunk_rows + 32, 64), most)
+    # past the chunks laid out as rows (at most PROBE_FEW_ROWS of them: deterministic mode
+    # lays out every chunk so, and its probe chunk stays small)
+    chunk = _within(max(min(layout.chunk_rows, PROBE_FEW_ROWS) + 32, 64), most)
     probes += [Probe("chunk_fresh", ((chunk, chunk),)),
                Probe("chunk_context", ((LONG_CONTEXT + chunk, chunk),))]
     return probes

@@ -116,6 +116,10 @@ def _add_kernel_switches(k: argparse._ArgumentGroup) -> None:
     k.add_argument("--no-huge-pages", dest="huge_pages", action="store_false",
                    help="leave the weights in the allocator's pages (default: moved into "
                         "2 MiB pages where the kernel offers transparent huge pages)")
+    k.add_argument("--deterministic", action="store_true",
+                   help="the same tokens whatever shares a step, the chunking or the prefix "
+                        "cache: every step runs the per-row kernels (slower prefill; "
+                        "docs/deterministic.md)")
     k.add_argument("--check-integrity-when-idle", action="store_true",
                    help="debug: check the scheduler's queues, block tables and block pool "
                         "every time the engine goes idle")
@@ -132,7 +136,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             kv_cache_memory=args.kv_cache_memory, kv_cache_dtype=args.kv_cache_dtype,
             kv_prefault=args.kv_prefault, native_kernels=args.native_kernels,
             decode_stack=args.decode_stack, kquant_forms=args.kquant_forms,
-            huge_pages=args.huge_pages, step_time=args.step_time,
+            huge_pages=args.huge_pages, deterministic=args.deterministic,
+            step_time=args.step_time,
             check_integrity_when_idle=args.check_integrity_when_idle,
             max_num_batched_tokens=args.max_num_batched_tokens, max_step_ms=args.max_step_ms,
             scheduling_policy=args.scheduling_policy, slo_ttft_ms=args.slo_ttft_ms,

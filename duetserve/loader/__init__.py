@@ -22,7 +22,7 @@ from duetserve.loader.quantize import QUANTIZATIONS, QuantPlan
 from duetserve.loader.weights import load_weights
 from duetserve.models import families
 from duetserve.models.kernels import (TORCH_DTYPES, choose_dense_dtype, finish_dense,
-                                      finish_policy)
+                                      finish_policy, make_row_invariant)
 from duetserve.models.quant import KernelPolicy, QuantEmbedding, QuantLinear
 from duetserve.models.native import set_enabled as set_native_enabled
 from duetserve.models.registry import model_class
@@ -107,12 +107,14 @@ class LoadedModel:
 def load_model(path: str | None, dtype: str = "float32", device: str = "cpu",
                max_positions: int | None = None, quantization: str = "none",
                native: bool = True, decode_stack: bool = True, kquant_forms: str = "measure",
-               huge_pages: bool = True) -> LoadedModel:
+               huge_pages: bool = True, deterministic: bool = False) -> LoadedModel:
     """Read a checkpoint, build the model on meta, assign weights (packing them low-bit
     per `quantization`, see loader/quantize.py), build rotary tables, and calibrate the
     kernel policy. `dtype` "auto" means float32 activations with many-row GEMMs in bf16
     where this CPU runs bf16 fast (models/kernels.py). The kernel switches (EngineConfig's
-    native_kernels, decode_stack, kquant_forms, huge_pages) are applied here."""
+    native_kernels, decode_stack, kquant_forms, huge_pages, deterministic) are applied
+    here: `deterministic` makes every linear and activation run its per-row kernel at any
+    row count (kernels.make_row_invariant) instead of calibrating the row bounds."""
     t0 = time.perf_counter()
     set_native_enabled(native)
     path = resolve_model_path(path)
@@ -124,6 +126,8 @@ def load_model(path: str | None, dtype: str = "float32", device: str = "cpu",
         dense_dtype, why = choose_dense_dtype(dtype)
         plan = QuantPlan(quantization, KernelPolicy(dense_dtype=dense_dtype, reason=why),
                          kquant_forms=kquant_forms)
+        if deterministic:          # no many-row dense path: dense copies would go unused
+            plan.dense_budget_bytes = 0
         torch_dtype = torch.float32
     else:
         torch_dtype = TORCH_DTYPES["float32" if dtype == "auto" else dtype]
@@ -171,12 +175,14 @@ def load_model(path: str | None, dtype: str = "float32", device: str = "cpu",
     packed = sum(m.qweight.nbytes for m in qlayers.values())
     copies = sum(m.nbytes - m.qweight.nbytes for m in model.modules()
                  if isinstance(m, QuantLinear))
-    policy = None
-    if qlayers:
-        policy = plan.policy
+    policy = plan.policy if qlayers else None
+    if deterministic:
+        dense_kernels = make_row_invariant(model, policy)
+    elif policy is not None:
         finish_policy(model, policy)
     pages = place_weights(model, huge_pages) if device == "cpu" else ""
-    dense_kernels = finish_dense(model) if device == "cpu" else ""   # timed in place
+    if not deterministic:
+        dense_kernels = finish_dense(model) if device == "cpu" else ""   # timed in place
     release_free_memory()       # the loader's transient buffers, back to the OS
     return LoadedModel(model, cfg, tokenizer, path, time.perf_counter() - t0, dense + packed,
                        torch_dtype, quantization, policy, dict(plan.summary) if plan else {},

@@ -125,11 +125,15 @@ class NativeDecodeStack:
             out.expert_down = [_linear(native, e.down_proj, gemv_rows) for e in experts]
             out.top_k, out.norm_topk = mlp.top_k, mlp.norm_topk_prob
             out.gelu = experts[0].hidden_act == "gelu_tanh"
+            if len({mlp.router_rows} | {e.act_rows for e in experts}) != 1:
+                raise _Unsupported      # one bound a layer in the C++ stack
+            out.fused_rows = mlp.router_rows
             linears += [m for e in experts for m in (e.gate_up_proj, e.down_proj)]
         else:
             out.gate_up, out.down = (_linear(native, m, gemv_rows)
                                      for m in (mlp.gate_up_proj, mlp.down_proj))
             out.gelu = mlp.hidden_act == "gelu_tanh"
+            out.fused_rows = mlp.act_rows
             linears += [mlp.gate_up_proj, mlp.down_proj]
         out.window = backend.window_arg
         out.group = layer.kv_group

@@ -287,6 +287,32 @@ def finish_policy(model: torch.nn.Module, policy: KernelPolicy) -> None:
                           f"({dense}) above (faster there, {measured})")
 
 
+def make_row_invariant(model: torch.nn.Module, policy: KernelPolicy | None) -> str:
+    """Deterministic mode (EngineConfig.deterministic): every row-count switch of the
+    model's kernels is lifted, so each row of a step is computed by the same per-row
+    kernel, in the same order, whatever the step's rows: low-bit linears always run their
+    GEMVs (activations quantized per row and group, sums in a fixed order), float32
+    linears the native GEMV, MLP activations and MoE routers their fused per-row ops. The
+    worker lays prompt tokens out as decode rows of the paged attention (one row's sum over
+    its context in a fixed order). Mutates `policy`, the model's modules and its
+    `dense_gemv_rows`. Returns the reason for the log line."""
+    from duetserve.models.layers import DenseLinear, GatedMLP
+    from duetserve.models.moe import MoEFFN
+    if policy is not None:
+        policy.lowbit_max_rows = UNBOUNDED_ROWS
+        policy.reason += "; deterministic: low-bit kernels at every step size"
+    for m in model.modules():
+        if type(m) is DenseLinear:
+            m.gemv_rows = UNBOUNDED_ROWS
+        elif isinstance(m, GatedMLP):
+            m.act_rows = UNBOUNDED_ROWS
+        elif isinstance(m, MoEFFN):
+            m.router_rows = UNBOUNDED_ROWS
+    if hasattr(model, "dense_gemv_rows"):
+        model.dense_gemv_rows = UNBOUNDED_ROWS
+    return "deterministic: per-row kernels (GEMVs, fused activations) at every step size"
+
+
 def _dense_linears(model: torch.nn.Module) -> list:
     from duetserve.models.layers import DenseLinear
     return [m for m in model.modules()

@@ -15,7 +15,8 @@ _NATIVE = ops()     # compiled fused row ops, or None (plain torch below)
 DENSE_GEMV_ROWS = 4   # float32 linears of up to this many rows: the native GEMV, until the
 #                       loader measures this machine's bound (kernels.calibrate_dense_gemv_rows)
 SILU_MUL_ROWS = 16    # MLP activations of up to this many rows: the native silu_mul
-#                       (csrc/decode_stack.cpp uses the same bounds)
+#                       (csrc/decode_stack.cpp takes each layer's bound from its modules'
+#                       `act_rows`; kernels.make_row_invariant lifts it)
 
 # oneDNN's float32 matmul, the op torch's own compiler emits for CPU linears. F.linear's
 # float32 GEMM is MKL's, which on the AMD EPYC (Zen 4) measured here runs the model's
@@ -156,7 +157,10 @@ class RotaryEmbedding(nn.Module):
 
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)) with gate and up fused into one matmul; act is SiLU or
-    GELU with the tanh approximation (`hidden_act`)."""
+    GELU with the tanh approximation (`hidden_act`). `act_rows`: the most rows the native
+    fused activation takes (the default SILU_MUL_ROWS; unbounded in deterministic mode)."""
+
+    act_rows = SILU_MUL_ROWS
 
     def __init__(self, hidden_size: int, intermediate_size: int,
                  hidden_act: str = "silu") -> None:
@@ -167,15 +171,15 @@ class GatedMLP(nn.Module):
         self.down_proj = DenseLinear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(gated_act(self.gate_up_proj(x), self.hidden_act))
+        return self.down_proj(gated_act(self.gate_up_proj(x), self.hidden_act, self.act_rows))
 
 
-def gated_act(gate_up: torch.Tensor, hidden_act: str) -> torch.Tensor:
-    """[T, 2I] (gate | up) -> act(gate) * up [T, I]. Steps of up to SILU_MUL_ROWS
-    rows run the native fused op, each row's result independent of the row count (verify
-    rows of speculative decoding equal decodes); csrc/decode_stack.cpp uses the same
-    bound."""
-    if _NATIVE is not None and gate_up.shape[0] <= SILU_MUL_ROWS and gate_up.is_contiguous():
+def gated_act(gate_up: torch.Tensor, hidden_act: str,
+              fused_rows: int = SILU_MUL_ROWS) -> torch.Tensor:
+    """[T, 2I] (gate | up) -> act(gate) * up [T, I]. Steps of up to `fused_rows` rows
+    run the native fused op, each row's result independent of the row count (verify rows
+    of speculative decoding equal decodes); csrc/decode_stack.cpp uses the same bound."""
+    if _NATIVE is not None and gate_up.shape[0] <= fused_rows and gate_up.is_contiguous():
         return _NATIVE.silu_mul(gate_up) if hidden_act == "silu" else \
             _NATIVE.gelu_tanh_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)

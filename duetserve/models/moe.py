@@ -25,7 +25,10 @@ _NATIVE = ops()
 
 class MoEFFN(nn.Module):
     """Parameters: gate.weight [E, d] (the router), experts.E.{gate_up_proj, down_proj},
-    and optionally shared_expert.{gate_up_proj, down_proj}, shared_expert_gate.weight."""
+    and optionally shared_expert.{gate_up_proj, down_proj}, shared_expert_gate.weight.
+    `router_rows`: the most rows the router's native GEMV takes (a GEMM above)."""
+
+    router_rows = SILU_MUL_ROWS
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -45,10 +48,10 @@ class MoEFFN(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, d] -> (weights [T, k] float32, expert ids [T, k] int64). The router's
-        logits: the native GEMV up to SILU_MUL_ROWS rows (as csrc/decode_stack.cpp), a
+        logits: the native GEMV up to `router_rows` rows (as csrc/decode_stack.cpp), a
         GEMM above."""
         w = self.gate.weight.detach()
-        if _NATIVE is not None and x.shape[0] <= SILU_MUL_ROWS and x.dtype == torch.float32:
+        if _NATIVE is not None and x.shape[0] <= self.router_rows and x.dtype == torch.float32:
             logits = _NATIVE.f32_gemv(x.contiguous(), w)
         else:
             logits = F.linear(x.float(), w)

@@ -83,7 +83,8 @@ def _slots(block_ids: list[int], positions: torch.Tensor, block_size: int) -> to
 
 def build_step_batch(work: list[SeqWork], block_size: int, device: torch.device | str = "cpu",
                      paged_decode: bool = False,
-                     windows: tuple[int | None, ...] = (None,)) -> StepBatch:
+                     windows: tuple[int | None, ...] = (None,),
+                     as_rows: int | None = None) -> StepBatch:
     """Decodes (one new token) first, then prefill chunks; see models/attention.py.
     `paged_decode`: the backend reads the cache in place, so decodes get one block table
     and context lengths instead of padded groups and masks, and chunks of up to
@@ -91,8 +92,11 @@ def build_step_batch(work: list[SeqWork], block_size: int, device: torch.device 
     contiguous and in position order). `windows`: the sliding window of each KV group
     (config.KVGroup.window; one None for a full-attention model); a SeqWork's block_ids
     interleave the groups' tables (entry i * G + g is group g's block i), and the
-    metadata carries one view per group (AttentionMetadata.groups)."""
-    decodes, prefills = _order(work, paged_decode)
+    metadata carries one view per group (AttentionMetadata.groups). `as_rows`: chunks of
+    up to this many tokens become decode rows (None: chunk_rows(paged_decode); the runner
+    passes its own, unbounded in deterministic mode)."""
+    decodes, prefills = _order(work, paged_decode,
+                               chunk_rows(paged_decode) if as_rows is None else as_rows)
     ordered = decodes + prefills
     ids: list[int] = []
     pos: list[int] = []
@@ -147,15 +151,15 @@ def _group_meta(ordered: list[SeqWork], decodes: list[SeqWork], prefills: list[S
     return meta
 
 
-def _order(work: list[SeqWork], paged_decode: bool) -> tuple[list[SeqWork], list[SeqWork]]:
+def _order(work: list[SeqWork], paged_decode: bool, as_rows: int
+           ) -> tuple[list[SeqWork], list[SeqWork]]:
     """(decode rows, prefill slices) in batch order: verify slices split into rows,
     decodes sorted by context length (each group pads only to its own longest context),
     then the short chunks as rows when the decode kernel reads the cache in place."""
     work = _expand_verify(work)
     decodes = sorted((w for w in work if len(w.token_ids) == 1), key=lambda w: w.start_pos)
     prefills = [w for w in work if len(w.token_ids) > 1]
-    as_rows = chunk_rows(paged_decode)
-    if as_rows:
+    if as_rows and paged_decode:
         decodes += [r for w in prefills if len(w.token_ids) <= as_rows for r in _as_rows(w)]
         prefills = [w for w in prefills if len(w.token_ids) > as_rows]
     return decodes, prefills

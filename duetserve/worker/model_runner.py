@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from duetserve.config import ModelConfig
+from duetserve.config import UNBOUNDED_ROWS, ModelConfig
 from duetserve.outputs import ModelRunnerOutput, SchedulerOutput
 from duetserve.sampling_params import SamplingParams
 from duetserve.structured import GrammarCompiler, GrammarState
@@ -38,13 +38,15 @@ class ModelRunner:
                  block_size: int, dtype: torch.dtype, device: str = "cpu",
                  grammars: GrammarCompiler | None = None,
                  kv_buffer: torch.Tensor | None = None, speculator=None,
-                 kv_prefault: bool = False) -> None:
+                 kv_prefault: bool = False, deterministic: bool = False) -> None:
         """`grammars` compiles the constraints of guided requests (None: the runner
         refuses them). `kv_buffer`: uint8 memory to hold the KV cache (shareable memory
         of a disaggregated instance); None allocates it. `speculator`: a
         spec_decode.Speculator (verifies the drafts the scheduler sends, proposes the next
         ones); None: no speculative decoding. `kv_prefault`: map every page of the KV
-        cache now (worker/kv_cache.py allocate_kv_cache)."""
+        cache now (worker/kv_cache.py allocate_kv_cache). `deterministic`: every prompt
+        token runs as a decode row (the paged attention's per-row order; the model's own
+        kernels were made row-invariant at load, models/kernels.py)."""
         self.model = model
         self.config = model_config
         self.block_size = block_size
@@ -60,7 +62,8 @@ class ModelRunner:
         backend = getattr(model.layers[0].self_attn, "backend", None)
         self.paged_decode = getattr(backend, "paged_decode", None) is not None
         # prompt chunks of up to this many tokens run as decode rows (worker/batch.py)
-        self.chunk_rows = chunk_rows(self.paged_decode)
+        self.chunk_rows = UNBOUNDED_ROWS if deterministic and self.paged_decode else \
+            chunk_rows(self.paged_decode)
         # each KV group's sliding window (block ids of a request interleave the groups')
         self.kv_windows = tuple(g.window for g in model_config.kv_groups())
         self.speculator = speculator
@@ -120,7 +123,7 @@ class ModelRunner:
             return ModelRunnerOutput()
         spec = so.scheduled_spec_token_ids
         batch = build_step_batch(self._work(so), self.block_size, self.device,
-                                 self.paged_decode, self.kv_windows)
+                                 self.paged_decode, self.kv_windows, self.chunk_rows)
         rows: dict[str, list[int]] = {}          # logits rows of each request
         for i, req_id in enumerate(batch.logits_req_ids):
             rows.setdefault(req_id, []).append(i)
