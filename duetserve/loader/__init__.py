@@ -16,7 +16,9 @@ import torch
 from duetserve.config import ModelConfig
 from duetserve.errors import CheckpointError
 from duetserve.loader import gguf_file, hf_folder
-from duetserve.loader.huge_pages import place_weights, release_free_memory
+from duetserve.loader.huge_pages import (LOAD_MMAP_THRESHOLD, SERVE_MMAP_THRESHOLD,
+                                          place_weights, release_free_memory,
+                                          set_mmap_threshold)
 from duetserve.loader.tokenizer import Tokenizer
 from duetserve.loader.quantize import QUANTIZATIONS, QuantPlan
 from duetserve.loader.weights import load_weights
@@ -116,6 +118,7 @@ def load_model(path: str | None, dtype: str = "float32", device: str = "cpu",
     here: `deterministic` makes every linear and activation run its per-row kernel at any
     row count (kernels.make_row_invariant) instead of calibrating the row bounds."""
     t0 = time.perf_counter()
+    set_mmap_threshold(LOAD_MMAP_THRESHOLD)      # no heap holes from the packing (huge_pages.py)
     set_native_enabled(native)
     path = resolve_model_path(path)
     if quantization not in QUANTIZATIONS:
@@ -184,6 +187,7 @@ def load_model(path: str | None, dtype: str = "float32", device: str = "cpu",
     if not deterministic:
         dense_kernels = finish_dense(model) if device == "cpu" else ""   # timed in place
     release_free_memory()       # the loader's transient buffers, back to the OS
+    set_mmap_threshold(SERVE_MMAP_THRESHOLD)
     return LoadedModel(model, cfg, tokenizer, path, time.perf_counter() - t0, dense + packed,
                        torch_dtype, quantization, policy, dict(plan.summary) if plan else {},
                        dense + packed + copies, pages, dense_kernels)

@@ -77,6 +77,33 @@ def release_free_memory() -> None:
         pass
 
 
+# glibc's M_MMAP_THRESHOLD (mallopt): blocks of at least this many bytes are mapped on
+# their own and unmapped when freed. While loading, 1 MiB: the packing's big temporaries
+# then leave no holes in the heap (a later big buffer, such as a many-row step's logits,
+# would fill a hole, and the hole's pages stay resident after it is freed, until the next
+# trim: ~170-250 MiB after the start-up step-time probes on the 1.5B). After loading,
+# 32 MiB (glibc's own ceiling for its sliding threshold, fixed): steps reuse the heap for
+# everything smaller, and the rare bigger buffer is handed back when freed. A fixed
+# threshold also fixes the heap's trim threshold (free() shrinks the heap top past it),
+# which glibc would otherwise slide to twice the mmap threshold: set so, or every step
+# would shrink and regrow the heap (page faults each step).
+LOAD_MMAP_THRESHOLD = 2**20
+SERVE_MMAP_THRESHOLD = 32 * 2**20
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+
+
+def set_mmap_threshold(nbytes: int) -> bool:
+    """mallopt(M_MMAP_THRESHOLD, nbytes) and mallopt(M_TRIM_THRESHOLD, 2 nbytes); False
+    where the C library has no mallopt."""
+    try:
+        import ctypes
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, int(nbytes))) and \
+            bool(libc.mallopt(_M_TRIM_THRESHOLD, 2 * int(nbytes)))
+    except (OSError, AttributeError):
+        return False
+
+
 TRIM_EVERY = 32 * 2**20     # place_weights hands freed heap back after this many bytes
 
 
