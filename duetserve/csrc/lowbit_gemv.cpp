@@ -643,42 +643,43 @@ inline int q4_unit_nib(const uint8_t* blk, int r, int k) {
   return (k % 8) < 4 ? (b & 15) : (b >> 4);
 }
 
-// y[m, n] for packed blocks [b0, b1) of a q4 weight, activation rows m0 .. m0 + mm - 1.
-void q4_rows(const Tiles& W, const QuantizedX& X, float* y, int64_t N,
-             int64_t b0, int64_t b1, int64_t m0, int64_t mm) {
-#if defined(DUET_VNNI)
-  dispatch<true>(mm, [&](auto MM) {
-    over_tiles<MM.value>(W, b0, b1,
-        [&](int64_t nb, int64_t t, __m512* acc) { q4_span<MM.value>(W, X, nb, t, m0, acc); },
-        [&](int64_t nb, const __m512* acc) { store_rows16<MM.value>(acc, y, N, nb, m0); });
-  });
-#else
-  const int64_t M = X.m;   // GROUPED
-  plain_rows(y, N, b0, b1, m0, mm, [&](int64_t nb, int r, int64_t m, float& total) {
-    for (int64_t g = 0; g < W.units; ++g) {
-      const uint8_t* blk = W.at(nb, g);
-      const int8_t* xq = X.q.data() + (g * M + m) * G;
-      int32_t dot = 0;
-      for (int k = 0; k < G; ++k) dot += q4_unit_nib(blk, r, k) * xq[k];
-      total += half_to_float(reinterpret_cast<const uint16_t*>(blk + 256)[r]) * X.d[g * M + m] *
-               float(dot) + half_to_float(reinterpret_cast<const uint16_t*>(blk + 288)[r]) *
-               X.s[g * M + m];
-    }
-  });
-#endif
-}
-
 // Element k of row r in a q8g unit (one group of 16 rows, its byte vectors at `blk`).
 inline int q8g_unit_u(const uint8_t* blk, int r, int k) {
   return blk[(k / 4) * 64 + r * 4 + k % 4];
 }
 
-void q8g_rows(const Tiles& W, const QuantizedX& X, float* y, int64_t N,
-              int64_t b0, int64_t b1, int64_t m0, int64_t mm) {
+// The forms whose unit is one group of 16 rows with w = d * q + m (q4, q8g): the VNNI
+// span, element k of row r in a unit (the plain loop) and where d [16] starts (m [16]
+// follows).
+struct Q4Unit {
+  static constexpr int64_t D_AT = 256;
+  static int q(const uint8_t* blk, int r, int k) { return q4_unit_nib(blk, r, k); }
+#if defined(DUET_VNNI)
+  template <int MM>
+  static void span(const Tiles& W, const QuantizedX& X, int64_t nb, int64_t t, int64_t m0,
+                   __m512* acc) { q4_span<MM>(W, X, nb, t, m0, acc); }
+#endif
+};
+struct Q8GUnit {
+  static constexpr int64_t D_AT = 512;
+  static int q(const uint8_t* blk, int r, int k) { return q8g_unit_u(blk, r, k); }
+#if defined(DUET_VNNI)
+  template <int MM>
+  static void span(const Tiles& W, const QuantizedX& X, int64_t nb, int64_t t, int64_t m0,
+                   __m512* acc) { q8g_span<MM>(W, X, nb, t, m0, acc); }
+#endif
+};
+
+// y[m, n] for packed blocks [b0, b1) of such a weight, activation rows m0 .. m0 + mm - 1.
+template <typename U>
+void group_rows(const Tiles& W, const QuantizedX& X, float* y, int64_t N,
+                int64_t b0, int64_t b1, int64_t m0, int64_t mm) {
 #if defined(DUET_VNNI)
   dispatch<true>(mm, [&](auto MM) {
     over_tiles<MM.value>(W, b0, b1,
-        [&](int64_t nb, int64_t t, __m512* acc) { q8g_span<MM.value>(W, X, nb, t, m0, acc); },
+        [&](int64_t nb, int64_t t, __m512* acc) {
+          U::template span<MM.value>(W, X, nb, t, m0, acc);
+        },
         [&](int64_t nb, const __m512* acc) { store_rows16<MM.value>(acc, y, N, nb, m0); });
   });
 #else
@@ -688,13 +689,23 @@ void q8g_rows(const Tiles& W, const QuantizedX& X, float* y, int64_t N,
       const uint8_t* blk = W.at(nb, g);
       const int8_t* xq = X.q.data() + (g * M + m) * G;
       int32_t dot = 0;
-      for (int k = 0; k < G; ++k) dot += q8g_unit_u(blk, r, k) * xq[k];
-      total += half_to_float(reinterpret_cast<const uint16_t*>(blk + 512)[r]) * X.d[g * M + m] *
-               float(dot) + half_to_float(reinterpret_cast<const uint16_t*>(blk + 544)[r]) *
-               X.s[g * M + m];
+      for (int k = 0; k < G; ++k) dot += U::q(blk, r, k) * xq[k];
+      const uint16_t* dm = reinterpret_cast<const uint16_t*>(blk + U::D_AT);
+      total += half_to_float(dm[r]) * X.d[g * M + m] * float(dot) +
+               half_to_float(dm[ROWS + r]) * X.s[g * M + m];
     }
   });
 #endif
+}
+
+void q4_rows(const Tiles& W, const QuantizedX& X, float* y, int64_t N,
+             int64_t b0, int64_t b1, int64_t m0, int64_t mm) {
+  group_rows<Q4Unit>(W, X, y, N, b0, b1, m0, mm);
+}
+
+void q8g_rows(const Tiles& W, const QuantizedX& X, float* y, int64_t N,
+              int64_t b0, int64_t b1, int64_t m0, int64_t mm) {
+  group_rows<Q8GUnit>(W, X, y, N, b0, b1, m0, mm);
 }
 
 // Group g's d and m of row r of a q4k block (g in 0..7 over the block's 256 columns).
