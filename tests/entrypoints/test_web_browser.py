@@ -20,6 +20,12 @@ import pytest
 from cdp import Chromium, find_chromium
 from server_process import ServerProcess, free_port
 
+# .ci/run sets DUET_REQUIRE_BROWSER=1: there a missing browser fails the run instead of
+# skipping these tests, so a CI pass means the pages were tested in a real browser.
+if find_chromium() is None and os.environ.get("DUET_REQUIRE_BROWSER") == "1":
+    raise RuntimeError("DUET_REQUIRE_BROWSER=1 but no Chromium was found (make browser "
+                       "installs Debian's chromium)")
+
 pytestmark = pytest.mark.skipif(
     find_chromium() is None,
     reason="no Chromium to drive (apt-get install chromium, or set DUET_CHROMIUM); "
