@@ -32,7 +32,8 @@ priority in the waiting queue.
 Goodput-first (config.slo, core/slo.py): for a prompt that would miss its TTFT target
 with StepBudget's chunks, the budget is widened within the running streams' TPOT slack
 (never narrowed below StepBudget's); a waiting request joins running ones only while
-their decode-only step stays within the TPOT target; the waiting order within a priority
+their decode-only step stays within the TPOT target (a wider bound once it has waited
+part of its TTFT target: SloPolicy.admits); the waiting order within a priority
 is the TTFT deadline. The scheduler reads no clock: `schedule(now)` and
 `update_from_output(..., now)` are given the time (the engine's time.time(), the
 simulator's simulated time), in the clock of Request.arrival_time; without it the budget
@@ -294,7 +295,8 @@ class Scheduler:
             if r.num_tokens - r.num_computed_tokens > 1:
                 return r
         if not self.waiting or len(self.running) >= self.config.max_num_seqs or (
-                self.slo is not None and not self.slo.admits(len(self.running))):
+                self.slo is not None and not self.slo.admits(
+                    len(self.running), self.waiting.peek(), self._now)):
             return None
         return self.waiting.peek()
 
@@ -378,7 +380,8 @@ class Scheduler:
                     break
                 continue
             if len(self.running) >= self.config.max_num_seqs or (
-                    self.slo is not None and not self.slo.admits(len(self.running))):
+                    self.slo is not None and not self.slo.admits(len(self.running), request,
+                                                                 self._now)):
                 break
             hit_blocks, num_hit = kv.get_computed_blocks(request)
             num_new, charge = self._chunk(request.num_tokens - num_hit, num_hit, step.budget,

@@ -35,7 +35,14 @@ step-time model's error.
 
 Admission: a waiting request is admitted beside running ones only while the decode-only
 step of all of them (it included) stays within the server's TPOT target (planned at the
-margin): past that every stream misses TPOT, so admitting more lowers goodput. Waiting
+margin): past that every stream misses TPOT, so admitting more lowers goodput. Once the
+request first in line has waited LATE_SHARE of its TTFT target, TTFT is the target at
+risk and the streams' TPOT is the slack to spend: admission then runs on while the
+decode-only step stays within OVERLOAD_TPOT times the TPOT target (3 x 100 ms by default:
+about 3 tokens/s, the slowest a reader follows). Without it an overloaded server keeps a
+few fast streams and lets the queue's first tokens wait for whole conversations to end
+(1.5B on 2 cores: 4 streams, TTFT p50 above llama-server's at 1 req/s); with no bound
+(FCFS) TPOT grows with the queue. Waiting
 requests are ordered by TTFT deadline (arrival + target; with one target for all, that
 is arrival order). Per-request targets (SamplingParams.slo_ttft_ms / slo_tpot_ms) may
 only relax the server's (validated by the engine): a looser TPOT gives its slack to
@@ -53,6 +60,8 @@ from duetserve.request import Request
 SLO_MARGIN = 0.9          # plan against this fraction of every target (model error)
 STEP_TTFT_SHARE = 0.5     # no planned step longer than this share of the TTFT target
 STEP_COUNT_GROWTH = 1.25  # prefill plans tried: 1, 2, 3, ... steps, then x1.25 apart
+LATE_SHARE = 0.5          # a request first in line this far into its TTFT target is late
+OVERLOAD_TPOT = 3.0       # admission for a late request: decode steps within this x TPOT
 
 
 @dataclass(frozen=True)
@@ -182,25 +191,39 @@ class SloPolicy:
             chunk, prompt.num_computed_tokens, rows))
 
     # -- admission -----------------------------------------------------------------------
-    def admits(self, num_running: int) -> bool:
-        """Whether one more request may join `num_running` running ones: always beside
-        none, else while the decode-only step of num_running + 1 streams is priced within
-        the server's TPOT target at the margin."""
+    def admits(self, num_running: int, head: Request | None = None,
+               now: float | None = None) -> bool:
+        """Whether one more request (`head`, first in line, when given with the time) may
+        join `num_running` running ones: always beside none, else while the decode-only
+        step of num_running + 1 streams is priced within the server's TPOT target at the
+        margin, or within OVERLOAD_TPOT times that once `head` is late (module
+        docstring)."""
         if num_running == 0:
             return True
-        return self.budget.decode_ms(num_running + 1) <= \
-            1e3 * self.margin * self.targets.tpot_s
+        late = head is not None and now is not None and \
+            now - head.arrival_time >= LATE_SHARE * self.ttft_s(head)
+        return self.budget.decode_ms(num_running + 1) <= self._admission_ms(late)
+
+    def _admission_ms(self, late: bool) -> float:
+        """The longest decode-only step admission allows, in ms (`admits`)."""
+        return 1e3 * self.margin * self.targets.tpot_s * (OVERLOAD_TPOT if late else 1.0)
+
+    def _most_admitted(self, late: bool) -> int:
+        most = 1
+        while most < 1024 and self.budget.decode_ms(most + 1) <= self._admission_ms(late):
+            most += 1
+        return most
 
     def describe(self) -> str:
         """The policy as reported at start-up (and by the simulator)."""
-        most = 1
-        while most < 1024 and self.admits(most):
-            most += 1
         return (f"goodput-first (SLO TTFT {self.targets.ttft_s * 1e3:g} ms, TPOT "
                 f"{self.targets.tpot_s * 1e3:g} ms, planned at {self.margin:g}): steps "
                 f"widened, for a prompt that would miss its TTFT target, by the streams' "
-                f"TPOT slack up to {self.cap_ms():.0f} ms; admission stops at {most} "
-                "running streams (their decode-only step within TPOT)")
+                f"TPOT slack up to {self.cap_ms():.0f} ms; admission stops at "
+                f"{self._most_admitted(False)} running streams (their decode-only step "
+                f"within TPOT), at {self._most_admitted(True)} while the request first in "
+                f"line has waited {LATE_SHARE:g} of its TTFT target (within "
+                f"{OVERLOAD_TPOT:g}x TPOT)")
 
 
 def slo_policy_for(budget: StepBudget | None, scheduling_policy: str, slo_ttft_ms: float,

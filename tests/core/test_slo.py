@@ -114,6 +114,21 @@ def test_admission_stops_where_decodes_would_miss_tpot() -> None:
     assert "admission stops at 80 running streams" in p.describe()
 
 
+def test_admission_widens_for_a_request_late_on_its_ttft() -> None:
+    """First in line for 1 s of its 2 s TTFT target (LATE_SHARE 0.5): TTFT is at risk, so
+    admission spends TPOT slack, up to decode steps of 3 x 90 ms (260 streams)."""
+    p = policy()
+    fresh, late = prompt(16, arrival=9.5), prompt(16, arrival=9.0)
+    assert not p.admits(80, fresh, now=10.0)        # waited 0.5 s: the TPOT bound holds
+    assert p.admits(80, late, now=10.0)
+    assert p.admits(259, late, now=10.0)            # 260 streams: 270 ms decode steps
+    assert not p.admits(260, late, now=10.0)
+    assert not p.admits(80, late)                   # without the time: the TPOT bound
+    # its own looser TTFT target (4 s) makes 1 s of waiting not late yet
+    assert not p.admits(80, prompt(16, arrival=9.0, slo_ttft_ms=4000.0), now=10.0)
+    assert "at 260 while the request first in line has waited 0.5" in p.describe()
+
+
 # --- the scheduler with the policy -----------------------------------------------------
 def scheduler(slo: bool, targets: SloTargets = TARGETS) -> Scheduler:
     budget = StepBudget(LINE)
@@ -174,8 +189,13 @@ def test_admission_is_bounded_by_the_tpot_target() -> None:
         sched.add_request(req(f"r{i}", 4, 0.0))
     _, now = run(sched, 0.0)
     assert sched.num_running == 80 and sched.num_waiting == 5
-    out, _ = run(sched, now)                            # 80 decodes, nobody admitted
+    out, now = run(sched, now)                          # 80 decodes, nobody admitted
     assert len(out.num_scheduled_tokens) == 80 and sched.num_waiting == 5
+    while now < 1.0:                                    # the 5 wait half their 2 s target
+        out, now = run(sched, now)
+        assert sched.num_waiting == 5
+    run(sched, now)                                     # late: admitted within 3 x TPOT
+    assert sched.num_running == 85 and sched.num_waiting == 0
     fcfs = scheduler(False)
     for i in range(85):
         fcfs.add_request(req(f"r{i}", 4, 0.0))
