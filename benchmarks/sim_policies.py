@@ -5,6 +5,10 @@ simulator is deterministic given its model, so this reruns anywhere (no clock re
 
     PYTHONPATH=. .venv/bin/python benchmarks/sim_policies.py [--num-prompts 200]
         [--profile PROFILE.json] [--output-json out/sim_policies.json]
+        [--plot-cdf docs/sim_policies_cdf.png]
+
+--plot-cdf draws, for each model and dataset at its middle load, the CDFs of TTFT and
+TPOT under each policy (one row of two panels per model and dataset).
 
 Without --profile it uses two models written out below, shaped from the figures in
 docs/performance.md for this 2-core CPU (not calibrated: `duet simulate --calibrate` on a
@@ -90,7 +94,10 @@ def run_cell(profile: SimProfile, dataset: dict, rate: float, policy: str,
         config = replace(config, slo=order(config.slo.budget, config.slo.targets))
     result = simulate(convs, profile, ClusterSpec(1), rate, config=config)
     s = summarize(result.records, result.duration_s, (50, 99), SLO_MS)
-    return {"goodput": s["goodput"], "good": s["good_requests"],
+    ok = [r for r in result.records if r.success]
+    return {"ttft_s": [r.ttft for r in ok if r.ttft is not None],
+            "tpot_s": [r.tpot for r in ok if r.tpot is not None],
+            "goodput": s["goodput"], "good": s["good_requests"],
             "completed": s["completed"], "out_tok_s": s["output_throughput"],
             "ttft_p50": s["ttft_ms"]["median"], "ttft_p99": s["ttft_ms"]["p99"],
             "tpot_p50": s["tpot_ms"]["median"], "tpot_p99": s["tpot_ms"]["p99"]}
@@ -104,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rates", default=None, help="comma list of 3 rates (conversations/s) "
                    "for --profile")
     p.add_argument("--output-json", type=Path, default=None)
+    p.add_argument("--plot-cdf", default=None, help="PNG of the TTFT and TPOT CDFs per "
+                   "policy at each model's and dataset's middle load")
     args = p.parse_args(argv)
     if args.profile:
         prof = load_profile(args.profile)
@@ -111,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         profiles = [(prof, {ds: rates for ds in DATASETS})]
     else:
         profiles = [(profile_of(n, st, nb), rates) for n, (st, nb, rates) in MODELS.items()]
-    rows = []
+    rows, middle = [], {}
     print(f"goodput: req/s with TTFT <= {SLO_MS['ttft']:g} ms and TPOT <= "
           f"{SLO_MS['tpot']:g} ms; latencies in ms")
     print("| model | dataset | rate | policy | goodput (good/all) | out tok/s | TTFT p50 / p99 "
@@ -122,8 +131,11 @@ def main(argv: list[str] | None = None) -> int:
             for rate in rates[ds_name]:
                 for policy in POLICIES:
                     c = run_cell(prof, ds, rate, policy, args.num_prompts)
+                    cdfs = {k: c.pop(k) for k in ("ttft_s", "tpot_s")}
                     rows.append({"model": prof.name, "dataset": ds_name, "rate": rate,
                                  "policy": policy, **c})
+                    if rate == rates[ds_name][1]:
+                        middle.setdefault((prof.name, ds_name, rate), {})[policy] = cdfs
                     print(f"| {prof.name} | {ds_name} | {rate:g} | {policy} | "
                           f"{c['goodput']:.3f} ({c['good']}/{c['completed']}) | "
                           f"{c['out_tok_s']:.1f} | {c['ttft_p50']:.0f} / {c['ttft_p99']:.0f} | "
@@ -131,7 +143,34 @@ def main(argv: list[str] | None = None) -> int:
     if args.output_json:
         args.output_json.parent.mkdir(parents=True, exist_ok=True)
         args.output_json.write_text(json.dumps({"slo_ms": SLO_MS, "rows": rows}, indent=1))
+    if args.plot_cdf:
+        plot_cdfs(middle, args.plot_cdf)
     return 0
+
+
+def plot_cdfs(middle: dict, path: str) -> None:
+    """TTFT and TPOT CDFs per policy, one row per (model, dataset, middle rate)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from duetserve.bench.plot import _cdf, save_figure
+    fig, axes = plt.subplots(len(middle), 2, figsize=(11, 3.2 * len(middle)), squeeze=False)
+    for row, ((model, ds_name, rate), by_policy) in zip(axes, middle.items()):
+        for policy, cdfs in by_policy.items():
+            _cdf(row[0], cdfs["ttft_s"], policy)
+            _cdf(row[1], cdfs["tpot_s"], policy)
+        for ax, what, slo in zip(row, ("TTFT", "TPOT"), ("ttft", "tpot")):
+            ax.axvline(SLO_MS[slo], color="grey", linestyle=":", linewidth=1)
+            ax.set_xscale("log")
+            ax.set_xlabel(f"{what} (ms, log; dotted: the SLO)")
+            ax.set_ylabel("fraction of requests")
+            ax.set_title(f"{model}, {ds_name.split(',')[0]}, {rate:g} conv/s: {what}",
+                         fontsize="small")
+            ax.set_ylim(0, 1.02)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize="x-small")
+    fig.tight_layout()
+    print(f"wrote {save_figure(fig, path)}")
 
 
 if __name__ == "__main__":
