@@ -57,7 +57,11 @@ DATASETS = {   # the peers run's random mix (issue 62) and 3-turn chat
 # policy with waiting requests ordered by their true total length, prompt + output
 # (shortest first): an upper bound on what output-length prediction could buy there;
 # slo+prompt: the same order by prompt length alone, which needs no prediction
-POLICIES = ("fcfs", "slo", "slo+prompt", "slo+oracle")
+# slo+agingW: the SLO policy's deadline plus W times the prompt's own prefill time (the
+# step-time model's price of the whole prompt alone): short prompts go first, but only
+# by their prefill-time difference x W, so a long prompt is never passed by requests that
+# arrived more than that much later (shortest-prompt-first with aging)
+POLICIES = ("fcfs", "slo", "slo+prompt", "slo+oracle", "slo+aging1", "slo+aging4")
 
 
 class OracleOrder(SloPolicy):
@@ -73,6 +77,24 @@ class PromptOrder(SloPolicy):
 
     def deadline(self, request: Request) -> float:
         return float(request.num_prompt_tokens)
+class AgingOrder(SloPolicy):
+    """The SLO policy's deadline + WEIGHT x the prompt's prefill time (POLICIES)."""
+
+    WEIGHT = 1.0
+
+    def deadline(self, request: Request) -> float:
+        prefill_s = self.budget.step_ms(0, request.num_prompt_tokens) / 1e3
+        return super().deadline(request) + self.WEIGHT * prefill_s
+
+
+class Aging1(AgingOrder):
+    WEIGHT = 1.0
+
+
+class Aging4(AgingOrder):
+    WEIGHT = 4.0
+
+
 SLO_MS = {"ttft": 2000.0, "tpot": 100.0}     # duet serve's default targets
 
 
@@ -89,7 +111,8 @@ def run_cell(profile: SimProfile, dataset: dict, rate: float, policy: str,
     convs = token_conversations(make_dataset(ds.pop("name"), num_prompts=num_prompts,
                                              seed=0, **ds))
     config = profile.scheduler_config(scheduling_policy=policy.split("+")[0])
-    order = {"slo+oracle": OracleOrder, "slo+prompt": PromptOrder}.get(policy)
+    order = {"slo+oracle": OracleOrder, "slo+prompt": PromptOrder, "slo+aging1": Aging1,
+             "slo+aging4": Aging4}.get(policy)
     if order is not None:
         config = replace(config, slo=order(config.slo.budget, config.slo.targets))
     result = simulate(convs, profile, ClusterSpec(1), rate, config=config)
