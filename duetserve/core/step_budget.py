@@ -11,7 +11,11 @@ a cliff in step time (8 decodes + 16 prompt tokens can take twice 8 + 8 on a 2-c
 
 `StepBudget` re-derives the budget every step from the number D of running decodes:
 
-- D = 0: IDLE_BUDGET (nobody's gap to protect: prompts prefill in big, efficient chunks);
+- D = 0: the idle chunk (nobody's gap to protect: prompts prefill in the chunks the model
+  prices fastest per token, `idle_chunk`: one big step where its kernels are efficient,
+  chunk_rows-sized chunks on the native decode stack where those are, as on a 2-core
+  Zen 5 whose 2,048-token steps ran 0.66x the speed of 64-token chunks; never past the
+  largest fresh prefill the start-up probes measured, IDLE_PROBE);
 - else the step must fit `target = STEP_FACTOR x decode_ms(D)` (or the fixed
   `--max-step-ms`): the most rows D + c with step_ms(D, c) <= target (over the few-row
   and the many-row kernels, the larger fit wins), but at least D + MIN_CHUNK x P for the
@@ -45,7 +49,12 @@ MAX_BUDGET = 8192         # cannot fit in one step
 STEP_FACTOR = 1.5         # default target: this many times the decode-only step of the D
 DECODE_REF_TOKENS = 16    # streams running; reported at start-up for this many streams
 MAX_GAP_FACTOR = 2.0      # the efficient-chunk floor's step: at most this x decode-only
-IDLE_BUDGET = 2048        # budget of a step with no running decode (nobody's gap to protect)
+IDLE_BUDGET = 2048        # largest step budget the model derives (nobody's gap to protect)
+IDLE_PROBE = 512          # largest fresh prefill the start-up probes time (step_probe.py):
+                          # the idle chunk is chosen among sizes up to this, never priced
+                          # by extrapolating the linear model past what was measured
+IDLE_PROMPT = 2048        # the prompt the idle chunk is chosen for (a long one)
+IDLE_TIE = 0.02           # chunks within this of the fastest: the largest is taken (fewer steps)
 FALLBACK_TOKEN_BUDGET = 512   # fixed budget when the measured model is implausible (noise)
 ROUND_FROM = 64           # budgets of at least this many tokens are rounded down to 16s
 # The scheduler knows how many requests decode, not how long their contexts are: a decode
@@ -87,7 +96,8 @@ class StepBudget:
     answers per decode count are remembered (the model is frozen); nothing else is
     mutated."""
 
-    __slots__ = ("step_time", "max_step_ms", "min_chunk", "idle", "efficiency", "_memo")
+    __slots__ = ("step_time", "max_step_ms", "min_chunk", "idle", "efficiency", "idle_chunk",
+                 "_memo")
 
     def __init__(self, step_time: StepTime, max_step_ms: float | None = None,
                  min_chunk: int = MIN_CHUNK, idle: int = IDLE_BUDGET,
@@ -97,6 +107,7 @@ class StepBudget:
         self.min_chunk = min_chunk
         self.idle = idle
         self.efficiency = efficiency
+        self.idle_chunk = idle_chunk(step_time, idle)
         self._memo: dict[tuple, int | float] = {}
 
     def _key(self) -> tuple:
@@ -195,7 +206,7 @@ class StepBudget:
         streams, not starved by a small target; and at least an efficient chunk
         (`efficient_chunk`) beside the decodes."""
         if num_decodes == 0:
-            return self.idle
+            return max(self.idle_chunk, self.min_chunk * num_prefills)
         lo = num_decodes + max(self.min_chunk * max(1, num_prefills),
                                self.efficient_chunk(num_decodes))
         fits = int(self._remember(("budget", num_decodes), lambda: self.token_budget(
@@ -235,13 +246,44 @@ class StepBudget:
         """The budget as reported at start-up."""
         per = ", ".join(f"{d}: {self.for_step(d)} ({self.target_ms(d):.0f} ms)"
                         for d in (1, 8, 64))
-        return (f"{self.idle} tokens with no decode running; with D decodes, tokens "
+        return (f"{self.idle_chunk} tokens with no decode running (the chunk priced "
+                f"fastest for a {IDLE_PROMPT}-token prompt); with D decodes, tokens "
                 f"(target step) for D = {per}; a chunk beside 1 / 8 decodes at least "
                 f"{self.efficient_chunk(1)} / {self.efficient_chunk(8)} tokens (worth its "
                 f"step overhead); 64 chunk tokens after 1,000 cached tokens are charged "
                 f"{self.chunk_cost(64, 1000, self.for_step(8))} with 8 decodes; "
                 f"decode-only step of 1 / 16 streams {self.decode_ms(1):.1f} / "
                 f"{self.decode_ms(16):.1f} ms")
+
+
+def prompt_seconds(step_time: StepTime, prompt: int, chunk: int) -> float:
+    """Modelled time to prefill a fresh prompt of `prompt` tokens alone, in chunks of
+    `chunk` (each after the tokens before it; the last one's row sampled)."""
+    total, done = 0.0, 0
+    while done < prompt:
+        n = min(chunk, prompt - done)
+        shape = StepShape(step_time.layout)
+        shape.add(n, done, 1 if done + n == prompt else 0)
+        total += step_time.seconds(shape)
+        done += n
+    return total
+
+
+def idle_chunk(step_time: StepTime, most: int = IDLE_BUDGET) -> int:
+    """The budget of a step with no decode running: of the chunk sizes up to
+    min(most, IDLE_PROBE) (powers of two from 16, and the layout's chunk_rows, whose
+    chunks run as decode rows on the native decode stack), the one that prefills an
+    IDLE_PROMPT-token prompt fastest by the model; the largest of those within IDLE_TIE
+    of the fastest. So no lone prompt runs in steps slower per token than the smaller
+    chunks the same model prices (issue 67)."""
+    top = min(most, IDLE_PROBE)
+    sizes = {c for c in (16, 32, 64, 128, 256, 512, 1024, 2048) if c <= top}
+    if 2 <= step_time.layout.chunk_rows <= top:
+        sizes.add(step_time.layout.chunk_rows)
+    sizes.add(top)
+    cost = {c: prompt_seconds(step_time, IDLE_PROMPT, c) for c in sorted(sizes)}
+    best = min(cost.values())
+    return max(c for c, t in cost.items() if t <= best * (1.0 + IDLE_TIE))
 
 
 def default_max_step_ms(step_time: StepTime, num_decodes: int = DECODE_REF_TOKENS) -> float:

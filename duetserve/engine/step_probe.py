@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 from duetserve.config import ConfigError, cache_dir
+from duetserve.core.step_budget import IDLE_PROBE
 from duetserve.core.step_fit import fit_step_time
 from duetserve.core.step_time import Layout, StepShape, StepTime
 from duetserve.loader import release_free_memory
@@ -67,7 +68,7 @@ MAX_CACHE_ENTRIES = 64
 CACHE_FILE = "step_time.json"
 # the terms the start-up probes tell apart (the rest: calibration only, core/step_time.py)
 STARTUP_TERMS = ("few_step", "few_row", "mixed_step", "mixed_row", "many_step", "many_row",
-                 "logit", "decode_kv", "chunk_score", "chunk_pair")
+                 "logit", "decode_kv", "fresh_pair", "chunk_score", "chunk_pair")
 _PROBE_ID = "__duet_step_probe__"
 
 
@@ -110,8 +111,9 @@ def startup_probes(layout: Layout) -> list[Probe]:
     few-row kernels with prompt work), of R + 16 and LARGE rows (8 decodes beside a
     chunk: the dense GEMMs) and of 32 decodes past R (the LM head's rows on the dense
     path), a chunk of decode rows and a prefill-laid chunk each after LONG_CONTEXT cached
-    tokens against the same fresh. With a few-row limit past PROBE_FEW_ROWS no probe
-    exceeds it: every probe runs the few-row kernels."""
+    tokens against the same fresh, and a fresh prompt of IDLE_PROBE tokens (the largest
+    step a lone prompt gets). With a few-row limit past PROBE_FEW_ROWS no other probe
+    exceeds it: they run the few-row kernels."""
     r = min(layout.few_rows, PROBE_FEW_ROWS) if layout.few_rows >= 4 else 0
     most = layout.few_rows if layout.few_rows > PROBE_FEW_ROWS else None
     d2 = min(DECODES, r) if r else DECODES
@@ -133,6 +135,10 @@ def startup_probes(layout: Layout) -> list[Probe]:
     chunk = _within(max(min(layout.chunk_rows, PROBE_FEW_ROWS) + 32, 64), most)
     probes += [Probe("chunk_fresh", ((chunk, chunk),)),
                Probe("chunk_context", ((LONG_CONTEXT + chunk, chunk),))]
+    # a lone prompt's big step, whatever its kernels: the idle chunk is chosen among sizes
+    # up to this one (core/step_budget.idle_chunk), so its per-row cost and its flash
+    # attention are measured, not extrapolated (a 1.5B model: ~2 s, once per machine)
+    probes.append(Probe("prefill_idle", ((IDLE_PROBE, IDLE_PROBE),)))
     return probes
 
 

@@ -5,9 +5,10 @@ import math
 
 import pytest
 
-from duetserve.core.step_budget import (CHUNK_EFFICIENCY, IDLE_BUDGET, MAX_GAP_FACTOR,
-                                        MIN_CHUNK, STEP_FACTOR, StepBudget,
-                                        default_max_step_ms, derive_step_budget)
+from duetserve.core.step_budget import (CHUNK_EFFICIENCY, IDLE_BUDGET, IDLE_PROBE,
+                                        IDLE_PROMPT, MAX_GAP_FACTOR, MIN_CHUNK,
+                                        STEP_FACTOR, StepBudget, default_max_step_ms,
+                                        derive_step_budget, idle_chunk, prompt_seconds)
 from duetserve.config import UNBOUNDED_ROWS
 from duetserve.core.step_time import Layout, StepTime
 
@@ -57,7 +58,7 @@ def test_a_step_with_decodes_fits_the_factor_of_their_decode_only_step() -> None
     floor's chunk cannot fit (then the floor: the prompt still progresses)."""
     for model in (MEASURED, CLIFF):
         policy = StepBudget(model)
-        assert policy.for_step(0) == IDLE_BUDGET
+        assert policy.for_step(0) == IDLE_PROBE     # per-step costs: the biggest chunk
         for d in (1, 4, 8, 16, 64, 256):
             budget = policy.for_step(d)
             target = STEP_FACTOR * policy.decode_ms(d)
@@ -73,7 +74,7 @@ def test_a_step_with_decodes_fits_the_factor_of_their_decode_only_step() -> None
     fixed = StepBudget(StepTime.of(Layout(), many_step=0.020, many_row=0.00025),
                        max_step_ms=100.0)
     assert fixed.for_step(1) == fixed.for_step(64) == 320
-    assert fixed.for_step(0) == IDLE_BUDGET
+    assert fixed.for_step(0) == IDLE_PROBE
     assert default_max_step_ms(MEASURED, 8) == pytest.approx(42.0)
 
 
@@ -137,7 +138,8 @@ def test_a_burst_of_prompts_gets_a_token_each_per_step() -> None:
     assert policy.for_step(8, 1) == policy.for_step(8) == 16
     assert policy.for_step(8, 40) == 8 + 40
     assert policy.for_step(1, 5000) == 1 + 5000 > IDLE_BUDGET    # hi follows lo
-    assert policy.for_step(0, 40) == IDLE_BUDGET
+    assert policy.for_step(0, 40) == IDLE_PROBE
+    assert policy.for_step(0, 600) == 600                          # a token each
 
 
 def test_a_budget_over_the_few_row_kernels_at_every_size() -> None:
@@ -158,3 +160,28 @@ def test_a_budget_over_the_few_row_kernels_at_every_size() -> None:
     # a chunk after 1,000 cached tokens is charged in rows of the mixed path (1 ms)
     assert policy.chunk_cost(16, 1000, 2048) == 16 + math.ceil(16.136 * 0.5)
     assert "at every step size" in every.describe()
+
+
+def test_a_lone_prompt_runs_in_the_chunks_priced_fastest() -> None:
+    """With no decode running, the budget is the chunk size that prefills a long prompt
+    fastest by the model (issue 67: 2,048-token steps ran 0.66x the speed of 64-token
+    chunks on the native decode stack): never a size whose steps cost more per token than
+    smaller chunks, never past the largest probed prefill (IDLE_PROBE)."""
+    # chunks of up to 64 tokens run as decode rows on the stack, cheaper per row than the
+    # per-layer modules' rows, and fresh prefills pay their flash attention
+    stack = StepTime.of(Layout(few_rows=UNBOUNDED_ROWS, chunk_rows=64), few_step=0.018,
+                        few_row=0.0025, mixed_row=0.0040, decode_kv=1.8e-6,
+                        fresh_pair=1.3e-6, chunk_pair=1.1e-6)
+    assert idle_chunk(stack) == 64 and StepBudget(stack).for_step(0) == 64
+    t64 = prompt_seconds(stack, IDLE_PROMPT, 64)
+    assert all(t64 < prompt_seconds(stack, IDLE_PROMPT, c) for c in (16, 128, 256, 512))
+    # the same rows on the modules as cheap as on the stack: the step overheads decide
+    flat = StepTime.of(Layout(few_rows=UNBOUNDED_ROWS, chunk_rows=64), few_step=0.018,
+                       few_row=0.0025, mixed_step=0.018, mixed_row=0.0025,
+                       fresh_pair=1.3e-6, chunk_pair=1.3e-6)
+    assert idle_chunk(flat) == IDLE_PROBE
+    assert idle_chunk(flat, most=128) == 128                       # never past the cap
+    # dense GEMMs above 16 rows with a big fixed cost: a big chunk amortizes it
+    assert idle_chunk(CLIFF) == IDLE_PROBE
+    # a budget fixed by the model's fit stays the largest step: derive_step_budget's cap
+    assert derive_step_budget(stack, None, 256)[0] == IDLE_BUDGET

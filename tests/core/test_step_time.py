@@ -136,7 +136,11 @@ def test_an_unprobed_many_path_is_priced_as_the_mixed_one() -> None:
               + [StepShape.of([(1, 50, 1)] * d + [(n, 0, 1)], lay)
                  for d, n in ((1, 8), (8, 72), (8, 152), (2, 62))])
     samples = [(s, truth.seconds(s)) for s in shapes]
-    model, _ = fit_step_time(samples, lay)
+    # the start-up's identifiable terms (with all of them, logit and request are collinear
+    # on these shapes and the fit may price mixed_step as 0, whichever this CPU's solver
+    # lands on: this test failed so on an AMD EPYC)
+    model, _ = fit_step_time(samples, lay, ("few_step", "few_row", "mixed_step", "mixed_row",
+                                            "many_step", "many_row"))
     for part in ("step", "row"):
         assert model.term(f"many_{part}") == model.term(f"mixed_{part}") > 0
     unbounded = Layout(UNBOUNDED_ROWS, 0, 0)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from duetserve.config import UNBOUNDED_ROWS, EngineConfig
+from duetserve.core.step_budget import IDLE_PROBE
 from duetserve.core.step_time import Layout, StepShape, StepTime
 from duetserve.engine import step_probe
 from duetserve.engine.engine_core import EngineCore
@@ -151,12 +152,19 @@ def test_flipping_a_switch_measures_the_real_engine_again(tiny_checkpoints, tmp_
 def test_startup_probes_stay_small_whatever_the_few_row_limit(few_rows) -> None:
     """Probe sizes follow the few-row limit R up to PROBE_FEW_ROWS; past it (prefill
     chunks on the low-bit kernels, or every step) they stay those of R = 64 and within R,
-    so start-up takes what it does at 64 and every probe runs the few-row kernels."""
+    so start-up takes what it does at 64 and every probe runs the few-row kernels; but one:
+    a lone prompt's IDLE_PROBE tokens, the largest step the idle budget may choose
+    (core/step_budget.idle_chunk), measured whatever its kernels."""
     layout = Layout(few_rows, 64, step_probe.GROUPED_MAX_SCORES // 4)
+    def small(lay: Layout) -> list:
+        probes = step_probe.startup_probes(lay)
+        idle = [p for p in probes if p.name == "prefill_idle"]
+        assert [p.seqs for p in idle] == [((IDLE_PROBE, IDLE_PROBE),)]
+        return [p for p in probes if p.name != "prefill_idle"]
     def rows(lay: Layout) -> list[int]:
-        return [sum(new for _, new in p.seqs) for p in step_probe.startup_probes(lay)]
+        return [sum(new for _, new in p.seqs) for p in small(lay)]
     assert max(rows(layout)) <= max(rows(Layout(64, 64, 0))) == 160
-    paths = {p.shape(layout).path for p in step_probe.startup_probes(layout)}
+    paths = {p.shape(layout).path for p in small(layout)}
     if few_rows > step_probe.PROBE_FEW_ROWS:
         assert max(rows(layout)) <= few_rows and paths == {"few", "mixed"}
     else:
