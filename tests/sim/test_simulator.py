@@ -206,10 +206,11 @@ def test_rate_inf_sends_everything_at_once() -> None:
 def test_a_step_budget_gives_idle_steps_the_idle_budget_and_chunks_beside_decodes() -> None:
     # The engine's per-step budget (core/step_budget.StepBudget) through the real
     # scheduler: a 24 ms target -> (24 - 8) / 0.5 = 32 tokens while anything decodes,
-    # the idle budget (2048) when nothing does.
-    from duetserve.core.step_budget import StepBudget
+    # the idle chunk when nothing does (512: a fixed cost a step, the biggest chunk the
+    # start-up probes measure).
+    from duetserve.core.step_budget import IDLE_PROBE, StepBudget
     policy = StepBudget(constant_cost(0.008, 0.0005), max_step_ms=24.0, min_chunk=4)
-    assert (policy.for_step(0), policy.for_step(1)) == (2048, 32)
+    assert (policy.for_step(0), policy.for_step(1)) == (IDLE_PROBE, 32)
     cfg = config(max_num_batched_tokens=policy.idle, step_budget=policy)
     # A (100 tokens) arrives idle: one step, not the 4 a fixed 32 would take. B (100)
     # arrives during it and then shares steps with A's decode: 31 + 31 + 31 + 7 -> its
