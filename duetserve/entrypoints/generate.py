@@ -42,9 +42,15 @@ def _params(args, max_tokens: int | None = None) -> SamplingParams:
 
 
 def main(args: argparse.Namespace) -> int:
-    if args.input:
-        return _bulk(args)
+    rows = _read_rows(args.input) if args.input else None    # bad input before the load
     engine = build_engine(args)
+    try:     # shutdown flushes and closes --trace-file's trace
+        return _bulk(args, rows, engine) if rows is not None else _one(args, engine)
+    finally:
+        engine.shutdown()
+
+
+def _one(args: argparse.Namespace, engine) -> int:
     prompt = args.prompt if args.prompt is not None else "The three primary colors are"
     tok = engine.tokenizer
     ids = (tok.encode_chat([{"role": "user", "content": prompt}]) if args.chat
@@ -70,20 +76,26 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bulk(args: argparse.Namespace) -> int:
-    from duetserve.engine.llm import LLM
+def _read_rows(path: str) -> list[dict]:
+    """The --input file's JSON lines ({"prompt": str, "max_tokens"?}); UserError naming
+    the file and line otherwise."""
     rows = []
     try:
-        with open(args.input, encoding="utf-8") as f:
+        with open(path, encoding="utf-8") as f:
             for n, line in enumerate(f, 1):
                 if line.strip():
                     row = json.loads(line)
                     if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-                        raise UserError(f"{args.input}:{n}: expected {{\"prompt\": str}}")
+                        raise UserError(f"{path}:{n}: expected {{\"prompt\": str}}")
                     rows.append(row)
     except (OSError, json.JSONDecodeError) as e:
-        raise UserError(f"cannot read {args.input}: {e}") from None
-    llm = LLM.from_engine(build_engine(args))
+        raise UserError(f"cannot read {path}: {e}") from None
+    return rows
+
+
+def _bulk(args: argparse.Namespace, rows: list[dict], engine) -> int:
+    from duetserve.engine.llm import LLM
+    llm = LLM.from_engine(engine)
     params = [_params(args, r.get("max_tokens")) for r in rows]
     try:
         outs = llm.generate([r["prompt"] for r in rows], params, use_tqdm=True)

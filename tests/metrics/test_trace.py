@@ -165,3 +165,16 @@ def test_engine_run_trace_and_plot(tiny_checkpoints, tmp_path) -> None:
     assert cli_main(["plot", trace, "-o", png]) == 0
     with open(png, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_generate_cli_writes_its_trace_file(tiny_checkpoints, tmp_path) -> None:
+    """`duet generate --trace-file` closes its engine, so even a run of well under the
+    trace's flush interval leaves a complete trace (it used to leave nothing)."""
+    from duetserve.entrypoints.cli import main as cli_main
+    trace = str(tmp_path / "gen_trace.json")
+    rc = cli_main(["generate", "--model", tiny_checkpoints["llama-gqa-untied"], "--prompt",
+                   "hello", "--max-tokens", "4", "--num-threads", "1", "--kv-cache-memory",
+                   "0.05", "--trace-file", trace])
+    assert rc == 0
+    names = validate_trace(json.load(open(trace)))
+    assert sum(1 for n in names.values() if n.startswith("req ")) == 1
