@@ -148,8 +148,10 @@ def main() -> None:
     for name, r in (("duetserve prefill", result["duetserve"]["prefill"]),
                     ("duetserve decode", result["duetserve"]["decode"]),
                     ("llama.cpp", result["llama.cpp"])):
-        print(f"{name:<22} {r['mean_kld']:>10.5f} {r['p99_kld'] or float('nan'):>10.5f} "
-              f"{r['same_top1'] or float('nan'):>10.3f}")
+        # llama-perplexity prints no mean/p99/top-1 on some short runs (--ctx 128 --chunks 1)
+        mean, p99, top1 = (float("nan") if r[k] is None else r[k]
+                           for k in ("mean_kld", "p99_kld", "same_top1"))
+        print(f"{name:<22} {mean:>10.5f} {p99:>10.5f} {top1:>10.3f}")
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
 

@@ -84,7 +84,7 @@ def smaps(model_path: str) -> dict[str, float]:
 
 def tensor_groups(engine) -> dict[str, list[torch.Tensor]]:
     """The engine's large tensors by kind (each storage once)."""
-    from duetserve.models.quant import Int8Weight, QuantEmbedding, QuantLinear
+    from duetserve.models.quant import Int8Weight, QuantEmbedding, QuantLinear, StackedWeight
 
     model = engine.loaded.model
     groups: dict[str, list[torch.Tensor]] = {}
@@ -112,10 +112,13 @@ def tensor_groups(engine) -> dict[str, list[torch.Tensor]]:
                 kind = "lm_head"
             else:
                 kind = f"int{qw.bits} linears"
-            add(f"packed: {kind}", qw.packed)
-            if isinstance(qw, Int8Weight):
-                add(f"packed: {kind}", qw.scale)
-                add(f"packed: {kind}", qw.scale32)
+            # a StackedWeight (a fused q/k/v or gate/up whose parts differ in type) holds
+            # its parts' packings
+            for part in qw.parts if isinstance(qw, StackedWeight) else [qw]:
+                add(f"packed: {kind}", part.packed)
+                if isinstance(part, Int8Weight):
+                    add(f"packed: {kind}", part.scale)
+                    add(f"packed: {kind}", part.scale32)
             if isinstance(mod, QuantLinear):
                 add("dense copies (many-row path)", mod.dense)
                 add("dense params (norms, biases)", mod.bias)
