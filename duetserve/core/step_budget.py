@@ -277,7 +277,7 @@ def idle_chunk(step_time: StepTime, most: int = IDLE_BUDGET) -> int:
     of the fastest. So no lone prompt runs in steps slower per token than the smaller
     chunks the same model prices (issue 67)."""
     top = min(most, IDLE_PROBE)
-    sizes = {c for c in (16, 32, 64, 128, 256, 512, 1024, 2048) if c <= top}
+    sizes = {c for c in (16, 32, 64, 128, 256) if c <= top}
     if 2 <= step_time.layout.chunk_rows <= top:
         sizes.add(step_time.layout.chunk_rows)
     sizes.add(top)
