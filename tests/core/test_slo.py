@@ -70,8 +70,10 @@ def test_a_prompt_that_would_miss_ttft_gets_the_least_widening_that_meets_it() -
     a = stream("a", 1, anchor=0.0)
     assert p.plan(0.0, [a], prompt(200, 0.0), 6) == (18, 12)
     assert p.token_budget(0.0, [a], prompt(200, 0.0), 6) == 13
-    # 1 s already waited: late whatever happens; the streams keep their slack
-    assert p.plan(1.0, [stream("a", 1, anchor=1.0)], prompt(200, 0.0), 6) == (0, 0)
+    # 1 s already waited: late whatever happens, so the prefill ends soonest within the
+    # stream's 90 ms steps: 3 steps of 67 tokens (78 ms, 234 ms in all; N = 2 would need
+    # 111 ms steps, N = 4 takes 244 ms)
+    assert p.plan(1.0, [stream("a", 1, anchor=1.0)], prompt(200, 0.0), 6) == (3, 67)
 
 
 def test_when_no_plan_meets_the_deadline_the_prefill_ends_soonest() -> None:
