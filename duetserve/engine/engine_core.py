@@ -153,12 +153,13 @@ class EngineCore:
         groups = mcfg.kv_groups()
         # tokens of KV that fit (each position takes a block in every group: a bound)
         self.kv_capacity_tokens = self.num_blocks * config.block_size // len(groups)
+        self.kv_bytes_per_token = kv_bytes_per_token(mcfg, self.kv_dtype)
         log.info("KV cache: %d blocks x %d tokens (%.2f GiB of %s, %d B/token of full "
                  "attention; %s); max_model_len %d; model loaded in %.1f s",
                  self.num_blocks, config.block_size,
                  self.num_blocks * kv_block_bytes(mcfg, self.kv_dtype, config.block_size)
                  / 2**30, str(self.kv_dtype).replace("torch.", ""),
-                 kv_bytes_per_token(mcfg, self.kv_dtype),
+                 self.kv_bytes_per_token,
                  f"{self.kv_capacity_tokens} tokens fit" if len(groups) == 1 else
                  f"{len(groups)} groups of {mcfg.kv_layers_per_block} layers, sliding "
                  f"window {mcfg.sliding_window}: at least {self.kv_capacity_tokens} "

@@ -130,6 +130,11 @@ def test_kill_during_writes_then_restart(loaded, reference, tmp_path) -> None:
     second = engine(loaded, kv_store=store_dir)
     outs = run(second, [PREFIX + s for s in SUFFIXES])
     assert [o.outputs[0].token_ids for o in outs] == [reference[tuple(s)] for s in SUFFIXES]
+    # the child's first two prompts were written whole (one FIFO writer): block 0 of
+    # PREFIX came from disk; its temporary files (a write cut short) are gone
+    assert second.make_stats().prefix_cache_disk_hits >= 4
+    assert not [n for _, _, names in os.walk(store_dir) for n in names
+                if n.startswith(".tmp-")]
     second.shutdown()
 
 
