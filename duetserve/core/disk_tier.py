@@ -74,12 +74,13 @@ class DiskTier:
             request.num_external_tokens // self.block_size
         self.loads.append(DiskLoad(request.req_id, base_tokens, [
             self._block(request, i, block_ids[i]) for i in range(first, end)]))
-        self._offered[request.req_id] = end
 
     def offer(self, request: Request, tables: Sequence[Sequence[KVBlock]] | None) -> None:
         """The request's full prompt blocks computed since its last offer, and not in
-        the store, become writes. `tables`: its block tables (KVCacheManager's; one KV
-        group). O(1) unless a block filled. Mutates self.writes."""
+        the store, become writes (a block loaded from disk is in the store; one that
+        failed verification was dropped from it and is written again once computed).
+        `tables`: its block tables (KVCacheManager's; one KV group). O(1) unless a block
+        filled. Mutates self.writes."""
         bs = self.block_size
         start = self._offered.get(request.req_id, 0)
         end = min(request.num_computed_tokens, request.num_prompt_tokens) // bs

@@ -457,7 +457,8 @@ class EngineCore:
         _make_outputs. Observers get the step's StepStats."""
         t0, start = time.perf_counter(), time.time()
         if self.disk_cache is not None:
-            self.disk_cache.wait_if_idle(self.scheduler)
+            if self.kv_roles is None:        # (transfers need polling: never wait then)
+                self.disk_cache.wait_if_idle(self.scheduler)
             self.disk_cache.poll(self.scheduler)
         load_failures = {} if self.kv_roles is None else {
             r.req_id: error for r, error in self.kv_roles.poll()}
