@@ -422,13 +422,17 @@ class Scheduler:
     def _admit_disk_load(self, request: Request, num_hit: int) -> bool | None:
         """When the disk tier holds blocks after the request's in-memory hit of
         `num_hit` tokens, admit it to load them (RemoteKV.admit_load): True, or False
-        when its blocks do not fit (nothing changed). None: nothing on disk. Mutates:
-        the request, the block pool, `waiting`, self.remote, self.disk.loads."""
+        when its blocks do not fit or max_num_seqs requests run or load already
+        (nothing changed). None: nothing on disk. Mutates: the request, the block pool,
+        `waiting`, self.remote, self.disk.loads."""
         if self.disk is None:
             return None
         num_disk = self.disk.num_blocks_on_disk(request, num_hit // self.block_size)
         if num_disk == 0:
             return None
+        if len(self.running) + len(self.remote.loading) + len(self.remote.loaded) \
+                >= self.config.max_num_seqs:
+            return False
         request.num_external_tokens = num_hit + num_disk * self.block_size
         if not self.remote.admit_load(request, self.kv_cache_manager, self.waiting,
                                       disk=True):

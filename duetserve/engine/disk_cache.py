@@ -104,10 +104,13 @@ def open_disk_cache(config: EngineConfig, loaded: LoadedModel, mcfg: ModelConfig
                           f"context; this one has {len(mcfg.kv_groups())} KV groups "
                           "(sliding-window layers)")
     planes = [t for layer in kv_caches for t in layer]
-    store = DiskKVStore(config.kv_store, store_fingerprint(config, loaded, mcfg, kv_dtype,
-                                                           planes),
-                        int(config.kv_store_max_gib * 2**30),
-                        sum(plane_bytes(p) for p in planes))
+    try:
+        store = DiskKVStore(config.kv_store, store_fingerprint(config, loaded, mcfg,
+                                                               kv_dtype, planes),
+                            int(config.kv_store_max_gib * 2**30),
+                            sum(plane_bytes(p) for p in planes))
+    except OSError as e:
+        raise ConfigError(f"--kv-store {config.kv_store}: {e}") from None
     snap = store.snapshot()
     log.info("KV store %s: %d blocks (%.2f GiB of %.2f GiB)", store.dir, snap.files,
              snap.bytes / 2**30, config.kv_store_max_gib)

@@ -111,3 +111,18 @@ def test_prompt_logprobs_never_load(make_scheduler) -> None:
     r2 = mk("q", PROMPT)
     s.add_request(r2)
     assert tier.num_blocks_on_disk(r2, 0) == 4              # one token left to compute
+
+
+def test_loads_count_against_max_num_seqs(make_scheduler, step) -> None:
+    disk: dict = {}
+    s1, r1 = make_scheduler()
+    attach(s1, disk)
+    s1.add_request(mk("a", PROMPT, max_tokens=1))
+    run(s1, r1, step, disk)
+    s2, r2 = make_scheduler(max_num_seqs=2)
+    tier = attach(s2, disk)
+    for i in range(3):
+        s2.add_request(mk(f"b{i}", PROMPT + [i], max_tokens=1))
+    step(s2, r2)
+    assert [load.req_id for load in tier.take_loads()] == ["b0", "b1"]   # b2 waits
+    assert s2.num_waiting == 1
