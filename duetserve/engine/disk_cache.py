@@ -32,9 +32,12 @@ def store_fingerprint(config: EngineConfig, loaded: LoadedModel, mcfg: ModelConf
     """Everything that decides a block's bytes: the model file's identity (path, size,
     mtime: disk_store.file_identity says why not a content hash), the compute dtype, the
     weight quantization, the KV dtype, block size and layout (planes, KV groups), and
-    the kernel switches that change the numbers."""
+    the kernels that change the numbers (switches, and the dense GEMMs' dtype that
+    `--dtype auto` measures)."""
+    policy = loaded.kernel_policy
     return {"format": FORMAT, "model": file_identity(loaded.path),
             "dtype": str(loaded.dtype), "quantization": config.quantization,
+            "dense_dtype": str(policy.dense_dtype if policy else loaded.dtype),
             "quant_summary": loaded.quant_summary,
             "kv_cache_dtype": config.kv_cache_dtype, "kv_dtype": str(kv_dtype),
             "block_size": config.block_size,
