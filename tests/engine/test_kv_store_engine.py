@@ -187,3 +187,10 @@ def test_async_engine_serves_disk_loads(loaded, reference, tmp_path) -> None:
     (alone,) = run(engine(loaded), [list(reversed(PREFIX)) + [3]])
     assert got[1] == alone.outputs[0].token_ids
     assert second.make_stats().prefix_cache_disk_hits == len(PREFIX)
+
+
+def test_models_with_sliding_window_groups_are_refused(tmp_path) -> None:
+    from tiny_families import make_family_checkpoint
+    path = make_family_checkpoint(str(tmp_path / "g"), "gemma3")
+    with pytest.raises(ConfigError, match="KV groups"):
+        EngineCore(EngineConfig(model=path, kv_store=str(tmp_path / "s"), **OPTS))
