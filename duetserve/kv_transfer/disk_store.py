@@ -36,6 +36,7 @@ mtime) keeps the order across restarts.
 """
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import logging
@@ -163,6 +164,7 @@ class DiskKVStore:
         self._writer = threading.Thread(target=self._write_loop, name="kv-store-writer",
                                         daemon=True)
         self._writer.start()
+        atexit.register(self.close)     # a normal exit finishes the queued writes
 
     # -- start-up ------------------------------------------------------------------------
     def _write_fingerprint(self, fingerprint: dict) -> None:
