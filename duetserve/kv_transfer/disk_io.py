@@ -46,15 +46,17 @@ class DiskBlockIO:
 
     # -- bytes ---------------------------------------------------------------------------
     def gather(self, block_ids: list[int]) -> torch.Tensor:
-        """[n, payload_bytes] uint8: the blocks' bytes, one row per block (a copy)."""
-        idx = torch.tensor(block_ids, dtype=torch.long)
+        """[n, payload_bytes] uint8 on the CPU: the blocks' bytes, one row per block (a
+        copy)."""
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.planes[0].device)
         n = len(block_ids)
         return torch.cat([p.index_select(1, idx).movedim(1, 0).reshape(n, -1)
-                          .view(torch.uint8) for p in self.planes], dim=1)
+                          .view(torch.uint8) for p in self.planes], dim=1).cpu()
 
     def scatter(self, block_ids: list[int], rows: torch.Tensor) -> None:
         """Write [n, payload_bytes] uint8 rows into the blocks (the inverse of gather)."""
-        idx = torch.tensor(block_ids, dtype=torch.long)
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.planes[0].device)
+        rows = rows.to(self.planes[0].device)
         n, offset = len(block_ids), 0
         for p in self.planes:
             nbytes = plane_bytes(p)

@@ -141,3 +141,35 @@ def test_payload_size_is_checked(tmp_path) -> None:
     with pytest.raises(ValueError, match="64 bytes"):
         s.put(h, parent, toks, payload[:-1])
     s.close()
+
+
+def test_block_bytes_round_trip_whatever_the_planes_dtypes(tmp_path) -> None:
+    """DiskBlockIO treats a block as opaque bytes: bfloat16, int8 and float32 (scales)
+    planes come back bit-exact in other block ids; a block that does not verify ends the
+    load there."""
+    import torch
+
+    from duetserve.core.disk_tier import BlockWrite
+    from duetserve.kv_transfer.disk_io import DiskBlockIO, plane_bytes
+    g = torch.Generator().manual_seed(0)
+    planes = [torch.randn(2, 8, 4, 16, generator=g).to(torch.bfloat16),
+              torch.randint(-128, 127, (2, 8, 4, 16), generator=g, dtype=torch.int8),
+              torch.rand(2, 8, 4, generator=g)]
+    s = DiskKVStore(str(tmp_path), FP, 1 << 30, sum(plane_bytes(p) for p in planes))
+    io = DiskBlockIO(s, planes)
+    blocks = chain(3)
+    io.write([BlockWrite(b, h, parent, toks) for b, (h, parent, toks, _) in
+              zip((1, 5, 6), blocks)])
+    s.flush()
+    before = [p.clone() for p in planes]
+    with open(s.path_of(blocks[2][0]), "r+b") as f:    # block 3 of the load is torn
+        f.truncate(10)
+    io.start_load("r", [BlockWrite(b, h, parent, toks) for b, (h, parent, toks, _) in
+                        zip((2, 3, 4), blocks)])
+    for t in io._threads:
+        t.join()
+    assert io.poll() == [("r", 2)]
+    for p, old in zip(planes, before):
+        assert torch.equal(p[:, 2], old[:, 1]) and torch.equal(p[:, 3], old[:, 5])
+        assert torch.equal(p[:, 4], old[:, 4])             # not loaded: unchanged
+    io.close()
