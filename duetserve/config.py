@@ -342,6 +342,10 @@ class EngineConfig:
     # disaggregated instance's shared KV memory (kv_transfer) is left as it is.
     kv_prefault: bool = False
     num_gpu_blocks_override: int | None = None  # exact number of KV blocks (tests)
+    # The prefix cache's disk tier (kv_transfer/disk_store.py): full prompt blocks written
+    # to this directory in the background, read back by later prompts, across restarts.
+    kv_store: str | None = None
+    kv_store_max_gib: float = 16.0      # its size cap; least recently used files go first
     # Kernel switches: each changes which kernels run, so each is in the step-time cache
     # key (engine/step_probe.py). Defaults are the fast paths; the others exist to compare
     # and to debug.
@@ -399,6 +403,11 @@ class EngineConfig:
             raise ConfigError(f"block_size must be a power of two > 0, got {self.block_size}")
         if self.kv_cache_memory <= 0:
             raise ConfigError(f"kv_cache_memory must be > 0 GiB, got {self.kv_cache_memory}")
+        if not self.kv_store_max_gib > 0:
+            raise ConfigError(f"kv_store_max_gib must be > 0, got {self.kv_store_max_gib}")
+        if self.kv_store is not None and not self.enable_prefix_caching:
+            raise ConfigError("kv_store is the prefix cache's disk tier: it needs prefix "
+                              "caching (drop --no-enable-prefix-caching)")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ConfigError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")

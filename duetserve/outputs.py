@@ -130,7 +130,8 @@ class StepStats:
     num_used_blocks: int = 0
     num_preemptions: int = 0         # cumulative
     prefix_cache_queries: int = 0    # tokens, cumulative
-    prefix_cache_hits: int = 0       # tokens, cumulative
+    prefix_cache_hits: int = 0       # tokens found in memory, cumulative
+    prefix_cache_disk_hits: int = 0  # tokens loaded from the disk tier, cumulative
     items: list[ScheduledSlice] = field(default_factory=list)
     finished_req_ids: list[str] = field(default_factory=list)
     # FLOPs, bytes, MFU, MBU of this step: a metrics.step_accounting.StepAccount, set by

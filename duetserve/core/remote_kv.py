@@ -58,9 +58,12 @@ class RemoteKV:
             kv.free(request)
         return request is not None
 
-    def finish_load(self, req_id: str, ok: bool, kv: KVCacheManager) -> Request | None:
-        """A consumer's load ended. ok: its counter jumps to num_external_tokens, its
-        full blocks enter the prefix cache and it waits in `loaded` for a running slot.
+    def finish_load(self, req_id: str, ok: bool, kv: KVCacheManager,
+                    num_tokens: int | None = None) -> Request | None:
+        """A consumer's load ended. ok: its counter jumps to num_external_tokens (or
+        `num_tokens`, what a disk load verified: the blocks past it hold nothing and are
+        computed later), its full blocks enter the prefix cache and it waits in `loaded`
+        for a running slot.
         Failed: it finishes with "error", its blocks are freed and it is returned (the
         Scheduler forgets it, the engine reports it). A request aborted while loading
         only has its blocks freed now. Mutates: the request, the block pool, self."""
@@ -75,7 +78,8 @@ class RemoteKV:
             request.set_finished("error")
             kv.free(request, request.num_computed_tokens)
             return request
-        request.num_computed_tokens = request.num_external_tokens
+        request.num_computed_tokens = request.num_external_tokens if num_tokens is None \
+            else num_tokens
         request.num_external_tokens = 0
         kv.register_computed(request)
         self.loaded[req_id] = request      # runs when a running slot is free
@@ -92,12 +96,13 @@ class RemoteKV:
             running.append(request)
             self.fresh.add(req_id)
 
-    def admit_load(self, request: Request, kv: KVCacheManager, waiting: RequestQueue
-                   ) -> bool:
+    def admit_load(self, request: Request, kv: KVCacheManager, waiting: RequestQueue,
+                   disk: bool = False) -> bool:
         """Allocate blocks for the consumer at the head of `waiting` (its external tokens;
         local prefix hits kept, new blocks not cached), pop it and park it in `loading`.
         False (nothing changed) when the blocks do not fit. Mutates: the block pool,
-        `waiting`, the request's counters, self.loading, self.new_loads."""
+        `waiting`, the request's counters, self.loading, self.new_loads (not for a load
+        from the disk tier: core/disk_tier.py starts those)."""
         hit_blocks, num_hit = kv.get_computed_blocks(request,
                                                      max_tokens=request.num_external_tokens)
         if kv.allocate_slots(request, request.num_external_tokens - num_hit, hit_blocks,
@@ -107,5 +112,7 @@ class RemoteKV:
         waiting.pop()
         request.num_computed_tokens = num_hit
         self.loading[request.req_id] = request
-        self.new_loads.append((request.req_id, kv.get_block_ids(request.req_id), num_hit))
+        if not disk:
+            self.new_loads.append((request.req_id, kv.get_block_ids(request.req_id),
+                                   num_hit))
         return True

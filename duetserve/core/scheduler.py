@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 
 from duetserve.config import SchedulerConfig
 from duetserve.core import hashing
+from duetserve.core.disk_tier import DiskTier
 from duetserve.core.kv_cache_manager import KVCacheManager, cdiv
 from duetserve.core.remote_kv import RemoteKV
 from duetserve.core.request_queue import RequestQueue
@@ -73,7 +74,8 @@ class SchedulerStats:
     num_prefill_tokens: int = 0      # last step
     num_decode_tokens: int = 0       # last step
     prefix_cache_queries: int = 0    # tokens, cumulative
-    prefix_cache_hits: int = 0       # tokens, cumulative
+    prefix_cache_hits: int = 0       # tokens found in memory, cumulative
+    prefix_cache_disk_hits: int = 0  # tokens loaded from the disk tier, cumulative
     num_preemptions: int = 0         # cumulative
     kv_usage: float = 0.0            # fraction of blocks held by requests
     num_used_blocks: int = 0
@@ -106,6 +108,7 @@ class Scheduler:
         self._last_num_prefill_tokens = 0
         self._last_num_decode_tokens = 0
         self.remote = RemoteKV()                 # disaggregation: held / loading requests
+        self.disk: DiskTier | None = None        # the prefix cache's disk tier (the engine)
         self.spec_policy: SpecPolicy | None = config.spec_policy  # type: ignore[assignment]
         self.spec_stats = SpecDecodeStats() if self.spec_policy is not None else None
 
@@ -212,6 +215,8 @@ class Scheduler:
         self._forget(request)
 
     def _forget(self, request: Request) -> None:
+        if self.disk is not None:
+            self.disk.forget(request.req_id)
         del self.requests[request.req_id]
         del self._arrival_seq[request.req_id]
         self._finished_req_ids.add(request.req_id)
@@ -238,6 +243,15 @@ class Scheduler:
         if failed is not None:
             self._forget(failed)
         return failed
+
+    def finish_disk_load(self, req_id: str, num_tokens: int) -> None:
+        """A load from the disk tier ended with the request's first `num_tokens` tokens
+        verified (at least its in-memory hit): it runs from there (RemoteKV.finish_load).
+        Mutates: the request, the block pool, self.remote, self.disk.hits."""
+        request = self.remote.loading.get(req_id)
+        if request is not None and self.disk is not None:
+            self.disk.hits += num_tokens - request.num_computed_tokens
+        self.remote.finish_load(req_id, True, self.kv_cache_manager, num_tokens)
 
     @property
     def num_running(self) -> int:
@@ -384,6 +398,11 @@ class Scheduler:
                                                                  self._now)):
                 break
             hit_blocks, num_hit = kv.get_computed_blocks(request)
+            loads = self._admit_disk_load(request, num_hit)
+            if loads is not None:
+                if not loads:
+                    break
+                continue
             num_new, charge = self._chunk(request.num_tokens - num_hit, num_hit, step.budget,
                                           step.full)
             propose = num_to_propose(self.spec_policy, request, num_hit, num_new, 0, step,
@@ -399,6 +418,29 @@ class Scheduler:
             self.running.append(request)
             step.add(request, num_new, kv.get_block_ids(request.req_id), is_new=True,
                      propose=propose, charge=charge)
+
+    def _admit_disk_load(self, request: Request, num_hit: int) -> bool | None:
+        """When the disk tier holds blocks after the request's in-memory hit of
+        `num_hit` tokens, admit it to load them (RemoteKV.admit_load): True, or False
+        when its blocks do not fit or max_num_seqs requests run or load already
+        (nothing changed). None: nothing on disk. Mutates: the request, the block pool,
+        `waiting`, self.remote, self.disk.loads."""
+        if self.disk is None:
+            return None
+        num_disk = self.disk.num_blocks_on_disk(request, num_hit // self.block_size)
+        if num_disk == 0:
+            return None
+        if len(self.running) + len(self.remote.loading) + len(self.remote.loaded) \
+                >= self.config.max_num_seqs:
+            return False
+        request.num_external_tokens = num_hit + num_disk * self.block_size
+        if not self.remote.admit_load(request, self.kv_cache_manager, self.waiting,
+                                      disk=True):
+            request.num_external_tokens = 0
+            return False
+        self.disk.add_load(request, self.kv_cache_manager.get_block_ids(request.req_id),
+                           request.num_computed_tokens)
+        return True
 
     def _build_output(self, step: StepPlan) -> SchedulerOutput:
         """The step's SchedulerOutput (core/step_plan.py). Mutates: the finished ids
@@ -449,6 +491,8 @@ class Scheduler:
                     now, request.num_output_tokens
             if self.enable_caching:
                 hashing.update_block_hashes(request, self.block_size)
+            if self.disk is not None:
+                self.disk.offer(request, self.kv_cache_manager.req_to_blocks.get(req_id))
             if request.is_finished:
                 self.running.remove(request)
                 self._release(request)
@@ -484,6 +528,7 @@ class Scheduler:
             num_decode_tokens=self._last_num_decode_tokens,
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
+            prefix_cache_disk_hits=0 if self.disk is None else self.disk.hits,
             num_preemptions=self.num_preemptions, kv_usage=kv.usage,
             num_used_blocks=kv.num_used_blocks, num_total_blocks=kv.num_blocks,
             used_blocks_by_kind=kv.used_blocks_by_kind(),

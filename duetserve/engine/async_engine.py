@@ -117,6 +117,8 @@ class AsyncEngine:
         self.num_step_errors = 0
         if engine.kv_roles is not None:     # transfers end on other threads: wake us
             engine.kv_roles.connector.wake = self._wake
+        if getattr(engine, "disk_cache", None) is not None:   # disk loads, likewise
+            engine.disk_cache.on_wake = self._wake
 
     # -- lifecycle -----------------------------------------------------------------------
     @classmethod

@@ -31,6 +31,7 @@ from duetserve.core.step_budget import (FALLBACK_TOKEN_BUDGET, StepBudget,
                                         default_max_step_ms, derive_step_budget)
 from duetserve.core.step_time import StepTime
 from duetserve.engine.detokenizer import IncrementalDetokenizer
+from duetserve.engine.disk_cache import open_disk_cache
 from duetserve.engine.isolation import Failure, IsolatedExecutor
 from duetserve.engine.kv_roles import KVRoles, make_shared_kv
 from duetserve.engine.step_probe import (StepTimeSource, forward_seconds, read_step_time,
@@ -92,7 +93,8 @@ def _step_stats(st: SchedulerStats, **step: object) -> StepStats:
                      used_blocks_by_kind=st.used_blocks_by_kind,
                      num_preemptions=st.num_preemptions,
                      prefix_cache_queries=st.prefix_cache_queries,
-                     prefix_cache_hits=st.prefix_cache_hits, spec=st.spec, **step)
+                     prefix_cache_hits=st.prefix_cache_hits,
+                     prefix_cache_disk_hits=st.prefix_cache_disk_hits, spec=st.spec, **step)
 
 
 class EngineCore:
@@ -124,6 +126,10 @@ class EngineCore:
         kv_transfer = kv_transfer or KVTransferConfig()
         shared = self._build_runner(kv_transfer)
         self._build_scheduler()
+        self.disk_cache = open_disk_cache(config, self.loaded, self.model_config,
+                                          self.kv_dtype, self.runner.kv_caches)
+        if self.disk_cache is not None:
+            self.scheduler.disk = self.disk_cache.tier
         self.executor = IsolatedExecutor(self.runner.execute_model, self.scheduler)
         self.kv_roles = None if shared is None else KVRoles(
             kv_transfer, shared[0], shared[1], self.scheduler, self.max_model_len)
@@ -145,14 +151,19 @@ class EngineCore:
         self.num_blocks = config.num_gpu_blocks_override or num_blocks_for_memory(
             mcfg, self.kv_dtype, config.block_size, config.kv_cache_memory)
         groups = mcfg.kv_groups()
-        log.info("KV cache: %d blocks x %d tokens (%.2f GiB, %d B/token of full attention; "
-                 "%s); max_model_len %d; model loaded in %.1f s", self.num_blocks,
-                 config.block_size,
+        # tokens of KV that fit (each position takes a block in every group: a bound)
+        self.kv_capacity_tokens = self.num_blocks * config.block_size // len(groups)
+        self.kv_bytes_per_token = kv_bytes_per_token(mcfg, self.kv_dtype)
+        log.info("KV cache: %d blocks x %d tokens (%.2f GiB of %s, %d B/token of full "
+                 "attention; %s); max_model_len %d; model loaded in %.1f s",
+                 self.num_blocks, config.block_size,
                  self.num_blocks * kv_block_bytes(mcfg, self.kv_dtype, config.block_size)
-                 / 2**30, kv_bytes_per_token(mcfg, self.kv_dtype),
-                 f"{self.num_blocks * config.block_size} tokens" if len(groups) == 1 else
+                 / 2**30, str(self.kv_dtype).replace("torch.", ""),
+                 self.kv_bytes_per_token,
+                 f"{self.kv_capacity_tokens} tokens fit" if len(groups) == 1 else
                  f"{len(groups)} groups of {mcfg.kv_layers_per_block} layers, sliding "
-                 f"window {mcfg.sliding_window}", self.max_model_len,
+                 f"window {mcfg.sliding_window}: at least {self.kv_capacity_tokens} "
+                 "tokens fit", self.max_model_len,
                  self.loaded.load_seconds)
 
     def _build_runner(self, kv_transfer: KVTransferConfig):
@@ -296,6 +307,7 @@ class EngineCore:
                 "resolved": {"model": self.loaded.path, "num_threads": self.num_threads,
                              "max_model_len": self.max_model_len,
                              "num_blocks": self.num_blocks,
+                             "kv_capacity_tokens": self.kv_capacity_tokens,
                              "kv_cache_dtype": str(self.kv_dtype).replace("torch.", ""),
                              "max_num_batched_tokens": self.max_num_batched_tokens,
                              "max_step_ms": self.max_step_ms,
@@ -406,6 +418,8 @@ class EngineCore:
         the async engine sleeps otherwise, at most seconds_to_next_deadline()."""
         if self.scheduler.has_schedulable_requests():
             return True
+        if self.disk_cache is not None and self.disk_cache.has_results:
+            return True
         return self.kv_roles is not None and self.kv_roles.has_work_now()
 
     def seconds_to_next_deadline(self) -> float | None:
@@ -442,15 +456,23 @@ class EngineCore:
         changed (new token ids, new text, new logprobs, finish state): see
         _make_outputs. Observers get the step's StepStats."""
         t0, start = time.perf_counter(), time.time()
+        if self.disk_cache is not None:
+            if self.kv_roles is None:        # (transfers need polling: never wait then)
+                self.disk_cache.wait_if_idle(self.scheduler)
+            self.disk_cache.poll(self.scheduler)
         load_failures = {} if self.kv_roles is None else {
             r.req_id: error for r, error in self.kv_roles.poll()}
         so = self.scheduler.schedule(start)
         if self.kv_roles is not None:
             self.kv_roles.start_loads()
+        if self.disk_cache is not None:
+            self.disk_cache.start_loads()
         self._stamp_scheduled(so)
         ro, failed = self.executor.execute(so)
         failed_users = self._fail_children({**load_failures, **failed})
         updated = self.scheduler.update_from_output(so, ro, time.time())
+        if self.disk_cache is not None:
+            self.disk_cache.write()
         outputs = self._make_outputs(updated, ro, failed_users)
         self._record_step(so, outputs, start, time.perf_counter() - t0)
         return outputs
@@ -573,9 +595,12 @@ class EngineCore:
         return _step_stats(self.scheduler.make_stats())
 
     def shutdown(self) -> None:
-        """Flush and close the trace file (if any). Idempotent."""
+        """Flush and close the trace file (if any); finish the disk tier's loads and
+        queued writes. Idempotent."""
         if self.trace is not None:
             self.trace.close()
+        if self.disk_cache is not None:
+            self.disk_cache.close()
 
     def _sample_delta(self, user: _UserRequest, child: _Child, logprobs: dict | None,
                       now: float) -> CompletionOutput:

@@ -61,6 +61,14 @@ def _add_model_arguments(g: argparse._ArgumentGroup) -> None:
                    help="map every KV cache page at start (resident memory = the whole "
                         "cache at once) so that serving never pays first-use page faults "
                         "of new blocks; default: map pages as blocks are first used")
+    g.add_argument("--kv-store", default=d.kv_store, metavar="DIR",
+                   help="disk tier of the prefix cache: full prompt blocks are written to "
+                        "DIR in the background and read back by later prompts, also after "
+                        "a restart (one subdirectory per model, dtype and KV layout; "
+                        "servers may share DIR)")
+    g.add_argument("--kv-store-max-gib", type=float, default=d.kv_store_max_gib,
+                   help="size cap of --kv-store in GiB; least recently used blocks are "
+                        "deleted beyond it (default %(default)s)")
 
 
 def _add_scheduler_arguments(g: argparse._ArgumentGroup) -> None:
@@ -135,6 +143,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             max_model_len=args.max_model_len, block_size=args.block_size,
             kv_cache_memory=args.kv_cache_memory, kv_cache_dtype=args.kv_cache_dtype,
             kv_prefault=args.kv_prefault, native_kernels=args.native_kernels,
+            kv_store=args.kv_store, kv_store_max_gib=args.kv_store_max_gib,
             decode_stack=args.decode_stack, kquant_forms=args.kquant_forms,
             huge_pages=args.huge_pages, deterministic=args.deterministic,
             step_time=args.step_time,

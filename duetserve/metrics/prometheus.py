@@ -120,7 +120,17 @@ class ServerMetrics:
                               "attention kind (full, sliding).", lbl + ["kind"], registry=r)
         self.preemptions = counter("num_preemptions", "Preemptions.")
         self.prefix_queries = counter("prefix_cache_queries", "Prefix cache queries (tokens).")
-        self.prefix_hits = counter("prefix_cache_hits", "Prefix cache hits (tokens).")
+        self.prefix_hits = counter("prefix_cache_hits", "Prefix cache hits in memory "
+                                   "(tokens).")
+        self.prefix_disk_hits = counter("prefix_cache_disk_hits", "Prefix cache hits "
+                                        "loaded from the disk tier, --kv-store (tokens).")
+        self._hit_bytes = Counter("duet:prefix_cache_hit_bytes", "Bytes of KV the prefix "
+                                  "cache's hits saved computing, per tier (memory, disk).",
+                                  lbl + ["tier"], registry=r)
+        self._capacity = Gauge("duet:kv_cache_capacity_tokens", "Tokens of KV that fit in "
+                               "the cache (its dtype as a label).", lbl + ["kv_cache_dtype"],
+                               registry=r)
+        self._kv_bytes_per_token = 0
         self.step_prefill = hist("step_prefill_tokens", "Prefill tokens per step.",
                                  step_tokens)
         self.step_decode = hist("step_decode_tokens", "Decode tokens per step.", step_tokens)
@@ -156,7 +166,7 @@ class ServerMetrics:
         self._last_spec = (0, 0, 0, ())
         self._lowbit_max_rows = -1       # no quantized linears: every step is dense
         # NOTE: cumulative engine counters arrive as totals; Prometheus counters take deltas.
-        self._last_totals = (0, 0, 0)
+        self._last_totals = (0, 0, 0, 0)
         self._lock = threading.Lock()
         self._log_interval = log_interval
         self._window = [time.monotonic(), 0, 0, 0]     # start, prefill, decode, steps
@@ -169,6 +179,13 @@ class ServerMetrics:
         self._lowbit_max_rows = lowbit_max_rows
         self.kernel_info.labels(self._model, weights, dense_dtype,
                                 describe_row_limit(lowbit_max_rows), reason).set(1)
+
+    def set_kv_cache_info(self, kv_dtype: str, capacity_tokens: int,
+                          bytes_per_token: int) -> None:
+        """Once at start-up: the KV cache's capacity in tokens and its bytes per token
+        (which turn the prefix-cache hits into bytes)."""
+        self._capacity.labels(self._model, kv_dtype).set(capacity_tokens)
+        self._kv_bytes_per_token = bytes_per_token
 
     def observe_step(self, st: StepStats) -> None:
         with self._lock:
@@ -197,11 +214,17 @@ class ServerMetrics:
         self.kv_used_blocks.set(st.num_used_blocks)
         for kind, n in st.used_blocks_by_kind.items():
             self._kv_kind.labels(self._model, kind).set(n)
-        totals = (st.num_preemptions, st.prefix_cache_queries, st.prefix_cache_hits)
-        for c, new, old in zip((self.preemptions, self.prefix_queries, self.prefix_hits),
-                               totals, self._last_totals):
+        totals = (st.num_preemptions, st.prefix_cache_queries, st.prefix_cache_hits,
+                  st.prefix_cache_disk_hits)
+        hit_bytes = (None, None, self._hit_bytes.labels(self._model, "memory"),
+                     self._hit_bytes.labels(self._model, "disk"))
+        for c, b, new, old in zip((self.preemptions, self.prefix_queries, self.prefix_hits,
+                                   self.prefix_disk_hits), hit_bytes, totals,
+                                  self._last_totals):
             if new > old:
                 c.inc(new - old)
+                if b is not None:
+                    b.inc((new - old) * self._kv_bytes_per_token)
         self._last_totals = totals
         if st.spec is not None:
             self._set_spec(st.spec)

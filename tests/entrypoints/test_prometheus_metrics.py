@@ -127,3 +127,34 @@ def test_spec_decode_counters_follow_cumulative_totals() -> None:
     per_pos = _sample(text, "duet:spec_decode_num_accepted_tokens_per_pos_total")
     assert per_pos == accepted
     assert 'position="1"} 2.0' in text and 'position="2"} 0.0' in text
+
+
+def test_prefix_cache_tiers_capacity_and_kv_store() -> None:
+    import threading
+
+    from duetserve.kv_transfer.disk_store import StoreStats
+    from duetserve.metrics.kv_store import KVStoreMetrics
+    m = ServerMetrics("m", 2048, 512)
+    m.set_kv_cache_info("bfloat16", 65536, 100)
+    for mem, disk in ((16, 0), (48, 32)):
+        m.observe_step(StepStats(prefix_cache_queries=100, prefix_cache_hits=mem,
+                                 prefix_cache_disk_hits=disk))
+    snap = StoreStats(files=3, bytes=3000, writes=5, write_bytes=5000, hits=2,
+                      hit_bytes=2000, corrupt=1, evictions=2, writes_dropped=4)
+    store = KVStoreMetrics(m.registry, "m", lambda: snap, threading.Lock())
+    store.observe_step()
+    store.observe_step()            # the same totals again: counted once
+    text = m.render().decode()
+    assert _sample(text, 'duet:kv_cache_capacity_tokens{kv_cache_dtype="bfloat16",'
+                   'model_name="m"}') == 65536
+    assert _sample(text, "duet:prefix_cache_hits_total") == 48
+    assert _sample(text, "duet:prefix_cache_disk_hits_total") == 32
+    assert _sample(text, 'duet:prefix_cache_hit_bytes_total{model_name="m",tier="memory"}'
+                   ) == 4800
+    assert _sample(text, 'duet:prefix_cache_hit_bytes_total{model_name="m",tier="disk"}'
+                   ) == 3200
+    for name, value in (("blocks", 3), ("bytes", 3000), ("writes_total", 5),
+                        ("write_bytes_total", 5000), ("read_blocks_total", 2),
+                        ("read_bytes_total", 2000), ("corrupt_blocks_total", 1),
+                        ("evictions_total", 2), ("writes_dropped_total", 4)):
+        assert _sample(text, f"duet:kv_store_{name}") == value, name

@@ -30,6 +30,7 @@ from duetserve.entrypoints.openai.context import APIError, ServerContext
 from duetserve.entrypoints.openai.serving import create_chat_completion, create_completion
 from duetserve.entrypoints.web import PAGE_PATHS
 from duetserve.entrypoints.web.server_routes import install as install_web_pages
+from duetserve.metrics.kv_store import KVStoreMetrics
 from duetserve.metrics.kv_transfer import KVTransferMetrics
 from duetserve.metrics.prometheus import CONTENT_TYPE, ServerMetrics
 
@@ -125,7 +126,16 @@ def server_metrics(engine: AsyncEngine, served_model_name: str) -> ServerMetrics
         str(policy.dense_dtype if policy else loaded.dtype).replace("torch.", ""),
         policy.lowbit_max_rows if policy else -1,
         policy.reason if policy else loaded.dense_kernels)
+    metrics.set_kv_cache_info(str(core.kv_dtype).replace("torch.", ""),
+                              core.kv_capacity_tokens,
+                              core.kv_bytes_per_token)
     core.add_step_observer(metrics.observe_step)
+    if core.disk_cache is not None:     # the prefix cache's disk tier (--kv-store)
+        store = KVStoreMetrics(metrics.registry, served_model_name,
+                               core.disk_cache.io.store.snapshot, metrics._lock)
+        store.observe_step()
+        core.add_step_observer(store.observe_step)
+        engine.idle_stats_observers.append(store.observe_step)
     engine.idle_stats_observers.append(metrics.observe_step)
     engine.finish_observers.append(metrics.observe_finished)
     roles = core.kv_roles
