@@ -46,8 +46,8 @@ from duetserve.request import Request
 from duetserve.sampling_params import SamplingParams
 from duetserve.spec_decode.factory import build_speculator, spec_policy_for
 from duetserve.structured import GrammarCompiler
-from duetserve.worker.kv_cache import (kv_block_bytes, kv_bytes_per_token,
-                                       num_blocks_for_memory)
+from duetserve.worker.kv_cache import (kv_block_bytes, kv_bytes_per_token, kv_dtype_name,
+                                       kv_storage_dtype, num_blocks_for_memory)
 from duetserve.worker.model_runner import ModelRunner
 
 log = logging.getLogger("duetserve")
@@ -137,16 +137,16 @@ class EngineCore:
     def _size_kv_cache(self) -> None:
         """Sets kv_dtype, max_model_len and num_blocks from the config and the model."""
         config, mcfg = self.config, self.model_config
-        self.kv_dtype = self.loaded.dtype if config.kv_cache_dtype == "auto" else \
-            getattr(torch, config.kv_cache_dtype)
+        self.kv_dtype = kv_storage_dtype(config.kv_cache_dtype, self.loaded.dtype)
         self.max_model_len = min(config.max_model_len or mcfg.max_position_embeddings,
                                  mcfg.max_position_embeddings if config.max_model_len is None
                                  else config.max_model_len)
         self.num_blocks = config.num_gpu_blocks_override or num_blocks_for_memory(
             mcfg, self.kv_dtype, config.block_size, config.kv_cache_memory)
         groups = mcfg.kv_groups()
-        log.info("KV cache: %d blocks x %d tokens (%.2f GiB, %d B/token of full attention; "
-                 "%s); max_model_len %d; model loaded in %.1f s", self.num_blocks,
+        log.info("KV cache %s: %d blocks x %d tokens (%.2f GiB, %d B/token of full "
+                 "attention; %s); max_model_len %d; model loaded in %.1f s",
+                 kv_dtype_name(self.kv_dtype), self.num_blocks,
                  config.block_size,
                  self.num_blocks * kv_block_bytes(mcfg, self.kv_dtype, config.block_size)
                  / 2**30, kv_bytes_per_token(mcfg, self.kv_dtype),
@@ -280,7 +280,7 @@ class EngineCore:
         the trace writer (when config.trace_file)."""
         self.step_observers: list[StepObserver] = []
         self.accountant = StepAccountant(self.model_config, self.loaded.weight_bytes,
-                                         str(self.kv_dtype).replace("torch.", ""))
+                                         kv_dtype_name(self.kv_dtype))
         self.trace: TraceWriter | None = None
         if self.config.trace_file:
             self.trace = TraceWriter(self.config.trace_file, self.accountant,
@@ -296,7 +296,7 @@ class EngineCore:
                 "resolved": {"model": self.loaded.path, "num_threads": self.num_threads,
                              "max_model_len": self.max_model_len,
                              "num_blocks": self.num_blocks,
-                             "kv_cache_dtype": str(self.kv_dtype).replace("torch.", ""),
+                             "kv_cache_dtype": kv_dtype_name(self.kv_dtype),
                              "max_num_batched_tokens": self.max_num_batched_tokens,
                              "max_step_ms": self.max_step_ms,
                              "step_budget": self.step_budget.describe()
