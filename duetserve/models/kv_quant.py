@@ -19,6 +19,9 @@ Gaussian with 3 channels x12 as real keys have): int8 per (token, head) 0.65% / 
 bytes of scale per 128 values (capacity 1.97x bfloat16's); int4 with groups of 32 8.6% /
 17%, with one scale for the whole head 10% / 28% (1.2x / 1.65x the error) for 6 bytes
 less a row; groups of 32 still hold 3.56x bfloat16's tokens at head_dim 128.
+Not done: a Hadamard rotation of K and V before quantizing (Q rotated alike, the output
+rotated back) measured 3.5x (int8) / 2.3x (int4) lower error on the outlier rows, none on
+Gaussian ones.
 """
 from __future__ import annotations
 
