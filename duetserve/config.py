@@ -242,7 +242,22 @@ def _group_size(counts: list[int]) -> int:
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8", "int4")
+# Quantized KV caches (worker/kv_cache.py, models/kv_quant.py): each (token, KV head) row
+# holds its head_dim values packed (int8: one byte each; int4: two a byte) followed by
+# float16 scales, one per group of this many values (None: one for the whole head).
+KV_QUANT_GROUP = {"int8": None, "int4": 32}
+
+
+def kv_row_bytes(kv_dtype: str, head_dim: int) -> int:
+    """Bytes of one (token, KV head) row of a quantized KV cache (the one definition:
+    the cache's last dimension, its sizing and the transfer layout use it)."""
+    group = KV_QUANT_GROUP[kv_dtype] or head_dim
+    if head_dim % group or head_dim % 2:
+        raise ConfigError(f"--kv-cache-dtype {kv_dtype} needs a head_dim divisible by "
+                          f"{group}, got {head_dim}")
+    bits = 8 if kv_dtype == "int8" else 4
+    return head_dim * bits // 8 + 2 * (head_dim // group)
 KQUANT_FORMS = ("measure", "exact", "widened")
 SCHEDULING_POLICIES = ("slo", "fcfs")
 

@@ -6,7 +6,9 @@
 #include <atomic>
 #include <cmath>
 #include <type_traits>
+#include <vector>
 #include "simd_exp.h"   // exp16 (AVX-512 builds)
+#include "kv_rows.h"
 
 namespace {
 // Rows [b, e) of y = x * rsqrt(mean(x^2) + eps) * w (d columns); with `delta`, first
@@ -176,6 +178,33 @@ static void rope_kv_impl(const float* qkv, const float* cs, const float* sn, KV*
   });
 }
 
+// The same into a quantized cache (kv_rows.h's RowsQ8 / RowsQ4): K rotated into float32,
+// then each row quantized as it is written (rows W elements wide).
+template <typename Rows>
+static void rope_kv_quant(const float* qkv, const float* cs, const float* sn,
+                          typename Rows::E* kc, typename Rows::E* vc, const int64_t* slots,
+                          float* q, int64_t T, int64_t H, int64_t KVH, int64_t D,
+                          int64_t head_stride) {
+  const int64_t width = (H + 2 * KVH) * D, half = D / 2, W = Rows::width(D);
+  at::parallel_for(0, T, 16, [&](int64_t b, int64_t e) {
+    std::vector<float> tmp(D);
+    for (int64_t t = b; t < e; ++t) {
+      const float* row = qkv + t * width;
+      const float* c = cs + t * D;
+      const float* s = sn + t * D;
+      for (int64_t h = 0; h < H + KVH; ++h) {
+        const float* x = row + h * D;
+        float* o = h < H ? q + (t * H + h) * D : tmp.data();
+        for (int64_t i = 0; i < half; ++i) o[i] = x[i] * c[i] + x[i + half] * s[i];
+        for (int64_t i = half; i < D; ++i) o[i] = x[i] * c[i] + x[i - half] * s[i];
+        if (h >= H) Rows::write(o, kc + (h - H) * head_stride + slots[t] * W, D);
+      }
+      for (int64_t h = 0; h < KVH; ++h)
+        Rows::write(row + (H + KVH + h) * D, vc + h * head_stride + slots[t] * W, D);
+    }
+  });
+}
+
 torch::Tensor rope_kv_write(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
                             torch::Tensor k_cache, torch::Tensor v_cache,
                             torch::Tensor slot_mapping, int64_t H, int64_t KVH) {
@@ -187,26 +216,37 @@ torch::Tensor rope_kv_write(torch::Tensor qkv, torch::Tensor cos, torch::Tensor 
               k_cache.scalar_type() == v_cache.scalar_type(), "caches: contiguous, same dtype");
   TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.is_contiguous(),
               "slot_mapping: contiguous int64");
-  const int64_t T = qkv.size(0), D = k_cache.size(3);
-  TORCH_CHECK(qkv.size(1) == (H + 2 * KVH) * D && k_cache.size(0) == KVH && D % 2 == 0,
-              "head sizes do not match");
+  const int64_t T = qkv.size(0), D = qkv.size(1) / (H + 2 * KVH);
+  const auto kind = k_cache.scalar_type();
+  const int64_t W = kind == torch::kInt8 ? RowsQ8::width(D)
+                    : kind == torch::kUInt8 ? RowsQ4::width(D) : D;
+  TORCH_CHECK(qkv.size(1) == (H + 2 * KVH) * D && k_cache.size(0) == KVH && D % 2 == 0 &&
+              k_cache.size(3) == W, "head sizes do not match");
   TORCH_CHECK(cos.numel() == T * D && sin.numel() == T * D && slot_mapping.numel() == T,
               "one cos/sin row and one slot per token");
-  const int64_t head_stride = k_cache.size(1) * k_cache.size(2) * D;
+  const int64_t head_stride = k_cache.size(1) * k_cache.size(2) * W;
   auto q = torch::empty({T, H, D}, qkv.options());
-  if (k_cache.scalar_type() == torch::kFloat32) {
-    rope_kv_impl<float>(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
-                        k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
-                        slot_mapping.data_ptr<int64_t>(), q.data_ptr<float>(), T, H, KVH, D,
-                        head_stride);
-  } else if (k_cache.scalar_type() == torch::kBFloat16) {
-    rope_kv_impl<at::BFloat16>(qkv.data_ptr<float>(), cos.data_ptr<float>(),
-                               sin.data_ptr<float>(), k_cache.data_ptr<at::BFloat16>(),
-                               v_cache.data_ptr<at::BFloat16>(),
-                               slot_mapping.data_ptr<int64_t>(), q.data_ptr<float>(), T, H, KVH,
-                               D, head_stride);
+  const float* x = qkv.data_ptr<float>();
+  const float* c = cos.data_ptr<float>();
+  const float* s = sin.data_ptr<float>();
+  const int64_t* sl = slot_mapping.data_ptr<int64_t>();
+  float* qp = q.data_ptr<float>();
+  if (kind == torch::kFloat32) {
+    rope_kv_impl<float>(x, c, s, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), sl, qp,
+                        T, H, KVH, D, head_stride);
+  } else if (kind == torch::kBFloat16) {
+    rope_kv_impl<at::BFloat16>(x, c, s, k_cache.data_ptr<at::BFloat16>(),
+                               v_cache.data_ptr<at::BFloat16>(), sl, qp, T, H, KVH, D,
+                               head_stride);
+  } else if (kind == torch::kInt8) {
+    rope_kv_quant<RowsQ8>(x, c, s, k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>(), sl,
+                          qp, T, H, KVH, D, head_stride);
+  } else if (kind == torch::kUInt8) {
+    TORCH_CHECK(D % 32 == 0, "int4 KV needs a head size divisible by 32");
+    rope_kv_quant<RowsQ4>(x, c, s, k_cache.data_ptr<uint8_t>(), v_cache.data_ptr<uint8_t>(),
+                          sl, qp, T, H, KVH, D, head_stride);
   } else {
-    TORCH_CHECK(false, "KV cache dtype must be float32 or bfloat16");
+    TORCH_CHECK(false, "KV cache dtype must be float32, bfloat16, int8 or uint8 (int4)");
   }
   return q;
 }

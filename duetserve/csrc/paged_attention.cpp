@@ -6,29 +6,45 @@
 //           table (slot = block_table[t / bs] * bs + t % bs);
 //   softmax over t (max-subtracted, in float32);
 //   pass 2: out[g] = sum_t p[g][t] * V[t].
-// The cache is [KVH, num_blocks, block_size, D] per tensor (heads first), float32 or
-// bfloat16; math is float32. Work items (sequence, KV head) run in parallel.
+// The cache is [KVH, num_blocks, block_size, W] per tensor (heads first), rows of D
+// float32 or bfloat16 values (W = D) or quantized rows (int8 / int4 with float16 scales,
+// kv_rows.h): those are dequantized in registers, int8's row scale applied once to the
+// row's score and to its softmax weight; math is float32. Work items (sequence, KV head)
+// run in parallel.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
 #include <vector>
 
-template <typename T>
-static inline float to_f(T x) { return static_cast<float>(x); }
-template <>
-inline float to_f<at::BFloat16>(at::BFloat16 x) { return static_cast<float>(x); }
+#include "kv_rows.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #include "simd_exp.h"   // exp16 (the scalar std::exp was this kernel's largest cost)
 #include "simd_sum.h"   // sum4
 
-// 16 cache elements as float32 lanes (bfloat16: the high half of a float32).
-static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-static inline __m512 load16(const at::BFloat16* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(
-      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+// Values 16 i .. 16 i + 15 of a row as float32 lanes (bfloat16: the high half of a
+// float32; int8: before the row's scale; int4: with its group's scale).
+static inline __m512 load16(const float* r, int64_t i, int64_t) {
+  return _mm512_loadu_ps(r + 16 * i);
+}
+static inline __m512 load16(const at::BFloat16* r, int64_t i, int64_t) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + 16 * i))), 16));
+}
+static inline __m512 load16(const int8_t* r, int64_t i, int64_t) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(r + 16 * i))));
+}
+static inline __m512 load16(const uint8_t* r, int64_t i, int64_t D) {
+  const int64_t g = i / 2;
+  __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(r + 16 * g));
+  if (i & 1) b = _mm_srli_epi16(b, 4);
+  b = _mm_and_si128(b, _mm_set1_epi8(15));
+  const __m512 n = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b)),
+                                 _mm512_set1_ps(8.f));
+  return _mm512_mul_ps(n, _mm512_set1_ps(half_at(r + D / 2 + 2 * g)));
 }
 
 // Prefetch one cache row (`bytes` long) into L2. (Into L1, _MM_HINT_T0, measured no
@@ -43,16 +59,19 @@ static inline void prefetch_row(const void* p, int64_t bytes) {
 // of the cache is bs contiguous rows (one 4 KiB page for 16 float32 rows of 64, where the
 // hardware prefetcher stops), so while a block's rows are used the same rows of the next
 // block in the table are prefetched. Scores of 4 keys are summed horizontally at once.
-template <typename KV>
-static bool decode_avx512(const float* q, const KV* kc, const KV* vc, const int64_t* tables,
+template <typename Rows>
+static bool decode_avx512(const float* q, const typename Rows::E* kc,
+                          const typename Rows::E* vc, const int64_t* tables,
                           const int64_t* lens, float* out, int64_t B, int64_t H, int64_t KVH,
                           int64_t D, int64_t num_blocks, int64_t bs, int64_t max_blocks,
                           float scale, int64_t window) {
   constexpr int64_t MAXV = 16;                  // D / 16 <= 16
   const int64_t G = H / KVH, nv = D / 16;
   if (D % 16 || nv > MAXV || G > 8) return false;
-  const int64_t head_stride = num_blocks * bs * D;
-  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(KV));
+  using KV = typename Rows::E;
+  const int64_t W = Rows::width(D);             // a row's elements
+  const int64_t head_stride = num_blocks * bs * W;
+  const int64_t row_bytes = W * static_cast<int64_t>(sizeof(KV));
   at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t item = begin; item < end; ++item) {
@@ -67,34 +86,38 @@ static bool decode_avx512(const float* q, const KV* kc, const KV* vc, const int6
       // pass 1: scores (of keys T0..L-1; the blocks before T0's may be released)
       for (int64_t t0 = T0 / bs * bs; t0 < L; t0 += bs) {
         const int64_t n = std::min(bs, L - t0);
-        const KV* kb = kbase + table[t0 / bs] * bs * D;
-        const KV* knext = t0 + bs < L ? kbase + table[t0 / bs + 1] * bs * D : nullptr;
+        const KV* kb = kbase + table[t0 / bs] * bs * W;
+        const KV* knext = t0 + bs < L ? kbase + table[t0 / bs + 1] * bs * W : nullptr;
         int64_t j = std::max<int64_t>(0, T0 - t0);
         for (; j + 4 <= n; j += 4) {
           if (knext)
-            for (int64_t r = 0; r < 4; ++r) prefetch_row(knext + (j + r) * D, row_bytes);
-          const KV* k0 = kb + j * D;
+            for (int64_t r = 0; r < 4; ++r) prefetch_row(knext + (j + r) * W, row_bytes);
+          const KV* k0 = kb + j * W;
+          const __m128 rs = _mm_mul_ps(
+              _mm_setr_ps(Rows::scale(k0, D), Rows::scale(k0 + W, D),
+                          Rows::scale(k0 + 2 * W, D), Rows::scale(k0 + 3 * W, D)),
+              _mm_set1_ps(scale));
           for (int64_t g = 0; g < G; ++g) {
             const float* qg = qb + g * D;
             __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
             for (int64_t i = 0; i < nv; ++i) {
               const __m512 qv = _mm512_loadu_ps(qg + 16 * i);
-              a0 = _mm512_fmadd_ps(load16(k0 + 16 * i), qv, a0);
-              a1 = _mm512_fmadd_ps(load16(k0 + D + 16 * i), qv, a1);
-              a2 = _mm512_fmadd_ps(load16(k0 + 2 * D + 16 * i), qv, a2);
-              a3 = _mm512_fmadd_ps(load16(k0 + 3 * D + 16 * i), qv, a3);
+              a0 = _mm512_fmadd_ps(load16(k0, i, D), qv, a0);
+              a1 = _mm512_fmadd_ps(load16(k0 + W, i, D), qv, a1);
+              a2 = _mm512_fmadd_ps(load16(k0 + 2 * W, i, D), qv, a2);
+              a3 = _mm512_fmadd_ps(load16(k0 + 3 * W, i, D), qv, a3);
             }
-            _mm_storeu_ps(scores.data() + g * L + t0 + j,
-                          _mm_mul_ps(sum4(a0, a1, a2, a3), _mm_set1_ps(scale)));
+            _mm_storeu_ps(scores.data() + g * L + t0 + j, _mm_mul_ps(sum4(a0, a1, a2, a3), rs));
           }
         }
         for (; j < n; ++j) {
-          const KV* krow = kb + j * D;
+          const KV* krow = kb + j * W;
+          const float rs = Rows::scale(krow, D) * scale;
           for (int64_t g = 0; g < G; ++g) {
             __m512 acc = _mm512_setzero_ps();
             for (int64_t i = 0; i < nv; ++i)
-              acc = _mm512_fmadd_ps(load16(krow + 16 * i), _mm512_loadu_ps(qb + g * D + 16 * i), acc);
-            scores[g * L + t0 + j] = _mm512_reduce_add_ps(acc) * scale;
+              acc = _mm512_fmadd_ps(load16(krow, i, D), _mm512_loadu_ps(qb + g * D + 16 * i), acc);
+            scores[g * L + t0 + j] = _mm512_reduce_add_ps(acc) * rs;
           }
         }
       }
@@ -122,15 +145,17 @@ static bool decode_avx512(const float* q, const KV* kc, const KV* vc, const int6
         for (int64_t i = 0; i < nv; ++i) acc[g][i] = _mm512_setzero_ps();
       for (int64_t t0 = T0 / bs * bs; t0 < L; t0 += bs) {
         const int64_t n = std::min(bs, L - t0);
-        const KV* vb = vbase + table[t0 / bs] * bs * D;
-        const KV* vnext = t0 + bs < L ? vbase + table[t0 / bs + 1] * bs * D : nullptr;
+        const KV* vb = vbase + table[t0 / bs] * bs * W;
+        const KV* vnext = t0 + bs < L ? vbase + table[t0 / bs + 1] * bs * W : nullptr;
         for (int64_t j = std::max<int64_t>(0, T0 - t0); j < n; ++j) {
-          if (vnext) prefetch_row(vnext + j * D, row_bytes);
-          const KV* vrow = vb + j * D;
+          if (vnext) prefetch_row(vnext + j * W, row_bytes);
+          const KV* vrow = vb + j * W;
+          const float rs = Rows::scale(vrow, D);
+          __m512 p[8];
+          for (int64_t g = 0; g < G; ++g) p[g] = _mm512_set1_ps(scores[g * L + t0 + j] * rs);
           for (int64_t i = 0; i < nv; ++i) {
-            const __m512 v = load16(vrow + 16 * i);
-            for (int64_t g = 0; g < G; ++g)
-              acc[g][i] = _mm512_fmadd_ps(_mm512_set1_ps(scores[g * L + t0 + j]), v, acc[g][i]);
+            const __m512 v = load16(vrow, i, D);
+            for (int64_t g = 0; g < G; ++g) acc[g][i] = _mm512_fmadd_ps(p[g], v, acc[g][i]);
           }
         }
       }
@@ -143,13 +168,15 @@ static bool decode_avx512(const float* q, const KV* kc, const KV* vc, const int6
 }
 #endif
 
-template <typename KV>
-static void decode_impl(const float* q, const KV* kc, const KV* vc, const int64_t* tables,
+template <typename Rows>
+static void decode_impl(const float* q, const typename Rows::E* kc,
+                        const typename Rows::E* vc, const int64_t* tables,
                         const int64_t* lens, float* out, int64_t B, int64_t H, int64_t KVH,
                         int64_t D, int64_t num_blocks, int64_t bs, int64_t max_blocks,
                         float scale, int64_t window) {
-  const int64_t G = H / KVH;
-  const int64_t head_stride = num_blocks * bs * D;   // elements per KV head
+  using KV = typename Rows::E;
+  const int64_t G = H / KVH, W = Rows::width(D);
+  const int64_t head_stride = num_blocks * bs * W;   // elements per KV head
   at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     std::vector<float> acc(G * D);
@@ -163,13 +190,14 @@ static void decode_impl(const float* q, const KV* kc, const KV* vc, const int64_
       const KV* vh_base = vc + kh * head_stride;
       scores.assign(G * L, 0.f);
       for (int64_t t = T0; t < L; ++t) {
-        const KV* krow = kh_base + (table[t / bs] * bs + t % bs) * D;
+        const KV* krow = kh_base + (table[t / bs] * bs + t % bs) * W;
+        const float rs = Rows::scale(krow, D) * scale;
         for (int64_t g = 0; g < G; ++g) {
           const float* qg = qb + g * D;
           float s = 0.f;
 #pragma omp simd reduction(+ : s)
-          for (int64_t d = 0; d < D; ++d) s += qg[d] * to_f(krow[d]);
-          scores[g * L + t] = s * scale;
+          for (int64_t d = 0; d < D; ++d) s += qg[d] * Rows::value(krow, d, D);
+          scores[g * L + t] = s * rs;
         }
       }
       for (int64_t g = 0; g < G; ++g) {
@@ -183,12 +211,13 @@ static void decode_impl(const float* q, const KV* kc, const KV* vc, const int64_
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = T0; t < L; ++t) {
-        const KV* vrow = vh_base + (table[t / bs] * bs + t % bs) * D;
+        const KV* vrow = vh_base + (table[t / bs] * bs + t % bs) * W;
+        const float rs = Rows::scale(vrow, D);
         for (int64_t g = 0; g < G; ++g) {
-          const float p = scores[g * L + t];
+          const float p = scores[g * L + t] * rs;
           float* ag = acc.data() + g * D;
 #pragma omp simd
-          for (int64_t d = 0; d < D; ++d) ag[d] += p * to_f(vrow[d]);
+          for (int64_t d = 0; d < D; ++d) ag[d] += p * Rows::value(vrow, d, D);
         }
       }
       float* ob = out + (b * H + kh * G) * D;
@@ -197,7 +226,30 @@ static void decode_impl(const float* q, const KV* kc, const KV* vc, const int64_
   });
 }
 
-// q: [B, H, D] float32 contiguous; k_cache, v_cache: [KVH, num_blocks, bs, D];
+template <typename Rows>
+static void decode_rows(const torch::Tensor& q, const torch::Tensor& k_cache,
+                        const torch::Tensor& v_cache, const torch::Tensor& tables,
+                        const torch::Tensor& lens, torch::Tensor& out, double scale,
+                        int64_t window) {
+  using E = typename Rows::E;
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t KVH = k_cache.size(0), nb = k_cache.size(1), bs = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == Rows::width(D), "cache rows do not match head size ", D);
+  const E* kc = reinterpret_cast<const E*>(k_cache.data_ptr());
+  const E* vc = reinterpret_cast<const E*>(v_cache.data_ptr());
+#if defined(__AVX512F__)
+  if (decode_avx512<Rows>(q.data_ptr<float>(), kc, vc, tables.data_ptr<int64_t>(),
+                          lens.data_ptr<int64_t>(), out.data_ptr<float>(), B, H, KVH, D, nb,
+                          bs, tables.size(1), static_cast<float>(scale), window))
+    return;
+#endif
+  decode_impl<Rows>(q.data_ptr<float>(), kc, vc, tables.data_ptr<int64_t>(),
+                    lens.data_ptr<int64_t>(), out.data_ptr<float>(), B, H, KVH, D, nb, bs,
+                    tables.size(1), static_cast<float>(scale), window);
+}
+
+// q: [B, H, D] float32 contiguous; k_cache, v_cache: [KVH, num_blocks, bs, W] (W = D, or
+// a quantized row's width: kv_rows.h; int8 -> RowsQ8, uint8 -> RowsQ4);
 // block_tables: [B, max_blocks] int64; context_lens: [B] int64; window > 0: only the last
 // `window` positions of each context are read (a sliding-window layer), 0: all of them.
 // Returns [B, H, D] float32.
@@ -207,45 +259,27 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32 && q.is_contiguous(),
               "q must be a contiguous float32 [B, H, D] tensor");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous(),
-              "caches must be contiguous [KVH, num_blocks, block_size, D]");
+              "caches must be contiguous [KVH, num_blocks, block_size, W]");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "K and V dtypes differ");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && block_tables.is_contiguous(),
               "block_tables must be contiguous int64");
   TORCH_CHECK(context_lens.scalar_type() == torch::kInt64, "context_lens must be int64");
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t KVH = k_cache.size(0), nb = k_cache.size(1), bs = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == D && H % KVH == 0, "head sizes do not match");
+  const int64_t B = q.size(0), H = q.size(1);
+  TORCH_CHECK(H % k_cache.size(0) == 0, "head counts do not match");
   TORCH_CHECK(block_tables.size(0) == B && context_lens.size(0) == B, "batch sizes differ");
   auto out = torch::empty_like(q);
   auto lens = context_lens.contiguous();
-  if (k_cache.scalar_type() == torch::kFloat32) {
-#if defined(__AVX512F__)
-    if (decode_avx512<float>(q.data_ptr<float>(), k_cache.data_ptr<float>(),
-                          v_cache.data_ptr<float>(), block_tables.data_ptr<int64_t>(),
-                          lens.data_ptr<int64_t>(), out.data_ptr<float>(), B, H, KVH, D, nb, bs,
-                          block_tables.size(1), static_cast<float>(scale), window))
-      return out;
-#endif
-    decode_impl<float>(q.data_ptr<float>(), k_cache.data_ptr<float>(),
-                       v_cache.data_ptr<float>(), block_tables.data_ptr<int64_t>(),
-                       lens.data_ptr<int64_t>(), out.data_ptr<float>(), B, H, KVH, D, nb, bs,
-                       block_tables.size(1), static_cast<float>(scale), window);
-  } else if (k_cache.scalar_type() == torch::kBFloat16) {
-#if defined(__AVX512F__)
-    if (decode_avx512<at::BFloat16>(q.data_ptr<float>(), k_cache.data_ptr<at::BFloat16>(),
-                                    v_cache.data_ptr<at::BFloat16>(),
-                                    block_tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
-                                    out.data_ptr<float>(), B, H, KVH, D, nb, bs,
-                                    block_tables.size(1), static_cast<float>(scale), window))
-      return out;
-#endif
-    decode_impl<at::BFloat16>(q.data_ptr<float>(), k_cache.data_ptr<at::BFloat16>(),
-                              v_cache.data_ptr<at::BFloat16>(),
-                              block_tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
-                              out.data_ptr<float>(), B, H, KVH, D, nb, bs,
-                              block_tables.size(1), static_cast<float>(scale), window);
-  } else {
-    TORCH_CHECK(false, "KV cache dtype must be float32 or bfloat16");
+  switch (k_cache.scalar_type()) {
+    case torch::kFloat32:
+      decode_rows<RowsF32>(q, k_cache, v_cache, block_tables, lens, out, scale, window); break;
+    case torch::kBFloat16:
+      decode_rows<RowsBF16>(q, k_cache, v_cache, block_tables, lens, out, scale, window); break;
+    case torch::kInt8:
+      decode_rows<RowsQ8>(q, k_cache, v_cache, block_tables, lens, out, scale, window); break;
+    case torch::kUInt8:
+      decode_rows<RowsQ4>(q, k_cache, v_cache, block_tables, lens, out, scale, window); break;
+    default:
+      TORCH_CHECK(false, "KV cache dtype must be float32, bfloat16, int8 or uint8 (int4)");
   }
   return out;
 }

@@ -47,8 +47,8 @@ from duetserve.request import Request
 from duetserve.sampling_params import SamplingParams
 from duetserve.spec_decode.factory import build_speculator, spec_policy_for
 from duetserve.structured import GrammarCompiler
-from duetserve.worker.kv_cache import (kv_block_bytes, kv_bytes_per_token,
-                                       num_blocks_for_memory)
+from duetserve.worker.kv_cache import (kv_block_bytes, kv_bytes_per_token, kv_dtype_name,
+                                       kv_storage_dtype, num_blocks_for_memory)
 from duetserve.worker.model_runner import ModelRunner
 
 log = logging.getLogger("duetserve")
@@ -143,8 +143,7 @@ class EngineCore:
     def _size_kv_cache(self) -> None:
         """Sets kv_dtype, max_model_len and num_blocks from the config and the model."""
         config, mcfg = self.config, self.model_config
-        self.kv_dtype = self.loaded.dtype if config.kv_cache_dtype == "auto" else \
-            getattr(torch, config.kv_cache_dtype)
+        self.kv_dtype = kv_storage_dtype(config.kv_cache_dtype, self.loaded.dtype)
         self.max_model_len = min(config.max_model_len or mcfg.max_position_embeddings,
                                  mcfg.max_position_embeddings if config.max_model_len is None
                                  else config.max_model_len)
@@ -158,8 +157,7 @@ class EngineCore:
                  "attention; %s); max_model_len %d; model loaded in %.1f s",
                  self.num_blocks, config.block_size,
                  self.num_blocks * kv_block_bytes(mcfg, self.kv_dtype, config.block_size)
-                 / 2**30, str(self.kv_dtype).replace("torch.", ""),
-                 self.kv_bytes_per_token,
+                 / 2**30, kv_dtype_name(self.kv_dtype), self.kv_bytes_per_token,
                  f"{self.kv_capacity_tokens} tokens fit" if len(groups) == 1 else
                  f"{len(groups)} groups of {mcfg.kv_layers_per_block} layers, sliding "
                  f"window {mcfg.sliding_window}: at least {self.kv_capacity_tokens} "
@@ -291,7 +289,7 @@ class EngineCore:
         the trace writer (when config.trace_file)."""
         self.step_observers: list[StepObserver] = []
         self.accountant = StepAccountant(self.model_config, self.loaded.weight_bytes,
-                                         str(self.kv_dtype).replace("torch.", ""))
+                                         kv_dtype_name(self.kv_dtype))
         self.trace: TraceWriter | None = None
         if self.config.trace_file:
             self.trace = TraceWriter(self.config.trace_file, self.accountant,
@@ -308,7 +306,7 @@ class EngineCore:
                              "max_model_len": self.max_model_len,
                              "num_blocks": self.num_blocks,
                              "kv_capacity_tokens": self.kv_capacity_tokens,
-                             "kv_cache_dtype": str(self.kv_dtype).replace("torch.", ""),
+                             "kv_cache_dtype": kv_dtype_name(self.kv_dtype),
                              "max_num_batched_tokens": self.max_num_batched_tokens,
                              "max_step_ms": self.max_step_ms,
                              "step_budget": self.step_budget.describe()

@@ -26,6 +26,7 @@ from duetserve.kv_transfer.layout import KVLayout
 from duetserve.kv_transfer.memory import SharedKVMemory
 from duetserve.kv_transfer.params import PARAM, KVRequestParams
 from duetserve.request import Request
+from duetserve.worker.kv_cache import kv_dtype_name
 
 log = logging.getLogger("duetserve.kv_transfer")
 
@@ -34,7 +35,7 @@ def make_shared_kv(config: KVTransferConfig, num_layers: int, num_kv_heads: int,
                    num_blocks: int, block_size: int, head_dim: int, dtype: torch.dtype
                    ) -> tuple[KVLayout, SharedKVMemory]:
     layout = KVLayout(num_layers, num_kv_heads, num_blocks, block_size, head_dim,
-                      str(dtype).replace("torch.", ""))
+                      kv_dtype_name(dtype))
     # a decode instance's cache is written by transfers: populated at start (memory.py)
     return layout, SharedKVMemory(layout.nbytes, populate=config.role == "decode")
 

@@ -33,7 +33,7 @@ MIN_SCALE = 2.0 ** -14          # the smallest normal float16
 def staging_layouts(layout: KVLayout) -> tuple[KVLayout, KVLayout]:
     """(data, scales) layouts: `segments()` works on them as on the cache."""
     data = KVLayout(layout.num_layers, layout.num_kv_heads, layout.num_blocks,
-                    layout.block_size, layout.head_dim, "int8")
+                    layout.block_size, layout.head_dim, "int8_raw")
     scales = KVLayout(layout.num_layers, layout.num_kv_heads, layout.num_blocks,
                       1, max(layout.block_size, layout.head_dim), "float16")
     return data, scales

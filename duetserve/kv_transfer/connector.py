@@ -79,12 +79,13 @@ class KVConnector:
         self.reader = None
         if config.role == "decode":
             self.reader = self.mooncake if config.backend == "mooncake" else ShmReader()
-        # [planes, num_blocks, block_size * head_dim] view of the cache (compress.py)
-        self.cache = memory.view(getattr(torch, layout.dtype), (
-            layout.num_planes, layout.num_blocks, layout.block_size * layout.head_dim))
+        # [planes, num_blocks, block_size * row_width] view of the cache (compress.py)
+        self.cache = memory.view(getattr(torch, layout.storage_dtype), (
+            layout.num_planes, layout.num_blocks, layout.block_size * layout.row_width))
         self.staging: Int8Staging | None = None
         self._staging_lock = threading.Lock()
-        if config.role == "prefill" and config.compression == "int8":
+        # a quantized cache (--kv-cache-dtype int8/int4) moves as stored: no staging
+        if config.role == "prefill" and config.compression == "int8" and not layout.quantized:
             self._ensure_staging()
         staging = None if self.staging is None else PeerRegion(
             self.staging.memory.fd, self.staging.memory.base_addr, self.staging.memory.nbytes)

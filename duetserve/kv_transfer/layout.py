@@ -1,7 +1,9 @@
 """Where a block's bytes live in a paged KV cache, as offsets (no torch).
 
 The cache is one buffer [layers, 2 (k, v), kv_heads, num_blocks, block_size, head_dim]
-(worker/kv_cache.py). For one (layer, k|v, head) plane, block b occupies
+(worker/kv_cache.py; a quantized cache, dtype "int8" or "int4", holds rows of
+config.kv_row_bytes bytes instead of head_dim values: values and scales move together, as
+stored). For one (layer, k|v, head) plane, block b occupies
 `block_bytes` contiguous bytes at `plane_offset + b * block_bytes`; consecutive block ids
 are consecutive in memory, so a run of them is one segment:
 
@@ -12,7 +14,11 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
+from duetserve.config import kv_row_bytes
+
+# float caches, and compress.py's staging ("int8_raw": head_dim int8 values a row)
+DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8_raw": 1}
+QUANTIZED = {"int8": "int8", "int4": "uint8"}      # quantized caches: their torch dtype
 
 
 @dataclass(frozen=True)
@@ -22,15 +28,32 @@ class KVLayout:
     num_blocks: int
     block_size: int
     head_dim: int
-    dtype: str            # "float32" | "bfloat16" | "float16"
+    dtype: str            # "float32" | "bfloat16" | "float16" | "int8" | "int4"
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPE_SIZES:
-            raise ValueError(f"KV dtype must be one of {sorted(DTYPE_SIZES)}, got {self.dtype!r}")
+        if self.dtype not in DTYPE_SIZES and self.dtype not in QUANTIZED:
+            raise ValueError(f"KV dtype must be one of {sorted(DTYPE_SIZES | QUANTIZED)}, "
+                             f"got {self.dtype!r}")
+
+    @property
+    def quantized(self) -> bool:
+        return self.dtype in QUANTIZED
+
+    @property
+    def storage_dtype(self) -> str:
+        """The torch dtype name of the cache's elements."""
+        return QUANTIZED.get(self.dtype, self.dtype.replace("_raw", ""))
+
+    @property
+    def row_width(self) -> int:
+        """Elements of one (token, head) row: head_dim, or a quantized row's bytes."""
+        return kv_row_bytes(self.dtype, self.head_dim) if self.quantized else self.head_dim
 
     @property
     def block_bytes(self) -> int:
         """Bytes of one block in one (layer, k|v, head) plane."""
+        if self.quantized:
+            return self.block_size * self.row_width
         return self.block_size * self.head_dim * DTYPE_SIZES[self.dtype]
 
     @property

@@ -51,6 +51,7 @@ BITS_PER_WEIGHT: dict[str, float] = {
     "bf16": 16.0,
     "fp8": 8.0,        # e4m3 / e5m2, per-tensor scale ignored
     "int8": 8.0,
+    "int4": 4.5,       # the int4 KV cache: 32 x 4 bit + f16 scale (as q4_0)
     "q8_0": 34 * 8 / 32,     # 8.5: f16 scale + 32 x int8
     "q4_0": 18 * 8 / 32,     # 4.5: f16 scale + 32 x 4 bit
     "q4_1": 20 * 8 / 32,     # 5.0: f16 scale + f16 min + 32 x 4 bit

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from duetserve.models.kv_quant import dequantize, is_quantized, quantize
 from duetserve.models.layers import RotaryEmbedding
 
 # A prefix chunk whose score matrix (heads x chunk x context) has at most this many
@@ -144,13 +145,23 @@ class TorchAttention(AttentionBackend):
 
     def forward(self, q, k, v, kv_cache, meta):
         k_cache, v_cache = kv_cache
-        k_flat = k_cache.view(self.num_kv_heads, -1, self.head_dim)   # [KVH, slots, hd]
-        v_flat = v_cache.view(self.num_kv_heads, -1, self.head_dim)
+        rb = k_cache.shape[-1]          # head_dim, or a quantized row's bytes
+        k_flat = k_cache.view(self.num_kv_heads, -1, rb)   # [KVH, slots, rb]
+        v_flat = v_cache.view(self.num_kv_heads, -1, rb)
         # NOTE: every token's K/V is written before any read, so a sequence may attend to
         # blocks another sequence of the same step is filling (shared-prefix siblings).
         kvd = k_cache.dtype             # may be narrower than q (--kv-cache-dtype)
-        k_flat.index_copy_(1, meta.slot_mapping, k.transpose(0, 1).to(kvd))
-        v_flat.index_copy_(1, meta.slot_mapping, v.transpose(0, 1).to(kvd))
+        if is_quantized(k_cache):
+            # the chunk attends to its own K/V as stored (as a later chunk, a prefix hit
+            # or a decode step reads them): the same results however a prompt is split
+            kq, vq = quantize(k, kvd), quantize(v, kvd)
+            k_flat.index_copy_(1, meta.slot_mapping, kq.transpose(0, 1))
+            v_flat.index_copy_(1, meta.slot_mapping, vq.transpose(0, 1))
+            k = dequantize(kq, self.head_dim, q.dtype)
+            v = dequantize(vq, self.head_dim, q.dtype)
+        else:
+            k_flat.index_copy_(1, meta.slot_mapping, k.transpose(0, 1).to(kvd))
+            v_flat.index_copy_(1, meta.slot_mapping, v.transpose(0, 1).to(kvd))
         if meta.decode_block_tables is not None and not meta.prefills:   # decode-only step
             return self._paged(q, k_cache, v_cache, meta)
         out = torch.empty(q.shape, dtype=q.dtype)
@@ -174,8 +185,8 @@ class TorchAttention(AttentionBackend):
                                                     is_causal=True, enable_gqa=self.gqa,
                                                     scale=self.scale)[0]
             else:
-                kp = torch.index_select(k_flat, 1, p.ctx_slots).to(q.dtype)  # [KVH, L, hd]
-                vp = torch.index_select(v_flat, 1, p.ctx_slots).to(q.dtype)
+                kp = self._gather(k_flat, p.ctx_slots, q.dtype)  # [KVH, L, hd]
+                vp = self._gather(v_flat, p.ctx_slots, q.dtype)
                 if qp.shape[0] * qp.shape[1] * kp.shape[1] <= GROUPED_MAX_SCORES:
                     op = self._grouped(qp, kp, vp, p.mask)
                 else:
@@ -204,6 +215,13 @@ class TorchAttention(AttentionBackend):
         out[p.start:p.end] = o
         return True
 
+    def _gather(self, flat: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype
+                ) -> torch.Tensor:
+        """The cached K or V at `slots` of flat [KVH, slots, rb] as [KVH, L, hd] `dtype`
+        (dequantized from a quantized cache: the plain-torch reads' copy)."""
+        rows = torch.index_select(flat, 1, slots)
+        return dequantize(rows, self.head_dim, dtype) if is_quantized(flat) else rows.to(dtype)
+
     def _window_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         k_flat: torch.Tensor, v_flat: torch.Tensor,
                         p: PrefillSeq) -> torch.Tensor:
@@ -221,8 +239,8 @@ class TorchAttention(AttentionBackend):
             start = p.ctx_slots.shape[0] - n
             k_start = max(0, start - self.window + 1)
             slots = p.ctx_slots[k_start:]
-            kc = torch.index_select(k_flat, 1, slots).to(q.dtype)     # [KVH, L', hd]
-            vc = torch.index_select(v_flat, 1, slots).to(q.dtype)
+            kc = self._gather(k_flat, slots, q.dtype)     # [KVH, L', hd]
+            vc = self._gather(v_flat, slots, q.dtype)
         return self._windowed(q, kc, vc, start, k_start)
 
     def _windowed(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int,
@@ -298,10 +316,13 @@ class TorchAttention(AttentionBackend):
         ctx = g.block_table.shape[1] * k_cache.shape[2]
         # One gather per tensor, heads leading: [KVH, G, blocks, bs, hd] viewed as
         # [KVH, G, ctx, hd], contiguous, so the batched matmuls below copy nothing.
-        num_blocks, bs = k_cache.shape[1], k_cache.shape[2]
+        num_blocks, bs, rb = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
         blocks = g.block_table.view(-1)
-        kd = torch.index_select(k_cache.view(kvh, num_blocks, bs * hd), 1, blocks)
-        vd = torch.index_select(v_cache.view(kvh, num_blocks, bs * hd), 1, blocks)
+        kd = torch.index_select(k_cache.view(kvh, num_blocks, bs * rb), 1, blocks)
+        vd = torch.index_select(v_cache.view(kvh, num_blocks, bs * rb), 1, blocks)
+        if is_quantized(k_cache):
+            kd = dequantize(kd.view(kvh, n, ctx, rb), hd, q.dtype)
+            vd = dequantize(vd.view(kvh, n, ctx, rb), hd, q.dtype)
         kd = kd.view(kvh, n, ctx, hd).to(q.dtype)
         vd = vd.view(kvh, n, ctx, hd).to(q.dtype)
         qg = q.view(n, kvh, self.num_heads // kvh, hd).transpose(0, 1)  # [KVH, G, Gq, hd]

@@ -89,7 +89,7 @@ def _build():
                                                 "prefill_attention.cpp", "lowbit_gemv.cpp",
                                                 "elementwise.cpp", "decode_stack.cpp")]
     digest = hashlib.sha1()
-    headers = [os.path.join(_SRC, h) for h in ("ops.h", "simd_exp.h", "simd_sum.h")]
+    headers = [os.path.join(_SRC, h) for h in ("ops.h", "simd_exp.h", "simd_sum.h", "kv_rows.h")]
     for path in sources + headers:
         with open(path, "rb") as f:
             digest.update(f.read())

@@ -7,6 +7,11 @@ full-attention model (slot i = layer i), g layers of one KV group for a hybrid o
 layer). Layer i uses (cache[s, 0], cache[s, 1]) for its slot s, each [kv_heads,
 num_blocks, block_size, head_dim], indexed by its group's block ids.
 
+Quantized caches (`--kv-cache-dtype int8 | int4`, storage dtype torch.int8 | torch.uint8):
+the last dimension is a packed row of config.kv_row_bytes bytes (the values, then their
+float16 scales; models/kv_quant.py), so every block keeps its scales beside its values and
+whatever moves blocks (prefix caching, PD transfer) moves both.
+
 NOTE: heads first (not [num_blocks, block_size, kv_heads, head_dim]) so that gathering a
 sequence's blocks yields, per KV head, a contiguous [context, head_dim] matrix: attention
 reads the cache with one gather and no transpose copy.
@@ -18,20 +23,48 @@ import mmap
 import numpy as np
 import torch
 
-from duetserve.config import ModelConfig
+from duetserve.config import ModelConfig, kv_row_bytes
 
 GiB = 1 << 30
+
+# --kv-cache-dtype of a quantized cache -> its storage dtype (and back)
+QUANT_KV_DTYPES = {"int8": torch.int8, "int4": torch.uint8}
+_QUANT_NAMES = {v: k for k, v in QUANT_KV_DTYPES.items()}
+
+
+def kv_storage_dtype(name: str, activations: torch.dtype) -> torch.dtype:
+    """The cache tensor's dtype for --kv-cache-dtype `name` (auto: the activations')."""
+    if name == "auto":
+        return activations
+    return QUANT_KV_DTYPES.get(name) or getattr(torch, name)
+
+
+def kv_dtype_name(dtype: torch.dtype) -> str:
+    """The --kv-cache-dtype name of a cache's storage dtype ("int4" for torch.uint8)."""
+    return _QUANT_NAMES.get(dtype) or str(dtype).replace("torch.", "")
+
+
+def kv_row_elems(head_dim: int, dtype: torch.dtype) -> int:
+    """The cache's last dimension: head_dim, or a quantized row's bytes."""
+    name = _QUANT_NAMES.get(dtype)
+    return head_dim if name is None else kv_row_bytes(name, head_dim)
+
+
+def _bytes_per_element(cfg: ModelConfig, dtype: torch.dtype) -> float:
+    """Bytes per K or V value, scales included (exact: a row's bytes / head_dim)."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return kv_row_elems(cfg.head_dim, dtype) * elem / cfg.head_dim
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
     """KV cache bytes per token of full attention in a `dtype` cache (ModelConfig's
     formula), exact."""
-    return int(cfg.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size()))
+    return int(cfg.kv_bytes_per_token(_bytes_per_element(cfg, dtype)))
 
 
 def kv_block_bytes(cfg: ModelConfig, dtype: torch.dtype, block_size: int) -> int:
     """Bytes of one KV block (ModelConfig.kv_block_bytes), exact."""
-    return int(cfg.kv_block_bytes(block_size, torch.empty((), dtype=dtype).element_size()))
+    return int(cfg.kv_block_bytes(block_size, _bytes_per_element(cfg, dtype)))
 
 
 def num_blocks_for_memory(cfg: ModelConfig, dtype: torch.dtype, block_size: int,
@@ -79,7 +112,7 @@ def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int,
     engine start 1.8-2.9 s, 1.2-1.5 s in 4 KiB pages, on the 2-core EPYC); a given `buffer` is
     left as it is (its owner maps it)."""
     shape = (cfg.kv_layers_per_block, 2, cfg.num_key_value_heads, num_blocks, block_size,
-             cfg.head_dim)
+             kv_row_elems(cfg.head_dim, dtype))
     if buffer is not None:
         cache = buffer.view(dtype).view(shape)
     elif str(device) == "cpu":

@@ -32,6 +32,7 @@ from duetserve.entrypoints.web import PAGE_PATHS
 from duetserve.entrypoints.web.server_routes import install as install_web_pages
 from duetserve.metrics.kv_store import KVStoreMetrics
 from duetserve.metrics.kv_transfer import KVTransferMetrics
+from duetserve.worker.kv_cache import kv_dtype_name
 from duetserve.metrics.prometheus import CONTENT_TYPE, ServerMetrics
 
 log = logging.getLogger("duetserve.serve")
@@ -126,7 +127,7 @@ def server_metrics(engine: AsyncEngine, served_model_name: str) -> ServerMetrics
         str(policy.dense_dtype if policy else loaded.dtype).replace("torch.", ""),
         policy.lowbit_max_rows if policy else -1,
         policy.reason if policy else loaded.dense_kernels)
-    metrics.set_kv_cache_info(str(core.kv_dtype).replace("torch.", ""),
+    metrics.set_kv_cache_info(kv_dtype_name(core.kv_dtype),
                               core.kv_capacity_tokens,
                               core.kv_bytes_per_token)
     core.add_step_observer(metrics.observe_step)

@@ -1,0 +1,85 @@
+// Row formats of the paged KV cache: one (token, KV head) row of D values, as float32,
+// bfloat16, or quantized with float16 scales after the values (models/kv_quant.py has the
+// same formats in torch, and the writers there and here store the same bytes):
+//   RowsQ8: D int8 | one scale              x = q * s
+//   RowsQ4: per group of 32 values 16 bytes (byte j = n[j] | n[j+16] << 4, n = q + 8),
+//           then D/32 scales                x = (n - 8) * s_group
+// width(D): a row's length in elements of E; scale(row): a factor of the whole row
+// (RowsQ8's scale, 1 elsewhere: RowsQ4 applies its group scales in value()/load16()).
+#pragma once
+#include <torch/extension.h>
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+constexpr float kMinKVScale = 1.0f / 16384.0f;   // models/kv_quant.py's MIN_SCALE
+
+static inline float half_at(const void* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+
+static inline void put_half(void* p, c10::Half h) { std::memcpy(p, &h.x, 2); }
+
+struct RowsF32 {
+  using E = float;
+  static int64_t width(int64_t D) { return D; }
+  static float scale(const E*, int64_t) { return 1.f; }
+  static float value(const E* r, int64_t d, int64_t) { return r[d]; }
+  static void write(const float* x, E* o, int64_t D) { std::copy(x, x + D, o); }
+};
+
+struct RowsBF16 {
+  using E = at::BFloat16;
+  static int64_t width(int64_t D) { return D; }
+  static float scale(const E*, int64_t) { return 1.f; }
+  static float value(const E* r, int64_t d, int64_t) { return static_cast<float>(r[d]); }
+  static void write(const float* x, E* o, int64_t D) {
+    for (int64_t i = 0; i < D; ++i) o[i] = E(x[i]);
+  }
+};
+
+struct RowsQ8 {
+  using E = int8_t;
+  static int64_t width(int64_t D) { return D + 2; }
+  static float scale(const E* r, int64_t D) { return half_at(r + D); }
+  static float value(const E* r, int64_t d, int64_t) { return static_cast<float>(r[d]); }
+  static void write(const float* x, E* o, int64_t D) {
+    float am = 0.f;
+    for (int64_t i = 0; i < D; ++i) am = std::max(am, std::fabs(x[i]));
+    const c10::Half h(std::max(am / 127.f, kMinKVScale));
+    const float s = static_cast<float>(h);
+    for (int64_t i = 0; i < D; ++i)
+      o[i] = static_cast<E>(std::min(127.f, std::max(-127.f, std::nearbyint(x[i] / s))));
+    put_half(o + D, h);
+  }
+};
+
+struct RowsQ4 {
+  using E = uint8_t;
+  static int64_t width(int64_t D) { return D / 2 + 2 * (D / 32); }
+  static float scale(const E*, int64_t) { return 1.f; }
+  static float value(const E* r, int64_t d, int64_t D) {
+    const int64_t g = d / 32, j = d % 32;
+    const int b = r[g * 16 + (j & 15)];
+    return static_cast<float>((j < 16 ? b & 15 : b >> 4) - 8) * half_at(r + D / 2 + 2 * g);
+  }
+  static void write(const float* x, E* o, int64_t D) {
+    for (int64_t g = 0; g < D / 32; ++g) {
+      const float* xg = x + g * 32;
+      int64_t at = 0;
+      for (int64_t i = 1; i < 32; ++i)
+        if (std::fabs(xg[i]) > std::fabs(xg[at])) at = i;
+      float s = xg[at] / -8.f;
+      if (std::fabs(s) < kMinKVScale) s = kMinKVScale;
+      const c10::Half h(s);
+      const float sf = static_cast<float>(h);
+      int n[32];
+      for (int64_t i = 0; i < 32; ++i)
+        n[i] = static_cast<int>(std::min(7.f, std::max(-8.f, std::nearbyint(xg[i] / sf)))) + 8;
+      for (int64_t j = 0; j < 16; ++j) o[g * 16 + j] = static_cast<E>(n[j] | (n[j + 16] << 4));
+      put_half(o + D / 2 + 2 * g, h);
+    }
+  }
+};
