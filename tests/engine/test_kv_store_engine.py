@@ -194,3 +194,23 @@ def test_models_with_sliding_window_groups_are_refused(tmp_path) -> None:
     path = make_family_checkpoint(str(tmp_path / "g"), "gemma3")
     with pytest.raises(ConfigError, match="KV groups"):
         EngineCore(EngineConfig(model=path, kv_store=str(tmp_path / "s"), **OPTS))
+
+
+def test_an_int8_cache_round_trips_through_the_store(loaded, tmp_path) -> None:
+    """A quantized cache's blocks (values and their scales, stored in the rows) are saved
+    and loaded as they are: a restarted int8 engine answers from disk exactly what a
+    store-less int8 engine answers; a bfloat16 engine on the same directory reads none
+    of them (another fingerprint)."""
+    (ref,) = run(engine(loaded, kv_cache_dtype="int8"), [PREFIX + SUFFIXES[1]])
+    first = engine(loaded, kv_store=str(tmp_path), kv_cache_dtype="int8")
+    run(first, [PREFIX + SUFFIXES[0]])
+    first.shutdown()
+    second = engine(loaded, kv_store=str(tmp_path), kv_cache_dtype="int8")
+    (o,) = run(second, [PREFIX + SUFFIXES[1]])
+    assert second.make_stats().prefix_cache_disk_hits == len(PREFIX)
+    assert o.outputs[0].token_ids == ref.outputs[0].token_ids
+    second.shutdown()
+    other = engine(loaded, kv_store=str(tmp_path), kv_cache_dtype="bfloat16")
+    run(other, [PREFIX + SUFFIXES[1]])
+    assert other.make_stats().prefix_cache_disk_hits == 0
+    other.shutdown()
