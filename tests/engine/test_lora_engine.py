@@ -114,3 +114,18 @@ def test_bad_adapter_refused_at_admission(setup, tmp_path):
         llm.generate([PROMPTS[0], PROMPTS[1]], GREEDY, lora_request=[loras[0]])
     assert _tokens(llm.generate(PROMPTS[0], GREEDY, lora_request=loras[0]))  # still serves
     assert torch.is_grad_enabled()
+
+
+def test_ngram_speculation_verifies_under_the_adapter(setup):
+    """Verify rows carry their request's adapter: n-gram speculation gives the tokens of
+    plain decoding, for adapters and the base mixed."""
+    _, loras, loaded = setup
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    prompts = [[5, 6, 7, 8] * 4, [40, 41, 42] * 5, [9, 9, 10, 11] * 3]
+    per_prompt = [loras[0], loras[1], None]
+    plain = _tokens(_llm(loaded, max_loras=2).generate(prompts, params,
+                                                        lora_request=per_prompt))
+    spec = _llm(loaded, max_loras=2,
+                speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    assert _tokens(spec.generate(prompts, params, lora_request=per_prompt)) == plain
+    assert spec.engine.scheduler.spec_stats.num_draft_tokens > 0

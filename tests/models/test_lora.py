@@ -182,3 +182,20 @@ def test_bad_adapters_name_the_problem(lora_setup, tmp_path):
     _edit_weights(p, lambda t: {k: v for k, v in t.items() if "layers.1.mlp.down_proj.lora_B"
                                 not in k})
     fails(p, "layer 1 has lora_A of a module without its other half")
+
+
+def test_lowbit_base_with_adapter(lora_setup):
+    """The QLoRA serving case: int8 base weights, float32 adapter. Its error against the
+    float32 merged reference stays at the low-bit base's own error against its float32
+    reference, and it is far from the base without the adapter."""
+    base, paths, _ = lora_setup
+    loaded = load_model(base, quantization="int8")
+    assert loaded.quant_summary.get("int8")                  # the linears are low-bit
+    adapter = load_adapter(paths[0], loaded.config, max_rank=16)
+    prompt = PROMPTS[0]
+    base_err = rel_err(_last_logits(loaded, [prompt], [-1], [])[0],
+                       _reference(base, None, prompt))
+    ours = _last_logits(loaded, [prompt], [0], [adapter])[0]
+    ref = _reference(base, paths[0], prompt)
+    assert rel_err(ours, ref) < 2 * base_err + 1e-3, (rel_err(ours, ref), base_err)
+    assert rel_err(ours, _reference(base, None, prompt)) > 10 * base_err
