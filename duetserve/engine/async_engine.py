@@ -93,7 +93,7 @@ class _Entry:
 
 @dataclass
 class _Command:
-    kind: str                       # "add" | "abort" | "fail_all"
+    kind: str                       # "add" | "abort" | "fail_all" | "release_lora"
     req_id: str
     token_ids: list[int] = field(default_factory=list)
     params: SamplingParams | None = None
@@ -199,6 +199,11 @@ class AsyncEngine:
         blocks, at the next engine iteration (graceful shutdown past its timeout)."""
         self._submit(_Command("fail_all", message))
 
+    def release_lora(self, lora_int_id: int) -> None:
+        """Free a LoRA adapter's resident weights at the next engine iteration, unless a
+        running request uses it (EngineCore.release_lora). Safe from any thread."""
+        self._submit(_Command("release_lora", str(lora_int_id)))
+
     def _wake(self) -> None:
         """Any thread: make the engine thread look for work."""
         with self._cv:
@@ -236,6 +241,8 @@ class AsyncEngine:
         for cmd in commands:
             if cmd.kind == "add":
                 self._handle_add(cmd)
+            elif cmd.kind == "release_lora":
+                self.engine.release_lora(int(cmd.req_id))
             elif cmd.kind == "fail_all":
                 aborted = aborted or bool(self._entries)
                 self._fail_all(RequestAbortedError(cmd.req_id))

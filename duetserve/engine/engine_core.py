@@ -451,6 +451,15 @@ class EngineCore:
         if not self.requests:
             self._on_idle()
 
+    def release_lora(self, lora_int_id: int) -> bool:
+        """Free a LoRA adapter's resident weights now, unless a running request uses it
+        (then least-recently-used eviction frees its slot later). Returns whether it was
+        freed. A later request for it loads it again."""
+        if any(r.lora_request is not None and r.lora_request.lora_int_id == lora_int_id
+               for r in self.scheduler.running):
+            return False
+        return self.runner.lora.evict(lora_int_id) is not None
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 

@@ -129,3 +129,16 @@ def test_ngram_speculation_verifies_under_the_adapter(setup):
                 speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     assert _tokens(spec.generate(prompts, params, lora_request=per_prompt)) == plain
     assert spec.engine.scheduler.spec_stats.num_draft_tokens > 0
+
+
+def test_release_frees_an_idle_adapter(setup):
+    _, loras, loaded = setup
+    llm = _llm(loaded, max_loras=2)
+    llm.generate(PROMPTS[:2], GREEDY, lora_request=loras[:2])
+    slots = llm.engine.runner.lora
+    assert sorted(slots.resident()) == [1, 2]
+    assert llm.engine.release_lora(1) and slots.resident() == [2]
+    assert sum(a is not None for a in slots.adapters) == 1
+    assert not llm.engine.release_lora(1)                 # not resident any more
+    again = _tokens(llm.generate(PROMPTS[0], GREEDY, lora_request=loras[0]))
+    assert again == _tokens(_llm(loaded).generate(PROMPTS[0], GREEDY, lora_request=loras[0]))

@@ -7,7 +7,8 @@ loads) and vLLM's endpoints, behind the API key like every /v1 route:
 A request's `model` selects an adapter by name (ServerContext.check_model), GET /v1/models
 lists each with the base as its `parent`. The engine holds at most --max-loras adapters'
 weights at once (worker/lora_slots.py): a registered adapter is loaded by the first request
-that uses it, and an unloaded one stays resident only until its slot is needed.
+that uses it; unloading frees its weights (or, while requests run it, its slot goes to
+the next adapter needing one).
 """
 from __future__ import annotations
 
@@ -99,7 +100,9 @@ def add_lora_routes(app: FastAPI, ctx: ServerContext) -> None:
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(raw: Request):
         (name,) = await _body(raw, ("lora_name",))
-        if loras.by_name.pop(name, None) is None:
+        lora = loras.by_name.pop(name, None)
+        if lora is None:
             raise APIError(f"The lora adapter '{name}' cannot be found.", 404, "lora_name",
                            "NotFoundError")
+        ctx.engine.release_lora(lora.lora_int_id)     # its weights, once no request runs it
         return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
