@@ -93,3 +93,22 @@ def test_load_and_unload_at_run_time(setup, expected, tmp_path):
     assert _complete(srv, "beta").status_code == 404
     r = httpx.post(unload, json={"lora_name": "beta"}, headers=AUTH)
     assert r.status_code == 404 and r.json()["error"]["type"] == "NotFoundError"
+
+
+def test_bad_lora_modules_stop_start_up(setup, tmp_path):
+    """A bad --lora-modules item is a one-line error before the server listens."""
+    import argparse
+
+    from duetserve.entrypoints.cli import UserError
+    from duetserve.entrypoints.openai import serve
+    _, base, a, _ = setup
+    p = argparse.ArgumentParser()
+    serve.add_arguments(p)
+    cases = [([f"alpha{a}"], "lora_modules: expected name=PATH, got 'alpha"),
+             ([f"x={tmp_path / 'none'}"], "--lora-modules: LoRA adapter .* is not a folder"),
+             ([f"base={a}"], "'base' is the base model's name")]
+    for modules, match in cases:
+        args = p.parse_args(["--model", base, "--port", "0", "--num-threads", "2",
+                             "--max-num-batched-tokens", "256", "--lora-modules", *modules])
+        with pytest.raises(UserError, match=match):
+            serve.build_server(args)
