@@ -2,10 +2,11 @@
 workloads. `from duetserve import LLM, SamplingParams`."""
 from __future__ import annotations
 
+from duetserve.request import LoRARequest
 from duetserve.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "LoRARequest", "SamplingParams", "__version__"]
 
 
 def __getattr__(name: str):

@@ -405,6 +405,13 @@ class EngineConfig:
     check_integrity_when_idle: bool = False
     # Speculative decoding: a SpeculativeConfig, or its dict / JSON form (parsed once here).
     speculative_config: SpeculativeConfig | dict | str | None = None
+    # LoRA adapters (PEFT folders) a server offers by name, as "name=PATH" strings or
+    # (name, path) pairs (normalised to pairs); requests may also name others (offline
+    # LoRARequest, runtime loading). max_loras: adapters resident at once (the running
+    # requests use at most this many distinct ones); max_lora_rank: the largest rank.
+    lora_modules: tuple = ()
+    max_loras: int = 4
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
         # NOTE: normalised at construction (the dataclass is frozen afterwards).
@@ -445,6 +452,10 @@ class EngineConfig:
             raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        object.__setattr__(self, "lora_modules", parse_lora_modules(self.lora_modules))
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ConfigError(f"max_loras and max_lora_rank must be >= 1, got "
+                              f"{self.max_loras} and {self.max_lora_rank}")
 
     def kernel_switches(self) -> dict[str, object]:
         """The options that change which kernels a step runs (the step-time cache key)."""
@@ -475,6 +486,25 @@ class EngineConfig:
         return cls(**kwargs)  # type: ignore[arg-type]
 
 
+def parse_lora_modules(modules) -> tuple[tuple[str, str], ...]:
+    """--lora-modules as (name, path) pairs: each item "name=PATH" or a pair; names unique.
+    Raises ConfigError naming the bad item."""
+    out: list[tuple[str, str]] = []
+    for item in modules or ():
+        if isinstance(item, str):
+            name, sep, path = item.partition("=")
+            pair = (name.strip(), path.strip()) if sep else ("", "")
+        else:
+            pair = tuple(item) if isinstance(item, (list, tuple)) and len(item) == 2 \
+                else ("", "")
+        if not all(isinstance(v, str) and v for v in pair):
+            raise ConfigError(f"lora_modules: expected name=PATH, got {item!r}")
+        if pair[0] in {n for n, _ in out}:
+            raise ConfigError(f"lora_modules: the name {pair[0]!r} is given twice")
+        out.append(pair)
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """What the scheduler needs; derived from EngineConfig once the model is known."""
@@ -501,3 +531,6 @@ class SchedulerConfig:
     # Goodput-first scheduling (core/slo.SloPolicy: SLO targets, slack-widened budgets,
     # TPOT-bounded admission, TTFT-deadline order); None: StepBudget's budget, FCFS.
     slo: object | None = None
+    # The running requests use at most this many distinct LoRA adapters (the worker's
+    # resident slots); a waiting request whose adapter would exceed it waits (0: no cap).
+    max_loras: int = 0

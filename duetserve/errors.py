@@ -36,3 +36,8 @@ class RequestFailedError(DuetError):
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+
+
+class LoRAError(DuetError, ValueError):
+    """A LoRA adapter cannot be used: its files are missing or malformed, its rank is above
+    max_lora_rank, it targets modules the model lacks, or it does not fit the base model."""

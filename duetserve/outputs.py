@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from duetserve.request import LoRARequest
 from duetserve.sampling_params import SamplingParams
 
 
@@ -34,6 +35,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]          # the whole block table
     num_computed_tokens: int      # tokens whose KV is already in the cache (prefix hits)
+    lora_request: LoRARequest | None = None   # the adapter its rows run under (None: base)
 
 
 @dataclass(slots=True)

@@ -32,6 +32,25 @@ from dataclasses import dataclass, field
 from duetserve.sampling_params import SamplingParams
 
 
+@dataclass(frozen=True, slots=True)
+class LoRARequest:
+    """A LoRA adapter a request runs under, as vLLM's: a name (what a server's `model`
+    field selects), an integer id unique per adapter (> 0), and the folder of its PEFT
+    files (adapter_config.json + adapter_model.safetensors)."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.lora_name, str) or not self.lora_name:
+            raise ValueError(f"lora_name must be a non-empty string, got {self.lora_name!r}")
+        if type(self.lora_int_id) is not int or self.lora_int_id < 1:
+            raise ValueError(f"lora_int_id must be an int >= 1, got {self.lora_int_id!r}")
+        if not isinstance(self.lora_path, str) or not self.lora_path:
+            raise ValueError(f"lora_path must be a non-empty string, got {self.lora_path!r}")
+
+
 class RequestStatus(enum.IntEnum):
     """Lifecycle: WAITING -> RUNNING (-> PREEMPTED -> RUNNING)* -> FINISHED_*.
 
@@ -67,6 +86,7 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()
     arrival_time: float = field(default_factory=time.time)
     priority: int = 0                      # larger = scheduled later (like vLLM)
+    lora_request: LoRARequest | None = None  # the adapter it runs under (None: the base)
 
     # --- state the scheduler owns -------------------------------------------------------
     output_token_ids: list[int] = field(default_factory=list)

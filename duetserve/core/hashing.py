@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from duetserve.request import Request
+    from duetserve.request import LoRARequest, Request
 
 BlockHash = bytes
 
@@ -33,6 +33,18 @@ def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int]) -
     return h.digest()
 
 
+def root_hash(lora: LoRARequest | None) -> BlockHash | None:
+    """The parent of a request's first block: None (the base model's root) or one that
+    names its LoRA adapter (id, name and folder), so KV computed under one adapter is never
+    a prefix hit for another adapter or the base."""
+    if lora is None:
+        return None
+    h = hashlib.blake2b(digest_size=16)
+    h.update(_ROOT + b"\0lora\0")
+    h.update(repr((lora.lora_int_id, lora.lora_name, lora.lora_path)).encode())
+    return h.digest()
+
+
 def update_block_hashes(request: Request, block_size: int) -> int:
     """Extend request.block_hashes to cover every full block of request.all_token_ids.
 
@@ -43,7 +55,7 @@ def update_block_hashes(request: Request, block_size: int) -> int:
     hashes = request.block_hashes
     num_full = len(tokens) // block_size
     start = len(hashes)
-    parent = hashes[-1] if hashes else None
+    parent = hashes[-1] if hashes else root_hash(request.lora_request)
     for i in range(start, num_full):
         # Looked up at call time through the module globals: a test may monkeypatch it.
         parent = hash_block_tokens(parent, tokens[i * block_size:(i + 1) * block_size])

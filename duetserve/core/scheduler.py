@@ -395,7 +395,8 @@ class Scheduler:
                 continue
             if len(self.running) >= self.config.max_num_seqs or (
                     self.slo is not None and not self.slo.admits(len(self.running), request,
-                                                                 self._now)):
+                                                                 self._now)) or \
+                    not self._lora_fits(request):
                 break
             hit_blocks, num_hit = kv.get_computed_blocks(request)
             loads = self._admit_disk_load(request, num_hit)
@@ -441,6 +442,15 @@ class Scheduler:
         self.disk.add_load(request, self.kv_cache_manager.get_block_ids(request.req_id),
                            request.num_computed_tokens)
         return True
+
+    def _lora_fits(self, request: Request) -> bool:
+        """Whether admitting `request` keeps the running requests' distinct LoRA adapters
+        within max_loras (the worker's resident slots)."""
+        cap, lora = self.config.max_loras, request.lora_request
+        if not cap or lora is None:
+            return True
+        used = {r.lora_request.lora_int_id for r in self.running if r.lora_request}
+        return lora.lora_int_id in used or len(used) < cap
 
     def _build_output(self, step: StepPlan) -> SchedulerOutput:
         """The step's SchedulerOutput (core/step_plan.py). Mutates: the finished ids

@@ -74,7 +74,8 @@ class StepPlan:
                     req_id=req_id, token_ids=list(request.all_token_ids),
                     num_prompt_tokens=request.num_prompt_tokens,
                     sampling_params=request.sampling_params, block_ids=block_ids,
-                    num_computed_tokens=request.num_computed_tokens))
+                    num_computed_tokens=request.num_computed_tokens,
+                    lora_request=request.lora_request))
             else:
                 out.scheduled_cached_reqs.append(CachedRequestData(
                     req_id=req_id, new_block_ids=block_ids,

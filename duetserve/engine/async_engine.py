@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from duetserve.engine.engine_core import EngineCore
 from duetserve.errors import RequestFailedError
 from duetserve.outputs import RequestOutput, StepStats
+from duetserve.request import LoRARequest
 from duetserve.sampling_params import SamplingParams
 
 log = logging.getLogger("duetserve.async_engine")
@@ -92,7 +93,7 @@ class _Entry:
 
 @dataclass
 class _Command:
-    kind: str                       # "add" | "abort" | "fail_all"
+    kind: str                       # "add" | "abort" | "fail_all" | "release_lora"
     req_id: str
     token_ids: list[int] = field(default_factory=list)
     params: SamplingParams | None = None
@@ -100,6 +101,7 @@ class _Command:
     stream: RequestStream | None = None
     done: asyncio.Future | None = None
     arrival_time: float | None = None
+    lora_request: LoRARequest | None = None
 
 
 class AsyncEngine:
@@ -169,8 +171,8 @@ class AsyncEngine:
 
     # -- event-loop side API -------------------------------------------------------------
     async def add_request(self, req_id: str, token_ids: list[int], params: SamplingParams,
-                          prompt: str | None = None, arrival_time: float | None = None
-                          ) -> RequestStream:
+                          prompt: str | None = None, arrival_time: float | None = None,
+                          lora_request: LoRARequest | None = None) -> RequestStream:
         """Queue a request; returns its stream once the engine accepted it. Raises the
         engine's RequestError / SamplingParamsError (ValueErrors) for a bad request and
         EngineOverloadedError when its waiting queue is full. `arrival_time`
@@ -179,7 +181,7 @@ class AsyncEngine:
         stream = RequestStream(req_id, loop)
         done = loop.create_future()
         self._submit(_Command("add", req_id, list(token_ids), params, prompt, stream, done,
-                              arrival_time))
+                              arrival_time, lora_request))
         try:
             await done
         except asyncio.CancelledError:
@@ -196,6 +198,11 @@ class AsyncEngine:
         """End every live request's stream with RequestAbortedError(message) and free its
         blocks, at the next engine iteration (graceful shutdown past its timeout)."""
         self._submit(_Command("fail_all", message))
+
+    def release_lora(self, lora_int_id: int) -> None:
+        """Free a LoRA adapter's resident weights at the next engine iteration, unless a
+        running request uses it (EngineCore.release_lora). Safe from any thread."""
+        self._submit(_Command("release_lora", str(lora_int_id)))
 
     def _wake(self) -> None:
         """Any thread: make the engine thread look for work."""
@@ -234,6 +241,8 @@ class AsyncEngine:
         for cmd in commands:
             if cmd.kind == "add":
                 self._handle_add(cmd)
+            elif cmd.kind == "release_lora":
+                self.engine.release_lora(int(cmd.req_id))
             elif cmd.kind == "fail_all":
                 aborted = aborted or bool(self._entries)
                 self._fail_all(RequestAbortedError(cmd.req_id))
@@ -250,13 +259,12 @@ class AsyncEngine:
 
     def _handle_add(self, cmd: _Command) -> None:
         assert cmd.stream is not None and cmd.done is not None
+        extra = {} if cmd.lora_request is None else {"lora_request": cmd.lora_request}
+        if cmd.arrival_time is not None:
+            extra["arrival_time"] = cmd.arrival_time
         try:
-            if cmd.arrival_time is None:
-                self.engine.add_request(cmd.req_id, cmd.token_ids, cmd.params,
-                                        prompt=cmd.prompt)
-            else:
-                self.engine.add_request(cmd.req_id, cmd.token_ids, cmd.params,
-                                        prompt=cmd.prompt, arrival_time=cmd.arrival_time)
+            self.engine.add_request(cmd.req_id, cmd.token_ids, cmd.params,
+                                    prompt=cmd.prompt, **extra)
         except Exception as e:  # noqa: BLE001 - every error goes back to the caller
             self._resolve(cmd.stream.loop, cmd.done, e)
             return

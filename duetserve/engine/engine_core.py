@@ -36,19 +36,20 @@ from duetserve.engine.isolation import Failure, IsolatedExecutor
 from duetserve.engine.kv_roles import KVRoles, make_shared_kv
 from duetserve.engine.step_probe import (StepTimeSource, forward_seconds, read_step_time,
                                          startup_step_time)
-from duetserve.errors import EngineOverloadedError, RequestError
+from duetserve.errors import EngineOverloadedError, LoRAError, RequestError
 from duetserve.kv_transfer import KVTransferConfig
 from duetserve.loader import LoadedModel, load_model, release_free_memory
 from duetserve.metrics.step_accounting import StepAccountant
 from duetserve.metrics.trace import TraceWriter
 from duetserve.outputs import (CompletionOutput, ModelRunnerOutput, OutputAccumulator,
                                RequestMetrics, RequestOutput, SchedulerOutput, StepStats)
-from duetserve.request import Request
+from duetserve.request import LoRARequest, Request
 from duetserve.sampling_params import SamplingParams
 from duetserve.spec_decode.factory import build_speculator, spec_policy_for
 from duetserve.structured import GrammarCompiler
 from duetserve.worker.kv_cache import (kv_block_bytes, kv_bytes_per_token, kv_dtype_name,
                                        kv_storage_dtype, num_blocks_for_memory)
+from duetserve.worker.lora_slots import LoRASlots
 from duetserve.worker.model_runner import ModelRunner
 
 log = logging.getLogger("duetserve")
@@ -183,7 +184,9 @@ class EngineCore:
                                   kv_buffer=shared[1].tensor if shared else None,
                                   speculator=self.speculator,
                                   kv_prefault=config.kv_prefault,
-                                  deterministic=config.deterministic)
+                                  deterministic=config.deterministic,
+                                  lora_slots=LoRASlots(mcfg, config.max_loras,
+                                                       config.max_lora_rank))
         return shared
 
     def _build_scheduler(self) -> None:
@@ -203,7 +206,7 @@ class EngineCore:
             max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
             block_size=config.block_size, num_blocks=self.num_blocks,
             enable_prefix_caching=config.enable_prefix_caching,
-            max_num_waiting=config.max_waiting_requests,
+            max_num_waiting=config.max_waiting_requests, max_loras=config.max_loras,
             spec_policy=None if spec is None else spec_policy_for(
                 spec, self.speculator.needs_lookahead, self.step_time,
                 self._draft_seconds()),
@@ -319,11 +322,13 @@ class EngineCore:
                                      "detail": self.step_time_source.detail}}
 
     # -- requests ----------------------------------------------------------------------
-    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                         lora_request: LoRARequest | None = None) -> None:
         """Everything about a request that could make it fail inside a step is checked
         here, at admission: prompt length and token ids, n, the sampling params against
         the vocabulary (seeds, ranges and stop lists are checked when the SamplingParams
-        is built), the grammar of a guided request (compiled and cached). Raises
+        is built), the grammar of a guided request (compiled and cached), the LoRA adapter
+        (its files against the model and max_lora_rank; param "model"). Raises
         RequestError whose `param` names the field. Reads only immutable state and the
         thread-safe grammar cache, so any thread may call it."""
         num = len(prompt_token_ids)
@@ -348,6 +353,11 @@ class EngineCore:
             if own is not None and own < server:
                 raise RequestError(f"{name} may relax the server's target, not tighten it: "
                                    f"at least {server:g} ms, got {own:g}", name)
+        if lora_request is not None:
+            try:
+                self.runner.lora.check(lora_request)
+            except LoRAError as e:
+                raise RequestError(str(e), "model") from None
         if params.guided is not None:
             # Compiled here once (the server does it first on a worker thread, so this
             # is a cache hit there): an invalid grammar never reaches a step.
@@ -355,14 +365,15 @@ class EngineCore:
 
     def add_request(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prompt: str | None = None, arrival_time: float | None = None,
-                    priority: int = 0) -> None:
+                    priority: int = 0, lora_request: LoRARequest | None = None) -> None:
         """Validate and queue. Raises RequestError (nothing queued) naming the limit, or
         EngineOverloadedError when the waiting queue has no room for its n samples.
         `arrival_time` (time.time()) is when the request reached the system (the server
-        stamps the HTTP arrival); queue time and TTFT are measured from it."""
+        stamps the HTTP arrival); queue time and TTFT are measured from it.
+        `lora_request`: the LoRA adapter it runs under (None: the base model)."""
         if req_id in self.requests:
             raise RequestError(f"request id {req_id!r} is already in use")
-        self.validate_request(prompt_token_ids, params)
+        self.validate_request(prompt_token_ids, params, lora_request)
         kvp = None if self.kv_roles is None else self.kv_roles.check(
             req_id, len(prompt_token_ids), params.n, params.max_tokens)
         if not self.scheduler.has_room(params.n):
@@ -377,7 +388,7 @@ class EngineCore:
             child_id = req_id if params.n == 1 else f"{req_id}-{i}"
             # NOTE: the Request copies the prompt once; the user request shares that copy.
             req = Request(child_id, prompt_token_ids, child_params, self.eos_token_ids,
-                          arrival, priority)
+                          arrival, priority, lora_request=lora_request)
             detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids,
                                            child_params.skip_special_tokens, child_params.stop,
                                            child_params.include_stop_str_in_output)
@@ -439,6 +450,15 @@ class EngineCore:
         self.last_step = self.make_stats()
         if not self.requests:
             self._on_idle()
+
+    def release_lora(self, lora_int_id: int) -> bool:
+        """Free a LoRA adapter's resident weights now, unless a running request uses it
+        (then least-recently-used eviction frees its slot later). Returns whether it was
+        freed. A later request for it loads it again."""
+        if any(r.lora_request is not None and r.lora_request.lora_int_id == lora_int_id
+               for r in self.scheduler.running):
+            return False
+        return self.runner.lora.evict(lora_int_id) is not None
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from duetserve.config import EngineConfig
 from duetserve.engine.engine_core import EngineCore
 from duetserve.outputs import OutputAccumulator, RequestOutput
+from duetserve.request import LoRARequest
 from duetserve.sampling_params import SamplingParams
 
 PromptType = str | list[int] | dict
@@ -62,6 +63,18 @@ def parse_prompt(prompt: object, index: int = 0) -> tuple[list[int] | None, str 
                     f"'prompt' or 'prompt_token_ids', got {type(prompt).__name__}")
 
 
+def _per_prompt(lora: object, n: int) -> list[LoRARequest | None]:
+    """generate()'s lora_request as one per prompt. Raises TypeError / ValueError."""
+    if lora is None or isinstance(lora, LoRARequest):
+        return [lora] * n
+    if not isinstance(lora, (list, tuple)) or any(
+            x is not None and not isinstance(x, LoRARequest) for x in lora):
+        raise TypeError("lora_request must be a LoRARequest, None, or a list of them")
+    if len(lora) != n:
+        raise ValueError(f"got {len(lora)} lora requests for {n} prompts")
+    return list(lora)
+
+
 class LLM:
     def __init__(self, model: str | None = None, **engine_options: object) -> None:
         """`engine_options` are the CLI flags as keyword arguments, e.g.
@@ -79,13 +92,15 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False, priority: Sequence[int] | None = None
+                 use_tqdm: bool = False, priority: Sequence[int] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
                  ) -> list[RequestOutput]:
         """Run every prompt to completion; one RequestOutput per prompt, in order.
         A prompt is a string, a list of token ids, or a vLLM prompt dict ({"prompt":
         text} or {"prompt_token_ids": ids}); one prompt or a list of them, mixed. Raises
         TypeError / ValueError for a malformed prompt and RequestError for one the engine
-        refuses, before anything runs (nothing is left queued)."""
+        refuses, before anything runs (nothing is left queued). `lora_request`: the LoRA
+        adapter of every prompt, or one per prompt (None: the base model), as vLLM's."""
         if _is_one_prompt(prompts):
             prompts = [prompts]
         elif not isinstance(prompts, (list, tuple)):
@@ -96,6 +111,7 @@ class LLM:
                        else list(params))
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} sampling params for {len(prompts)} prompts")
+        loras = _per_prompt(lora_request, len(prompts))
         parsed = [parse_prompt(p, i) for i, p in enumerate(prompts)]
         ids: list[str] = []
         try:
@@ -104,7 +120,8 @@ class LLM:
                 if token_ids is None:
                     token_ids = self.tokenizer.encode(text)
                 self.engine.add_request(req_id, token_ids, sp, prompt=text,
-                                        priority=priority[i] if priority else 0)
+                                        priority=priority[i] if priority else 0,
+                                        lora_request=loras[i])
                 ids.append(req_id)
         except BaseException:
             self.engine.abort_request(ids)       # frees what was queued at once

@@ -36,7 +36,20 @@ def add_engine_arguments(p: argparse.ArgumentParser, positional_model: bool = Fa
                         'quantization (the draft model\'s, default int4), '
                         'draft_vocab_size (the draft proposes ids below it, default 65536; '
                         'null: all; docs/speculative_decoding.md)')
+    _add_lora_arguments(p.add_argument_group("LoRA adapters"))
     g.add_argument("-v", "--verbose", action="store_true", help="log engine details")
+
+
+def _add_lora_arguments(g: argparse._ArgumentGroup) -> None:
+    d = EngineConfig()
+    g.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT folders) served by name: a request's `model` "
+                        "selects one (GET /v1/models lists them)")
+    g.add_argument("--max-loras", type=int, default=d.max_loras,
+                   help="LoRA adapters resident at once; the running requests use at most "
+                        "this many distinct ones (default %(default)s)")
+    g.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank,
+                   help="the largest LoRA rank accepted (default %(default)s)")
 
 
 def _add_model_arguments(g: argparse._ArgumentGroup) -> None:
@@ -154,7 +167,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             max_waiting_requests=args.max_waiting_requests,
             enable_prefix_caching=args.enable_prefix_caching, num_threads=args.num_threads,
             seed=args.seed, trace_file=args.trace_file,
-            speculative_config=getattr(args, "speculative_config", None))
+            speculative_config=getattr(args, "speculative_config", None),
+            lora_modules=tuple(args.lora_modules), max_loras=args.max_loras,
+            max_lora_rank=args.max_lora_rank)
     except ConfigError as e:
         raise UserError(str(e)) from None
 

@@ -25,7 +25,8 @@ from duetserve.config import ModelConfig
 from duetserve.models.attention import AttentionBackend, AttentionMetadata, TorchAttention
 from duetserve.models.decode_stack import NativeDecodeStack
 from duetserve.models.layers import (DENSE_GEMV_ROWS, DenseLinear, GatedMLP, RMSNorm,
-                                     RotaryEmbedding, dense_linear)
+                                     RotaryEmbedding, dense_linear, gated_act)
+from duetserve.models.lora import LoRABatch
 from duetserve.models.moe import MoEFFN
 
 
@@ -49,13 +50,21 @@ class SelfAttention(nn.Module):
         self.backend = backend
 
     def forward(self, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, lora: LoRABatch | None = None) -> torch.Tensor:
+        """`lora`: the adapters of the step's rows (their updates added after the q|k|v
+        and o linears), or None."""
         t = x.shape[0]
         qkv = self.qkv_proj(x)                                 # [T, q | k | v]
+        if lora is not None:
+            lora.apply(self.layer_id, "qkv", x, qkv)
         if self.q_norm is not None:
             qkv = self._norm_qk(qkv.float().contiguous())
         o = self.backend.forward_qkv(qkv, kv_cache, meta)     # [T, H, hd]
-        return self.o_proj(o.reshape(t, self.q_size))
+        o = o.reshape(t, self.q_size)
+        out = self.o_proj(o)
+        if lora is not None:
+            lora.apply(self.layer_id, "o", o, out)
+        return out
 
     def _norm_qk(self, qkv: torch.Tensor) -> torch.Tensor:
         """RMSNorm over each head of q and of k (their own weights), v untouched."""
@@ -81,14 +90,27 @@ class DecoderLayer(nn.Module):
             GatedMLP(d, cfg.intermediate_size, cfg.hidden_act)
         self.kv_group = 0          # set by the model: which KV group's tables it reads
 
-    def forward(self, x, kv_cache, meta):
-        h = self.self_attn(self.input_layernorm(x), kv_cache, meta)
+    def forward(self, x, kv_cache, meta, lora: LoRABatch | None = None):
+        h = self.self_attn(self.input_layernorm(x), kv_cache, meta, lora)
         if self.sandwich:
             x = x + self.post_attention_layernorm(h)
-            return x + self.post_feedforward_layernorm(self.mlp(
-                self.pre_feedforward_layernorm(x)))
+            return x + self.post_feedforward_layernorm(self._mlp(
+                self.pre_feedforward_layernorm(x), lora))
         x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self._mlp(self.post_attention_layernorm(x), lora)
+
+    def _mlp(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
+        """The FFN, with the adapters' updates after gate|up and down (dense MLPs only:
+        models/lora.py refuses adapters of experts)."""
+        mlp = self.mlp
+        if lora is None or not isinstance(mlp, GatedMLP):
+            return mlp(x)
+        gate_up = mlp.gate_up_proj(x)
+        lora.apply(self.self_attn.layer_id, "gate_up", x, gate_up)
+        act = gated_act(gate_up, mlp.hidden_act, mlp.act_rows)
+        out = mlp.down_proj(act)
+        lora.apply(self.self_attn.layer_id, "down", act, out)
+        return out
 
 
 class DecoderForCausalLM(nn.Module):
@@ -150,17 +172,20 @@ class DecoderForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, lora: LoRABatch | None = None) -> torch.Tensor:
         """input_ids, positions: [T]. Writes K/V of every token into kv_caches (one (k, v)
-        per layer). Returns final hidden states [T, d] (normed)."""
+        per layer). Returns final hidden states [T, d] (normed). `lora`: the LoRA adapters
+        of the step's rows (models/lora.py), or None; a step with any adapter row runs the
+        modules, not the native decode stack."""
         if self._stack is _UNBUILT:
             self._stack = NativeDecodeStack.build(self)
-        if self._stack is not None and self._stack.applies(self, input_ids.shape[0], meta):
+        if lora is None and self._stack is not None and \
+                self._stack.applies(self, input_ids.shape[0], meta):
             return self._stack.forward(self, input_ids, positions, kv_caches, meta)
         x = self.embed(input_ids)
         self.set_rotary(meta, positions)
         for layer, kv in zip(self.layers, kv_caches):
-            x = layer(x, kv, meta.group(layer.kv_group))
+            x = layer(x, kv, meta.group(layer.kv_group), lora)
         return self.norm(x)
 
     def set_rotary(self, meta: AttentionMetadata, positions: torch.Tensor) -> None:

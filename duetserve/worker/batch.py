@@ -42,6 +42,7 @@ class SeqWork:
     # the drafts' K/V are written before any read), all with logits. So a verify row runs
     # the very kernels a plain decode of that position runs.
     num_spec: int = 0
+    lora_slot: int = -1        # the LoRA slot of the request's adapter (-1: none)
 
 
 def _expand_verify(work: list[SeqWork]) -> list[SeqWork]:
@@ -61,7 +62,8 @@ def _as_rows(w: SeqWork, every_row_logits: bool = False) -> list[SeqWork]:
     slice) or, for a prompt chunk, only on the last and only if the slice needs them."""
     last = len(w.token_ids) - 1
     return [SeqWork(w.req_id, [t], w.start_pos + j, w.block_ids,
-                    every_row_logits or (w.needs_logits and j == last))
+                    every_row_logits or (w.needs_logits and j == last),
+                    lora_slot=w.lora_slot)
             for j, t in enumerate(w.token_ids)]
 
 
@@ -74,6 +76,8 @@ class StepBatch:
     logits_req_ids: list[str]      # request of each logits row (k+1 rows for a verify
                                    # slice, in position order)
     order: list[str]               # request ids in flat-batch order (first row of each)
+    lora_slots: list[int] | None = None  # each row's LoRA slot (-1: none); None: no row
+                                         # uses an adapter
 
 
 def _slots(block_ids: list[int], positions: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -120,10 +124,13 @@ def build_step_batch(work: list[SeqWork], block_size: int, device: torch.device 
         if w.needs_logits:
             logits_idx.append(offset - 1)
             logits_req.append(w.req_id)
+    lora_slots = None
+    if any(w.lora_slot >= 0 for w in ordered):
+        lora_slots = [w.lora_slot for w in ordered for _ in w.token_ids]
     return StepBatch(torch.tensor(ids, dtype=torch.long, device=device),
                      torch.tensor(pos, dtype=torch.long).to(device), meta,
                      torch.tensor(logits_idx, dtype=torch.long), logits_req,
-                     list(dict.fromkeys(w.req_id for w in ordered)))
+                     list(dict.fromkeys(w.req_id for w in ordered)), lora_slots)
 
 
 def _group_meta(ordered: list[SeqWork], decodes: list[SeqWork], prefills: list[SeqWork],

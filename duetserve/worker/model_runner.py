@@ -17,6 +17,7 @@ from duetserve.structured import GrammarCompiler, GrammarState
 from duetserve.worker.batch import SeqWork, build_step_batch, chunk_rows
 from duetserve.worker.grammar_mask import GrammarMasker
 from duetserve.worker.kv_cache import allocate_kv_cache
+from duetserve.worker.lora_slots import LoRASlots
 from duetserve.worker.sampler import compute_prompt_logprobs
 from duetserve.worker.sampling import StepSampler
 
@@ -31,6 +32,7 @@ class RunnerRequestState:
     num_computed_tokens: int
     prompt_logprobs: list | None = None    # accumulated over prefill chunks
     grammar: GrammarState | None = None    # constrained decoding: advanced per kept token
+    lora_id: int = 0                       # its LoRA adapter's lora_int_id (0: none)
 
 
 class ModelRunner:
@@ -38,7 +40,8 @@ class ModelRunner:
                  block_size: int, dtype: torch.dtype, device: str = "cpu",
                  grammars: GrammarCompiler | None = None,
                  kv_buffer: torch.Tensor | None = None, speculator=None,
-                 kv_prefault: bool = False, deterministic: bool = False) -> None:
+                 kv_prefault: bool = False, deterministic: bool = False,
+                 lora_slots: LoRASlots | None = None) -> None:
         """`grammars` compiles the constraints of guided requests (None: the runner
         refuses them). `kv_buffer`: uint8 memory to hold the KV cache (shareable memory
         of a disaggregated instance); None allocates it. `speculator`: a
@@ -46,7 +49,8 @@ class ModelRunner:
         ones); None: no speculative decoding. `kv_prefault`: map every page of the KV
         cache now (worker/kv_cache.py allocate_kv_cache). `deterministic`: every prompt
         token runs as a decode row (the paged attention's per-row order; the model's own
-        kernels were made row-invariant at load, models/kernels.py)."""
+        kernels were made row-invariant at load, models/kernels.py). `lora_slots`: the
+        resident LoRA adapters (worker/lora_slots.py); None: one slot of rank up to 16."""
         self.model = model
         self.config = model_config
         self.block_size = block_size
@@ -67,6 +71,7 @@ class ModelRunner:
         # each KV group's sliding window (block ids of a request interleave the groups')
         self.kv_windows = tuple(g.window for g in model_config.kv_groups())
         self.speculator = speculator
+        self.lora = lora_slots or LoRASlots(model_config, 1, 16)
 
     # -- state -------------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -79,10 +84,13 @@ class ModelRunner:
         for new in so.scheduled_new_reqs:
             # NOTE: a request resumed after preemption needs nothing carried over: seeded
             # randomness is keyed by output position (worker/seeded.py).
+            lora = new.lora_request
+            if lora is not None:       # resident before the step runs (evicting an idle one)
+                self.lora.activate(lora, {st.lora_id for st in self.requests.values()})
             self.requests[new.req_id] = RunnerRequestState(
                 new.req_id, list(new.token_ids), new.num_prompt_tokens, new.sampling_params,
                 list(new.block_ids), new.num_computed_tokens,
-                grammar=self._grammar_state(new))
+                grammar=self._grammar_state(new), lora_id=lora.lora_int_id if lora else 0)
         for diff in so.scheduled_cached_reqs:
             st = self.requests[diff.req_id]
             st.block_ids.extend(diff.new_block_ids)
@@ -130,7 +138,9 @@ class ModelRunner:
         plain = [r for r in rows if r not in spec]
         states = [self.requests[r] for r in plain]
         self.sampler.prefetch_masks(states)      # grammar masks overlap the forward pass
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+        lora = self.lora.step_batch(batch.lora_slots)
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta,
+                            lora)
         prompt_lps = self._prompt_logprobs(so, batch.order, hidden)
         # logits rows are increasing: as many as the rows means every row, in order (a
         # decode-only step), and the gather is skipped
@@ -168,7 +178,8 @@ class ModelRunner:
             end = start + n - len(drafts)       # known tokens; drafts follow them
             assert end <= len(st.token_ids), (req_id, start, n, len(st.token_ids))
             work.append(SeqWork(req_id, st.token_ids[start:end] + drafts, start,
-                                st.block_ids, end == len(st.token_ids), len(drafts)))
+                                st.block_ids, end == len(st.token_ids), len(drafts),
+                                self.lora.slot_of(st.lora_id)))
         return work
 
     def _advance(self, so: SchedulerOutput, order: list[str], kept: dict[str, list[int]]

@@ -3,6 +3,7 @@
     POST /v1/completions, /v1/chat/completions     (serving.py: prompt, params,
                                                     generation, render_*.py)
     GET  /v1/models, /health, /version, /metrics
+    POST /v1/load_lora_adapter, /v1/unload_lora_adapter   (lora_routes.py)
     GET  /load, POST /kv/release                   (prefill/decode disaggregation)
     GET  /, /ui, /dashboard, /ui/info, /dashboard/data   (entrypoints/web/)
 
@@ -27,6 +28,7 @@ from duetserve.entrypoints.openai.protocol import (ChatCompletionRequest, Comple
                                                    error_body)
 from duetserve.entrypoints.openai.http_guard import RequestGuard
 from duetserve.entrypoints.openai.context import APIError, ServerContext
+from duetserve.entrypoints.openai.lora_routes import LoRARegistry, add_lora_routes
 from duetserve.entrypoints.openai.serving import create_chat_completion, create_completion
 from duetserve.entrypoints.web import PAGE_PATHS
 from duetserve.entrypoints.web.server_routes import install as install_web_pages
@@ -84,8 +86,11 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     """The app; the engine thread starts and stops with the app's lifespan. Bodies past
     `max_request_bytes` get 413 before parsing; a body stalling `read_timeout` s, 408."""
     metrics = server_metrics(engine, served_model_name)
-    ctx = ServerContext(engine, served_model_name, engine.engine.model_config.vocab_size,
-                        engine.max_model_len, on_first_chunk=metrics.observe_first_chunk)
+    core = engine.engine
+    loras = LoRARegistry(core.runner.lora.check, served_model_name, core.config.lora_modules)
+    ctx = ServerContext(engine, served_model_name, core.model_config.vocab_size,
+                        engine.max_model_len, on_first_chunk=metrics.observe_first_chunk,
+                        loras=loras)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -107,6 +112,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     add_generation_routes(app, ctx)
     add_info_routes(app, ctx, metrics, model_path)
     add_disaggregation_routes(app, ctx)
+    add_lora_routes(app, ctx)
     install_web_pages(app, engine, served_model_name)   # /, /ui, /dashboard (web/)
     return app
 
@@ -196,10 +202,13 @@ def add_info_routes(app: FastAPI, ctx: ServerContext, metrics: ServerMetrics,
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{
-            "id": ctx.served_model_name, "object": "model", "created": created,
-            "owned_by": "duetserve", "root": model_path or ctx.served_model_name,
-            "max_model_len": engine.max_model_len}]}
+        base = {"id": ctx.served_model_name, "object": "model", "created": created,
+                "owned_by": "duetserve", "root": model_path or ctx.served_model_name,
+                "parent": None, "max_model_len": engine.max_model_len}
+        adapters = [{**base, "id": lora.lora_name, "root": lora.lora_path,
+                     "parent": ctx.served_model_name}
+                    for lora in list(ctx.loras.by_name.values())]
+        return {"object": "list", "data": [base, *adapters]}
 
     @app.get("/health")
     async def health():

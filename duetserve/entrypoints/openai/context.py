@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse
 
 from duetserve.engine.async_engine import AsyncEngine
 from duetserve.entrypoints.openai.protocol import error_body
+from duetserve.request import LoRARequest
 
 TOKEN_TEXT_CACHE = 200_000     # token id -> text entries kept for logprobs
 
@@ -71,6 +72,8 @@ class ServerContext:
     # fn(seconds from arrival) when a streamed request's first chunk goes to the HTTP
     # server (the metrics' time-to-first-chunk histogram); None: not observed.
     on_first_chunk: Callable[[float], None] | None = None
+    # the LoRA adapters served by name (lora_routes.LoRARegistry); None: none
+    loras: object | None = None
     draining: bool = False
     in_flight: InFlight = field(default_factory=InFlight)
     tokenizer: object = field(init=False)
@@ -85,10 +88,19 @@ class ServerContext:
         self.max_n = self.core.config.max_n
         self.max_prompt_chars = _max_prompt_chars(self.tokenizer, self.max_model_len)
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.served_model_name:
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter `model` names (None: the base model). APIError 404 naming the
+        model when it is neither the base nor a registered adapter."""
+        if model is None or model == self.served_model_name:
+            return None
+        lora = None if self.loras is None else self.loras.get(model)
+        if lora is None:
+            names = [] if self.loras is None else self.loras.names()
+            also = f" and the LoRA adapter(s) {', '.join(f'`{n}`' for n in names)}" \
+                if names else ""
             raise APIError(f"the model `{model}` does not exist; this server serves "
-                           f"`{self.served_model_name}`", 404, "model", "NotFoundError")
+                           f"`{self.served_model_name}`{also}", 404, "model", "NotFoundError")
+        return lora
 
     def check_admitting(self) -> None:
         if self.draining:

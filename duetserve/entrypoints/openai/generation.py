@@ -25,6 +25,7 @@ from duetserve.errors import EngineOverloadedError, RequestError
 from duetserve.kv_transfer.params import PARAM as KV_PARAM
 from duetserve.kv_transfer.params import parse_request_params
 from duetserve.outputs import OutputAccumulator, RequestMetrics, RequestOutput
+from duetserve.request import LoRARequest
 from duetserve.sampling_params import SamplingParams
 
 
@@ -87,10 +88,11 @@ class Generation:
         self._watcher: asyncio.Task | None = None
         self._closed = False
 
-    async def start(self, prompts: list[Prompt], params: SamplingParams, field: str
-                    ) -> None:
-        """Add every prompt (the engine validates each, once). Raises APIError for the
-        first refused; the ones added before it are aborted (nothing left queued)."""
+    async def start(self, prompts: list[Prompt], params: SamplingParams, field: str,
+                    lora: LoRARequest | None = None) -> None:
+        """Add every prompt (the engine validates each, once), under the LoRA adapter
+        `lora` (None: the base). Raises APIError for the first refused; the ones added
+        before it are aborted (nothing left queued)."""
         many = len(prompts) > 1
         self.prompts, self.params = prompts, params
         self.subs = [_Sub(f"{self.req_id}-p{i}" if many else self.req_id, ids, text)
@@ -99,7 +101,8 @@ class Generation:
         try:
             for sub in self.subs:
                 sub.stream = await self.ctx.engine.add_request(
-                    sub.req_id, sub.token_ids, params, sub.prompt, self.arrival_time)
+                    sub.req_id, sub.token_ids, params, sub.prompt, self.arrival_time,
+                    lora_request=lora)
         except EngineOverloadedError as e:
             self.close()
             raise overloaded(str(e)) from None

@@ -10,19 +10,22 @@ from duetserve.entrypoints.openai import tools as tool_plans
 from duetserve.entrypoints.openai.context import APIError, ServerContext
 from duetserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from duetserve.errors import RequestError
+from duetserve.request import LoRARequest
 
 Prompt = tuple[list[int], "str | None"]       # (token ids, the text when given as text)
 
 
 def check_request(ctx: ServerContext, body: CompletionRequest | ChatCompletionRequest
-                  ) -> None:
+                  ) -> LoRARequest | None:
     """The server admits requests, serves the model named, and implements every field the
-    body sets (else an APIError naming the first one)."""
+    body sets (else an APIError naming the first one). Returns the LoRA adapter the model
+    names (None: the base model)."""
     ctx.check_admitting()
-    ctx.check_model(body.model)
+    lora = ctx.check_model(body.model)
     bad = body.unsupported_field()
     if bad is not None:
         raise APIError(bad[1], param=bad[0])
+    return lora
 
 
 async def completion_prompts(ctx: ServerContext, body: CompletionRequest) -> list[Prompt]:

@@ -16,6 +16,7 @@ from duetserve.entrypoints.cli import UserError
 from duetserve.entrypoints.engine_args import add_engine_arguments, build_engine
 from duetserve.entrypoints.shared_args import add_bind_arguments, add_kv_backend_argument
 from duetserve.entrypoints.web import page_url
+from duetserve.errors import LoRAError
 from duetserve.kv_transfer.config import COMPRESSIONS, ROLES
 
 
@@ -120,8 +121,12 @@ def build_server(args: argparse.Namespace):
         name, path = served_name(getattr(args, "model_pos", None) or args.model)
         name = args.served_model_name or name
         api_key = args.api_key or os.environ.get("DUET_API_KEY") or None
-        app = build_app(engine, name, api_key, path, max_request_bytes=args.max_request_bytes,
-                        read_timeout=args.header_timeout)
+        try:
+            app = build_app(engine, name, api_key, path,
+                            max_request_bytes=args.max_request_bytes,
+                            read_timeout=args.header_timeout)
+        except LoRAError as e:            # a bad --lora-modules adapter
+            raise UserError(f"--lora-modules: {e}") from None
         log = logging.getLogger("duetserve.serve")
         log.info("serving %s at http://%s:%d/v1 (max_model_len %d%s)", name, args.host,
                  args.port, core.max_model_len, ", API key required" if api_key else "")

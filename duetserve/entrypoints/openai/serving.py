@@ -22,21 +22,21 @@ from duetserve.entrypoints.openai.render_completion import CompletionRenderer
 
 async def create_completion(ctx: ServerContext, body: CompletionRequest, raw: Request):
     """POST /v1/completions."""
-    check_request(ctx, body)
+    lora = check_request(ctx, body)
     params = await completion_params(ctx, body)
     prompts = await completion_prompts(ctx, body)
     gen = Generation(ctx, raw, "cmpl", body.kv_transfer_params)
-    await gen.start(prompts, params, "prompt")
+    await gen.start(prompts, params, "prompt", lora)
     return await CompletionRenderer(ctx, body, gen).response()
 
 
 async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest,
                                  raw: Request):
     """POST /v1/chat/completions."""
-    check_request(ctx, body)
+    lora = check_request(ctx, body)
     plan = tool_plan(body)
     prompt = await chat_prompt(ctx, body, plan)
     params = await chat_params(ctx, body, plan)
     gen = Generation(ctx, raw, "chatcmpl", body.kv_transfer_params)
-    await gen.start([prompt], params, "messages")
+    await gen.start([prompt], params, "messages", lora)
     return await ChatRenderer(ctx, body, plan, gen).response()

@@ -1,0 +1,201 @@
+"""LoRA adapters (PEFT files made with peft) on the decoder against the same adapter merged
+into the weights and run by transformers (float32), and the adapter checks' errors."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from lora_helpers import make_adapter, merged_reference
+from model_helpers import rel_err
+from tiny_models import make_tiny_checkpoint
+from duetserve.errors import LoRAError
+from duetserve.loader import load_model
+from duetserve.models.lora import LoRABatch, load_adapter
+from duetserve.worker.batch import SeqWork, build_step_batch
+from duetserve.worker.kv_cache import allocate_kv_cache
+
+PROMPTS = [[5, 17, 99, 3, 250, 42, 42, 7, 128, 64, 1], [200, 33, 12, 90, 91],
+           [92, 150, 11, 8, 8, 9, 70, 71, 72], [3, 4], [260, 14, 15, 16, 17, 18, 19]]
+# (rank, alpha, rsLoRA, targets)
+ADAPTERS = [(4, 8, False, None), (8, 16, True, None), (2, 4, False, None),
+            (6, 3, False, ["q_proj", "v_proj", "up_proj"])]
+
+
+@pytest.fixture(scope="module")
+def lora_setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora")
+    base = make_tiny_checkpoint(str(root / "base"), "llama-gqa-untied")
+    adapters = [make_adapter(base, str(root / f"a{i}"), seed=i + 1, r=r, alpha=alpha,
+                             use_rslora=rs, targets=t)
+                for i, (r, alpha, rs, t) in enumerate(ADAPTERS)]
+    return base, adapters, load_model(base)
+
+
+def _last_logits(loaded, prompts: list[list[int]], slots: list[int],
+                 adapters: list) -> list[torch.Tensor]:
+    """One prefill step of every prompt (prompt i under adapter slot slots[i], -1: none);
+    the last position's logits of each."""
+    bs = 4
+    kv = allocate_kv_cache(loaded.config, 64, bs, torch.float32, "cpu")
+    work, next_block = [], 0
+    for i, (p, s) in enumerate(zip(prompts, slots)):
+        n = (len(p) + bs - 1) // bs
+        work.append(SeqWork(str(i), p, 0, list(range(next_block, next_block + n)), True,
+                            lora_slot=s))
+        next_block += n
+    batch = build_step_batch(work, bs)
+    with torch.inference_mode():
+        hidden = loaded.model(batch.input_ids, batch.positions, kv, batch.meta,
+                              LoRABatch.from_rows(batch.lora_slots or [], adapters))
+        logits = loaded.model.compute_logits(hidden[batch.logits_indices])
+    by_id = dict(zip(batch.logits_req_ids, logits))
+    return [by_id[str(i)] for i in range(len(prompts))]
+
+
+_MERGED: dict = {}
+
+
+def _reference(base: str, adapter: str | None, prompt: list[int]) -> torch.Tensor:
+    """The merged reference's last logits (each merged model built once)."""
+    if (base, adapter) not in _MERGED:
+        _MERGED[base, adapter] = merged_reference(base, adapter)
+    with torch.no_grad():
+        return _MERGED[base, adapter](torch.tensor([prompt])).logits[0, -1]
+
+
+def test_each_adapter_matches_merged_reference(lora_setup):
+    base, paths, loaded = lora_setup
+    cfg = loaded.config
+    adapters = [load_adapter(p, cfg, max_rank=16) for p in paths]
+    base_ref = _reference(base, None, PROMPTS[0])
+    for i, path in enumerate(paths):
+        ref = _reference(base, path, PROMPTS[0])
+        assert rel_err(ref, base_ref) > 0.05           # the adapter changes the model
+        ours = _last_logits(loaded, PROMPTS[:1], [i], adapters)[0]
+        assert rel_err(ours, ref) < 1e-4, (i, rel_err(ours, ref))
+
+
+def test_mixed_adapters_in_one_step(lora_setup):
+    """Five prompts in one step: four adapters and the base, each row its own."""
+    base, paths, loaded = lora_setup
+    adapters = [load_adapter(p, loaded.config, max_rank=16) for p in paths]
+    slots = [2, -1, 0, 3, 1]
+    ours = _last_logits(loaded, PROMPTS, slots, adapters)
+    for prompt, slot, got in zip(PROMPTS, slots, ours):
+        ref = _reference(base, None if slot < 0 else paths[slot], prompt)
+        assert rel_err(got, ref) < 1e-4, (slot, rel_err(got, ref))
+    # no adapter row: no LoRABatch at all
+    assert LoRABatch.from_rows([-1, -1], adapters) is None
+
+
+def test_scaling_and_fused_layout(lora_setup):
+    _, paths, loaded = lora_setup
+    cfg = loaded.config
+    full = load_adapter(paths[1], cfg, max_rank=16)      # r=8, alpha=16, rsLoRA
+    assert full.rank == 8 and full.scaling == pytest.approx(16 / 8 ** 0.5)
+    a, b = full.layers[0]["qkv"]
+    assert a.shape == (3 * 8, cfg.hidden_size)
+    assert b.shape == (cfg.q_size + 2 * cfg.kv_size, 3 * 8)
+    assert b[:cfg.q_size, 8:].abs().sum() == 0           # q's rows read q's A only
+    part = load_adapter(paths[3], cfg, max_rank=16)      # q, v and up only
+    assert part.scaling == pytest.approx(3 / 6)
+    assert set(part.layers[0]) == {"qkv", "gate_up"}
+    a, b = part.layers[0]["qkv"]
+    assert a.shape == (2 * 6, cfg.hidden_size)
+    assert b[cfg.q_size:cfg.q_size + cfg.kv_size].abs().sum() == 0   # k untouched
+    a, b = part.layers[0]["gate_up"]
+    assert b[:cfg.intermediate_size].abs().sum() == 0                  # gate untouched
+
+
+# -- bad adapters ------------------------------------------------------------------------
+
+def _copy(src: str, dst) -> str:
+    shutil.copytree(src, dst)
+    return str(dst)
+
+
+def _edit_config(path: str, **changes) -> None:
+    file = os.path.join(path, "adapter_config.json")
+    with open(file) as f:
+        cfg = json.load(f)
+    cfg.update(changes)
+    with open(file, "w") as f:
+        json.dump(cfg, f)
+
+
+def _edit_weights(path: str, fn) -> None:
+    file = os.path.join(path, "adapter_model.safetensors")
+    tensors = fn(load_file(file))
+    save_file(tensors, file)
+
+
+def test_bad_adapters_name_the_problem(lora_setup, tmp_path):
+    _, paths, loaded = lora_setup
+    cfg = loaded.config
+
+    def fails(path: str, match: str, max_rank: int = 16) -> None:
+        with pytest.raises(LoRAError, match=match):
+            load_adapter(path, cfg, max_rank)
+        with pytest.raises(LoRAError, match=match):        # the header-only check too
+            load_adapter(path, cfg, max_rank, weights=False)
+
+    fails(str(tmp_path / "nowhere"), "is not a folder")
+    p = _copy(paths[0], tmp_path / "no_config")
+    os.remove(os.path.join(p, "adapter_config.json"))
+    fails(p, "has no adapter_config.json")
+    p = _copy(paths[0], tmp_path / "no_weights")
+    os.remove(os.path.join(p, "adapter_model.safetensors"))
+    fails(p, "has no adapter_model.safetensors")
+    p = _copy(paths[0], tmp_path / "bad_json")
+    with open(os.path.join(p, "adapter_config.json"), "w") as f:
+        f.write("{not json")
+    fails(p, "malformed adapter_config.json")
+    p = _copy(paths[0], tmp_path / "bad_tensors")
+    with open(os.path.join(p, "adapter_model.safetensors"), "wb") as f:
+        f.write(b"\x10\x00\x00\x00\x00\x00\x00\x00garbage")
+    fails(p, "malformed adapter_model.safetensors")
+    fails(paths[1], r"rank 8, above the limit of 4 \(max_lora_rank\)", max_rank=4)
+    p = _copy(paths[0], tmp_path / "dora")
+    _edit_config(p, use_dora=True)
+    fails(p, "DoRA is not supported")
+    p = _copy(paths[0], tmp_path / "targets")
+    _edit_config(p, target_modules=["q_proj", "c_attn"])
+    fails(p, r"targets module\(s\) \['c_attn'\] the model does not have")
+    p = _copy(paths[0], tmp_path / "lm_head")
+    _edit_weights(p, lambda t: {**t, "base_model.model.lm_head.lora_A.weight":
+                                torch.zeros(4, cfg.hidden_size)})
+    fails(p, "'base_model.model.lm_head.lora_A.weight' targets a module the model does not")
+    p = _copy(paths[0], tmp_path / "layers")
+    _edit_weights(p, lambda t: {k.replace("layers.2.", "layers.7."): v for k, v in t.items()})
+    fails(p, "is for layer 7, the model has 3 layers")
+    p = _copy(paths[0], tmp_path / "shape")      # made for a wider base model
+    _edit_weights(p, lambda t: {k: torch.zeros(v.shape[0], 2 * v.shape[1])
+                                if "q_proj.lora_A" in k else v for k, v in t.items()})
+    fails(p, r"does not fit the model \(a different base model\?\).*q_proj.lora_A.weight' "
+             r"is \[4, 128\], the model needs \[4, 64\]")
+    p = _copy(paths[0], tmp_path / "half")
+    _edit_weights(p, lambda t: {k: v for k, v in t.items() if "layers.1.mlp.down_proj.lora_B"
+                                not in k})
+    fails(p, "layer 1 has lora_A of a module without its other half")
+
+
+def test_lowbit_base_with_adapter(lora_setup):
+    """The QLoRA serving case: int8 base weights, float32 adapter. Its error against the
+    float32 merged reference stays at the low-bit base's own error against its float32
+    reference, and it is far from the base without the adapter."""
+    base, paths, _ = lora_setup
+    loaded = load_model(base, quantization="int8")
+    assert loaded.quant_summary.get("int8")                  # the linears are low-bit
+    adapter = load_adapter(paths[0], loaded.config, max_rank=16)
+    prompt = PROMPTS[0]
+    base_err = rel_err(_last_logits(loaded, [prompt], [-1], [])[0],
+                       _reference(base, None, prompt))
+    ours = _last_logits(loaded, [prompt], [0], [adapter])[0]
+    ref = _reference(base, paths[0], prompt)
+    assert rel_err(ours, ref) < 2 * base_err + 1e-3, (rel_err(ours, ref), base_err)
+    assert rel_err(ours, _reference(base, None, prompt)) > 10 * base_err
