@@ -5,8 +5,8 @@ models, saved as JSON so a calibration is reused and a GPU profile can be edited
      "description", "created",
      "scheduler": {max_num_batched_tokens, max_num_seqs, num_blocks, block_size,
                    max_model_len, enable_prefix_caching, kv_windows (each KV group's
-                   sliding window or null: the model's ModelConfig.kv_groups),
-                   step_time: the engine's own StepTime JSON | absent, max_step_ms},
+                   sliding window or null: the model's ModelConfig.kv_groups), max_loras
+                   (absent in older profiles: no cap), step_time: the engine's own StepTime JSON | absent, max_step_ms},
      "step_time": StepTime JSON (calibrated) | {"hardware", "model", "mfu", "mbu",
                   "step_overhead_ms", "request_overhead_ms", "peak_flops",
                   "mem_bandwidth", "weight_dtype", "kv_dtype"} (roofline),
@@ -43,7 +43,7 @@ from duetserve.sim.gpu import Efficiency, RooflineStepTime, kv_blocks, roofline_
 
 SCHEMA = "duet-sim-profile/2"
 SCHEDULER_KEYS = ("max_num_batched_tokens", "max_num_seqs", "num_blocks", "block_size",
-                  "max_model_len", "enable_prefix_caching", "kv_windows")
+                  "max_model_len", "enable_prefix_caching", "kv_windows", "max_loras")
 BUDGET_KEYS = ("step_time", "max_step_ms")       # the engine's StepBudget inputs
 # the engine's scheduling objective (EngineConfig fields of the same names, same defaults)
 POLICY_KEYS = ("scheduling_policy", "slo_ttft_ms", "slo_tpot_ms")
