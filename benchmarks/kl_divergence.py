@@ -131,13 +131,7 @@ def llama_cpp(model: str, token_chunks: list[list[int]], ctx: int, bin_dir: str,
                    capture_output=True)
     run = subprocess.run([exe, "-m", model, "--kl-divergence-base", base, "--kl-divergence"]
                          + common, check=True, capture_output=True, text=True)
-    text = run.stdout + run.stderr
-    mean = re.search(r"Mean\s+KLD:\s+([0-9.eE+-]+)", text)
-    same = re.search(r"Same top p:\s+([0-9.]+)", text)
-    p99 = re.search(r"99\.0%\s+KLD:\s+([0-9.eE+-]+)", text)
-    return {"mean_kld": float(mean.group(1)) if mean else None,
-            "p99_kld": float(p99.group(1)) if p99 else None,
-            "same_top1": float(same.group(1)) / 100 if same else None, "log_tail": text[-2000:]}
+    return _parse_kld(run.stdout + run.stderr)
 
 
 def _llama_bin(args) -> str:
@@ -229,14 +223,11 @@ def main() -> None:
     bin_dir = _llama_bin(args)
     result["llama.cpp"] = llama_cpp(args.model, token_chunks, args.ctx, bin_dir,
                                     args.threads, workdir)
-    print(f"{'path':<22} {'mean KLD':>10} {'p99 KLD':>10} {'same top-1':>10}")
+    print(f"{'path':<28} {'mean KLD':>10} {'p99 KLD':>10} {'same top-1':>10}")
     for name, r in (("duetserve prefill", result["duetserve"]["prefill"]),
                     ("duetserve decode", result["duetserve"]["decode"]),
                     ("llama.cpp", result["llama.cpp"])):
-        # llama-perplexity prints no mean/p99/top-1 on some short runs (--ctx 128 --chunks 1)
-        mean, p99, top1 = (float("nan") if r[k] is None else r[k]
-                           for k in ("mean_kld", "p99_kld", "same_top1"))
-        print(f"{name:<22} {mean:>10.5f} {p99:>10.5f} {top1:>10.3f}")
+        _row(name, r)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
 
