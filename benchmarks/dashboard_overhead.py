@@ -80,12 +80,14 @@ class Poller:
         self._thread.join()
 
 
-def start_server(serve_args: str) -> tuple[subprocess.Popen, str]:
+def start_server(serve_args: str, ready_s: float = 600) -> tuple[subprocess.Popen, str]:
+    """`duet serve --port P SERVE_ARGS` on a free port, once /health answers 200 (within
+    `ready_s`): (process, base URL). Also used by kv_store_restart.py."""
     port = free_port()
     proc = subprocess.Popen([PY, "-m", "duetserve", "serve", "--port", str(port),
                              *shlex.split(serve_args)])
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
+    deadline = time.monotonic() + ready_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise SystemExit(f"duet serve exited with {proc.returncode}")

@@ -29,7 +29,6 @@ import random
 import shlex
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -38,34 +37,17 @@ import time
 
 import httpx
 
-PY = sys.executable
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import dashboard_overhead  # noqa: E402  (its server start: one copy)
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(model: str | None, serve_args: str, store: str | None
                  ) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    cmd = [PY, "-m", "duetserve", "serve", *([model] if model else []), "--port", str(port),
-           *shlex.split(serve_args), *(["--kv-store", store] if store else [])]
-    proc = subprocess.Popen(cmd)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 900
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"duet serve exited with {proc.returncode}")
-        try:
-            if httpx.get(base + "/health", timeout=2).status_code == 200:
-                return proc, base
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.terminate()
-    raise SystemExit("duet serve did not become ready")
+    args = " ".join([shlex.quote(model)] if model else []) + " " + serve_args
+    if store:
+        args += " --kv-store " + shlex.quote(store)
+    return dashboard_overhead.start_server(args, ready_s=900)
 
 
 def stop(proc: subprocess.Popen) -> None:
