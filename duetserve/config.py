@@ -245,7 +245,8 @@ QUANTIZATIONS = ("auto", "none", "int8", "int4")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8", "int4")
 # Quantized KV caches (worker/kv_cache.py, models/kv_quant.py): each (token, KV head) row
 # holds its head_dim values packed (int8: one byte each; int4: two a byte) followed by
-# float16 scales, one per group of this many values (None: one for the whole head).
+# float16 scales, one per group of this many values (None: one for the whole head);
+# int8 keys are stored Walsh-Hadamard-rotated (kv_quant.rotate_keys).
 KV_QUANT_GROUP = {"int8": None, "int4": 32}
 
 

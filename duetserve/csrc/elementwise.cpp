@@ -179,7 +179,8 @@ static void rope_kv_impl(const float* qkv, const float* cs, const float* sn, KV*
 }
 
 // The same into a quantized cache (kv_rows.h's RowsQ8 / RowsQ4): K rotated into float32,
-// then each row quantized as it is written (rows W elements wide).
+// then each row quantized as it is written (rows W elements wide); for int8, K and the
+// returned q also get kv_rows.h's Walsh-Hadamard rotation.
 template <typename Rows>
 static void rope_kv_quant(const float* qkv, const float* cs, const float* sn,
                           typename Rows::E* kc, typename Rows::E* vc, const int64_t* slots,
@@ -197,6 +198,10 @@ static void rope_kv_quant(const float* qkv, const float* cs, const float* sn,
         float* o = h < H ? q + (t * H + h) * D : tmp.data();
         for (int64_t i = 0; i < half; ++i) o[i] = x[i] * c[i] + x[i + half] * s[i];
         for (int64_t i = half; i < D; ++i) o[i] = x[i] * c[i] + x[i - half] * s[i];
+        if (Rows::kRotatedKeys) {
+          if (h < H) rotate_query(o, D);
+          else fwht(o, D);
+        }
         if (h >= H) Rows::write(o, kc + (h - H) * head_stride + slots[t] * W, D);
       }
       for (int64_t h = 0; h < KVH; ++h)

@@ -4,6 +4,9 @@
 //   RowsQ8: D int8 | one scale              x = q * s
 //   RowsQ4: per group of 32 values 16 bytes (byte j = n[j] | n[j+16] << 4, n = q + 8),
 //           then D/32 scales                x = (n - 8) * s_group
+// int8 keys are stored rotated: fwht below (unnormalised Walsh-Hadamard over blocks of the
+// largest power of two dividing D); the queries meeting them get the same transform over
+// the block size (rotate_query), so q.k is unchanged (models/kv_quant.py says why).
 // width(D): a row's length in elements of E; scale(row): a factor of the whole row
 // (RowsQ8's scale, 1 elsewhere: RowsQ4 applies its group scales in value()/load16()).
 #pragma once
@@ -22,8 +25,28 @@ static inline float half_at(const void* p) {
 
 static inline void put_half(void* p, c10::Half h) { std::memcpy(p, &h.x, 2); }
 
+// x[0..D) in place: butterflies (a + b, a - b) over pairs h = 1, 2, 4, ... < B apart,
+// B = D & -D (the same sums in the same order as kv_quant.rotate_keys: the same bits).
+static inline void fwht(float* x, int64_t D) {
+  const int64_t B = D & -D;
+  for (int64_t h = 1; h < B; h <<= 1)
+    for (int64_t i = 0; i < D; i += 2 * h)
+      for (int64_t j = i; j < i + h; ++j) {
+        const float a = x[j], b = x[j + h];
+        x[j] = a + b;
+        x[j + h] = a - b;
+      }
+}
+
+static inline void rotate_query(float* q, int64_t D) {
+  fwht(q, D);
+  const float inv = 1.f / static_cast<float>(D & -D);     // a power of two: exact
+  for (int64_t i = 0; i < D; ++i) q[i] *= inv;
+}
+
 struct RowsF32 {
   using E = float;
+  static constexpr bool kRotatedKeys = false;
   static int64_t width(int64_t D) { return D; }
   static float scale(const E*, int64_t) { return 1.f; }
   static float value(const E* r, int64_t d, int64_t) { return r[d]; }
@@ -32,6 +55,7 @@ struct RowsF32 {
 
 struct RowsBF16 {
   using E = at::BFloat16;
+  static constexpr bool kRotatedKeys = false;
   static int64_t width(int64_t D) { return D; }
   static float scale(const E*, int64_t) { return 1.f; }
   static float value(const E* r, int64_t d, int64_t) { return static_cast<float>(r[d]); }
@@ -42,6 +66,7 @@ struct RowsBF16 {
 
 struct RowsQ8 {
   using E = int8_t;
+  static constexpr bool kRotatedKeys = true;
   static int64_t width(int64_t D) { return D + 2; }
   static float scale(const E* r, int64_t D) { return half_at(r + D); }
   static float value(const E* r, int64_t d, int64_t) { return static_cast<float>(r[d]); }
@@ -58,6 +83,7 @@ struct RowsQ8 {
 
 struct RowsQ4 {
   using E = uint8_t;
+  static constexpr bool kRotatedKeys = false;
   static int64_t width(int64_t D) { return D / 2 + 2 * (D / 32); }
   static float scale(const E*, int64_t) { return 1.f; }
   static float value(const E* r, int64_t d, int64_t D) {

@@ -24,7 +24,7 @@ from duetserve.kv_transfer.disk_store import DiskKVStore, file_identity
 from duetserve.loader import LoadedModel
 
 log = logging.getLogger("duetserve.kv_store")
-FORMAT = 1          # bump when a block's payload layout changes
+FORMAT = 2          # bump when a block's payload layout changes (2: int8 keys rotated)
 
 
 def store_fingerprint(config: EngineConfig, loaded: LoadedModel, mcfg: ModelConfig,

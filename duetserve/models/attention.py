@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from duetserve.models.kv_quant import dequantize, is_quantized, quantize
+from duetserve.models.kv_quant import (dequantize, is_quantized, quantize, rotate_keys,
+                                        rotate_queries)
 from duetserve.models.layers import RotaryEmbedding
 
 # A prefix chunk whose score matrix (heads x chunk x context) has at most this many
@@ -151,6 +152,8 @@ class TorchAttention(AttentionBackend):
         # NOTE: every token's K/V is written before any read, so a sequence may attend to
         # blocks another sequence of the same step is filling (shared-prefix siblings).
         kvd = k_cache.dtype             # may be narrower than q (--kv-cache-dtype)
+        if k_cache.dtype == torch.int8:        # int8 keys are stored rotated (kv_quant)
+            q, k = rotate_queries(q), rotate_keys(k.float())
         if is_quantized(k_cache):
             # the chunk attends to its own K/V as stored (as a later chunk, a prefix hit
             # or a decode step reads them): the same results however a prompt is split

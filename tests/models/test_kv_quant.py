@@ -12,7 +12,8 @@ import torch.nn.functional as F
 
 from duetserve.config import ModelConfig
 from duetserve.kv_transfer.layout import KVLayout
-from duetserve.models.kv_quant import dequantize, quantize
+from duetserve.models.kv_quant import (dequantize, quantize, rotate_keys, rotate_queries,
+                                        rotation_block)
 from duetserve.models.native import ops
 from duetserve.worker.kv_cache import kv_row_elems, num_blocks_for_memory
 
@@ -55,7 +56,8 @@ def test_round_trip_within_half_a_step(kind, hd):
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_native_cache_write_stores_the_torch_bytes(kind):
     """rope_kv_write with an identity rotation (cos 1, sin 0) into a quantized cache
-    writes exactly quantize()'s rows for K and V (same scales, same rounding)."""
+    writes exactly quantize()'s rows for K and V (same scales, same rounding; int8 keys
+    after rotate_keys, and the returned queries rotate_queries', bit for bit)."""
     kvh, heads, hd, bs, nb, t = 2, 4, 64, 4, 8, 5
     g = torch.Generator().manual_seed(1)
     qkv = torch.randn(t, (heads + 2 * kvh) * hd, generator=g) * 3
@@ -66,12 +68,31 @@ def test_native_cache_write_stores_the_torch_bytes(kind):
     slots = torch.tensor([3, 9, 10, 17, 30])
     cos, sin = torch.ones(t, 1, hd), torch.zeros(t, 1, hd)
     q = native.rope_kv_write(qkv, cos, sin, kc, vc, slots, heads, kvh)
-    torch.testing.assert_close(q, qkv[:, :heads * hd].view(t, heads, hd))
+    q_in = qkv[:, :heads * hd].view(t, heads, hd)
     k = qkv[:, heads * hd:(heads + kvh) * hd].view(t, kvh, hd)
+    if kind == "int8":
+        q_in, k = rotate_queries(q_in), rotate_keys(k)
+    assert torch.equal(q, q_in)
     v = qkv[:, (heads + kvh) * hd:].view(t, kvh, hd)
     for cache, x in ((kc, k), (vc, v)):
         assert torch.equal(cache.view(kvh, -1, w)[:, slots], quantize(x, STORAGE[kind])
                            .transpose(0, 1))
+
+
+@pytest.mark.parametrize("hd", [64, 96, 128])
+def test_rotation_keeps_dot_products_and_spreads_outliers(hd):
+    """rotate_queries(q) . rotate_keys(k) == q . k (blocks of the largest power of two
+    dividing head_dim: 96 -> 32), and a key with one outlier channel loses most of its
+    int8 error once rotated (the reason int8 keys are stored rotated)."""
+    g = torch.Generator().manual_seed(2)
+    q, k = torch.randn(20, hd, generator=g), torch.randn(20, hd, generator=g)
+    assert rotation_block(hd) == {64: 64, 96: 32, 128: 128}[hd]
+    torch.testing.assert_close(rotate_queries(q) @ rotate_keys(k).T, q @ k.T)
+    k[:, 3] *= 30
+    plain = (dequantize(quantize(k, torch.int8), hd) - k).norm()
+    rk = rotate_keys(k)
+    rotated = (dequantize(quantize(rk, torch.int8), hd) - rk).norm() / rotation_block(hd) ** 0.5
+    assert rotated < plain / 2
 
 
 def _case(kind, kvh, heads, hd, nb=40, bs=16, lens=(1, 15, 16, 17, 130), seed=0):
