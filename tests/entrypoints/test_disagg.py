@@ -117,6 +117,22 @@ def test_chat_matches_colocated(cluster, stream):
     assert _norm(got) == _norm(ref)
 
 
+def test_int8_kv_through_the_router_matches_colocated():
+    """--kv-cache-dtype int8 on every instance: the prefill instance ships its int8 rows
+    as stored (rotated keys and scales included), and the answers through the router
+    equal a colocated int8 server's."""
+    body = {"prompt": PROMPTS[:6], "max_tokens": 8, "temperature": 0, "logprobs": 2}
+    int8 = (*PD, "--kv-cache-dtype", "int8")
+    with ServerProcess(*int8) as colo, \
+            ServerProcess(*int8, "--role", "prefill", "--kv-transfer-timeout",
+                          str(TIMEOUT_S)) as prefill, \
+            ServerProcess(*int8, "--role", "decode") as decode, \
+            RouterProcess([prefill], [decode]) as router:
+        ref = _collect(colo.base, body)
+        assert _norm(_collect(router.base, body)) == _norm(ref)
+        assert 'kv_cache_dtype="int8"' in httpx.get(decode.base + "/metrics", timeout=5).text
+
+
 def _load(proc: ServerProcess) -> dict:
     return httpx.get(proc.base + "/load", timeout=5).json()
 
