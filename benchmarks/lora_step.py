@@ -4,7 +4,7 @@ adapter row falls back to), and with one adapter per row (B distinct adapters, r
 attention and MLP projections). Random adapters are written in the PEFT format.
 
     PYTHONPATH=. .venv/bin/python benchmarks/lora_step.py [--model PATH] [--rows 8]
-        [--rank 16] [--context 256] [--steps 50]
+        [--rank 16] [--context 256] [--steps 50] [--lora-dtype float32|bfloat16]
 """
 from __future__ import annotations
 
@@ -53,12 +53,13 @@ def main() -> None:
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--lora-dtype", default="float32", choices=["float32", "bfloat16"])
     args = p.parse_args()
-    loaded = load_model(args.model)
+    loaded = load_model(args.model, quantization="auto")   # the engine's default
     model, cfg, bs = loaded.model, loaded.config, 16
     tmp = tempfile.mkdtemp()
-    adapters = [load_adapter(write_adapter(f"{tmp}/a{i}", cfg, args.rank, i), cfg, args.rank)
-                for i in range(args.rows)]
+    adapters = [load_adapter(write_adapter(f"{tmp}/a{i}", cfg, args.rank, i), cfg, args.rank,
+                             dtype=getattr(torch, args.lora_dtype)) for i in range(args.rows)]
     per_seq = (args.context + args.steps + bs) // bs
     kv = allocate_kv_cache(cfg, per_seq * args.rows, bs, loaded.dtype, "cpu")
     paged = getattr(model.layers[0].self_attn.backend, "paged_decode", None) is not None
@@ -85,7 +86,8 @@ def main() -> None:
     base = run(None)
     modules = run(None, modules=True)
     mixed = run(lora)
-    print(f"{args.rows} decode rows, context {args.context}, rank {args.rank}: "
+    print(f"{args.rows} decode rows, context {args.context}, rank {args.rank} "
+          f"({args.lora_dtype}): "
           f"base {base:.2f} ms (native stack: {model._stack is not None}), base through the "
           f"modules {modules:.2f} ms, {args.rows} adapters {mixed:.2f} ms "
           f"({mixed / base:.2f}x base)")

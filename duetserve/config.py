@@ -243,6 +243,7 @@ def _group_size(counts: list[int]) -> int:
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8", "int4")
+LORA_DTYPES = ("float32", "bfloat16")
 # Quantized KV caches (worker/kv_cache.py, models/kv_quant.py): each (token, KV head) row
 # holds its head_dim values packed (int8: one byte each; int4: two a byte) followed by
 # float16 scales, one per group of this many values (None: one for the whole head);
@@ -409,10 +410,12 @@ class EngineConfig:
     # LoRA adapters (PEFT folders) a server offers by name, as "name=PATH" strings or
     # (name, path) pairs (normalised to pairs); requests may also name others (offline
     # LoRARequest, runtime loading). max_loras: adapters resident at once (the running
-    # requests use at most this many distinct ones); max_lora_rank: the largest rank.
+    # requests use at most this many distinct ones); max_lora_rank: the largest rank;
+    # lora_dtype: the adapters' weights in memory (bfloat16 halves what a step reads).
     lora_modules: tuple = ()
     max_loras: int = 4
     max_lora_rank: int = 16
+    lora_dtype: str = "float32"
 
     def __post_init__(self) -> None:
         # NOTE: normalised at construction (the dataclass is frozen afterwards).
@@ -454,6 +457,7 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
         object.__setattr__(self, "lora_modules", parse_lora_modules(self.lora_modules))
+        check_one_of("lora_dtype", self.lora_dtype, LORA_DTYPES)
         if self.max_loras < 1 or self.max_lora_rank < 1:
             raise ConfigError(f"max_loras and max_lora_rank must be >= 1, got "
                               f"{self.max_loras} and {self.max_lora_rank}")

@@ -40,6 +40,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gelu_tanh_mul", &gelu_tanh_mul, nogil,
         "gelu_tanh(gate) * up of [T, 2I] -> [T, I] float32");
   m.def("argmax_rows", &argmax_rows, nogil, "first index of each row's maximum, [M, V] float32 -> [M] int64");
+  m.def("lora_apply", &lora_apply, nogil,
+        "y[rows of group g] += B_g (A_g x[rows]) for LoRA groups (A [P r, in], Bt [r, out cols], spans [P, 2]); mutates y");
   m.def("rope_kv_write", &rope_kv_write, nogil,
         "rotary on q/k of a qkv row block, k/v written into the paged cache; returns q");
 }

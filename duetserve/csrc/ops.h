@@ -35,3 +35,6 @@ torch::Tensor argmax_rows(torch::Tensor x);
 torch::Tensor rope_kv_write(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
                             torch::Tensor k_cache, torch::Tensor v_cache,
                             torch::Tensor slot_mapping, int64_t H, int64_t KVH);
+void lora_apply(torch::Tensor x, torch::Tensor y, std::vector<torch::Tensor> as,
+                std::vector<torch::Tensor> bts, std::vector<torch::Tensor> spans,
+                torch::Tensor rows, torch::Tensor offsets);

@@ -186,7 +186,8 @@ class EngineCore:
                                   kv_prefault=config.kv_prefault,
                                   deterministic=config.deterministic,
                                   lora_slots=LoRASlots(mcfg, config.max_loras,
-                                                       config.max_lora_rank))
+                                                       config.max_lora_rank,
+                                                       getattr(torch, config.lora_dtype)))
         return shared
 
     def _build_scheduler(self) -> None:

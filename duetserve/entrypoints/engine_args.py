@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 import logging
 
-from duetserve.config import (DTYPES, KQUANT_FORMS, KV_CACHE_DTYPES, QUANTIZATIONS,
-                              SCHEDULING_POLICIES, ConfigError, EngineConfig)
+from duetserve.config import (DTYPES, KQUANT_FORMS, KV_CACHE_DTYPES, LORA_DTYPES,
+                              QUANTIZATIONS, SCHEDULING_POLICIES, ConfigError, EngineConfig)
 from duetserve.entrypoints.cli import UserError
 from duetserve.outputs import OutputAccumulator
 
@@ -50,6 +50,9 @@ def _add_lora_arguments(g: argparse._ArgumentGroup) -> None:
                         "this many distinct ones (default %(default)s)")
     g.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank,
                    help="the largest LoRA rank accepted (default %(default)s)")
+    g.add_argument("--lora-dtype", choices=LORA_DTYPES, default=d.lora_dtype,
+                   help="LoRA weights in memory: bfloat16 halves the bytes a step with "
+                        "adapters reads (default %(default)s)")
 
 
 def _add_model_arguments(g: argparse._ArgumentGroup) -> None:
@@ -169,7 +172,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             seed=args.seed, trace_file=args.trace_file,
             speculative_config=getattr(args, "speculative_config", None),
             lora_modules=tuple(args.lora_modules), max_loras=args.max_loras,
-            max_lora_rank=args.max_lora_rank)
+            max_lora_rank=args.max_lora_rank, lora_dtype=args.lora_dtype)
     except ConfigError as e:
         raise UserError(str(e)) from None
 

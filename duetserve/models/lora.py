@@ -8,10 +8,12 @@ scaling * B(A x), scaling = lora_alpha / r (rsLoRA: lora_alpha / sqrt(r)).
 
 The decoder fuses q|k|v into qkv_proj and gate|up into gate_up_proj (models/decoder.py),
 so an adapter keeps, per layer and fused linear, one shrink matrix (the A of each part it
-targets, stacked: [parts * r, in]) and one expand matrix (each part's B, scaled, in that
-part's output rows and its own r columns, zeros elsewhere: [out, parts * r]): two GEMMs
-per adapter and linear, whatever the parts. Weights are float32 whatever the base's
-(low-bit GGUF included).
+targets, stacked: [parts * r, in]), one expand matrix (each part's B, scaled, transposed,
+side by side: [r, sum of the parts' sizes]) and the parts' output rows ([parts, 2]).
+Weights are float32 (default) or bfloat16 (`--lora-dtype`: half the bytes a step with
+adapters reads) whatever the base's (low-bit GGUF included). The update of a step's rows
+runs in one native call per linear (csrc/lora.cpp: every adapter of the step, grouped),
+or in torch where the native kernels are not built.
 """
 from __future__ import annotations
 
@@ -53,12 +55,13 @@ def linear_shapes(cfg: ModelConfig, layer_id: int) -> dict[str, tuple[int, list[
 @dataclass
 class LoRAAdapter:
     """One adapter's weights, laid out for the decoder. layers[N]: {fused linear: (A
-    [parts * r, in], B [out, parts * r], scaling folded in)}, only the targeted ones."""
+    [parts * r, in], Bt [r, sum of sizes] with the scaling folded in, spans [parts, 2]
+    int64: each part's (first, end) output row)}, only the targeted ones."""
 
     path: str
     rank: int
     scaling: float
-    layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]]
+    layers: list[dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]
 
     @property
     def nbytes(self) -> int:
@@ -105,19 +108,20 @@ def read_config(path: str, max_rank: int) -> tuple[int, float]:
     return r, alpha / (math.sqrt(r) if cfg.get("use_rslora") else r)
 
 
-def load_adapter(path: str, cfg: ModelConfig, max_rank: int,
-                 weights: bool = True) -> LoRAAdapter:
+def load_adapter(path: str, cfg: ModelConfig, max_rank: int, weights: bool = True,
+                 dtype: torch.dtype = torch.float32) -> LoRAAdapter:
     """Read and check an adapter against the model: every tensor must be a LoRA A or B of
     a linear the decoder has, in a layer it has, of the shapes its linears take and the
     config's rank. `weights=False`: check shapes only (the file's header), return an
-    adapter with no layers. Raises LoRAError naming the problem."""
+    adapter with no layers. `dtype`: the weights' (float32 or bfloat16). Raises LoRAError
+    naming the problem."""
     path = os.path.abspath(path)
     rank, scaling = read_config(path, max_rank)
     parts = _read_parts(path, cfg, rank, weights)
     layers: list[dict] = [{} for _ in range(cfg.num_hidden_layers)]
     if weights:
         for (layer_id, linear), pieces in sorted(parts.items()):
-            layers[layer_id][linear] = _fuse(cfg, layer_id, linear, pieces, rank, scaling)
+            layers[layer_id][linear] = _fuse(cfg, layer_id, linear, pieces, scaling, dtype)
     return LoRAAdapter(path, rank, scaling, layers if weights else [])
 
 
@@ -174,26 +178,30 @@ def _check_shape(path: str, key: str, cfg: ModelConfig, layer_id: int, linear: s
                         f"{list(want)} (rank {rank})")
 
 
-def _fuse(cfg: ModelConfig, layer_id: int, linear: str, pieces: dict, rank: int,
-          scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(A stacked, B block-placed and scaled) of one fused linear's targeted parts."""
+def _fuse(cfg: ModelConfig, layer_id: int, linear: str, pieces: dict, scaling: float,
+          dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(A stacked, Bt of the parts side by side and scaled, spans) of one fused linear's
+    targeted parts, in part order."""
     _, rows = linear_shapes(cfg, layer_id)[linear]
     order = sorted(pieces)
-    a = torch.cat([pieces[p]["A"] for p in order]).contiguous()
-    b = torch.zeros(rows[-1][1], rank * len(order))
-    for j, p in enumerate(order):
-        start, end = rows[p]
-        b[start:end, j * rank:(j + 1) * rank] = pieces[p]["B"] * scaling
-    return a, b
+    a = torch.cat([pieces[p]["A"] for p in order]).to(dtype).contiguous()
+    bt = torch.cat([(pieces[p]["B"] * scaling).T for p in order], 1).to(dtype).contiguous()
+    return a, bt, torch.tensor([rows[p] for p in order], dtype=torch.long)
 
 
 class LoRABatch:
-    """The adapters of one step's rows: (adapter, row indices) per adapter used, rows None
-    when the adapter covers every row. `apply` adds each adapter's update to its rows of a
-    linear's output; rows without an adapter are untouched."""
+    """The adapters of one step's rows, grouped: `apply` adds each adapter's update to its
+    rows of a linear's output; rows without an adapter are untouched."""
 
-    def __init__(self, groups: list[tuple[LoRAAdapter, torch.Tensor | None]]) -> None:
+    def __init__(self, groups: list[tuple[LoRAAdapter, list[int]]]) -> None:
         self.groups = groups
+        self.rows = torch.tensor([r for _, rows in groups for r in rows], dtype=torch.long)
+        self.offsets = [0]
+        for _, rows in groups:
+            self.offsets.append(self.offsets[-1] + len(rows))
+        self._calls: dict[tuple, tuple] = {}   # groups used -> the native call's rows, offsets
+        from duetserve.models.native import ops
+        self._native = ops()
 
     @classmethod
     def from_rows(cls, row_slots: list[int], adapters: list[LoRAAdapter | None]
@@ -205,20 +213,34 @@ class LoRABatch:
                 by_slot.setdefault(s, []).append(i)
         if not by_slot:
             return None
-        n = len(row_slots)
-        return cls([(adapters[s], None if len(rows) == n else
-                     torch.tensor(rows, dtype=torch.long)) for s, rows in by_slot.items()])
+        return cls([(adapters[s], rows) for s, rows in by_slot.items()])
 
     def apply(self, layer_id: int, linear: str, x: torch.Tensor, y: torch.Tensor) -> None:
         """y[rows] += B(A x[rows]) for each adapter that targets `linear` of the layer.
         Mutates y."""
-        for adapter, rows in self.groups:
-            ab = adapter.layers[layer_id].get(linear)
-            if ab is None:
-                continue
-            xs = x if rows is None else x.index_select(0, rows)
-            delta = (xs.float() @ ab[0].T) @ ab[1].T
-            if rows is None:
-                y.add_(delta.to(y.dtype))
-            else:
-                y.index_add_(0, rows, delta.to(y.dtype))
+        used = [(i, a.layers[layer_id][linear]) for i, (a, _) in enumerate(self.groups)
+                if linear in a.layers[layer_id]]
+        if not used:
+            return
+        if self._native is not None and x.dtype == y.dtype == torch.float32 and \
+                x.is_contiguous() and y.is_contiguous():
+            key = tuple(i for i, _ in used)
+            if key not in self._calls:        # the same for every layer of the step
+                self._calls[key] = self._native_rows(key)
+            self._native.lora_apply(x, y, [w[0] for _, w in used], [w[1] for _, w in used],
+                                    [w[2] for _, w in used], *self._calls[key])
+            return
+        for i, (a, bt, spans) in used:
+            rows = self.rows[self.offsets[i]:self.offsets[i + 1]]
+            u = x.index_select(0, rows).float() @ a.float().T        # [n, parts * r]
+            r, at = bt.shape[0], 0
+            for p, (start, end) in enumerate(spans.tolist()):
+                delta = u[:, p * r:(p + 1) * r] @ bt[:, at:at + end - start].float()
+                y[:, start:end].index_add_(0, rows, delta.to(y.dtype))
+                at += end - start
+
+    def _native_rows(self, groups: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows of `groups`, in order, and their offsets [len(groups) + 1]."""
+        rows = torch.cat([self.rows[self.offsets[i]:self.offsets[i + 1]] for i in groups])
+        sizes = [self.offsets[i + 1] - self.offsets[i] for i in groups]
+        return rows, torch.tensor([0] + sizes, dtype=torch.long).cumsum(0)

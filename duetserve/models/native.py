@@ -87,7 +87,7 @@ def _build():
 
     sources = [os.path.join(_SRC, f) for f in ("bindings.cpp", "paged_attention.cpp",
                                                 "prefill_attention.cpp", "lowbit_gemv.cpp",
-                                                "elementwise.cpp", "decode_stack.cpp")]
+                                                "elementwise.cpp", "decode_stack.cpp", "lora.cpp")]
     digest = hashlib.sha1()
     headers = [os.path.join(_SRC, h) for h in ("ops.h", "simd_exp.h", "simd_sum.h", "kv_rows.h")]
     for path in sources + headers:

@@ -10,14 +10,18 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+import torch
+
 from duetserve.config import ModelConfig
 from duetserve.models.lora import LoRAAdapter, LoRABatch, load_adapter
 from duetserve.request import LoRARequest
 
 
 class LoRASlots:
-    def __init__(self, model_config: ModelConfig, max_loras: int, max_lora_rank: int) -> None:
+    def __init__(self, model_config: ModelConfig, max_loras: int, max_lora_rank: int,
+                 dtype: torch.dtype = torch.float32) -> None:
         self.config = model_config
+        self.dtype = dtype                                  # the weights' (--lora-dtype)
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
         self.adapters: list[LoRAAdapter | None] = [None] * max_loras
@@ -40,7 +44,8 @@ class LoRASlots:
             return slot
         if slot is not None:                 # the same id, another folder: reload it
             self.evict(lora.lora_int_id)
-        adapter = load_adapter(lora.lora_path, self.config, self.max_lora_rank)
+        adapter = load_adapter(lora.lora_path, self.config, self.max_lora_rank,
+                               dtype=self.dtype)
         slot = self._free_slot(in_use)
         self.adapters[slot] = adapter
         self._slot[lora.lora_int_id] = slot

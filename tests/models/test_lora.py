@@ -98,18 +98,54 @@ def test_scaling_and_fused_layout(lora_setup):
     cfg = loaded.config
     full = load_adapter(paths[1], cfg, max_rank=16)      # r=8, alpha=16, rsLoRA
     assert full.rank == 8 and full.scaling == pytest.approx(16 / 8 ** 0.5)
-    a, b = full.layers[0]["qkv"]
+    a, bt, spans = full.layers[0]["qkv"]
     assert a.shape == (3 * 8, cfg.hidden_size)
-    assert b.shape == (cfg.q_size + 2 * cfg.kv_size, 3 * 8)
-    assert b[:cfg.q_size, 8:].abs().sum() == 0           # q's rows read q's A only
+    assert bt.shape == (8, cfg.q_size + 2 * cfg.kv_size)
+    q, kv = cfg.q_size, cfg.kv_size
+    assert spans.tolist() == [[0, q], [q, q + kv], [q + kv, q + 2 * kv]]
     part = load_adapter(paths[3], cfg, max_rank=16)      # q, v and up only
     assert part.scaling == pytest.approx(3 / 6)
     assert set(part.layers[0]) == {"qkv", "gate_up"}
-    a, b = part.layers[0]["qkv"]
-    assert a.shape == (2 * 6, cfg.hidden_size)
-    assert b[cfg.q_size:cfg.q_size + cfg.kv_size].abs().sum() == 0   # k untouched
-    a, b = part.layers[0]["gate_up"]
-    assert b[:cfg.intermediate_size].abs().sum() == 0                  # gate untouched
+    a, bt, spans = part.layers[0]["qkv"]
+    assert a.shape == (2 * 6, cfg.hidden_size) and bt.shape == (6, q + kv)
+    assert spans.tolist() == [[0, q], [q + kv, q + 2 * kv]]          # k untouched
+    i = cfg.intermediate_size
+    assert part.layers[0]["gate_up"][2].tolist() == [[i, 2 * i]]      # gate untouched
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_update_equals_torch(lora_setup, dtype):
+    """csrc/lora.cpp's grouped update (every adapter of a step in one call) against the
+    torch loop, rows of four adapters interleaved with base rows, float32 and bfloat16
+    weights; bfloat16 weights change the update by their rounding only."""
+    from duetserve.models.native import ops
+    if ops() is None:
+        pytest.skip("native kernels not built here")
+    _, paths, loaded = lora_setup
+    cfg = loaded.config
+    adapters = [load_adapter(p, cfg, max_rank=16, dtype=dtype) for p in paths]
+    g = torch.Generator().manual_seed(0)
+    slots = [2, -1, 0, 3, 1, 1, -1, 0, 3]
+    for linear, fan_in, out in (("qkv", cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size),
+                                ("gate_up", cfg.hidden_size, 2 * cfg.intermediate_size),
+                                ("down", cfg.intermediate_size, cfg.hidden_size)):
+        x = torch.randn(len(slots), fan_in, generator=g)
+        y0 = torch.randn(len(slots), out, generator=g)
+        batch = LoRABatch.from_rows(slots, adapters)
+        native, plain = y0.clone(), y0.clone()
+        batch.apply(1, linear, x, native)
+        batch._native = None
+        batch.apply(1, linear, x, plain)
+        torch.testing.assert_close(native, plain, rtol=1e-5, atol=1e-5)
+        assert torch.equal(native[[1, 6]], y0[[1, 6]])          # base rows untouched
+        assert not torch.equal(native[0], y0[0])
+    if dtype == torch.bfloat16:        # the same update as float32 weights, to bf16's rounding
+        f32 = [load_adapter(p, cfg, max_rank=16) for p in paths]
+        x = torch.randn(len(slots), cfg.hidden_size, generator=g)
+        ya, yb = (torch.zeros(len(slots), cfg.q_size + 2 * cfg.kv_size) for _ in range(2))
+        LoRABatch.from_rows(slots, adapters).apply(1, "qkv", x, ya)
+        LoRABatch.from_rows(slots, f32).apply(1, "qkv", x, yb)
+        assert rel_err(ya, yb) < 1e-2
 
 
 # -- bad adapters ------------------------------------------------------------------------
