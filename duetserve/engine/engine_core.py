@@ -397,8 +397,8 @@ class EngineCore:
                 self._prepare_remote(children[-1], kvp)
         user = _UserRequest(req_id, prompt, children[0].request.prompt_token_ids,
                             {c.request.req_id: c for c in children},
-                            RequestMetrics(arrival_time=arrival,
-                                           num_prompt_tokens=len(prompt_token_ids)))
+                            RequestMetrics(arrival, num_prompt_tokens=len(prompt_token_ids),
+                                           lora_name=lora_request and lora_request.lora_name))
         children = [c.request for c in children]
         for req in children:   # all validated before any is queued
             self.scheduler.add_request(req)

@@ -112,3 +112,29 @@ def test_bad_lora_modules_stop_start_up(setup, tmp_path):
                              "--max-num-batched-tokens", "256", "--lora-modules", *modules])
         with pytest.raises(UserError, match=match):
             serve.build_server(args)
+
+
+def test_metrics_per_adapter(setup, expected):
+    """/metrics counts each adapter's ended requests and their tokens (label lora_name),
+    the adapters resident and the loads."""
+    srv, _, a, b = setup
+    load = f"{srv.base}/v1/load_lora_adapter"
+    before = srv.metrics(AUTH)
+    for name, path in (("m1", b), ("m2", a)):
+        r = httpx.post(load, json={"lora_name": name, "lora_path": path}, headers=AUTH)
+        assert r.status_code == 200, r.text
+    texts = [_complete(srv, m).json()["choices"][0]["text"] for m in ("m1", "m2", "m2")]
+    assert texts == [expected[2], expected[1], expected[1]]
+    after = srv.metrics(AUTH)
+
+    def per_adapter(series: str, name: str) -> float:
+        return after[f'duet:lora_{series}_total{{lora_name="{name}",model_name="base"}}']
+
+    assert [per_adapter("requests", n) for n in ("m1", "m2")] == [1, 2]
+    assert [per_adapter("prompt_tokens", n) for n in ("m1", "m2")] == \
+        [len(PROMPT), 2 * len(PROMPT)]
+    assert [per_adapter("generation_tokens", n) for n in ("m1", "m2")] == [N, 2 * N]
+    assert not any('lora_name="base"' in k for k in after)   # the base has no series
+    # --max-loras 2: both resident now, each read once (m2's second request found it)
+    assert after["duet:lora_resident_adapters"] == 2
+    assert after["duet:lora_loads_total"] - before.get("duet:lora_loads_total", 0) == 2
