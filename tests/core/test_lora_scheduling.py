@@ -51,3 +51,34 @@ def test_at_most_max_loras_adapters_run_at_once(make_scheduler, step) -> None:
         assert len(loras) <= 1
         seen |= loras
     assert seen == {1, 2}
+
+
+def test_request_waits_for_its_adapter_without_blocking_others(make_scheduler, step) -> None:
+    """lora_ready says B's adapter is not resident (being read): its requests are
+    skipped, the ones behind them admitted, and the queue is not schedulable while only
+    they wait; once ready, B's requests are admitted ahead of later arrivals."""
+    sched, runner = make_scheduler(block_size=16, num_blocks=64, max_num_batched_tokens=512,
+                                   max_model_len=256, max_loras=2)
+    resident, asked = {1}, []
+
+    def ready(lora: LoRARequest, used: set[int]) -> bool:
+        asked.append((lora.lora_int_id, set(used)))
+        return lora.lora_int_id in resident
+    sched.lora_ready = ready
+    for r in (_req("b0", B), _req("r1", None), _req("b2", B), _req("a3", A)):
+        sched.add_request(r)
+    out, _ = step(sched, runner)
+    assert set(out.num_scheduled_tokens) == {"r1", "a3"}
+    assert [r.req_id for r in sched.waiting] == ["b0", "b2"]        # order kept
+    assert (1, set()) in asked and all(i == 2 for i, _ in asked[:-1])
+    while sched.running:
+        step(sched, runner)
+    assert not sched.has_schedulable_requests() and sched.has_unfinished_requests()
+    sched.add_request(_req("r4", None))
+    assert sched.has_schedulable_requests()          # a newcomer is looked at
+    resident.add(2)
+    out, _ = step(sched, runner)
+    assert [d.req_id for d in out.scheduled_new_reqs] == ["b0", "b2", "r4"]
+    while sched.has_unfinished_requests():
+        step(sched, runner)
+    assert sched.kv_cache_manager.num_used_blocks == 0

@@ -4,6 +4,8 @@ equals each request alone; prefix caching never shares KV across adapters; at mo
 max_loras adapters run at once; bad adapters are refused at admission."""
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -142,3 +144,75 @@ def test_release_frees_an_idle_adapter(setup):
     assert not llm.engine.release_lora(1)                 # not resident any more
     again = _tokens(llm.generate(PROMPTS[0], GREEDY, lora_request=loras[0]))
     assert again == _tokens(_llm(loaded).generate(PROMPTS[0], GREEDY, lora_request=loras[0]))
+
+
+def _held_loader(slots, hold: dict):
+    """A LoRASlots loader that, for a folder in `hold`, waits for its Event first and
+    then raises its error (None: reads it)."""
+    read = slots.load
+
+    def load(path, cfg, rank):
+        if path in hold:
+            event, error = hold[path]
+            assert event.wait(60), "the test never released the read"
+            if error is not None:
+                raise error
+        return read(path, cfg, rank)
+    return load
+
+
+def _run(engine, until) -> dict:
+    """Step until `until(finished outputs by id)`; returns them."""
+    done = {}
+    while not until(done):
+        assert engine.has_unfinished_requests()
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return done
+
+
+def test_adapter_read_does_not_block_other_requests(setup):
+    """An adapter that is not resident is read on a loader thread: the request waits
+    while a base request submitted after it runs to the end; once the read ends it runs
+    and gives the merged reference's tokens."""
+    base, loras, loaded = setup
+    expected = hf_greedy(merged_reference(base, loras[0].lora_path), PROMPTS[0], N)
+    engine = _llm(loaded, max_loras=2).engine
+    slots, release = engine.runner.lora, threading.Event()
+    slots.load = _held_loader(slots, {loras[0].lora_path: (release, None)})
+    engine.add_request("lora", PROMPTS[0], GREEDY, lora_request=loras[0])
+    engine.add_request("base", PROMPTS[1], GREEDY)
+    done = _run(engine, lambda d: "base" in d)
+    assert len(done["base"].outputs[0].token_ids) == N and "lora" not in done
+    waiting = engine.scheduler.requests["lora"]
+    assert waiting.is_waiting and waiting.num_output_tokens == 0
+    assert not engine.has_work_now()         # nothing to do but wait for the read
+    release.set()
+    done = _run(engine, lambda d: "lora" in d)
+    assert done["lora"].outputs[0].token_ids == expected
+    assert slots.num_loads == 1 and slots.resident() == [loras[0].lora_int_id]
+    assert engine.scheduler.kv_cache_manager.num_used_blocks == 0
+
+
+def test_failed_read_fails_its_request_alone(setup):
+    """An adapter whose read fails (its files changed after the check) fails its request
+    when admitted; a running request of another adapter, re-sent by the step's
+    isolation, keeps its adapter."""
+    from duetserve.errors import LoRAError
+    _, loras, loaded = setup
+    expected = _tokens(_llm(loaded).generate(PROMPTS[0], GREEDY, lora_request=loras[0]))[0]
+    engine = _llm(loaded, max_loras=2).engine
+    slots, fail = engine.runner.lora, threading.Event()
+    slots.load = _held_loader(slots, {loras[1].lora_path: (
+        fail, LoRAError(f"LoRA adapter {loras[1].lora_path!r} vanished"))})
+    engine.add_request("good", PROMPTS[0], GREEDY, lora_request=loras[0])
+    engine.add_request("bad", PROMPTS[1], GREEDY, lora_request=loras[1])
+    _run(engine, lambda d: engine.scheduler.requests["good"].num_output_tokens > 0)
+    fail.set()
+    assert slots.reads_done.wait(60)              # the failed read has ended
+    done = _run(engine, lambda d: len(d) == 2)
+    assert "vanished" in done["bad"].error and done["bad"].outputs[0].finish_reason == "error"
+    assert engine.executor.num_isolations == 1
+    assert done["good"].error is None and done["good"].outputs[0].token_ids == expected
+    assert engine.scheduler.kv_cache_manager.num_used_blocks == 0

@@ -138,3 +138,88 @@ def test_metrics_per_adapter(setup, expected):
     # --max-loras 2: both resident now, each read once (m2's second request found it)
     assert after["duet:lora_resident_adapters"] == 2
     assert after["duet:lora_loads_total"] - before.get("duet:lora_loads_total", 0) == 2
+
+
+def test_load_and_unload_under_load(tmp_path):
+    """In process, --max-loras 2: while a base request and two adapters' requests run,
+    adapter `z` is loaded by POST and used (it waits for a slot), and `x` is unloaded
+    while its request runs (the engine is held inside a step to make sure of it). As
+    vLLM: the unload answers at once, new requests for `x` get 404, the running one
+    finishes under `x`, whose weights are freed when it ends. No request fails (each
+    text equals the offline engine's), every KV block is free, no slot holds `x`."""
+    import argparse
+    import asyncio
+    import threading
+
+    from duetserve.engine.llm import LLM
+    from duetserve.entrypoints.openai import serve
+    base = make_tiny_checkpoint(str(tmp_path / "base"), "llama-gqa-untied")
+    paths = {n: make_adapter(base, str(tmp_path / n), seed=30 + i)
+             for i, n in enumerate("xyz")}
+    n_long = 24
+    llm = LLM(base, num_threads=2, max_loras=3)
+    expected = {}
+    for i, name in enumerate(("base", "x", "y", "z")):
+        lora = None if name == "base" else LoRARequest(name, i, paths[name])
+        n = n_long if name == "x" else N
+        expected[name] = llm.generate(PROMPT, SamplingParams(
+            temperature=0.0, max_tokens=n, ignore_eos=True), lora_request=lora)[0] \
+            .outputs[0].text
+    p = argparse.ArgumentParser()
+    serve.add_arguments(p)
+    args = p.parse_args([base, "--num-threads", "2", "--max-num-batched-tokens", "64",
+                         "--max-loras", "2", "--lora-modules", f"x={paths['x']}",
+                         f"y={paths['y']}"])
+    app = serve.build_server(args).config.app
+    engine = app.state.ctx.engine
+    core = engine.engine
+    held, resume = threading.Event(), threading.Event()
+
+    def hold_once(_stats) -> None:     # engine thread: pause once x's request has a token
+        if not held.is_set() and any(r.lora_request and r.lora_request.lora_name == "x"
+                                     and r.num_output_tokens > 0
+                                     for r in core.scheduler.running):
+            held.set()
+            assert resume.wait(60)
+    core.add_step_observer(hold_once)
+
+    async def scenario() -> dict:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t",
+                                     timeout=120) as c:
+            async def complete(model: str, n: int = N) -> str:
+                r = await c.post("/v1/completions", json={
+                    "model": model, "prompt": PROMPT, "max_tokens": n, "temperature": 0,
+                    "ignore_eos": True})
+                assert r.status_code == 200, r.text
+                return r.json()["choices"][0]["text"]
+
+            running = [asyncio.create_task(complete(m, n_long if m == "x" else N))
+                       for m in ("base", "x", "y")]
+            assert await asyncio.to_thread(held.wait, 60)     # x's request is running
+            r = await c.post("/v1/load_lora_adapter",
+                             json={"lora_name": "z", "lora_path": paths["z"]})
+            assert r.status_code == 200, r.text
+            r = await c.post("/v1/unload_lora_adapter", json={"lora_name": "x"})
+            assert r.status_code == 200, r.text
+            r = await c.post("/v1/completions", json={"model": "x", "prompt": PROMPT})
+            assert r.status_code == 404
+            resume.set()
+            z = await complete("z")
+            texts = dict(zip(("base", "x", "y"), await asyncio.gather(*running)))
+            return {**texts, "z": z}
+
+    try:
+        texts = asyncio.run(scenario())
+    finally:
+        resume.set()
+        engine.shutdown()
+    assert texts == expected
+    assert engine.num_step_errors == 0 and core.executor.num_isolations == 0
+    assert core.scheduler.kv_cache_manager.num_used_blocks == 0
+    slots, x_id = core.runner.lora, app.state.ctx.loras  # x is gone from the registry
+    assert "x" not in x_id.names() and set(x_id.names()) == {"y", "z"}
+    assert all(a is None or a.path != paths["x"] for a in slots.adapters)
+    held_paths = {a.path for a in slots.adapters if a is not None}
+    assert paths["z"] in held_paths <= {paths["y"], paths["z"]}   # y: evicted or not
+    assert not core._lora_unloaded and not slots._reading and not slots._read
