@@ -400,17 +400,18 @@ class Scheduler:
         skipped: list[Request] = []      # their LoRA adapter is being read: back in front
         while self.waiting and step.budget > 0:
             request = self.waiting.peek()
-            if RemoteKV.needs_load(request):   # loads do not wait for a running slot
-                if not self.remote.admit_load(request, kv, self.waiting):
-                    break
-                continue
-            if len(self.running) >= self.config.max_num_seqs or (
-                    self.slo is not None and not self.slo.admits(len(self.running), request,
-                                                                 self._now)) or \
-                    not self._lora_fits(request):
+            remote = RemoteKV.needs_load(request)   # loads do not wait for a running slot
+            if not self._lora_fits(request) or not remote and (
+                    len(self.running) >= self.config.max_num_seqs or (
+                        self.slo is not None and not self.slo.admits(
+                            len(self.running), request, self._now))):
                 break
             if not self._lora_resident(request):
                 skipped.append(self.waiting.pop())
+                continue
+            if remote:
+                if not self.remote.admit_load(request, kv, self.waiting):
+                    break
                 continue
             hit_blocks, num_hit = kv.get_computed_blocks(request)
             loads = self._admit_disk_load(request, num_hit)
@@ -476,7 +477,11 @@ class Scheduler:
         return lora is None or self.lora_ready(lora, self._running_loras())
 
     def _running_loras(self) -> set[int]:
-        return {r.lora_request.lora_int_id for r in self.running if r.lora_request}
+        """The adapters of the running requests and of those loading KV (they run next)."""
+        remote = self.remote
+        return {r.lora_request.lora_int_id for group in (self.running, remote.loading.values(),
+                                                         remote.loaded.values())
+                for r in group if r.lora_request}
 
     def _build_output(self, step: StepPlan) -> SchedulerOutput:
         """The step's SchedulerOutput (core/step_plan.py). Mutates: the finished ids

@@ -216,3 +216,35 @@ def test_failed_read_fails_its_request_alone(setup):
     assert engine.executor.num_isolations == 1
     assert done["good"].error is None and done["good"].outputs[0].token_ids == expected
     assert engine.scheduler.kv_cache_manager.num_used_blocks == 0
+
+
+def test_disaggregated_pair_runs_the_adapter(setup):
+    """A prefill and a decode instance (one process, shared-memory reader) both serving
+    an adapter: the decode instance continues under it from the KV the prefill instance
+    computed under it; greedy tokens equal the colocated engine's with the adapter."""
+    from duetserve.kv_transfer import KVTransferConfig
+    from duetserve.kv_transfer.params import KVRequestParams
+    _, loras, loaded = setup
+    lora, prompts = loras[1], PROMPTS[:3]
+    colo = _llm(loaded, max_loras=2)
+    want = _tokens(colo.generate(prompts, GREEDY, lora_request=lora))
+    assert want != _tokens(colo.generate(prompts, GREEDY))      # the adapter matters
+    cfg = EngineConfig(model=loaded.path, num_threads=2, step_time=pinned_step_time(),
+                       max_loras=2, check_integrity_when_idle=True)
+    pre = EngineCore(cfg, loaded=loaded, kv_transfer=KVTransferConfig("prefill",
+                                                                      mooncake=False))
+    dec = EngineCore(cfg, loaded=loaded, kv_transfer=KVTransferConfig("decode"))
+    got = []
+    for i, p in enumerate(prompts):
+        rid = f"r{i}"
+        pre.kv_roles.expect(rid, KVRequestParams(do_remote_decode=True))
+        pre.add_request(rid, p, GREEDY, lora_request=lora)
+        first = _run(pre, lambda d: rid in d)[rid].outputs[0].token_ids
+        remote = pre.kv_roles.connector.published(rid)
+        assert remote is not None and first == [remote.first_token_id]
+        dec.kv_roles.expect(rid, KVRequestParams(remote_prefill=remote))
+        dec.add_request(rid, p, GREEDY, lora_request=lora)
+        got.append(_run(dec, lambda d: rid in d)[rid].outputs[0].token_ids)
+    assert got == want
+    assert pre.runner.lora.num_loads == dec.runner.lora.num_loads == 1
+    assert dec.scheduler.kv_cache_manager.num_used_blocks == 0
