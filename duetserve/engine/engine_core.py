@@ -463,7 +463,7 @@ class EngineCore:
         Returns whether its weights were freed now. A later request for the same
         LoRARequest reads it again."""
         self._lora_unloaded.add(lora_int_id)
-        return self._free_unloaded_loras() == {lora_int_id}
+        return lora_int_id in self._free_unloaded_loras()
 
     def _free_unloaded_loras(self) -> set[int]:
         """Free the weights and reads of unloaded adapters no unfinished request uses.
