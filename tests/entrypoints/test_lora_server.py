@@ -140,7 +140,7 @@ def test_metrics_per_adapter(setup, expected):
     assert after["duet:lora_loads_total"] - before.get("duet:lora_loads_total", 0) == 2
 
 
-def test_load_and_unload_under_load(tmp_path):
+def test_load_and_unload_under_load(setup, expected):
     """In process, --max-loras 2: while a base request and two adapters' requests run,
     adapter `z` is loaded by POST and used (it waits for a slot), and `x` is unloaded
     while its request runs (the engine is held inside a step to make sure of it). As
@@ -151,28 +151,16 @@ def test_load_and_unload_under_load(tmp_path):
     import asyncio
     import threading
 
-    from duetserve.engine.llm import LLM
     from duetserve.entrypoints.openai import serve
-    base = make_tiny_checkpoint(str(tmp_path / "base"), "llama-gqa-untied")
-    paths = {n: make_adapter(base, str(tmp_path / n), seed=30 + i)
-             for i, n in enumerate("xyz")}
-    n_long = 24
-    llm = LLM(base, num_threads=2, max_loras=3)
-    expected = {}
-    for i, name in enumerate(("base", "x", "y", "z")):
-        lora = None if name == "base" else LoRARequest(name, i, paths[name])
-        n = n_long if name == "x" else N
-        expected[name] = llm.generate(PROMPT, SamplingParams(
-            temperature=0.0, max_tokens=n, ignore_eos=True), lora_request=lora)[0] \
-            .outputs[0].text
+    _, base, a, b = setup
+    want = {"base": expected[0], "x": expected[1], "y": expected[2], "z": expected[1]}
     p = argparse.ArgumentParser()
     serve.add_arguments(p)
     args = p.parse_args([base, "--num-threads", "2", "--max-num-batched-tokens", "64",
-                         "--max-loras", "2", "--lora-modules", f"x={paths['x']}",
-                         f"y={paths['y']}"])
+                         "--max-loras", "2", "--lora-modules", f"x={a}", f"y={b}"])
     app = serve.build_server(args).config.app
-    engine = app.state.ctx.engine
-    core = engine.engine
+    engine, loras = app.state.ctx.engine, app.state.ctx.loras
+    core, x_id = engine.engine, loras.get("x").lora_int_id
     held, resume = threading.Event(), threading.Event()
 
     def hold_once(_stats) -> None:     # engine thread: pause once x's request has a token
@@ -187,18 +175,16 @@ def test_load_and_unload_under_load(tmp_path):
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://t",
                                      timeout=120) as c:
-            async def complete(model: str, n: int = N) -> str:
+            async def complete(model: str) -> str:
                 r = await c.post("/v1/completions", json={
-                    "model": model, "prompt": PROMPT, "max_tokens": n, "temperature": 0,
+                    "model": model, "prompt": PROMPT, "max_tokens": N, "temperature": 0,
                     "ignore_eos": True})
                 assert r.status_code == 200, r.text
                 return r.json()["choices"][0]["text"]
 
-            running = [asyncio.create_task(complete(m, n_long if m == "x" else N))
-                       for m in ("base", "x", "y")]
+            running = [asyncio.create_task(complete(m)) for m in ("base", "x", "y")]
             assert await asyncio.to_thread(held.wait, 60)     # x's request is running
-            r = await c.post("/v1/load_lora_adapter",
-                             json={"lora_name": "z", "lora_path": paths["z"]})
+            r = await c.post("/v1/load_lora_adapter", json={"lora_name": "z", "lora_path": a})
             assert r.status_code == 200, r.text
             r = await c.post("/v1/unload_lora_adapter", json={"lora_name": "x"})
             assert r.status_code == 200, r.text
@@ -214,12 +200,11 @@ def test_load_and_unload_under_load(tmp_path):
     finally:
         resume.set()
         engine.shutdown()
-    assert texts == expected
+    assert texts == want
     assert engine.num_step_errors == 0 and core.executor.num_isolations == 0
     assert core.scheduler.kv_cache_manager.num_used_blocks == 0
-    slots, x_id = core.runner.lora, app.state.ctx.loras  # x is gone from the registry
-    assert "x" not in x_id.names() and set(x_id.names()) == {"y", "z"}
-    assert all(a is None or a.path != paths["x"] for a in slots.adapters)
-    held_paths = {a.path for a in slots.adapters if a is not None}
-    assert paths["z"] in held_paths <= {paths["y"], paths["z"]}   # y: evicted or not
+    assert set(loras.names()) == {"y", "z"}
+    slots, z_id = core.runner.lora, loras.get("z").lora_int_id
+    assert x_id not in slots.resident() and z_id in slots.resident()   # y: evicted or not
+    assert sum(w is not None for w in slots.adapters) == len(slots.resident())
     assert not core._lora_unloaded and not slots._reading and not slots._read
