@@ -63,8 +63,10 @@ def test_adapters_match_merged_reference_alone_and_mixed(setup):
     assert _tokens(llm.generate(PROMPTS, GREEDY, lora_request=per_prompt)) == alone
     if stack is not None:                 # steps with adapter rows ran the modules
         assert stack.calls == calls
-        llm.generate(PROMPTS[4], GREEDY)  # base-only decode steps: the native stack
-        assert stack.calls > calls
+        llm.generate(PROMPTS[4], GREEDY)  # base-only decode steps: the native stack,
+        # unless the measured GEMV bound (models/kernels.py, timed at load: 0 on a busy
+        # machine) keeps even 1-row steps off it
+        assert stack.calls > calls or stack.max_rows == 0
     assert llm.engine.scheduler.kv_cache_manager.num_used_blocks == 0
 
 
