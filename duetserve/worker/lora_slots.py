@@ -88,13 +88,19 @@ class LoRASlots:
         self._install(key, path, read[1], in_use)
         return True
 
+    def _read_adapter(self, path: str) -> LoRAAdapter | LoRAError:
+        """The adapter's weights, or the LoRAError its read raised (any error)."""
+        try:
+            return self.load(path, self.config, self.max_lora_rank)
+        except LoRAError as e:
+            return e
+        except Exception as e:  # noqa: BLE001 - its requests fail, the engine goes on
+            return LoRAError(f"LoRA adapter {path!r} could not be read: "
+                             f"{type(e).__name__}: {e}")
+
     def _read_ahead(self, key: int, path: str) -> None:
         """Loader thread: read one adapter, hand it (or its LoRAError) to `ready`."""
-        try:
-            result: LoRAAdapter | LoRAError = self.load(path, self.config,
-                                                         self.max_lora_rank)
-        except LoRAError as e:
-            result = e
+        result = self._read_adapter(path)
         with self._lock:
             if self._reading.get(key) == path:      # not dropped meanwhile
                 del self._reading[key]
@@ -127,8 +133,7 @@ class LoRASlots:
         with self._lock:
             read = self._read.pop(lora.lora_int_id, None)
         if read is None or read[0] != lora.lora_path:
-            read = (lora.lora_path, self.load(lora.lora_path, self.config,
-                                               self.max_lora_rank))
+            read = (lora.lora_path, self._read_adapter(lora.lora_path))
         if isinstance(read[1], LoRAError):
             raise read[1]
         return self._install(lora.lora_int_id, lora.lora_path, read[1], in_use)

@@ -198,23 +198,23 @@ def test_adapter_read_does_not_block_other_requests(setup):
 
 
 def test_failed_read_fails_its_request_alone(setup):
-    """An adapter whose read fails (its files changed after the check) fails its request
+    """An adapter whose read fails (its files gone after the check) fails its request
     when admitted; a running request of another adapter, re-sent by the step's
     isolation, keeps its adapter."""
-    from duetserve.errors import LoRAError
     _, loras, loaded = setup
     expected = _tokens(_llm(loaded).generate(PROMPTS[0], GREEDY, lora_request=loras[0]))[0]
     engine = _llm(loaded, max_loras=2).engine
     slots, fail = engine.runner.lora, threading.Event()
     slots.load = _held_loader(slots, {loras[1].lora_path: (
-        fail, LoRAError(f"LoRA adapter {loras[1].lora_path!r} vanished"))})
+        fail, FileNotFoundError("adapter_model.safetensors vanished"))})
     engine.add_request("good", PROMPTS[0], GREEDY, lora_request=loras[0])
     engine.add_request("bad", PROMPTS[1], GREEDY, lora_request=loras[1])
     _run(engine, lambda d: engine.scheduler.requests["good"].num_output_tokens > 0)
     fail.set()
     assert slots.reads_done.wait(60)              # the failed read has ended
     done = _run(engine, lambda d: len(d) == 2)
-    assert "vanished" in done["bad"].error and done["bad"].outputs[0].finish_reason == "error"
+    assert "could not be read: FileNotFoundError: adapter_model.safetensors vanished" in \
+        done["bad"].error and done["bad"].outputs[0].finish_reason == "error"
     assert engine.executor.num_isolations == 1
     assert done["good"].error is None and done["good"].outputs[0].token_ids == expected
     assert engine.scheduler.kv_cache_manager.num_used_blocks == 0
