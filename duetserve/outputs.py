@@ -231,6 +231,7 @@ class RequestMetrics:
     num_cached_tokens: int = 0
     num_generation_tokens: int = 0
     inter_token_latencies: list[float] = field(default_factory=list)
+    lora_name: str | None = None     # the LoRA adapter it runs under (None: the base)
 
     @property
     def queue_time(self) -> float | None:

@@ -46,7 +46,7 @@ of each slice is decided (step_plan.py); speculation's per-step arithmetic
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from duetserve.config import SchedulerConfig
@@ -62,7 +62,7 @@ from duetserve.core.spec_schedule import (count_spec, drafts_for, lookahead, num
 from duetserve.core.step_plan import StepPlan
 from duetserve.errors import RequestError
 from duetserve.outputs import ModelRunnerOutput, SchedulerOutput, SpecDecodeStats
-from duetserve.request import Request, RequestStatus
+from duetserve.request import LoRARequest, Request, RequestStatus
 
 
 @dataclass
@@ -111,6 +111,12 @@ class Scheduler:
         self.disk: DiskTier | None = None        # the prefix cache's disk tier (the engine)
         self.spec_policy: SpecPolicy | None = config.spec_policy  # type: ignore[assignment]
         self.spec_stats = SpecDecodeStats() if self.spec_policy is not None else None
+        # Whether a LoRA adapter's weights are resident for this step, given the adapters
+        # the running requests use (the engine's LoRASlots.ready, which otherwise starts
+        # reading them off the step loop): a waiting request whose adapter is not is
+        # skipped, the ones behind it go on. Default: always (tests without a runner).
+        self.lora_ready: Callable[[LoRARequest, set[int]], bool] = lambda lora, used: True
+        self._num_lora_skipped = 0               # waiting requests the last pass skipped
 
     # --- request lifecycle -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -196,6 +202,7 @@ class Scheduler:
                 continue
             if request.is_waiting:
                 self.waiting.remove(req_id)
+                self._num_lora_skipped = 0       # look again at who can run
             else:
                 self.running.remove(request)
             self.remote.fresh.discard(req_id)
@@ -225,8 +232,11 @@ class Scheduler:
         return bool(self.requests)
 
     def has_schedulable_requests(self) -> bool:
-        """Whether a step could run something now (requests loading KV cannot)."""
-        return bool(self.waiting or self.running or self.remote.loaded)
+        """Whether a step could run something now (requests loading KV cannot, nor
+        those waiting for their LoRA adapter's weights: the engine wakes when a read
+        ends)."""
+        return bool(len(self.waiting) > self._num_lora_skipped or self.running
+                    or self.remote.loaded)
 
     # --- disaggregation (the transitions are in core/remote_kv.py) --------------------
     def free_held(self, req_id: str) -> bool:
@@ -387,17 +397,22 @@ class Scheduler:
 
     def _schedule_waiting(self, step: StepPlan) -> None:
         kv = self.kv_cache_manager
+        skipped: list[Request] = []      # their LoRA adapter is being read: back in front
         while self.waiting and step.budget > 0:
             request = self.waiting.peek()
-            if RemoteKV.needs_load(request):   # loads do not wait for a running slot
+            remote = RemoteKV.needs_load(request)   # loads do not wait for a running slot
+            if not self._lora_fits(request) or not remote and (
+                    len(self.running) >= self.config.max_num_seqs or (
+                        self.slo is not None and not self.slo.admits(
+                            len(self.running), request, self._now))):
+                break
+            if not self._lora_resident(request):
+                skipped.append(self.waiting.pop())
+                continue
+            if remote:
                 if not self.remote.admit_load(request, kv, self.waiting):
                     break
                 continue
-            if len(self.running) >= self.config.max_num_seqs or (
-                    self.slo is not None and not self.slo.admits(len(self.running), request,
-                                                                 self._now)) or \
-                    not self._lora_fits(request):
-                break
             hit_blocks, num_hit = kv.get_computed_blocks(request)
             loads = self._admit_disk_load(request, num_hit)
             if loads is not None:
@@ -419,6 +434,9 @@ class Scheduler:
             self.running.append(request)
             step.add(request, num_new, kv.get_block_ids(request.req_id), is_new=True,
                      propose=propose, charge=charge)
+        for request in reversed(skipped):
+            self.waiting.push_front(request)
+        self._num_lora_skipped = len(skipped)
 
     def _admit_disk_load(self, request: Request, num_hit: int) -> bool | None:
         """When the disk tier holds blocks after the request's in-memory hit of
@@ -449,8 +467,21 @@ class Scheduler:
         cap, lora = self.config.max_loras, request.lora_request
         if not cap or lora is None:
             return True
-        used = {r.lora_request.lora_int_id for r in self.running if r.lora_request}
+        used = self._running_loras()
         return lora.lora_int_id in used or len(used) < cap
+
+    def _lora_resident(self, request: Request) -> bool:
+        """Whether the request's LoRA adapter (if any) is resident for this step
+        (self.lora_ready; when not, the engine reads it in the background)."""
+        lora = request.lora_request
+        return lora is None or self.lora_ready(lora, self._running_loras())
+
+    def _running_loras(self) -> set[int]:
+        """The adapters of the running requests and of those loading KV (they run next)."""
+        remote = self.remote
+        return {r.lora_request.lora_int_id for group in (self.running, remote.loading.values(),
+                                                         remote.loaded.values())
+                for r in group if r.lora_request}
 
     def _build_output(self, step: StepPlan) -> SchedulerOutput:
         """The step's SchedulerOutput (core/step_plan.py). Mutates: the finished ids

@@ -121,6 +121,9 @@ class AsyncEngine:
             engine.kv_roles.connector.wake = self._wake
         if getattr(engine, "disk_cache", None) is not None:   # disk loads, likewise
             engine.disk_cache.on_wake = self._wake
+        lora = getattr(getattr(engine, "runner", None), "lora", None)
+        if lora is not None:                                  # LoRA adapter reads too
+            lora.on_read = self._wake
 
     # -- lifecycle -----------------------------------------------------------------------
     @classmethod

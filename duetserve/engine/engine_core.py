@@ -127,6 +127,8 @@ class EngineCore:
         kv_transfer = kv_transfer or KVTransferConfig()
         shared = self._build_runner(kv_transfer)
         self._build_scheduler()
+        self.scheduler.lora_ready = self.runner.lora.ready   # adapters read off the loop
+        self._lora_unloaded: set[int] = set()   # freed once no request uses them
         self.disk_cache = open_disk_cache(config, self.loaded, self.model_config,
                                           self.kv_dtype, self.runner.kv_caches)
         if self.disk_cache is not None:
@@ -398,8 +400,8 @@ class EngineCore:
                 self._prepare_remote(children[-1], kvp)
         user = _UserRequest(req_id, prompt, children[0].request.prompt_token_ids,
                             {c.request.req_id: c for c in children},
-                            RequestMetrics(arrival_time=arrival,
-                                           num_prompt_tokens=len(prompt_token_ids)))
+                            RequestMetrics(arrival, num_prompt_tokens=len(prompt_token_ids),
+                                           lora_name=lora_request and lora_request.lora_name))
         children = [c.request for c in children]
         for req in children:   # all validated before any is queued
             self.scheduler.add_request(req)
@@ -430,6 +432,8 @@ class EngineCore:
             return True
         if self.disk_cache is not None and self.disk_cache.has_results:
             return True
+        if self.runner.lora.reads_done.is_set():       # an adapter's weights were read
+            return True
         return self.kv_roles is not None and self.kv_roles.has_work_now()
 
     def seconds_to_next_deadline(self) -> float | None:
@@ -448,18 +452,29 @@ class EngineCore:
                 self._child_to_user.pop(child_id, None)
                 if self.kv_roles is not None:
                     self.kv_roles.forget(child_id)
+        self._free_unloaded_loras()             # and reads no request waits for now
         self.last_step = self.make_stats()
         if not self.requests:
             self._on_idle()
 
     def release_lora(self, lora_int_id: int) -> bool:
-        """Free a LoRA adapter's resident weights now, unless a running request uses it
-        (then least-recently-used eviction frees its slot later). Returns whether it was
-        freed. A later request for it loads it again."""
-        if any(r.lora_request is not None and r.lora_request.lora_int_id == lora_int_id
-               for r in self.scheduler.running):
-            return False
-        return self.runner.lora.evict(lora_int_id) is not None
+        """An adapter was unloaded (no new request names it): free its weights (and
+        reads ahead) now, or, while requests admitted under it are unfinished (running
+        or waiting), once the last of them ends (as vLLM, they finish under it).
+        Returns whether its weights were freed now. A later request for the same
+        LoRARequest reads it again."""
+        self._lora_unloaded.add(lora_int_id)
+        return lora_int_id in self._free_unloaded_loras()
+
+    def _free_unloaded_loras(self) -> set[int]:
+        """Free the weights and reads of unloaded adapters no unfinished request uses.
+        Returns the ids whose resident weights were freed."""
+        used = {r.lora_request.lora_int_id for r in self.scheduler.requests.values()
+                if r.lora_request is not None}
+        idle = self._lora_unloaded - used
+        self._lora_unloaded -= idle
+        self.runner.lora.drop_reads(used)
+        return {i for i in idle if self.runner.lora.evict(i) is not None}
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -481,6 +496,9 @@ class EngineCore:
             self.disk_cache.poll(self.scheduler)
         load_failures = {} if self.kv_roles is None else {
             r.req_id: error for r, error in self.kv_roles.poll()}
+        if self.kv_roles is None and not self.has_work_now():
+            self.runner.lora.wait_for_read()     # offline callers step in a loop
+        self.runner.lora.reads_done.clear()
         so = self.scheduler.schedule(start)
         if self.kv_roles is not None:
             self.kv_roles.start_loads()
@@ -493,6 +511,8 @@ class EngineCore:
         if self.disk_cache is not None:
             self.disk_cache.write()
         outputs = self._make_outputs(updated, ro, failed_users)
+        if self._lora_unloaded:
+            self._free_unloaded_loras()
         self._record_step(so, outputs, start, time.perf_counter() - t0)
         return outputs
 

@@ -86,7 +86,7 @@ class IsolatedExecutor:
             r = self.scheduler.requests[req_id]
             out.scheduled_new_reqs.append(NewRequestData(
                 req_id, list(r.all_token_ids), r.num_prompt_tokens, r.sampling_params,
-                kv.get_block_ids(req_id), r.num_computed_tokens))
+                kv.get_block_ids(req_id), r.num_computed_tokens, r.lora_request))
             out.num_scheduled_tokens[req_id] = so.num_scheduled_tokens[req_id]
             if req_id in so.scheduled_spec_token_ids:
                 out.scheduled_spec_token_ids[req_id] = so.scheduled_spec_token_ids[req_id]

@@ -5,29 +5,53 @@ distinct adapters (core/scheduler.py), so when a new request's adapter is not re
 slot is free or holds an adapter no running request uses: that one is evicted (the least
 recently activated). A step's rows carry their request's slot (worker/batch.py SeqWork),
 and `step_batch` groups them for the model (models/lora.py LoRABatch).
+
+Reading an adapter's files happens off the step loop: the scheduler asks `ready` for a
+waiting request's adapter; when it is not resident, a loader thread reads it (at most
+max_loras reads ahead at once) and the request waits while the others run; once read,
+the next `ready` puts it in a slot and the request is admitted. `reads_done` is set (and
+`on_read` called: the async engine's wake-up) when a read ends. `activate` still reads
+synchronously when nothing was read ahead (a runner used without the scheduler's check).
 """
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
+from collections.abc import Callable
+from functools import partial
 
 import torch
 
 from duetserve.config import ModelConfig
+from duetserve.errors import LoRAError
 from duetserve.models.lora import LoRAAdapter, LoRABatch, load_adapter
 from duetserve.request import LoRARequest
+
+# (folder, ModelConfig, max rank) -> the adapter's weights; raises LoRAError
+AdapterLoader = Callable[[str, ModelConfig, int], LoRAAdapter]
 
 
 class LoRASlots:
     def __init__(self, model_config: ModelConfig, max_loras: int, max_lora_rank: int,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, load: AdapterLoader | None = None
+                 ) -> None:
+        """`dtype`: the weights' (--lora-dtype); `load` reads an adapter (default:
+        load_adapter in `dtype`; tests hold it back: `self.load`)."""
         self.config = model_config
-        self.dtype = dtype                                  # the weights' (--lora-dtype)
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
         self.adapters: list[LoRAAdapter | None] = [None] * max_loras
         self._slot: OrderedDict[int, int] = OrderedDict()  # lora_int_id -> slot, LRU first
         self._paths: dict[int, str] = {}                   # lora_int_id -> its folder
-        self.num_loads = 0
+        self.num_loads = 0                                 # adapters put in a slot
+        self.load = load or partial(load_adapter, dtype=dtype)
+        # reads off the step loop, lora_int_id -> folder (reading) or (folder, adapter or
+        # the LoRAError it raised) (read); the loader threads write them under the lock
+        self._lock = threading.Lock()
+        self._reading: dict[int, str] = {}
+        self._read: dict[int, tuple[str, LoRAAdapter | LoRAError]] = {}
+        self.reads_done = threading.Event()
+        self.on_read: Callable[[], None] = lambda: None
 
     def check(self, lora: LoRARequest) -> None:
         """Raises LoRAError naming the problem when the adapter cannot be used (files,
@@ -35,21 +59,97 @@ class LoRASlots:
         Mutates nothing: any thread may call it."""
         load_adapter(lora.lora_path, self.config, self.max_lora_rank, weights=False)
 
-    def activate(self, lora: LoRARequest, in_use: set[int]) -> int:
-        """The slot of `lora`, loading it (evicting the least recently used adapter whose id
-        is not in `in_use`) when it is not resident. Mutates the slots."""
+    def _resident(self, lora: LoRARequest) -> int | None:
         slot = self._slot.get(lora.lora_int_id)
-        if slot is not None and self._paths[lora.lora_int_id] == lora.lora_path:
+        return slot if slot is not None and self._paths[lora.lora_int_id] == \
+            lora.lora_path else None
+
+    def ready(self, lora: LoRARequest, in_use: set[int]) -> bool:
+        """Whether `lora` is resident now, putting it in a slot when a loader thread has
+        read it (evicting the least recently used adapter not in `in_use`; the caller
+        guarantees one: at most max_loras distinct adapters run). Otherwise starts
+        reading it on a loader thread and returns False. A failed read counts as ready:
+        `activate` raises its error. Engine thread; mutates the slots and reads."""
+        if self._resident(lora) is not None:
+            return True
+        key, path = lora.lora_int_id, lora.lora_path
+        with self._lock:
+            read = self._read.get(key)
+            if read is not None and read[0] == path:
+                del self._read[key]
+            elif self._reading.get(key) == path or \
+                    len(self._reading) + len(self._read) >= self.max_loras:
+                return False      # being read, or max_loras reads ahead already
+            else:
+                read, self._reading[key] = None, path
+        if read is None:
+            threading.Thread(target=self._read_ahead, args=(key, path), daemon=True,
+                             name=f"duet-lora-read-{key}").start()
+            return False
+        if isinstance(read[1], LoRAError):
+            with self._lock:
+                self._read[key] = read    # activate raises it
+            return True
+        self._install(key, path, read[1], in_use)
+        return True
+
+    def _read_adapter(self, path: str) -> LoRAAdapter | LoRAError:
+        """The adapter's weights, or the LoRAError its read raised (any error)."""
+        try:
+            return self.load(path, self.config, self.max_lora_rank)
+        except LoRAError as e:
+            return e
+        except Exception as e:  # noqa: BLE001 - its requests fail, the engine goes on
+            return LoRAError(f"LoRA adapter {path!r} could not be read: "
+                             f"{type(e).__name__}: {e}")
+
+    def _read_ahead(self, key: int, path: str) -> None:
+        """Loader thread: read one adapter, hand it (or its LoRAError) to `ready`."""
+        result = self._read_adapter(path)
+        with self._lock:
+            if self._reading.get(key) == path:      # not dropped meanwhile
+                del self._reading[key]
+                self._read[key] = (path, result)
+        self.reads_done.set()
+        self.on_read()
+
+    def wait_for_read(self, timeout: float = 1.0) -> None:
+        """An offline caller with nothing else to run: wait (bounded) for a read to end
+        instead of stepping in a spin."""
+        if self._reading:
+            self.reads_done.wait(timeout)
+
+    def drop_reads(self, keep: set[int]) -> None:
+        """Forget reads (ended or not) of adapters not in `keep` (no request waits for
+        them: aborted, unloaded). Mutates the reads."""
+        with self._lock:
+            for d in (self._reading, self._read):
+                for key in [k for k in d if k not in keep]:
+                    del d[key]
+
+    def activate(self, lora: LoRARequest, in_use: set[int]) -> int:
+        """The slot of `lora`: resident (made most recently used), or put in a slot now
+        from its read (`ready`), or read now. Raises the LoRAError of a failed read.
+        Mutates the slots."""
+        slot = self._resident(lora)
+        if slot is not None:
             self._slot.move_to_end(lora.lora_int_id)
             return slot
-        if slot is not None:                 # the same id, another folder: reload it
-            self.evict(lora.lora_int_id)
-        adapter = load_adapter(lora.lora_path, self.config, self.max_lora_rank,
-                               dtype=self.dtype)
+        with self._lock:
+            read = self._read.pop(lora.lora_int_id, None)
+        if read is None or read[0] != lora.lora_path:
+            read = (lora.lora_path, self._read_adapter(lora.lora_path))
+        if isinstance(read[1], LoRAError):
+            raise read[1]
+        return self._install(lora.lora_int_id, lora.lora_path, read[1], in_use)
+
+    def _install(self, key: int, path: str, adapter: LoRAAdapter, in_use: set[int]) -> int:
+        if key in self._slot:              # the same id, another folder: replace it
+            self.evict(key)
         slot = self._free_slot(in_use)
         self.adapters[slot] = adapter
-        self._slot[lora.lora_int_id] = slot
-        self._paths[lora.lora_int_id] = lora.lora_path
+        self._slot[key] = slot
+        self._paths[key] = path
         self.num_loads += 1
         return slot
 
@@ -65,7 +165,7 @@ class LoRASlots:
 
     def evict(self, lora_int_id: int) -> int | None:
         """Drop an adapter from its slot (its weights freed). Returns the slot, or None
-        when it was not resident. Mutates the slots."""
+        when it was not resident. Mutates the slots (not the reads: drop_reads)."""
         slot = self._slot.pop(lora_int_id, None)
         self._paths.pop(lora_int_id, None)
         if slot is not None:

@@ -81,12 +81,15 @@ class ModelRunner:
         if self.speculator is not None:
             self.speculator.forget(so.finished_req_ids | so.preempted_req_ids
                                    | {new.req_id for new in so.scheduled_new_reqs})
+        # adapters this step's requests use: never the one evicted for another
+        in_use = {st.lora_id for st in self.requests.values()} | {
+            new.lora_request.lora_int_id for new in so.scheduled_new_reqs if new.lora_request}
         for new in so.scheduled_new_reqs:
             # NOTE: a request resumed after preemption needs nothing carried over: seeded
             # randomness is keyed by output position (worker/seeded.py).
             lora = new.lora_request
             if lora is not None:       # resident before the step runs (evicting an idle one)
-                self.lora.activate(lora, {st.lora_id for st in self.requests.values()})
+                self.lora.activate(lora, in_use)
             self.requests[new.req_id] = RunnerRequestState(
                 new.req_id, list(new.token_ids), new.num_prompt_tokens, new.sampling_params,
                 list(new.block_ids), new.num_computed_tokens,

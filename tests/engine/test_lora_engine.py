@@ -4,6 +4,8 @@ equals each request alone; prefix caching never shares KV across adapters; at mo
 max_loras adapters run at once; bad adapters are refused at admission."""
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -61,8 +63,10 @@ def test_adapters_match_merged_reference_alone_and_mixed(setup):
     assert _tokens(llm.generate(PROMPTS, GREEDY, lora_request=per_prompt)) == alone
     if stack is not None:                 # steps with adapter rows ran the modules
         assert stack.calls == calls
-        llm.generate(PROMPTS[4], GREEDY)  # base-only decode steps: the native stack
-        assert stack.calls > calls
+        llm.generate(PROMPTS[4], GREEDY)  # base-only decode steps: the native stack,
+        # unless the measured GEMV bound (models/kernels.py, timed at load: 0 on a busy
+        # machine) keeps even 1-row steps off it
+        assert stack.calls > calls or stack.max_rows == 0
     assert llm.engine.scheduler.kv_cache_manager.num_used_blocks == 0
 
 
@@ -142,3 +146,107 @@ def test_release_frees_an_idle_adapter(setup):
     assert not llm.engine.release_lora(1)                 # not resident any more
     again = _tokens(llm.generate(PROMPTS[0], GREEDY, lora_request=loras[0]))
     assert again == _tokens(_llm(loaded).generate(PROMPTS[0], GREEDY, lora_request=loras[0]))
+
+
+def _held_loader(slots, hold: dict):
+    """A LoRASlots loader that, for a folder in `hold`, waits for its Event first and
+    then raises its error (None: reads it)."""
+    read = slots.load
+
+    def load(path, cfg, rank):
+        if path in hold:
+            event, error = hold[path]
+            assert event.wait(60), "the test never released the read"
+            if error is not None:
+                raise error
+        return read(path, cfg, rank)
+    return load
+
+
+def _run(engine, until) -> dict:
+    """Step until `until(finished outputs by id)`; returns them."""
+    done = {}
+    while not until(done):
+        assert engine.has_unfinished_requests()
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return done
+
+
+def test_adapter_read_does_not_block_other_requests(setup):
+    """An adapter that is not resident is read on a loader thread: the request waits
+    while a base request submitted after it runs to the end; once the read ends it runs
+    and gives the merged reference's tokens."""
+    base, loras, loaded = setup
+    expected = hf_greedy(merged_reference(base, loras[0].lora_path), PROMPTS[0], N)
+    engine = _llm(loaded, max_loras=2).engine
+    slots, release = engine.runner.lora, threading.Event()
+    slots.load = _held_loader(slots, {loras[0].lora_path: (release, None)})
+    engine.add_request("lora", PROMPTS[0], GREEDY, lora_request=loras[0])
+    engine.add_request("base", PROMPTS[1], GREEDY)
+    done = _run(engine, lambda d: "base" in d)
+    assert len(done["base"].outputs[0].token_ids) == N and "lora" not in done
+    waiting = engine.scheduler.requests["lora"]
+    assert waiting.is_waiting and waiting.num_output_tokens == 0
+    assert not engine.has_work_now()         # nothing to do but wait for the read
+    release.set()
+    done = _run(engine, lambda d: "lora" in d)
+    assert done["lora"].outputs[0].token_ids == expected
+    assert slots.num_loads == 1 and slots.resident() == [loras[0].lora_int_id]
+    assert engine.scheduler.kv_cache_manager.num_used_blocks == 0
+
+
+def test_failed_read_fails_its_request_alone(setup):
+    """An adapter whose read fails (its files gone after the check) fails its request
+    when admitted; a running request of another adapter, re-sent by the step's
+    isolation, keeps its adapter."""
+    _, loras, loaded = setup
+    expected = _tokens(_llm(loaded).generate(PROMPTS[0], GREEDY, lora_request=loras[0]))[0]
+    engine = _llm(loaded, max_loras=2).engine
+    slots, fail = engine.runner.lora, threading.Event()
+    slots.load = _held_loader(slots, {loras[1].lora_path: (
+        fail, FileNotFoundError("adapter_model.safetensors vanished"))})
+    engine.add_request("good", PROMPTS[0], GREEDY, lora_request=loras[0])
+    engine.add_request("bad", PROMPTS[1], GREEDY, lora_request=loras[1])
+    _run(engine, lambda d: engine.scheduler.requests["good"].num_output_tokens > 0)
+    fail.set()
+    assert slots.reads_done.wait(60)              # the failed read has ended
+    done = _run(engine, lambda d: len(d) == 2)
+    assert "could not be read: FileNotFoundError: adapter_model.safetensors vanished" in \
+        done["bad"].error and done["bad"].outputs[0].finish_reason == "error"
+    assert engine.executor.num_isolations == 1
+    assert done["good"].error is None and done["good"].outputs[0].token_ids == expected
+    assert engine.scheduler.kv_cache_manager.num_used_blocks == 0
+
+
+def test_disaggregated_pair_runs_the_adapter(setup):
+    """A prefill and a decode instance (one process, shared-memory reader) both serving
+    an adapter: the decode instance continues under it from the KV the prefill instance
+    computed under it; greedy tokens equal the colocated engine's with the adapter."""
+    from duetserve.kv_transfer import KVTransferConfig
+    from duetserve.kv_transfer.params import KVRequestParams
+    _, loras, loaded = setup
+    lora, prompts = loras[1], PROMPTS[:3]
+    colo = _llm(loaded, max_loras=2)
+    want = _tokens(colo.generate(prompts, GREEDY, lora_request=lora))
+    assert want != _tokens(colo.generate(prompts, GREEDY))      # the adapter matters
+    cfg = EngineConfig(model=loaded.path, num_threads=2, step_time=pinned_step_time(),
+                       max_loras=2, check_integrity_when_idle=True)
+    pre = EngineCore(cfg, loaded=loaded, kv_transfer=KVTransferConfig("prefill",
+                                                                      mooncake=False))
+    dec = EngineCore(cfg, loaded=loaded, kv_transfer=KVTransferConfig("decode"))
+    got = []
+    for i, p in enumerate(prompts):
+        rid = f"r{i}"
+        pre.kv_roles.expect(rid, KVRequestParams(do_remote_decode=True))
+        pre.add_request(rid, p, GREEDY, lora_request=lora)
+        first = _run(pre, lambda d: rid in d)[rid].outputs[0].token_ids
+        remote = pre.kv_roles.connector.published(rid)
+        assert remote is not None and first == [remote.first_token_id]
+        dec.kv_roles.expect(rid, KVRequestParams(remote_prefill=remote))
+        dec.add_request(rid, p, GREEDY, lora_request=lora)
+        got.append(_run(dec, lambda d: rid in d)[rid].outputs[0].token_ids)
+    assert got == want
+    assert pre.runner.lora.num_loads == dec.runner.lora.num_loads == 1
+    assert dec.scheduler.kv_cache_manager.num_used_blocks == 0

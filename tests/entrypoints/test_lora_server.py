@@ -112,3 +112,99 @@ def test_bad_lora_modules_stop_start_up(setup, tmp_path):
                              "--max-num-batched-tokens", "256", "--lora-modules", *modules])
         with pytest.raises(UserError, match=match):
             serve.build_server(args)
+
+
+def test_metrics_per_adapter(setup, expected):
+    """/metrics counts each adapter's ended requests and their tokens (label lora_name),
+    the adapters resident and the loads."""
+    srv, _, a, b = setup
+    load = f"{srv.base}/v1/load_lora_adapter"
+    before = srv.metrics(AUTH)
+    for name, path in (("m1", b), ("m2", a)):
+        r = httpx.post(load, json={"lora_name": name, "lora_path": path}, headers=AUTH)
+        assert r.status_code == 200, r.text
+    texts = [_complete(srv, m).json()["choices"][0]["text"] for m in ("m1", "m2", "m2")]
+    assert texts == [expected[2], expected[1], expected[1]]
+    after = srv.metrics(AUTH)
+
+    def per_adapter(series: str, name: str) -> float:
+        return after[f'duet:lora_{series}_total{{lora_name="{name}",model_name="base"}}']
+
+    assert [per_adapter("requests", n) for n in ("m1", "m2")] == [1, 2]
+    assert [per_adapter("prompt_tokens", n) for n in ("m1", "m2")] == \
+        [len(PROMPT), 2 * len(PROMPT)]
+    assert [per_adapter("generation_tokens", n) for n in ("m1", "m2")] == [N, 2 * N]
+    assert not any('lora_name="base"' in k for k in after)   # the base has no series
+    # --max-loras 2: both resident now, each read once (m2's second request found it)
+    assert after["duet:lora_resident_adapters"] == 2
+    assert after["duet:lora_loads_total"] - before.get("duet:lora_loads_total", 0) == 2
+
+
+def test_load_and_unload_under_load(setup, expected):
+    """In process, --max-loras 2: while a base request and two adapters' requests run,
+    adapter `z` is loaded by POST and used (it waits for a slot), and `x` is unloaded
+    while its request runs (the engine is held inside a step to make sure of it). As
+    vLLM: the unload answers at once, new requests for `x` get 404, the running one
+    finishes under `x`, whose weights are freed when it ends. No request fails (each
+    text equals the offline engine's), every KV block is free, no slot holds `x`."""
+    import argparse
+    import asyncio
+    import threading
+
+    from duetserve.entrypoints.openai import serve
+    _, base, a, b = setup
+    want = {"base": expected[0], "x": expected[1], "y": expected[2], "z": expected[1]}
+    p = argparse.ArgumentParser()
+    serve.add_arguments(p)
+    args = p.parse_args([base, "--num-threads", "2", "--max-num-batched-tokens", "64",
+                         "--max-loras", "2", "--lora-modules", f"x={a}", f"y={b}"])
+    app = serve.build_server(args).config.app
+    engine, loras = app.state.ctx.engine, app.state.ctx.loras
+    core, x_id = engine.engine, loras.get("x").lora_int_id
+    held, resume = threading.Event(), threading.Event()
+
+    def hold_once(_stats) -> None:     # engine thread: pause once x's request has a token
+        if not held.is_set() and any(r.lora_request and r.lora_request.lora_name == "x"
+                                     and r.num_output_tokens > 0
+                                     for r in core.scheduler.running):
+            held.set()
+            assert resume.wait(60)
+    core.add_step_observer(hold_once)
+
+    async def scenario() -> dict:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t",
+                                     timeout=120) as c:
+            async def complete(model: str) -> str:
+                r = await c.post("/v1/completions", json={
+                    "model": model, "prompt": PROMPT, "max_tokens": N, "temperature": 0,
+                    "ignore_eos": True})
+                assert r.status_code == 200, r.text
+                return r.json()["choices"][0]["text"]
+
+            running = [asyncio.create_task(complete(m)) for m in ("base", "x", "y")]
+            assert await asyncio.to_thread(held.wait, 60)     # x's request is running
+            r = await c.post("/v1/load_lora_adapter", json={"lora_name": "z", "lora_path": a})
+            assert r.status_code == 200, r.text
+            r = await c.post("/v1/unload_lora_adapter", json={"lora_name": "x"})
+            assert r.status_code == 200, r.text
+            r = await c.post("/v1/completions", json={"model": "x", "prompt": PROMPT})
+            assert r.status_code == 404
+            resume.set()
+            z = await complete("z")
+            texts = dict(zip(("base", "x", "y"), await asyncio.gather(*running)))
+            return {**texts, "z": z}
+
+    try:
+        texts = asyncio.run(scenario())
+    finally:
+        resume.set()
+        engine.shutdown()
+    assert texts == want
+    assert engine.num_step_errors == 0 and core.executor.num_isolations == 0
+    assert core.scheduler.kv_cache_manager.num_used_blocks == 0
+    assert set(loras.names()) == {"y", "z"}
+    slots, z_id = core.runner.lora, loras.get("z").lora_int_id
+    assert x_id not in slots.resident() and z_id in slots.resident()   # y: evicted or not
+    assert sum(w is not None for w in slots.adapters) == len(slots.resident())
+    assert not core._lora_unloaded and not slots._reading and not slots._read

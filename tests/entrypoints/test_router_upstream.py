@@ -162,3 +162,29 @@ def test_a_refused_decode_connection_fails_over_and_a_bad_flag_is_an_error():
     run(main)
     with pytest.raises(ValueError, match="--upstream-read-timeout must be > 0"):
         Timeouts(read_s=0)
+
+
+def test_the_model_reaches_every_instance_unchanged():
+    """A request's `model` (a LoRA adapter's name) goes unchanged to a replica, and to
+    both the prefill and the decode instance, streamed or not (each runs the adapter)."""
+    async def main():
+        body = {**BODY, "model": "alpha"}
+        async with FakeInstance(answers(200, ANSWER)) as rep:
+            async with router([Instance(rep.url, "replica")]) as client:
+                assert (await client.post("/v1/completions", json=body)).status_code == 200
+            assert [b["model"] for _, _, b in rep.requests] == ["alpha"]
+        stream = {"choices": [{"index": 0, "text": " blue sky", "finish_reason": "length"}],
+                  "usage": USAGE}
+
+        def decode(method, path, request):
+            return (200, [stream]) if request.get("stream") else (200, ANSWER)
+        async with FakeInstance(answers(200, PREFILLED)) as pre, \
+                FakeInstance(decode) as dec:
+            async with router([Instance(pre.url, "prefill"),
+                               Instance(dec.url, "decode")]) as client:
+                for s in (False, True):
+                    r = await client.post("/v1/completions", json={**body, "stream": s})
+                    assert r.status_code == 200, r.text
+            assert [b["model"] for _, _, b in pre.requests + dec.requests] == ["alpha"] * 4
+            assert [bool(b.get("stream")) for _, _, b in dec.requests] == [False, True]
+    run(main)

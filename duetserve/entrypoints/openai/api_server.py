@@ -34,6 +34,7 @@ from duetserve.entrypoints.web import PAGE_PATHS
 from duetserve.entrypoints.web.server_routes import install as install_web_pages
 from duetserve.metrics.kv_store import KVStoreMetrics
 from duetserve.metrics.kv_transfer import KVTransferMetrics
+from duetserve.metrics.lora import LoRAMetrics
 from duetserve.worker.kv_cache import kv_dtype_name
 from duetserve.metrics.prometheus import CONTENT_TYPE, ServerMetrics
 
@@ -145,6 +146,10 @@ def server_metrics(engine: AsyncEngine, served_model_name: str) -> ServerMetrics
         engine.idle_stats_observers.append(store.observe_step)
     engine.idle_stats_observers.append(metrics.observe_step)
     engine.finish_observers.append(metrics.observe_finished)
+    lora = LoRAMetrics(metrics.registry, served_model_name, core.runner.lora, metrics._lock)
+    core.add_step_observer(lora.observe_step)
+    engine.idle_stats_observers.append(lora.observe_step)
+    engine.finish_observers.append(lora.observe_finished)
     roles = core.kv_roles
     if roles is not None:      # disaggregated: transfer metrics, TTFT split, trace spans
         kv_metrics = KVTransferMetrics(metrics.registry, served_model_name,

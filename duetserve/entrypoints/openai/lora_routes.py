@@ -6,9 +6,10 @@ loads) and vLLM's endpoints, behind the API key like every /v1 route:
 
 A request's `model` selects an adapter by name (ServerContext.check_model), GET /v1/models
 lists each with the base as its `parent`. The engine holds at most --max-loras adapters'
-weights at once (worker/lora_slots.py): a registered adapter is loaded by the first request
-that uses it; unloading frees its weights (or, while requests run it, its slot goes to
-the next adapter needing one).
+weights at once (worker/lora_slots.py): a registered adapter is read (off the step loop)
+for the first request that uses it. Unloading, as vLLM's, answers at once: new requests
+naming it get 404, requests already admitted finish under it, and its weights are freed
+after the last of them (EngineCore.release_lora).
 """
 from __future__ import annotations
 
