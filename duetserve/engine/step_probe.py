@@ -308,13 +308,18 @@ def _cached_model(entry: object, layout: Layout) -> StepTime | None:
 
 
 def _measure_startup(runner, layout: Layout, vocab_size: int, block_size: int,
-                     max_tokens: int) -> tuple[StepTime, str]:
+                     max_tokens: int) -> tuple[StepTime | None, str]:
     """(model, why it must not be cached: "" when it may). Measures up to twice: a noisy
-    or implausible measurement is tried once more."""
+    or implausible measurement is tried once more. (None, why) when the probes cannot
+    identify the layout's terms (a few-row limit measured very low on a busy machine
+    routes more of them to other kernels than there are probes)."""
     probes = fits(startup_probes(layout), max_tokens)
     for _ in range(2):
         samples, noisy = measure(runner, probes, layout, vocab_size, block_size)
-        model, _ = fit_step_time(samples, layout, STARTUP_TERMS)
+        try:
+            model, _ = fit_step_time(samples, layout, STARTUP_TERMS)
+        except ValueError as e:
+            return None, f"no fit: {e}"
         reason = noisy or ("" if model.is_plausible() else
                            f"implausible fit ({model.describe()})")
         if not reason:
@@ -359,6 +364,9 @@ def startup_step_time(runner, model_path: str, switches: dict, num_threads: int,
     t0 = time.perf_counter()
     model, reason = _measure_startup(runner, layout, vocab_size, block_size, max_tokens)
     took = time.perf_counter() - t0
+    if model is None:
+        log.warning("step time measurement failed: %s", reason)
+        return None, StepTimeSource("none", f"measurement failed ({reason})")
     if reason:
         log.warning("step time measurement not cached: %s", reason)
         return model, StepTimeSource("measured", f"in {took:.1f} s, not cached ({reason})",

@@ -112,6 +112,20 @@ def test_malformed_cache_files_are_measured_again(model, monkeypatch, tmp_path) 
     assert start(model)[1].how == "cached"
 
 
+def test_a_measurement_the_terms_cannot_fit_leaves_no_model(model, monkeypatch,
+                                                            tmp_path) -> None:
+    """Probes that identify fewer terms than the layout prices (a few-row limit measured
+    very low on a busy machine: 8 probes, 9 terms, seen in a full test run) give no
+    step-time model (the fixed fallback budget) instead of an engine that fails to
+    start; nothing is cached."""
+    probes = FakeProbes(monkeypatch)
+    full = probes.measure
+    monkeypatch.setattr(step_probe, "measure", lambda *a, **k: (full(*a, **k)[0][:1], ""))
+    got, source = start(model)
+    assert got is None and source.how == "none" and "measurement failed" in source.detail
+    assert not (tmp_path / step_probe.CACHE_FILE).exists()
+
+
 def test_a_cache_too_small_for_the_probes_is_not_measured(model, monkeypatch) -> None:
     """A 16-token context (tests' toy engines) cannot hold a probe: no measurement, no
     cache entry; the engine then schedules with the fixed fallback budget."""
