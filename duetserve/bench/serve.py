@@ -56,6 +56,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (default %(default)s)")
     g.add_argument("--endpoint", choices=sorted(ENDPOINTS), default="completions", help="API to call")
     g.add_argument("--model", default=None, help="model name (default: first of GET /v1/models)")
+    g.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME",
+                   help="LoRA adapter names the server serves: conversation i's requests name "
+                        "adapter i mod their count (as `model`) instead of --model")
     g.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
     add_load_arguments(p)
     add_dataset_arguments(p)
@@ -261,6 +264,9 @@ async def run_once(args: argparse.Namespace, model: str, convs: list[Conversatio
     connector = aiohttp.TCPConnector(limit=args.max_concurrency or total)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=30.0, sock_read=args.request_timeout)
 
+    def model_of(cid: int) -> str:
+        return args.lora_modules[cid % len(args.lora_modules)] if args.lora_modules else model
+
     async def one_conversation(cid: int, conv: Conversation, client: aiohttp.ClientSession, t0: float) -> None:
         await asyncio.sleep(max(0.0, t0 + float(offsets[cid]) - time.perf_counter()))
         history: list[dict[str, str]] = []
@@ -276,7 +282,7 @@ async def run_once(args: argparse.Namespace, model: str, convs: list[Conversatio
             history.append({"role": "user", "content": item.prompt})
             prompt_words += item.input_len
             payload = list(history) if args.endpoint == "chat" else item.prompt
-            body = build_body(args, model, payload, item.output_len)
+            body = build_body(args, model_of(cid), payload, item.output_len)
             if sem is not None:
                 await sem.acquire()
             try:

@@ -62,6 +62,21 @@ def test_multi_token_chunks_and_eos(tmp_path: Path) -> None:
         assert len(rec["itl"]) == NATURAL_LEN - 2
 
 
+def test_lora_modules_spread_conversations_over_adapters(tmp_path: Path) -> None:
+    """--lora-modules: conversation i names adapter i mod n as its `model`, every turn."""
+    with FakeServer() as srv:
+        res = _run(tmp_path, srv.base_url, "--endpoint", "chat", "--dataset", "chat",
+                   "--num-prompts", "5", "--num-turns", "2", "--input-len", "3",
+                   "--output-len", "2", "--ignore-eos", "--lora-modules", "a", "b")
+    assert res["config"]["lora_modules"] == ["a", "b"]
+    by_first = {}
+    for body in srv.stats.bodies:
+        by_first.setdefault(body["messages"][0]["content"], set()).add(body["model"])
+    assert all(len(models) == 1 for models in by_first.values())    # one per conversation
+    names = [b["model"] for b in srv.stats.bodies]
+    assert sorted(set(names)) == ["a", "b"] and names.count("a") == 6    # 3 of 5 x 2 turns
+
+
 def test_chat_multi_turn_resends_history(tmp_path: Path) -> None:
     with FakeServer() as srv:
         res = _run(tmp_path, srv.base_url, "--endpoint", "chat", "--dataset", "chat",
