@@ -149,40 +149,11 @@ torch::Tensor gelu_tanh_mul(torch::Tensor gate_up) {
 //   rot(x)[i] = x[i] cos[i] + x[(i + D/2) % D] sin[i]);
 //   k_cache, v_cache [KVH, num_blocks, block_size, D] float32 or bfloat16, written at
 //   slot_mapping[t]. Returns the rotated q [T, H, D] float32. Mutates k_cache, v_cache.
-template <typename KV>
-static void rope_kv_impl(const float* qkv, const float* cs, const float* sn, KV* kc, KV* vc,
-                         const int64_t* slots, float* q, int64_t T, int64_t H, int64_t KVH,
-                         int64_t D, int64_t head_stride) {
-  const int64_t width = (H + 2 * KVH) * D, half = D / 2;
-  auto rot = [&](const float* x, const float* c, const float* s, auto* o) {
-    using O = std::remove_pointer_t<decltype(o)>;
-    for (int64_t i = 0; i < half; ++i) o[i] = O(x[i] * c[i] + x[i + half] * s[i]);
-    for (int64_t i = half; i < D; ++i) o[i] = O(x[i] * c[i] + x[i - half] * s[i]);
-  };
-  at::parallel_for(0, T, 16, [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; ++t) {
-      const float* row = qkv + t * width;
-      const float* c = cs + t * D;
-      const float* s = sn + t * D;
-      for (int64_t h = 0; h < H + KVH; ++h) {
-        const float* x = row + h * D;
-        if (h < H) rot(x, c, s, q + (t * H + h) * D);
-        else rot(x, c, s, kc + (h - H) * head_stride + slots[t] * D);
-      }
-      for (int64_t h = 0; h < KVH; ++h) {
-        const float* x = row + (H + KVH + h) * D;
-        KV* o = vc + h * head_stride + slots[t] * D;
-        for (int64_t i = 0; i < D; ++i) o[i] = KV(x[i]);
-      }
-    }
-  });
-}
-
-// The same into a quantized cache (kv_rows.h's RowsQ8 / RowsQ4): K rotated into float32,
-// then each row quantized as it is written (rows W elements wide); for int8, K and the
-// returned q also get kv_rows.h's Walsh-Hadamard rotation.
+// Each K row rotated into float32, then written in the cache's row format (kv_rows.h:
+// float32, bfloat16, int8 or int4; rows W elements wide); V rows written as they are; for
+// int8, K and the returned q also get kv_rows.h's Walsh-Hadamard rotation.
 template <typename Rows>
-static void rope_kv_quant(const float* qkv, const float* cs, const float* sn,
+static void rope_kv_rows(const float* qkv, const float* cs, const float* sn,
                           typename Rows::E* kc, typename Rows::E* vc, const int64_t* slots,
                           float* q, int64_t T, int64_t H, int64_t KVH, int64_t D,
                           int64_t head_stride) {
@@ -237,18 +208,18 @@ torch::Tensor rope_kv_write(torch::Tensor qkv, torch::Tensor cos, torch::Tensor 
   const int64_t* sl = slot_mapping.data_ptr<int64_t>();
   float* qp = q.data_ptr<float>();
   if (kind == torch::kFloat32) {
-    rope_kv_impl<float>(x, c, s, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), sl, qp,
-                        T, H, KVH, D, head_stride);
+    rope_kv_rows<RowsF32>(x, c, s, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), sl,
+                          qp, T, H, KVH, D, head_stride);
   } else if (kind == torch::kBFloat16) {
-    rope_kv_impl<at::BFloat16>(x, c, s, k_cache.data_ptr<at::BFloat16>(),
-                               v_cache.data_ptr<at::BFloat16>(), sl, qp, T, H, KVH, D,
-                               head_stride);
+    rope_kv_rows<RowsBF16>(x, c, s, k_cache.data_ptr<at::BFloat16>(),
+                           v_cache.data_ptr<at::BFloat16>(), sl, qp, T, H, KVH, D,
+                           head_stride);
   } else if (kind == torch::kInt8) {
-    rope_kv_quant<RowsQ8>(x, c, s, k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>(), sl,
+    rope_kv_rows<RowsQ8>(x, c, s, k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>(), sl,
                           qp, T, H, KVH, D, head_stride);
   } else if (kind == torch::kUInt8) {
     TORCH_CHECK(D % 32 == 0, "int4 KV needs a head size divisible by 32");
-    rope_kv_quant<RowsQ4>(x, c, s, k_cache.data_ptr<uint8_t>(), v_cache.data_ptr<uint8_t>(),
+    rope_kv_rows<RowsQ4>(x, c, s, k_cache.data_ptr<uint8_t>(), v_cache.data_ptr<uint8_t>(),
                           sl, qp, T, H, KVH, D, head_stride);
   } else {
     TORCH_CHECK(false, "KV cache dtype must be float32, bfloat16, int8 or uint8 (int4)");
