@@ -59,3 +59,28 @@ class PagedModel:
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
+
+
+def paged_and_grouped_steps(cache: tuple[torch.Tensor, torch.Tensor], heads: int, hd: int,
+                            bs: int, g: torch.Generator) -> tuple[list, list]:
+    """One mixed step (two decode tokens, a fresh prompt chunk, a chunk after 6 cached
+    tokens) through TorchAttention over copies of `cache` ([KVH, blocks, bs, row] each),
+    once with the paged decode kernel's metadata and once without: (outputs, caches)."""
+    from duetserve.models.attention import TorchAttention
+    kvh = cache[0].shape[0]
+    work = [SeqWork("a", [5], 9, [3, 7, 11], True), SeqWork("b", [6], 2, [20], True),
+            SeqWork("c", [1, 2, 3], 0, [30], True),
+            SeqWork("d", [4, 5, 6, 7, 8], 6, [12, 13, 14], False)]   # after 6 cached
+    q = torch.randn(10, heads, hd, generator=g)
+    k = torch.randn(10, kvh, hd, generator=g)
+    v = torch.randn(10, kvh, hd, generator=g)
+    backend = TorchAttention(heads, kvh, hd)
+    outs, caches = [], []
+    for paged in (True, False):
+        c = (cache[0].clone(), cache[1].clone())
+        meta = build_step_batch(work, bs, paged_decode=paged).meta
+        assert (meta.decode_block_tables is not None) == paged
+        assert len(meta.prefills) == (0 if paged else 2)
+        outs.append(backend.forward(q, k, v, c, meta))
+        caches.append(c)
+    return outs, caches

@@ -10,6 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from model_helpers import paged_and_grouped_steps
+
 from duetserve.config import ModelConfig
 from duetserve.kv_transfer.layout import KVLayout
 from duetserve.models.kv_quant import (dequantize, quantize, rotate_keys, rotate_queries,
@@ -159,27 +161,12 @@ def test_backend_paths_agree_on_a_quantized_cache(kind):
     gather of padded groups, and prompt chunks (fresh, and after a cached prefix) as the
     kernel's decode rows vs the causal / masked prefill paths, all over the same int8 /
     int4 cache (the new K/V quantized as they are written)."""
-    from duetserve.models.attention import TorchAttention
-    from duetserve.worker.batch import SeqWork, build_step_batch
     kvh, heads, hd, bs, nb = 2, 4, 32, 4, 32
     g = torch.Generator().manual_seed(1)
     st = STORAGE[kind]
     cache = (quantize(torch.randn(kvh, nb, bs, hd, generator=g), st),
              quantize(torch.randn(kvh, nb, bs, hd, generator=g), st))
-    work = [SeqWork("a", [5], 9, [3, 7, 11], True), SeqWork("b", [6], 2, [20], True),
-            SeqWork("c", [1, 2, 3], 0, [30], True),
-            SeqWork("d", [4, 5, 6, 7, 8], 6, [12, 13, 14], False)]   # after 6 cached
-    q = torch.randn(10, heads, hd, generator=g)
-    k = torch.randn(10, kvh, hd, generator=g)
-    v = torch.randn(10, kvh, hd, generator=g)
-    backend = TorchAttention(heads, kvh, hd)
-    outs, caches = [], []
-    for paged in (True, False):
-        c = (cache[0].clone(), cache[1].clone())
-        meta = build_step_batch(work, bs, paged_decode=paged).meta
-        assert (meta.decode_block_tables is not None) == paged
-        outs.append(backend.forward(q, k, v, c, meta))
-        caches.append(c)
+    outs, caches = paged_and_grouped_steps(cache, heads, hd, bs, g)
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
     assert all(torch.equal(a, b) for a, b in zip(caches[0], caches[1]))
 

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from duetserve.models.layers import DenseLinear
 from duetserve.models.decoder import _UNBUILT
 from duetserve.models.native import ops
+from model_helpers import paged_and_grouped_steps
 from pinned import pinned_step_time
 
 native = ops()
@@ -61,25 +62,10 @@ def test_backend_native_equals_group_fallback():
     """Through TorchAttention: decode tokens via the kernel vs via padded groups, and
     prompt chunks (fresh, and after a cached prefix) as the kernel's decode rows vs the
     causal / masked prefill paths."""
-    from duetserve.models.attention import TorchAttention
-    from duetserve.worker.batch import SeqWork, build_step_batch
     kvh, heads, hd, bs, nb = 2, 4, 16, 4, 32
     g = torch.Generator().manual_seed(1)
     cache = (torch.randn(kvh, nb, bs, hd, generator=g), torch.randn(kvh, nb, bs, hd, generator=g))
-    work = [SeqWork("a", [5], 9, [3, 7, 11], True), SeqWork("b", [6], 2, [20], True),
-            SeqWork("c", [1, 2, 3], 0, [30], True),
-            SeqWork("d", [4, 5, 6, 7, 8], 6, [12, 13, 14], False)]   # after 6 cached
-    q = torch.randn(10, heads, hd, generator=g)
-    k = torch.randn(10, kvh, hd, generator=g)
-    v = torch.randn(10, kvh, hd, generator=g)
-    backend = TorchAttention(heads, kvh, hd)
-    outs = []
-    for paged in (True, False):
-        c = (cache[0].clone(), cache[1].clone())
-        meta = build_step_batch(work, bs, paged_decode=paged).meta
-        assert (meta.decode_block_tables is not None) == paged
-        assert len(meta.prefills) == (0 if paged else 2)
-        outs.append(backend.forward(q, k, v, c, meta))
+    outs, _ = paged_and_grouped_steps(cache, heads, hd, bs, g)
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
 
 
