@@ -151,7 +151,8 @@ torch::Tensor gelu_tanh_mul(torch::Tensor gate_up) {
 //   slot_mapping[t]. Returns the rotated q [T, H, D] float32. Mutates k_cache, v_cache.
 // Each K row rotated into float32, then written in the cache's row format (kv_rows.h:
 // float32, bfloat16, int8 or int4; rows W elements wide); V rows written as they are; for
-// int8, K and the returned q also get kv_rows.h's Walsh-Hadamard rotation.
+// int8, K and the returned q also get kv_rows.h's Walsh-Hadamard rotation (q then rounded
+// to its int8 grid: int8_query).
 template <typename Rows>
 static void rope_kv_rows(const float* qkv, const float* cs, const float* sn,
                           typename Rows::E* kc, typename Rows::E* vc, const int64_t* slots,
@@ -170,7 +171,7 @@ static void rope_kv_rows(const float* qkv, const float* cs, const float* sn,
         for (int64_t i = 0; i < half; ++i) o[i] = x[i] * c[i] + x[i + half] * s[i];
         for (int64_t i = half; i < D; ++i) o[i] = x[i] * c[i] + x[i - half] * s[i];
         if (Rows::kRotatedKeys) {
-          if (h < H) rotate_query(o, D);
+          if (h < H) int8_query(o, D);
           else fwht(o, D);
         }
         if (h >= H) Rows::write(o, kc + (h - H) * head_stride + slots[t] * W, D);

@@ -6,7 +6,8 @@
 //           then D/32 scales                x = (n - 8) * s_group
 // int8 keys are stored rotated: fwht below (unnormalised Walsh-Hadamard over blocks of the
 // largest power of two dividing D); the queries meeting them get the same transform over
-// the block size (rotate_query), so q.k is unchanged (models/kv_quant.py says why).
+// the block size (rotate_query), so q.k is unchanged (models/kv_quant.py says why), and
+// are rounded to an int8 grid (int8_query) for the decode kernel's integer products.
 // width(D): a row's length in elements of E; scale(row): a factor of the whole row
 // (RowsQ8's scale, 1 elsewhere: RowsQ4 applies its group scales in value()/load16()).
 #pragma once
@@ -42,6 +43,28 @@ static inline void rotate_query(float* q, int64_t D) {
   fwht(q, D);
   const float inv = 1.f / static_cast<float>(D & -D);     // a power of two: exact
   for (int64_t i = 0; i < D; ++i) q[i] *= inv;
+}
+
+// A query's int8 step: max |q| / 127 (1 for a zero query).
+static inline float query_step(const float* q, int64_t D) {
+  float am = 0.f;
+  for (int64_t i = 0; i < D; ++i) am = std::max(am, std::fabs(q[i]));
+  return am > 0.f ? am / 127.f : 1.f;
+}
+
+// q on its int8 grid: n * step, n = round(q / step) in [-127, 127] (kv_quant.query_grid).
+static inline void to_query_grid(float* q, int64_t D) {
+  const float s = query_step(q, D);
+  for (int64_t i = 0; i < D; ++i)
+    q[i] = std::min(127.f, std::max(-127.f, std::nearbyint(q[i] / s))) * s;
+}
+
+// Queries that meet int8 keys: rotated, then on their int8 grid (kv_quant.int8_queries):
+// the decode kernel multiplies the grid's integers with the keys, every other path reads
+// the same rounded values.
+static inline void int8_query(float* q, int64_t D) {
+  rotate_query(q, D);
+  to_query_grid(q, D);
 }
 
 struct RowsF32 {

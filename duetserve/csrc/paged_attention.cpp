@@ -9,15 +9,25 @@
 // The cache is [KVH, num_blocks, block_size, W] per tensor (heads first), rows of D
 // float32 or bfloat16 values (W = D) or quantized rows (int8 / int4 with float16 scales,
 // kv_rows.h): those are dequantized in registers, int8's row scale applied once to the
-// row's score and to its softmax weight; math is float32. Work items (sequence, KV head)
-// run in parallel.
+// row's score and to its softmax weight; math is float32, except int8 keys' scores: the
+// queries meeting them are on their int8 grid (kv_rows.h's int8_query) and, with
+// AVX512-VNNI, multiply the keys in integers (q8_scores). Pass 2 accumulates in register
+// tiles (pv_block); the softmax is normalised once on the output. Work items (sequence,
+// KV head) run in parallel.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #include "kv_rows.h"
+
+// How many blocks ahead of the one in use the key and value passes prefetch. One block
+// ahead was too close for int8 keys (a block of 16 int8 rows is scored in less time than
+// DRAM takes to deliver the next): 3 / 2 made the int8 kernel 1.27x faster, 6 / 4 no
+// faster again (benchmarks/decode_attention.py, 1.5B shapes, 8,192 tokens, Zen 5).
+constexpr int64_t kKeyAhead = 3, kValueAhead = 2;
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -55,6 +65,138 @@ static inline void prefetch_row(const void* p, int64_t bytes) {
   for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(c + o, _MM_HINT_T1);
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// Four 16-lane int32 sums at once: [sum(a), sum(b), sum(c), sum(d)].
+static inline __m128i sum4i(__m512i a, __m512i b, __m512i c, __m512i d) {
+  auto h = [](__m512i v) {
+    return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
+  };
+  const __m256i abcd = _mm256_hadd_epi32(_mm256_hadd_epi32(h(a), h(b)),
+                                         _mm256_hadd_epi32(h(c), h(d)));
+  return _mm_add_epi32(_mm256_castsi256_si128(abcd), _mm256_extracti128_si256(abcd, 1));
+}
+
+// Pass 1 over int8 keys in integers: s[g][t] = scale * step_g * kscale_t * <n_g, K[t]>,
+// n_g the query head rounded to int8 (kv_rows.h's int8_query: the callers' queries are
+// already on that grid, so this rounding returns their n). vpdpbusd multiplies u8 by s8:
+// key bytes are flipped to k + 128 (xor 0x80) and 128 * sum(n_g) subtracted. D a
+// multiple of 64 and <= 256; G <= 8. The row bytes of 4 keys are loaded once for all G
+// heads; the same block-ahead prefetch as the float pass.
+static void q8_scores(const float* qb, const int8_t* kbase, const int64_t* table,
+                      int64_t T0, int64_t L, int64_t G, int64_t D, int64_t bs, int64_t W,
+                      float scale, float* scores) {
+  const int64_t nz = D / 64;
+  alignas(64) int8_t qn[8][256];
+  float step[8];
+  int32_t bias[8];
+  __m512i qv[8][4];
+  for (int64_t g = 0; g < G; ++g) {
+    const float* qg = qb + g * D;
+    step[g] = query_step(qg, D);
+    int32_t sum = 0;
+    for (int64_t i = 0; i < D; ++i) {
+      const int n = static_cast<int>(
+          std::min(127.f, std::max(-127.f, std::nearbyint(qg[i] / step[g]))));
+      qn[g][i] = static_cast<int8_t>(n);
+      sum += n;
+    }
+    bias[g] = 128 * sum;
+    for (int64_t i = 0; i < nz; ++i) qv[g][i] = _mm512_load_si512(qn[g] + 64 * i);
+  }
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  const int64_t row_bytes = W;
+  for (int64_t t0 = T0 / bs * bs; t0 < L; t0 += bs) {
+    const int64_t n = std::min(bs, L - t0);
+    const int8_t* kb = kbase + table[t0 / bs] * bs * W;
+    const int8_t* knext = t0 + kKeyAhead * bs < L ? kbase + table[t0 / bs + kKeyAhead] * bs * W : nullptr;
+    int64_t j = std::max<int64_t>(0, T0 - t0);
+    for (; j + 4 <= n; j += 4) {
+      if (knext)
+        for (int64_t r = 0; r < 4; ++r) prefetch_row(knext + (j + r) * W, row_bytes);
+      const int8_t* k0 = kb + j * W;
+      __m512i kv[4][4];
+      for (int64_t r = 0; r < 4; ++r)
+        for (int64_t i = 0; i < nz; ++i)
+          kv[r][i] = _mm512_xor_si512(_mm512_loadu_si512(k0 + r * W + 64 * i), flip);
+      const __m128 rs = _mm_mul_ps(
+          _mm_setr_ps(RowsQ8::scale(k0, D), RowsQ8::scale(k0 + W, D),
+                      RowsQ8::scale(k0 + 2 * W, D), RowsQ8::scale(k0 + 3 * W, D)),
+          _mm_set1_ps(scale));
+      for (int64_t g = 0; g < G; ++g) {
+        __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t i = 0; i < nz; ++i) {
+          a0 = _mm512_dpbusd_epi32(a0, kv[0][i], qv[g][i]);
+          a1 = _mm512_dpbusd_epi32(a1, kv[1][i], qv[g][i]);
+          a2 = _mm512_dpbusd_epi32(a2, kv[2][i], qv[g][i]);
+          a3 = _mm512_dpbusd_epi32(a3, kv[3][i], qv[g][i]);
+        }
+        const __m128i dot = _mm_sub_epi32(sum4i(a0, a1, a2, a3), _mm_set1_epi32(bias[g]));
+        _mm_storeu_ps(scores + g * L + t0 + j,
+                      _mm_mul_ps(_mm_mul_ps(_mm_cvtepi32_ps(dot), _mm_set1_ps(step[g])), rs));
+      }
+    }
+    for (; j < n; ++j) {
+      const int8_t* krow = kb + j * W;
+      const float rs = RowsQ8::scale(krow, D) * scale;
+      for (int64_t g = 0; g < G; ++g) {
+        __m512i a = _mm512_setzero_si512();
+        for (int64_t i = 0; i < nz; ++i)
+          a = _mm512_dpbusd_epi32(
+              a, _mm512_xor_si512(_mm512_loadu_si512(krow + 64 * i), flip), qv[g][i]);
+        scores[g * L + t0 + j] =
+            static_cast<float>(_mm512_reduce_add_epi32(a) - bias[g]) * step[g] * rs;
+      }
+    }
+  }
+}
+#define DUET_Q8_SCORES 1
+#endif
+
+// acc[g][16 c .. 16 (c + NV)) += sum_j w[g][j] V[j] over rows j0..n-1 of a block, for
+// heads g0 .. g0 + NG - 1: NG x NV accumulators held in registers (at most 24 of the 32),
+// each row's NV vectors converted once for the NG heads.
+template <int NG, int NV, typename KV>
+static inline void pv_tile(const KV* vb, int64_t W, int64_t D, int64_t j0, int64_t n,
+                           const float* w, int64_t wstride, int64_t g0, int64_t c,
+                           float* acc, const KV* pf) {
+  __m512 a[NG][NV];
+  for (int g = 0; g < NG; ++g)
+    for (int v = 0; v < NV; ++v) a[g][v] = _mm512_loadu_ps(acc + (g0 + g) * D + 16 * (c + v));
+  for (int64_t j = j0; j < n; ++j) {
+    const KV* vrow = vb + j * W;
+    if (pf) prefetch_row(pf + j * W, W * static_cast<int64_t>(sizeof(KV)));
+    __m512 x[NV];
+    for (int v = 0; v < NV; ++v) x[v] = load16(vrow, c + v, D);
+    for (int g = 0; g < NG; ++g) {
+      const __m512 p = _mm512_set1_ps(w[(g0 + g) * wstride + j]);
+      for (int v = 0; v < NV; ++v) a[g][v] = _mm512_fmadd_ps(p, x[v], a[g][v]);
+    }
+  }
+  for (int g = 0; g < NG; ++g)
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(acc + (g0 + g) * D + 16 * (c + v), a[g][v]);
+}
+
+// One block's rows into acc [G, D]: tiles of NV vectors by up to 24 / NV heads; the
+// first tile prefetches the rows of the next block (pf, or none), one per row it reads.
+template <int NV, typename KV>
+static void pv_block(const KV* vb, int64_t W, int64_t D, int64_t j0, int64_t n,
+                     const float* w, int64_t wstride, int64_t G, float* acc, const KV* pf) {
+  constexpr int64_t kMaxHeads = std::min(8, 24 / NV);
+  for (int64_t c = 0; c < D / 16; c += NV)
+    for (int64_t g0 = 0; g0 < G; g0 += kMaxHeads, pf = nullptr) {
+      switch (std::min(kMaxHeads, G - g0)) {
+        case 1: pv_tile<1, NV>(vb, W, D, j0, n, w, wstride, g0, c, acc, pf); break;
+        case 2: pv_tile<2, NV>(vb, W, D, j0, n, w, wstride, g0, c, acc, pf); break;
+        case 3: pv_tile<3, NV>(vb, W, D, j0, n, w, wstride, g0, c, acc, pf); break;
+        case 4: pv_tile<4, NV>(vb, W, D, j0, n, w, wstride, g0, c, acc, pf); break;
+        case 5: pv_tile<5, NV>(vb, W, D, j0, n, w, wstride, g0, c, acc, pf); break;
+        case 6: pv_tile<6, NV>(vb, W, D, j0, n, w, wstride, g0, c, acc, pf); break;
+        case 7: pv_tile<7, NV>(vb, W, D, j0, n, w, wstride, g0, c, acc, pf); break;
+        default: pv_tile<8, NV>(vb, W, D, j0, n, w, wstride, g0, c, acc, pf); break;
+      }
+    }
+}
+
 // D a multiple of 16 and <= 256, G <= 8. The context is walked block by block: each block
 // of the cache is bs contiguous rows (one 4 KiB page for 16 float32 rows of 64, where the
 // hardware prefetcher stops), so while a block's rows are used the same rows of the next
@@ -73,21 +215,36 @@ static bool decode_avx512(const float* q, const typename Rows::E* kc,
   const int64_t head_stride = num_blocks * bs * W;
   const int64_t row_bytes = W * static_cast<int64_t>(sizeof(KV));
   at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
+    std::vector<float> scores, weights(G * bs), rowscale(bs), qgrid;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / KVH, kh = item % KVH;
       const int64_t L = lens[b];
       const int64_t T0 = window > 0 && L > window ? L - window : 0;   // first key read
       const int64_t* table = tables + b * max_blocks;
-      const float* qb = q + (b * H + kh * G) * D;
+      const float* qb = q + (b * H + kh * G) * D;         // G query heads, contiguous
       const KV* kbase = kc + kh * head_stride;
       const KV* vbase = vc + kh * head_stride;
       scores.resize(G * L);
       // pass 1: scores (of keys T0..L-1; the blocks before T0's may be released)
-      for (int64_t t0 = T0 / bs * bs; t0 < L; t0 += bs) {
+      bool scored = false;
+      if constexpr (Rows::kRotatedKeys) {      // int8 keys meet queries on their grid
+#if defined(DUET_Q8_SCORES)
+        if (D % 64 == 0) {
+          q8_scores(qb, kbase, table, T0, L, G, D, bs, W, scale, scores.data());
+          scored = true;
+        }
+#endif
+        if (!scored) {
+          qgrid.assign(qb, qb + G * D);
+          for (int64_t g = 0; g < G; ++g) to_query_grid(qgrid.data() + g * D, D);
+          qb = qgrid.data();
+        }
+      }
+      for (int64_t t0 = T0 / bs * bs; !scored && t0 < L; t0 += bs) {
         const int64_t n = std::min(bs, L - t0);
         const KV* kb = kbase + table[t0 / bs] * bs * W;
-        const KV* knext = t0 + bs < L ? kbase + table[t0 / bs + 1] * bs * W : nullptr;
+        const KV* knext =
+            t0 + kKeyAhead * bs < L ? kbase + table[t0 / bs + kKeyAhead] * bs * W : nullptr;
         int64_t j = std::max<int64_t>(0, T0 - t0);
         for (; j + 4 <= n; j += 4) {
           if (knext)
@@ -121,47 +278,55 @@ static bool decode_avx512(const float* q, const typename Rows::E* kc,
           }
         }
       }
-      // softmax over each head's scores
+      // softmax over each head's scores, left unnormalised: the output is divided by
+      // the sum at the end
+      float inv[8];
       for (int64_t g = 0; g < G; ++g) {
         float* sg = scores.data() + g * L;
-        float m = -INFINITY;
-        for (int64_t t = T0; t < L; ++t) m = sg[t] > m ? sg[t] : m;
-        const __m512 mv = _mm512_set1_ps(m);
-        __m512 sumv = _mm512_setzero_ps();
+        __m512 mv = _mm512_set1_ps(-INFINITY);
         int64_t t = T0;
-        for (; t + 16 <= L; t += 16) {
+        for (; t + 16 <= L; t += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(sg + t));
+        float m = _mm512_reduce_max_ps(mv);
+        for (; t < L; ++t) m = sg[t] > m ? sg[t] : m;
+        mv = _mm512_set1_ps(m);
+        __m512 sumv = _mm512_setzero_ps();
+        for (t = T0; t + 16 <= L; t += 16) {
           const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + t), mv));
           _mm512_storeu_ps(sg + t, e);
           sumv = _mm512_add_ps(sumv, e);
         }
         float sum = _mm512_reduce_add_ps(sumv);
         for (; t < L; ++t) { sg[t] = std::exp(sg[t] - m); sum += sg[t]; }
-        const float inv = 1.f / sum;
-        for (t = T0; t < L; ++t) sg[t] *= inv;
+        inv[g] = 1.f / sum;
       }
-      // pass 2: weighted sum of values
-      __m512 acc[8][MAXV];
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t i = 0; i < nv; ++i) acc[g][i] = _mm512_setzero_ps();
+      // pass 2: weighted sum of values, block by block, in register tiles of accumulators
+      // (pv_block); int8's row scales multiply a copy of the block's weights first
+      float* ob = out + (b * H + kh * G) * D;      // the accumulators, G x D
+      std::fill(ob, ob + G * D, 0.f);
       for (int64_t t0 = T0 / bs * bs; t0 < L; t0 += bs) {
-        const int64_t n = std::min(bs, L - t0);
+        const int64_t n = std::min(bs, L - t0), j0 = std::max<int64_t>(0, T0 - t0);
         const KV* vb = vbase + table[t0 / bs] * bs * W;
-        const KV* vnext = t0 + bs < L ? vbase + table[t0 / bs + 1] * bs * W : nullptr;
-        for (int64_t j = std::max<int64_t>(0, T0 - t0); j < n; ++j) {
-          if (vnext) prefetch_row(vnext + j * W, row_bytes);
-          const KV* vrow = vb + j * W;
-          const float rs = Rows::scale(vrow, D);
-          __m512 p[8];
-          for (int64_t g = 0; g < G; ++g) p[g] = _mm512_set1_ps(scores[g * L + t0 + j] * rs);
-          for (int64_t i = 0; i < nv; ++i) {
-            const __m512 v = load16(vrow, i, D);
-            for (int64_t g = 0; g < G; ++g) acc[g][i] = _mm512_fmadd_ps(p[g], v, acc[g][i]);
-          }
+        const KV* vnext = t0 + kValueAhead * bs < L ? vbase + table[t0 / bs + kValueAhead] * bs * W : nullptr;
+        const float* w = scores.data() + t0;
+        int64_t wstride = L;
+        if constexpr (std::is_same_v<Rows, RowsQ8>) {
+          for (int64_t j = j0; j < n; ++j) rowscale[j] = Rows::scale(vb + j * W, D);
+          for (int64_t g = 0; g < G; ++g)
+            for (int64_t j = j0; j < n; ++j)
+              weights[g * bs + j] = scores[g * L + t0 + j] * rowscale[j];
+          w = weights.data();
+          wstride = bs;
         }
+        if (nv % 4 == 0) pv_block<4>(vb, W, D, j0, n, w, wstride, G, ob, vnext);
+        else if (nv % 2 == 0) pv_block<2>(vb, W, D, j0, n, w, wstride, G, ob, vnext);
+        else pv_block<1>(vb, W, D, j0, n, w, wstride, G, ob, vnext);
       }
-      float* ob = out + (b * H + kh * G) * D;
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t i = 0; i < nv; ++i) _mm512_storeu_ps(ob + g * D + 16 * i, acc[g][i]);
+      for (int64_t g = 0; g < G; ++g) {
+        const __m512 iv = _mm512_set1_ps(inv[g]);
+        for (int64_t i = 0; i < nv; ++i)
+          _mm512_storeu_ps(ob + g * D + 16 * i,
+                           _mm512_mul_ps(_mm512_loadu_ps(ob + g * D + 16 * i), iv));
+      }
     }
   });
   return true;
@@ -178,7 +343,7 @@ static void decode_impl(const float* q, const typename Rows::E* kc,
   const int64_t G = H / KVH, W = Rows::width(D);
   const int64_t head_stride = num_blocks * bs * W;   // elements per KV head
   at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
+    std::vector<float> scores, qgrid;
     std::vector<float> acc(G * D);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / KVH, kh = item % KVH;
@@ -186,6 +351,11 @@ static void decode_impl(const float* q, const typename Rows::E* kc,
       const int64_t T0 = window > 0 && L > window ? L - window : 0;   // first key read
       const int64_t* table = tables + b * max_blocks;
       const float* qb = q + (b * H + kh * G) * D;     // G query heads, contiguous
+      if constexpr (Rows::kRotatedKeys) {             // int8 keys meet queries on their grid
+        qgrid.assign(qb, qb + G * D);
+        for (int64_t g = 0; g < G; ++g) to_query_grid(qgrid.data() + g * D, D);
+        qb = qgrid.data();
+      }
       const KV* kh_base = kc + kh * head_stride;
       const KV* vh_base = vc + kh * head_stride;
       scores.assign(G * L, 0.f);

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from duetserve.models.kv_quant import (dequantize, is_quantized, quantize, rotate_keys,
-                                        rotate_queries)
+from duetserve.models.kv_quant import (dequantize, int8_queries, is_quantized, quantize,
+                                        rotate_keys)
 from duetserve.models.layers import RotaryEmbedding
 
 # A prefix chunk whose score matrix (heads x chunk x context) has at most this many
@@ -153,7 +153,7 @@ class TorchAttention(AttentionBackend):
         # blocks another sequence of the same step is filling (shared-prefix siblings).
         kvd = k_cache.dtype             # may be narrower than q (--kv-cache-dtype)
         if k_cache.dtype == torch.int8:        # int8 keys are stored rotated (kv_quant)
-            q, k = rotate_queries(q), rotate_keys(k.float())
+            q, k = int8_queries(q), rotate_keys(k.float())
         if is_quantized(k_cache):
             # the chunk attends to its own K/V as stored (as a later chunk, a prefix hit
             # or a decode step reads them): the same results however a prompt is split

@@ -71,6 +71,24 @@ def rotate_queries(q: torch.Tensor) -> torch.Tensor:
     return (rotate_keys(q.float()) / rotation_block(q.shape[-1])).to(q.dtype)
 
 
+def query_grid(q: torch.Tensor) -> torch.Tensor:
+    """q [..., D] rounded to an int8 grid with one step per row, max |q| / 127 (1 for a
+    zero row): n * step, n in [-127, 127], float32 (csrc/kv_rows.h's int8_query: the same
+    bits)."""
+    q = q.float()
+    am = q.abs().amax(-1, keepdim=True)
+    s = torch.where(am > 0, am / 127.0, torch.ones_like(am))
+    return torch.round(q / s).clamp_(-127, 127) * s
+
+
+def int8_queries(q: torch.Tensor) -> torch.Tensor:
+    """Queries that meet int8 keys: rotated (rotate_queries), then put on their int8 grid
+    (query_grid). The decode kernel multiplies the grid's integers with the stored keys
+    (vpdpbusd); every other path over an int8 cache reads the same rounded values, so all
+    of them compute the same scores. q's dtype is kept."""
+    return query_grid(rotate_queries(q.float())).to(q.dtype)
+
+
 def quantize(x: torch.Tensor, storage: torch.dtype) -> torch.Tensor:
     """x [..., D] (any float dtype) -> packed rows [..., row_bytes] of a `storage` cache."""
     x = x.float()

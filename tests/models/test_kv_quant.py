@@ -14,8 +14,8 @@ from model_helpers import paged_and_grouped_steps
 
 from duetserve.config import ModelConfig
 from duetserve.kv_transfer.layout import KVLayout
-from duetserve.models.kv_quant import (dequantize, quantize, rotate_keys, rotate_queries,
-                                        rotation_block)
+from duetserve.models.kv_quant import (dequantize, int8_queries, quantize, query_grid,
+                                        rotate_keys, rotate_queries, rotation_block)
 from duetserve.models.native import ops
 from duetserve.worker.kv_cache import kv_row_elems, num_blocks_for_memory
 
@@ -59,7 +59,8 @@ def test_round_trip_within_half_a_step(kind, hd):
 def test_native_cache_write_stores_the_torch_bytes(kind):
     """rope_kv_write with an identity rotation (cos 1, sin 0) into a quantized cache
     writes exactly quantize()'s rows for K and V (same scales, same rounding; int8 keys
-    after rotate_keys, and the returned queries rotate_queries', bit for bit)."""
+    after rotate_keys, and the returned queries int8_queries', bit for bit: rotated,
+    then on their int8 grid)."""
     kvh, heads, hd, bs, nb, t = 2, 4, 64, 4, 8, 5
     g = torch.Generator().manual_seed(1)
     qkv = torch.randn(t, (heads + 2 * kvh) * hd, generator=g) * 3
@@ -73,7 +74,7 @@ def test_native_cache_write_stores_the_torch_bytes(kind):
     q_in = qkv[:, :heads * hd].view(t, heads, hd)
     k = qkv[:, heads * hd:(heads + kvh) * hd].view(t, kvh, hd)
     if kind == "int8":
-        q_in, k = rotate_queries(q_in), rotate_keys(k)
+        q_in, k = int8_queries(q_in), rotate_keys(k)
     assert torch.equal(q, q_in)
     v = qkv[:, (heads + kvh) * hd:].view(t, kvh, hd)
     for cache, x in ((kc, k), (vc, v)):
@@ -141,12 +142,14 @@ def _bound(q, kq, vq, hd) -> float:
                                                  (1, 9, 64, 0), (2, 4, 64, 20)])
 def test_paged_decode_reads_quantized_rows_in_place(kind, kvh, heads, hd, window):
     """The kernel over the packed rows equals attention over their dequantized values
-    (1e-5: the same numbers, read in place), and stays within _bound of attention over
+    (1e-5: the same numbers, read in place; int8 keys meet the queries on their int8
+    grid, which the kernel multiplies in integers), and stays within _bound of attention over
     the float32 K/V; its mean error is far inside that bound (int8 about 1% of V's
     spread). (1, 9, 64): past the AVX-512 kernel's 8 heads a KV head, the plain loop."""
     q, kf, vf, kq, vq, tables, lens = _case(kind, kvh, heads, hd)
     got = native.paged_decode_attention(q, kq, vq, tables, lens, hd ** -0.5, window)
-    exact = _reference(q, dequantize(kq, hd), dequantize(vq, hd), tables, lens, window)
+    qk = query_grid(q) if kind == "int8" else q     # int8 keys meet int8 queries
+    exact = _reference(qk, dequantize(kq, hd), dequantize(vq, hd), tables, lens, window)
     torch.testing.assert_close(got, exact, atol=1e-5, rtol=1e-5)
     ref = _reference(q, kf, vf, tables, lens, window)
     err = (got - ref).abs()
