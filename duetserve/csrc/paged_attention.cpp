@@ -18,6 +18,7 @@
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -150,6 +151,118 @@ static void q8_scores(const float* qb, const int8_t* kbase, const int64_t* table
   }
 }
 #define DUET_Q8_SCORES 1
+// Pass 2 over int8 values in integers. The context is taken in spans of kSpanBlocks
+// blocks; in each, a head's weights (softmax numerators times the rows' scales) are put
+// on a u8 grid with a step of the span's largest / 255, and four rows' 64-byte chunks are
+// interleaved in registers (unpack 8 then 16 bits) so that each int32 lane holds one
+// dimension of 4 consecutive rows, which vpdpbusd multiplies by the 4 rows' weights. Lane
+// 4 L + i of interleaved vector k is dimension 16 L + 4 k + i of its 64: the float
+// accumulators `acc` [G, D] keep that order until q8_values puts them back.
+constexpr int64_t kSpanBlocks = 4;
+constexpr int64_t kTileHeads = 3;   // 12 accumulators (6: 24, spilled)
+
+template <int NG>
+static inline void pv_q8_tile(const int8_t* const* grp, int64_t ngrp, int64_t W, int64_t c,
+                              const uint8_t* wq, int64_t wstride, const float* step,
+                              int64_t g0, float* acc, int64_t D, const int8_t* const* pf) {
+  __m512i a[NG][4];
+  for (int g = 0; g < NG; ++g)
+    for (int k = 0; k < 4; ++k) a[g][k] = _mm512_setzero_si512();
+  for (int64_t m = 0; m < ngrp; ++m) {
+    if (pf && pf[m])
+      for (int64_t r = 0; r < 4; ++r) prefetch_row(pf[m] + r * W, W);
+    const int8_t* r = grp[m] + 64 * c;
+    const __m512i r0 = _mm512_loadu_si512(r), r1 = _mm512_loadu_si512(r + W);
+    const __m512i r2 = _mm512_loadu_si512(r + 2 * W), r3 = _mm512_loadu_si512(r + 3 * W);
+    const __m512i alo = _mm512_unpacklo_epi8(r0, r1), ahi = _mm512_unpackhi_epi8(r0, r1);
+    const __m512i blo = _mm512_unpacklo_epi8(r2, r3), bhi = _mm512_unpackhi_epi8(r2, r3);
+    const __m512i x[4] = {_mm512_unpacklo_epi16(alo, blo), _mm512_unpackhi_epi16(alo, blo),
+                          _mm512_unpacklo_epi16(ahi, bhi), _mm512_unpackhi_epi16(ahi, bhi)};
+    for (int g = 0; g < NG; ++g) {
+      int32_t w4;
+      std::memcpy(&w4, wq + (g0 + g) * wstride + 4 * m, 4);
+      const __m512i w = _mm512_set1_epi32(w4);
+      for (int k = 0; k < 4; ++k) a[g][k] = _mm512_dpbusd_epi32(a[g][k], w, x[k]);
+    }
+  }
+  for (int g = 0; g < NG; ++g) {
+    const __m512 sv = _mm512_set1_ps(step[g0 + g]);
+    for (int k = 0; k < 4; ++k) {
+      float* f = acc + (g0 + g) * D + 64 * c + 16 * k;
+      _mm512_storeu_ps(f, _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[g][k]), sv, _mm512_loadu_ps(f)));
+    }
+  }
+}
+
+// acc [G, D] = sum over keys T0..L-1 of e[g][t] * V[t] (e: the unnormalised softmax in
+// scores [G, L]). D a multiple of 64, bs of 4, G <= 8.
+static void q8_values(const float* scores, const int8_t* vbase, const int64_t* table,
+                      int64_t T0, int64_t L, int64_t G, int64_t D, int64_t bs, int64_t W,
+                      float* acc) {
+  const int64_t S = kSpanBlocks * bs, ngmax = S / 4;
+  std::vector<float> wf(G * S), rs(S);
+  std::vector<uint8_t> wq(G * S + 64);
+  std::vector<const int8_t*> grp(ngmax), nxt(ngmax);
+  float step[8];
+  std::fill(acc, acc + G * D, 0.f);
+  auto groups = [&](int64_t s0, std::vector<const int8_t*>& out) {   // a span's row groups
+    for (int64_t m = 0; m < ngmax; ++m) {
+      const int64_t t = s0 + 4 * m;
+      out[m] = t < L ? vbase + (table[t / bs] * bs + t % bs) * W : nullptr;
+    }
+  };
+  groups(T0 / bs * bs, grp);
+  for (int64_t s0 = T0 / bs * bs; s0 < L; s0 += S) {
+    const int64_t lo = std::max<int64_t>(T0 - s0, 0), hi = std::min(S, L - s0);
+    const int64_t ngrp = (hi + 3) / 4;
+    groups(s0 + S, nxt);
+    for (int64_t t = lo; t < hi; ++t) rs[t] = RowsQ8::scale(grp[t / 4] + (t % 4) * W, D);
+    for (int64_t g = 0; g < G; ++g) {
+      float* w = wf.data() + g * S;
+      const float* e = scores + g * L + s0;
+      __m512 mx = _mm512_setzero_ps();
+      for (int64_t t = 0; t < S; t += 16) {
+        const int64_t a = std::clamp<int64_t>(lo - t, 0, 16), z = std::clamp<int64_t>(hi - t, 0, 16);
+        const __mmask16 valid = static_cast<__mmask16>(((1u << z) - 1) & ~((1u << a) - 1));
+        const __m512 x = _mm512_maskz_mul_ps(valid, _mm512_maskz_loadu_ps(valid, e + t),
+                                             _mm512_maskz_loadu_ps(valid, rs.data() + t));
+        _mm512_storeu_ps(w + t, x);
+        mx = _mm512_max_ps(mx, x);
+      }
+      const float m = _mm512_reduce_max_ps(mx);
+      step[g] = m / 255.f;
+      const __m512 inv = _mm512_set1_ps(m > 0.f ? 255.f / m : 0.f);
+      for (int64_t t = 0; t < S; t += 16)
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(wq.data() + g * S + t),
+                         _mm512_cvtusepi32_epi8(_mm512_cvtps_epi32(
+                             _mm512_mul_ps(_mm512_loadu_ps(w + t), inv))));
+    }
+    const int8_t* const* pf = s0 + S < L ? nxt.data() : nullptr;
+    for (int64_t c = 0; c < D / 64; ++c, pf = nullptr)
+      for (int64_t g0 = 0; g0 < G; g0 += kTileHeads) {
+        const int8_t* const* p = g0 == 0 ? pf : nullptr;
+        switch (std::min<int64_t>(kTileHeads, G - g0)) {
+          case 1: pv_q8_tile<1>(grp.data(), ngrp, W, c, wq.data(), S, step, g0, acc, D, p); break;
+          case 2: pv_q8_tile<2>(grp.data(), ngrp, W, c, wq.data(), S, step, g0, acc, D, p); break;
+          case 3: pv_q8_tile<3>(grp.data(), ngrp, W, c, wq.data(), S, step, g0, acc, D, p); break;
+          case 4: pv_q8_tile<4>(grp.data(), ngrp, W, c, wq.data(), S, step, g0, acc, D, p); break;
+          case 5: pv_q8_tile<5>(grp.data(), ngrp, W, c, wq.data(), S, step, g0, acc, D, p); break;
+          default: pv_q8_tile<6>(grp.data(), ngrp, W, c, wq.data(), S, step, g0, acc, D, p); break;
+        }
+      }
+    std::swap(grp, nxt);
+  }
+  // back to dimension order: lane 4 L + i of vector k of chunk c is 64 c + 16 L + 4 k + i
+  float tmp[256];
+  for (int64_t g = 0; g < G; ++g) {
+    float* a = acc + g * D;
+    for (int64_t c = 0; c < D / 64; ++c)
+      for (int64_t k = 0; k < 4; ++k)
+        for (int64_t l = 0; l < 16; ++l)
+          tmp[64 * c + 16 * (l / 4) + 4 * k + l % 4] = a[64 * c + 16 * k + l];
+    std::copy(tmp, tmp + D, a);
+  }
+}
 #endif
 
 // acc[g][16 c .. 16 (c + NV)) += sum_j w[g][j] V[j] over rows j0..n-1 of a block, for
@@ -302,8 +415,16 @@ static bool decode_avx512(const float* q, const typename Rows::E* kc,
       // pass 2: weighted sum of values, block by block, in register tiles of accumulators
       // (pv_block); int8's row scales multiply a copy of the block's weights first
       float* ob = out + (b * H + kh * G) * D;      // the accumulators, G x D
-      std::fill(ob, ob + G * D, 0.f);
-      for (int64_t t0 = T0 / bs * bs; t0 < L; t0 += bs) {
+      bool summed = false;
+#if defined(DUET_Q8_SCORES)
+      if constexpr (std::is_same_v<Rows, RowsQ8>)
+        if (D % 64 == 0 && bs % 4 == 0) {
+          q8_values(scores.data(), vbase, table, T0, L, G, D, bs, W, ob);
+          summed = true;
+        }
+#endif
+      if (!summed) std::fill(ob, ob + G * D, 0.f);
+      for (int64_t t0 = T0 / bs * bs; !summed && t0 < L; t0 += bs) {
         const int64_t n = std::min(bs, L - t0), j0 = std::max<int64_t>(0, T0 - t0);
         const KV* vb = vbase + table[t0 / bs] * bs * W;
         const KV* vnext = t0 + kValueAhead * bs < L ? vbase + table[t0 / bs + kValueAhead] * bs * W : nullptr;

@@ -123,6 +123,46 @@ def _reference(q, kc, vc, tables, lens, window=0):
     return torch.stack(out)
 
 
+def _vnni() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "avx512_vnni" in f.read()
+    except OSError:
+        return False
+
+
+def _q8_reference(q, kq, vq, tables, lens, window=0, span_blocks=4):
+    """Attention over int8 rows as the AVX512-VNNI kernel computes it (csrc/
+    paged_attention.cpp's q8_values): each head's weights (softmax numerators times the
+    value rows' scales) on a u8 grid per span of 4 blocks, step = the span's largest / 255,
+    times the rows' int8 values, the sum divided by the unrounded numerators' sum."""
+    kvh, _, bs, rb = kq.shape
+    hd = rb - 2
+    k = dequantize(kq, hd).reshape(kvh, -1, hd)
+    vi = vq[..., :hd].float().reshape(kvh, -1, hd)
+    vs = vq[..., hd:].contiguous().view(torch.float16).float().reshape(kvh, -1)
+    g = q.shape[1] // kvh
+    out = torch.empty_like(q)
+    for b, n in enumerate(lens.tolist()):
+        t0 = max(0, n - window) if window else 0
+        pos = torch.arange(t0, n)
+        slots = tables[b][pos // bs] * bs + pos % bs
+        span = (pos - t0 // bs * bs) // (span_blocks * bs)
+        for h in range(kvh):
+            qh = q[b, h * g:(h + 1) * g]
+            s = (qh @ k[h, slots].T) * hd ** -0.5
+            e = torch.exp(s - s.amax(-1, keepdim=True))
+            w = e * vs[h, slots]
+            acc = torch.zeros(g, hd)
+            for sp in span.unique().tolist():
+                m = span == sp
+                mx = w[:, m].amax(-1, keepdim=True)
+                wq = torch.round(w[:, m] * (255.0 / mx)).clamp(0, 255)
+                acc += (mx / 255.0) * (wq @ vi[h, slots[m]])
+            out[b, h * g:(h + 1) * g] = acc / e.sum(-1, keepdim=True)
+    return out
+
+
 def _bound(q, kq, vq, hd) -> float:
     """How far attention over the stored values may be from attention over the float32
     ones: |o - o'| <= max|dV| + (exp(2 dS) - 1) max|V|, with a score error dS <=
@@ -143,13 +183,17 @@ def _bound(q, kq, vq, hd) -> float:
 def test_paged_decode_reads_quantized_rows_in_place(kind, kvh, heads, hd, window):
     """The kernel over the packed rows equals attention over their dequantized values
     (1e-5: the same numbers, read in place; int8 keys meet the queries on their int8
-    grid, which the kernel multiplies in integers), and stays within _bound of attention over
+    grid, and with AVX512-VNNI the kernel multiplies in integers, the values by weights on
+    a u8 grid: _q8_reference), and stays within _bound of attention over
     the float32 K/V; its mean error is far inside that bound (int8 about 1% of V's
     spread). (1, 9, 64): past the AVX-512 kernel's 8 heads a KV head, the plain loop."""
     q, kf, vf, kq, vq, tables, lens = _case(kind, kvh, heads, hd)
     got = native.paged_decode_attention(q, kq, vq, tables, lens, hd ** -0.5, window)
     qk = query_grid(q) if kind == "int8" else q     # int8 keys meet int8 queries
-    exact = _reference(qk, dequantize(kq, hd), dequantize(vq, hd), tables, lens, window)
+    if kind == "int8" and hd % 64 == 0 and heads // kvh <= 8 and _vnni():
+        exact = _q8_reference(qk, kq, vq, tables, lens, window)    # values in integers
+    else:
+        exact = _reference(qk, dequantize(kq, hd), dequantize(vq, hd), tables, lens, window)
     torch.testing.assert_close(got, exact, atol=1e-5, rtol=1e-5)
     ref = _reference(q, kf, vf, tables, lens, window)
     err = (got - ref).abs()
