@@ -5,7 +5,7 @@ attention on). Prints a table and writes JSON.
 
     .venv/bin/python benchmarks/kv_dtype_speed.py --model FILE.gguf --context 8192 \
         [--batches 1 8] [--kv-dtypes bfloat16 int8 int4] [--steps 32] [--threads 2] \
-        [--llama-bin DIR] [--out out/kv_dtype_speed.json]
+        [--llama-bin DIR [--llama-kv-dtypes int8]] [--out out/kv_dtype_speed.json]
 
 Each sequence gets its own random prompt of --context tokens (prefix caching off: every
 sequence reads its own KV, as separate conversations do); the prompts are prefilled, then
@@ -94,6 +94,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--llama-bin", default=None, help="llama.cpp bin/ (omit: ours only)")
+    ap.add_argument("--llama-kv-dtypes", nargs="+", default=None,
+                    help="the --kv-dtypes llama.cpp also runs (default: all of them)")
     ap.add_argument("--out", default="out/kv_dtype_speed.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -104,7 +106,7 @@ def main() -> None:
                                                      args.steps, args.threads)}
             rows.append(r)
             gc.collect()
-            if args.llama_bin:
+            if args.llama_bin and d in (args.llama_kv_dtypes or args.kv_dtypes):
                 rows.append({"engine": "llama.cpp", **bench_llama(
                     args.llama_bin, args.model, d, b, args.context, args.steps,
                     args.threads)})
