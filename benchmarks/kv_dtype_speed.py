@@ -40,13 +40,17 @@ def bench_duet(model: str, kv_dtype: str, batch: int, context: int, steps: int,
     loaded, vocab = probe.loaded, probe.model_config.vocab_size
     del probe
     gc.collect()
-    need_gib = batch * (context + steps + 64) * per_tok * 1.1 / 2**30
+    # A sequence whose prefill ends early decodes while the others still prefill (one
+    # token per step): room for that (`extra`), so that none finishes before the timed
+    # steps, where all `batch` sequences decode.
+    extra = steps + 64 + batch * 256
+    need_gib = batch * (context + extra) * per_tok * 1.1 / 2**30
     eng = EngineCore(EngineConfig(model=model, num_threads=threads, kv_cache_dtype=kv_dtype,
                                   kv_cache_memory=max(0.1, need_gib),
-                                  max_model_len=context + steps + 64,
+                                  max_model_len=context + extra,
                                   enable_prefix_caching=False), loaded=loaded)
     g = torch.Generator().manual_seed(0)
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 2, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=extra - 8, ignore_eos=True)
     for b in range(batch):
         eng.add_request(f"s{b}", torch.randint(10, vocab - 10, (context,), generator=g)
                         .tolist(), params)
@@ -58,10 +62,11 @@ def bench_duet(model: str, kv_dtype: str, batch: int, context: int, steps: int,
     prefill_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     for _ in range(steps):
-        eng.step()
+        outs = eng.step()
+        assert len(outs) == batch, f"{len(outs)} of {batch} sequences decoded in a timed step"
     tpot = (time.perf_counter() - t0) / steps
-    while eng.has_unfinished_requests():
-        eng.step()
+    for b in range(batch):
+        eng.abort_request(f"s{b}")
     return {"kv_dtype": kv_dtype, "batch": batch, "context": context,
             "tpot_ms": tpot * 1e3, "tok_s": batch / tpot, "prefill_s": prefill_s,
             "kv_bytes_per_token": per_tok}
