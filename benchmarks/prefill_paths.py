@@ -37,7 +37,7 @@ def _prompt(length: int, seed: int, vocab: int) -> list[int]:
 
 
 def bench_config(model: str, threads: int, budget: int | None, prompt_lens: list[int],
-                 repeats: int, quantization: str, dtype: str) -> dict:
+                 repeats: int, quantization: str, dtype: str, amx: bool = True) -> dict:
     """One configuration in this process: {"budget", "load_s", "kernels", "few_row_limit",
     "max_num_batched_tokens", "step_budget", "runs": {len: [tok/s]}, "tok_s": {len:
     median}}."""
@@ -47,7 +47,7 @@ def bench_config(model: str, threads: int, budget: int | None, prompt_lens: list
     t0 = time.perf_counter()
     llm = LLM(model=model, num_threads=threads, quantization=quantization, dtype=dtype,
               kv_cache_memory=0.5, max_model_len=max(prompt_lens) + 16,
-              max_num_batched_tokens=budget, enable_prefix_caching=False)
+              max_num_batched_tokens=budget, enable_prefix_caching=False, amx=amx)
     load_s = time.perf_counter() - t0
     engine = llm.engine
     vocab = engine.model_config.vocab_size
@@ -65,30 +65,45 @@ def bench_config(model: str, threads: int, budget: int | None, prompt_lens: list
             ttft = out.metrics.first_token_time - out.metrics.arrival_time
             runs[str(n)].append(n / ttft)
     step_budget = getattr(engine, "step_budget", None)
-    return {"budget": budget, "load_s": load_s, "kernels": engine.loaded.describe(),
+    return {"budget": budget, "amx": amx, "load_s": load_s, "kernels": engine.loaded.describe(),
             "few_row_limit": describe_row_limit(few_row_limit(engine.loaded.model)),
             "max_num_batched_tokens": engine.max_num_batched_tokens,
             "step_budget": step_budget.describe() if step_budget is not None else None,
             "runs": runs, "tok_s": {k: statistics.median(v) for k, v in runs.items()}}
 
 
-def _in_fresh_process(args, budget: int | None) -> dict:
+def _no_amx_env() -> dict:
+    """The environment of a CPU without AMX on this one: oneDNN capped below AMX (its own
+    ONEDNN_MAX_CPU_ISA switch), and a kernel-measurement cache of its own (the cached
+    crossovers were measured with oneDNN's AMX) sharing the built native kernels."""
+    from duetserve.config import cache_dir
+    own = os.path.join(cache_dir(), "no-amx")
+    os.makedirs(own, exist_ok=True)
+    ext = os.path.join(own, "ext")
+    if not os.path.exists(ext):
+        os.symlink(os.path.join(cache_dir(), "ext"), ext)
+    return {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16", "DUET_CACHE_DIR": own}
+
+
+def _in_fresh_process(args, budget: int | None, amx: bool = True) -> dict:
     """bench_config in a new interpreter (no weights, caches or allocator state shared
-    between configurations)."""
+    between configurations); without `amx`, as on a CPU without AMX (_no_amx_env)."""
     call = (f"bench_config({args.model!r}, {args.threads}, {budget!r}, "
             f"{list(args.prompt_lens)!r}, {args.repeats}, {args.quantization!r}, "
-            f"{args.dtype!r})")
+            f"{args.dtype!r}, {amx!r})")
     res = subprocess.run([sys.executable, "-c", (
         "import json,sys;sys.argv=['x'];from benchmarks.prefill_paths import bench_config;"
         f"print(json.dumps({call}))")], capture_output=True, text=True,
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        env=None if amx else _no_amx_env())
     if res.returncode:
         sys.exit(res.stderr)
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def _name(budget: int | None) -> str:
-    return "default" if budget is None else f"max_num_batched_tokens={budget}"
+def _name(budget: int | None, amx: bool = True) -> str:
+    name = "default" if budget is None else f"max_num_batched_tokens={budget}"
+    return name if amx else f"{name}, no AMX"
 
 
 def report(rows: list[dict], prompt_lens: list[int]) -> dict:
@@ -96,10 +111,10 @@ def report(rows: list[dict], prompt_lens: list[int]) -> dict:
     budget's (>= 1: the default is not slower than its chunks)."""
     print(f"{'configuration':30} " + " ".join(f"{f'{n} tok/s':>12}" for n in prompt_lens))
     for r in rows:
-        print(f"{_name(r['budget']):30} "
+        print(f"{_name(r['budget'], r['amx']):30} "
               + " ".join(f"{r['tok_s'][str(n)]:12.1f}" for n in prompt_lens))
     ratios = {}
-    default = next((r for r in rows if r["budget"] is None), None)
+    default = next((r for r in rows if r["budget"] is None and r["amx"]), None)
     fixed = [r for r in rows if r["budget"] is not None]
     if default is not None and fixed:
         for n in prompt_lens:
@@ -107,11 +122,18 @@ def report(rows: list[dict], prompt_lens: list[int]) -> dict:
             ratios[str(n)] = default["tok_s"][str(n)] / best["tok_s"][str(n)]
             print(f"{n} tokens: default / best fixed ({_name(best['budget'])}) = "
                   f"{ratios[str(n)]:.2f}")
+    no_amx = next((r for r in rows if r["budget"] is None and not r["amx"]), None)
+    if default is not None and no_amx is not None:
+        for n in prompt_lens:
+            ratios[f"{n}_over_no_amx"] = default["tok_s"][str(n)] / no_amx["tok_s"][str(n)]
+            print(f"{n} tokens: default / default without AMX = "
+                  f"{ratios[f'{n}_over_no_amx']:.2f}")
     for r in rows:
-        print(f"{_name(r['budget'])}: few-row limit {r['few_row_limit']}, step budget "
+        print(f"{_name(r['budget'], r['amx'])}: few-row limit {r['few_row_limit']}, step budget "
               f"{r['max_num_batched_tokens']} tokens")
-    if rows:
-        print(f"kernels: {rows[0]['kernels']}")
+    for r in rows:
+        if r["budget"] is None:
+            print(f"kernels ({_name(None, r['amx'])}): {r['kernels']}")
     return ratios
 
 
@@ -125,10 +147,15 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quantization", default="auto")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--no-amx-row", action="store_true",
+                    help="add the defaults as on a CPU without AMX (--no-amx, oneDNN capped "
+                         "at AVX512_CORE_BF16) and report the default over it")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     args.model = os.path.expanduser(args.model)
     rows = [_in_fresh_process(args, b) for b in [None, *args.budgets]]
+    if args.no_amx_row:
+        rows.append(_in_fresh_process(args, None, amx=False))
     print(f"model {os.path.basename(args.model)}, {args.threads} threads, prefill tok/s "
           f"(prompt tokens / TTFT, median of {args.repeats} fresh prompts)")
     ratios = report(rows, args.prompt_lens)

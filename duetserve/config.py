@@ -373,6 +373,9 @@ class EngineConfig:
     kquant_forms: str = "measure"       # GGUF Q4_K/Q6_K weights: their exact forms, the
                                         # widened int4/int8 ones, or measure which is faster
     huge_pages: bool = True             # weights moved into 2 MiB pages (loader/huge_pages.py)
+    amx: bool = True                    # many-row steps of low-bit weights on AMX bf16 tiles
+                                        # where the CPU has them and they measured faster than
+                                        # the dense path (models/kernels.py); False: dense path
     # Batch-invariant results: every step runs the same per-row kernels whatever its rows
     # (low-bit / float32 GEMVs, prompt tokens as decode rows of the paged attention), so a
     # request's tokens do not depend on what shares its steps, on chunking or on the prefix
@@ -466,13 +469,13 @@ class EngineConfig:
         """The options that change which kernels a step runs (the step-time cache key)."""
         return {k: getattr(self, k) for k in (
             "dtype", "quantization", "kv_cache_dtype", "native_kernels", "decode_stack",
-            "kquant_forms", "huge_pages", "kv_prefault", "deterministic")}
+            "kquant_forms", "huge_pages", "kv_prefault", "deterministic", "amx")}
 
     def load_options(self) -> dict[str, object]:
         """The kernel switches as load_model's keywords (loader/__init__.py)."""
         return {"native": self.native_kernels, "decode_stack": self.decode_stack,
                 "kquant_forms": self.kquant_forms, "huge_pages": self.huge_pages,
-                "deterministic": self.deterministic}
+                "deterministic": self.deterministic, "amx": self.amx}
 
     def to_json(self) -> dict:
         """Every field (the speculative config as a dict): `--print-config`."""

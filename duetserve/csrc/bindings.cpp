@@ -33,6 +33,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_gemv", &q8_gemv, nogil, "x[M,K] f32 (int8 per 32) @ packed int8 W^T * row scale -> [M,N] f32");
   m.def("q4_dequant_bf16", &q4_dequant_bf16, nogil, "rows [a, b) of a packed q4 weight (K columns) as bf16");
   m.def("q4_dequant_f32", &q4_dequant_f32, nogil, "rows [a, b) of a packed q4 weight (K columns) as float32");
+  m.def("amx_available", &amx_available,
+        "built with AMX (bf16 tiles) and the kernel granted the tile state");
+  m.def("amx_gemm", &amx_gemm, nogil,
+        "x[M,K] @ [packed q4 / q4k / q6 / q8g parts stacked along N]^T on AMX bf16 tiles -> [M, sum N] f32 (many rows)");
   m.def("f32_gemv", &f32_gemv, nogil, "x[M,K] f32 @ W[N,K] f32 ^T -> [M,N] f32 (few rows)");
   m.def("rms_norm", &rms_norm, nogil, "x * rsqrt(mean(x^2) + eps) * w, float32, one pass");
   m.def("add_rms_norm", &add_rms_norm, nogil, "x += delta (in place), then rms_norm(x, w)");

@@ -63,6 +63,11 @@
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define DUET_VNNI 1
 #endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define DUET_AMX 1     // bf16 tile products for many-row steps (amx_gemm)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace {
 
@@ -1090,65 +1095,117 @@ inline void group_dequant(const uint8_t* p, float dv, float mv, T* o) {
 #endif
 }
 
-// Rows [a, b) of a weight packed in blocks of ROWS rows (tiles_of: [tiles, row blocks, tu,
-// block], units of `cols` columns) as dense T (float or at::BFloat16) [b - a, K], for the
-// many-row path without a resident dense copy: row(W, nb, r, out) writes row r of row
-// block nb.
-template <typename T, typename Row>
-torch::Tensor packed_dequant(const torch::Tensor& packed, int64_t K, int64_t a, int64_t b,
-                             int64_t cols, int64_t block, Row row) {
-  const Tiles W = tiles_of(packed, K, cols, block);
-  TORCH_CHECK(0 <= a && a < b && b <= packed.size(1) * ROWS, "row range out of bounds");
-  auto out = torch::empty({b - a, K}, packed.options().dtype(
-      std::is_same<T, float>::value ? torch::kFloat32 : torch::kBFloat16));
-  T* op = out.template data_ptr<T>();
-  at::parallel_for(a, b, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t n = r0; n < r1; ++n)
-      row(W, n / ROWS, static_cast<int>(n % ROWS), op + (n - a) * K);
-  });
-  return out;
+namespace {
+
+// Row dequantizers: row r of row block nb of a packed weight, column units [u0, u1), as T
+// (float or at::BFloat16) at o (o[0]: the first column of unit u0). The many-row paths
+// (packed_dequant; amx_gemm) call them a row and a span of units at a time.
+#if defined(DUET_AMX)
+// A q4-order group of 16 rows (nib: 4 vectors of 64 bytes; vector v, dword r, byte j:
+// element 8v + j of row r low, 8v + 4 + j high) -> d * q + m as one AMX B tile (512 bf16:
+// tile row p, dword r = row r's elements 2p, 2p + 1), rounded as group_dequant rounds.
+// The lanes are already the rows: no transposition.
+inline void q4_group_tile(const uint8_t* nib, __m512 d, __m512 m, at::BFloat16* tile) {
+  const __m512i low4 = _mm512_set1_epi32(15);
+  // words 2i, 2i + 1 of the result: word i (first element) and 16 + i (second) of cvtne2ps
+  const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25,
+                                         9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2,
+                                         17, 1, 16, 0);
+  for (int v = 0; v < 4; ++v) {
+    const __m512i q = _mm512_loadu_si512(nib + v * 64);
+    // pair 4v + t: bytes 0-1 (t = 0) or 2-3 (t = 1) low nibbles, the same high (t = 2, 3)
+    constexpr int shift[4][2] = {{0, 8}, {16, 24}, {4, 12}, {20, 28}};
+    for (int t = 0; t < 4; ++t) {
+      const __m512 f0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(
+          _mm512_srli_epi32(q, shift[t][0]), low4)), d, m);
+      const __m512 f1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(
+          _mm512_srli_epi32(q, shift[t][1]), low4)), d, m);
+      _mm512_storeu_si512(tile + (4 * v + t) * 32,
+                          _mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(f1, f0)));
+    }
+  }
 }
 
-template <typename T>
-torch::Tensor q4_dequant(const torch::Tensor& packed, int64_t K, int64_t a, int64_t b) {
-  return packed_dequant<T>(packed, K, a, b, G, Q4_BLOCK,
-                           [&](const Tiles& W, int64_t nb, int r, T* orow) {
-    for (int64_t g = 0; g < K / G; ++g) {
+inline __m512 half16(const uint8_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+#endif
+
+struct Q4Row {
+  static constexpr int64_t cols = G, block = Q4_BLOCK;
+#if defined(DUET_AMX)
+  static constexpr bool direct = true;
+  // row block nb, units [u0, u1) as B tiles (one a group) at out
+  void tiles(const Tiles& W, int64_t nb, int64_t u0, int64_t u1, at::BFloat16* out) const {
+    for (int64_t g = u0; g < u1; ++g) {
+      const uint8_t* blk = W.at(nb, g);
+      q4_group_tile(blk, half16(blk + 256), half16(blk + 288), out + (g - u0) * 512);
+    }
+  }
+#endif
+  template <typename T>
+  void operator()(const Tiles& W, int64_t nb, int r, int64_t u0, int64_t u1, T* o) const {
+    for (int64_t g = u0; g < u1; ++g) {
       const uint8_t* blk = W.at(nb, g);
       const float dv = half_to_float(reinterpret_cast<const uint16_t*>(blk + 256)[r]);
       const float mv = half_to_float(reinterpret_cast<const uint16_t*>(blk + 288)[r]);
-      group_dequant(blk + r * 4, dv, mv, orow + g * G);
+      group_dequant(blk + r * 4, dv, mv, o + (g - u0) * G);
     }
-  });
-}
+  }
+};
 
-template <typename T>
-torch::Tensor q4k_dequant(const torch::Tensor& packed, int64_t K, int64_t a, int64_t b) {
-  TORCH_CHECK(K % 256 == 0, "q4k: K must be a multiple of 256");
-  return packed_dequant<T>(packed, K, a, b, 256, Q4K_BLOCK,
-                           [&](const Tiles& W, int64_t nb, int r, T* orow) {
-    for (int64_t s = 0; s < K / 256; ++s) {
+struct Q4KRow {
+  static constexpr int64_t cols = 256, block = Q4K_BLOCK;
+#if defined(DUET_AMX)
+  static constexpr bool direct = true;
+  void tiles(const Tiles& W, int64_t nb, int64_t u0, int64_t u1, at::BFloat16* out) const {
+    for (int64_t s = u0; s < u1; ++s) {
+      const uint8_t* blk = W.at(nb, s);
+      const __m512 dd = half16(blk + Q4K_D), dmin = half16(blk + Q4K_D + 32);
+      for (int g4 = 0; g4 < 4; ++g4) {
+        alignas(64) int32_t words[16];      // row r's codes of groups g4 and 4 + g4
+        const uint8_t* c = blk + Q4K_CODES + 48 * g4;
+        for (int r = 0; r < ROWS; ++r)
+          words[r] = c[3 * r] | c[3 * r + 1] << 8 | c[3 * r + 2] << 16;
+        const __m512i w = _mm512_load_si512(words);
+        for (int h = 0; h < 2; ++h) {     // as q4k_dm: d * sc, -(dmin * mn)
+          const __m512i six = _mm512_set1_epi32(63);
+          const __m512 sc = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(w, 6 * h), six));
+          const __m512 mn = _mm512_cvtepi32_ps(
+              _mm512_and_si512(_mm512_srli_epi32(w, 12 + 6 * h), six));
+          const int gl = 4 * h + g4;
+          q4_group_tile(blk + gl * 256, _mm512_mul_ps(dd, sc),
+                        _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(dmin, mn)),
+                        out + ((s - u0) * 8 + gl) * 512);
+        }
+      }
+    }
+  }
+#endif
+  template <typename T>
+  void operator()(const Tiles& W, int64_t nb, int r, int64_t u0, int64_t u1, T* o) const {
+    for (int64_t s = u0; s < u1; ++s) {
       const uint8_t* blk = W.at(nb, s);
       for (int gl = 0; gl < 8; ++gl) {
         float dv, mv;
         q4k_dm(blk, r, gl, &dv, &mv);
-        group_dequant(blk + gl * 256 + r * 4, dv, mv, orow + (s * 8 + gl) * G);
+        group_dequant(blk + gl * 256 + r * 4, dv, mv, o + ((s - u0) * 8 + gl) * G);
       }
     }
-  });
-}
+  }
+};
 
-template <typename T>
-torch::Tensor q6_dequant(const torch::Tensor& packed, int64_t K, int64_t a, int64_t b) {
-  TORCH_CHECK(K % 128 == 0, "q6: K must be a multiple of 128");
-  const int64_t nch = K / 128;
-  return packed_dequant<T>(packed, K, a, b, CH * G, Q6_BLOCK,
-                           [&](const Tiles& W, int64_t nb, int r, T* orow) {
-    for (int64_t c = 0; c < nch; ++c) {
+struct Q6Row {
+  static constexpr int64_t cols = CH * G, block = Q6_BLOCK;
+  static constexpr bool direct = false;     // rows dequantized, then transposed (amx_pack)
+  void tiles(const Tiles&, int64_t, int64_t, int64_t, at::BFloat16*) const {}
+  template <typename T>
+  void operator()(const Tiles& W, int64_t nb, int r, int64_t u0, int64_t u1, T* orow) const {
+    for (int64_t c = u0; c < u1; ++c) {
       const uint8_t* blk = W.at(nb, c);
       for (int gi = 0; gi < CH; ++gi) {
         const uint8_t* grp = blk + gi * Q6_GROUP;
-        T* o = orow + (c * CH + gi) * G;
+        T* o = orow + ((c - u0) * CH + gi) * G;
 #if defined(__AVX512F__)
         int32_t nw[4], tw[4] = {0, 0, 0, 0};   // byte 4v + j: the row's nibbles / tops
         for (int v = 0; v < 4; ++v) std::memcpy(&nw[v], grp + v * 64 + r * 4, 4);
@@ -1185,47 +1242,338 @@ torch::Tensor q6_dequant(const torch::Tensor& packed, int64_t K, int64_t a, int6
 #endif
       }
     }
-  });
+  }
+};
 
-}
-
-template <typename T>
-torch::Tensor q8g_dequant(const torch::Tensor& packed, int64_t K, int64_t a, int64_t b) {
-  return packed_dequant<T>(packed, K, a, b, G, Q8G_BLOCK,
-                           [&](const Tiles& W, int64_t nb, int r, T* orow) {
-    for (int64_t g = 0; g < K / G; ++g) {
+struct Q8GRow {
+  static constexpr int64_t cols = G, block = Q8G_BLOCK;
+  static constexpr bool direct = false;
+  void tiles(const Tiles&, int64_t, int64_t, int64_t, at::BFloat16*) const {}
+  template <typename T>
+  void operator()(const Tiles& W, int64_t nb, int r, int64_t u0, int64_t u1, T* o) const {
+    for (int64_t g = u0; g < u1; ++g) {
       const uint8_t* blk = W.at(nb, g);
       const float dv = half_to_float(reinterpret_cast<const uint16_t*>(blk + 512)[r]);
       const float mv = half_to_float(reinterpret_cast<const uint16_t*>(blk + 544)[r]);
       uint8_t u[G];   // the row's group in element order (vector v: elements 4v .. 4v + 3)
       for (int v = 0; v < 8; ++v) std::memcpy(u + 4 * v, blk + v * 64 + r * 4, 4);
       // u * d exact in float32 (8 + 11 bits), so with or without an FMA the sum rounds once
-      for (int k = 0; k < G; ++k) orow[g * G + k] = T(float(u[k]) * dv + mv);
+      for (int k = 0; k < G; ++k) o[(g - u0) * G + k] = T(float(u[k]) * dv + mv);
     }
+  }
+};
+
+// Rows [a, b) of a weight packed in blocks of ROWS rows (tiles_of: [tiles, row blocks, tu,
+// block], units of Row::cols columns) as dense T (float or at::BFloat16) [b - a, K], for
+// the many-row path without a resident dense copy.
+template <typename T, typename Row>
+torch::Tensor packed_dequant(const torch::Tensor& packed, int64_t K, int64_t a, int64_t b) {
+  if (Row::cols == 256) TORCH_CHECK(K % 256 == 0, "q4k: K must be a multiple of 256");
+  if (Row::cols == CH * G) TORCH_CHECK(K % 128 == 0, "q6: K must be a multiple of 128");
+  const Tiles W = tiles_of(packed, K, Row::cols, Row::block);
+  TORCH_CHECK(0 <= a && a < b && b <= packed.size(1) * ROWS, "row range out of bounds");
+  auto out = torch::empty({b - a, K}, packed.options().dtype(
+      std::is_same<T, float>::value ? torch::kFloat32 : torch::kBFloat16));
+  T* op = out.template data_ptr<T>();
+  const Row row;
+  at::parallel_for(a, b, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t n = r0; n < r1; ++n)
+      row(W, n / ROWS, static_cast<int>(n % ROWS), 0, W.units, op + (n - a) * K);
   });
+  return out;
+}
+
+#if defined(DUET_AMX)
+// Many-row products on AMX (bf16 tiles): y [M, N] = x [M, K] W^T, W dequantized to bf16 a
+// chunk at a time into AMX's B-tile layout in L2 (never to memory as a whole) while every
+// row of x passes over it.
+//
+// Tiles: A = 16 rows of x x 32 columns (bf16, row-major: x converted once per call), B =
+// 32 columns x 16 weight rows in pairs (tile row p, dword j: W[n0 + j, k0 + 2p .. 2p + 1]),
+// C = 16 x 16 float32 of y. A step of 32 rows x 32 weight rows runs four TDPBF16PS on two
+// A and two B tiles (tmm4-5 A, tmm6-7 B, tmm0-3 C). A chunk is AMX_CHUNK weight rows x one
+// K tile of the packed weight (<= TILE_COLS columns: Tiles), so its bf16 B tiles (<= 512
+// KiB) stay in L2 while every 32-row block of x passes over them; C is kept in y across K
+// tiles (loaded and stored once per tile).
+constexpr int64_t AMX_CHUNK = 128;      // weight rows (outputs) a chunk: 8 row blocks
+constexpr int64_t AMX_MB = 32;          // rows of x a step (two A tiles)
+constexpr int64_t AMX_KB = 256;         // columns a pass keeps in L1 (amx_chunk)
+constexpr int64_t AMX_PANEL = 3072 * 1024;   // bytes of x a pass over the chunks keeps in L2
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Every tile 16 rows x 64 bytes. Loaded at the start of each task: another library on the
+// same thread (oneDNN) may have configured its own tiles since.
+inline void amx_configure() {
+  TileConfig c;
+  for (int t = 0; t < 8; ++t) { c.colsb[t] = 64; c.rows[t] = 16; }
+  _tile_loadconfig(&c);
+}
+
+// 16 rows of 16 dwords -> 16 columns of 16 dwords (r[i] becomes column i).
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  __m512i u[16];   // 128-bit lane L of u[4 i + c]: column 4 L + c of rows 4 i .. 4 i + 3
+  for (int i = 0; i < 4; ++i) {
+    u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512i a = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44);
+    const __m512i b = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
+    const __m512i e = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44);
+    const __m512i f = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
+    r[c] = _mm512_shuffle_i32x4(a, e, 0x88);
+    r[4 + c] = _mm512_shuffle_i32x4(a, e, 0xDD);
+    r[8 + c] = _mm512_shuffle_i32x4(b, f, 0x88);
+    r[12 + c] = _mm512_shuffle_i32x4(b, f, 0xDD);
+  }
+}
+
+// Per-thread scratch: one row block's rows in bf16 (16 x TILE_COLS) and a chunk's B tiles.
+struct AmxScratch {
+  std::vector<at::BFloat16> rows, tiles;
+};
+
+// Row blocks [nb0, nb1) (of `nblocks`; blocks past it are zero), columns [u0, u1) units ->
+// B tiles at `out`: tile (block i, step s) at out + (i * steps + s) * 512.
+template <typename Row>
+void amx_pack(const Tiles& W, int64_t nb0, int64_t nb1, int64_t nblocks, int64_t u0,
+              int64_t u1, int64_t kc, AmxScratch& sc, at::BFloat16* out) {
+  const Row row;
+  const int64_t steps = kc / 32;
+  for (int64_t nb = nb0; nb < nb1; ++nb) {
+    at::BFloat16* tiles = out + (nb - nb0) * steps * 512;
+    if (nb >= nblocks) {
+      std::memset(static_cast<void*>(tiles), 0, steps * 512 * sizeof(at::BFloat16));
+      continue;
+    }
+    if constexpr (Row::direct) {
+      row.tiles(W, nb, u0, u1, tiles);
+      continue;
+    }
+    at::BFloat16* rows = sc.rows.data();
+    for (int r = 0; r < ROWS; ++r) row(W, nb, r, u0, u1, rows + r * kc);
+    for (int64_t s = 0; s < steps; ++s) {
+      __m512i v[16];
+      for (int r = 0; r < ROWS; ++r)
+        v[r] = _mm512_loadu_si512(rows + r * kc + s * 32);
+      transpose16(v);     // v[p]: pair p (columns 2p, 2p + 1) of the 16 rows
+      for (int p = 0; p < 16; ++p) _mm512_storeu_si512(tiles + s * 512 + p * 32, v[p]);
+    }
+  }
+}
+
+// One chunk: y[:, c0 .. c0 + 32 w) (+)= xb [Mp, K] (bf16) x the chunk's B tiles (w pairs of
+// row blocks), K columns [k0, k0 + kc); `accumulate`: y holds the earlier K tiles' sums.
+// Each operand tile is 1 KiB for 8,192 MACs, so a step's four loads must not all come from
+// L2: per 32 rows of x and AMX_KB columns, the A tiles (16 KiB) and the rows' C (32 x 128
+// floats, 16 KiB) stay in L1 while every pair of the chunk passes its B tiles over them.
+inline void amx_chunk(const at::BFloat16* xa, int64_t Mp, int64_t K, int64_t k0, int64_t kc,
+                      const at::BFloat16* tiles, int64_t pairs, float* y, int64_t ldy,
+                      bool accumulate) {
+  const int64_t steps = kc / 32;
+  for (int64_t m0 = 0; m0 < Mp; m0 += AMX_MB) {
+    const at::BFloat16* a0 = xa + (m0 / 16 * (K / 32) + k0 / 32) * 512;
+    const at::BFloat16* a1 = a0 + K * 16;
+    for (int64_t s0 = 0; s0 < steps; s0 += AMX_KB / 32) {
+      const int64_t s1 = std::min(steps, s0 + AMX_KB / 32);
+      for (int64_t j = 0; j < pairs; ++j) {
+        float* c = y + m0 * ldy + j * 32;
+        if (accumulate || s0 > 0) {
+          _tile_loadd(0, c, ldy * 4);
+          _tile_loadd(1, c + 16, ldy * 4);
+          _tile_loadd(2, c + 16 * ldy, ldy * 4);
+          _tile_loadd(3, c + 16 * ldy + 16, ldy * 4);
+        } else {
+          _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+        }
+        const at::BFloat16* b0 = tiles + (2 * j) * steps * 512;
+        const at::BFloat16* b1 = b0 + steps * 512;
+        for (int64_t s = s0; s < s1; ++s) {
+          _tile_loadd(4, a0 + s * 512, 64);
+          _tile_loadd(5, a1 + s * 512, 64);
+          _tile_loadd(6, b0 + s * 512, 64);
+          _tile_loadd(7, b1 + s * 512, 64);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(1, 4, 7);
+          _tile_dpbf16ps(2, 5, 6);
+          _tile_dpbf16ps(3, 5, 7);
+        }
+        _tile_stored(0, c, ldy * 4);
+        _tile_stored(1, c + 16, ldy * 4);
+        _tile_stored(2, c + 16 * ldy, ldy * 4);
+        _tile_stored(3, c + 16 * ldy + 16, ldy * 4);
+      }
+    }
+  }
+}
+
+// Chunk `ci` of a part (row blocks [8 ci, 8 ci + 8) of its `nblocks`, padded to pairs) into
+// its columns of y (ldy floats a row), rows [m0, m1) of x (xa: amx_tile_x), over every K
+// tile.
+template <typename Row>
+void amx_part_chunk(const Tiles& W, int64_t nblocks, int64_t ci, const at::BFloat16* xa,
+                    int64_t m0, int64_t m1, int64_t K, float* y, int64_t ldy, AmxScratch& sc) {
+  const int64_t nb0 = ci * (AMX_CHUNK / ROWS);
+  const int64_t nb1 = std::min(nb0 + AMX_CHUNK / ROWS, (nblocks + 1) / 2 * 2);
+  for (int64_t t = 0; t < W.ntiles(); ++t) {
+    const int64_t u0 = t * W.tu, u1 = W.end(t);
+    const int64_t k0 = u0 * Row::cols, kc = std::min(K, u1 * Row::cols) - k0;
+    amx_pack<Row>(W, nb0, nb1, nblocks, u0, u1, kc, sc, sc.tiles.data());
+    amx_chunk(xa + m0 * K, m1 - m0, K, k0, kc, sc.tiles.data(), (nb1 - nb0) / 2,
+              y + m0 * ldy + nb0 * ROWS, ldy, t > 0);
+  }
+}
+
+// x [M, K] (float32 or bf16) as bf16 A tiles, rows padded with zeros to Mp: tile (row
+// block i of 16, step s of 32 columns) is 1 KiB at ((i K / 32) + s) 512, its 16 rows of 64
+// bytes in turn, so a tile load reads one contiguous KiB.
+torch::Tensor amx_tile_x(const torch::Tensor& x_in, int64_t Mp) {
+  const torch::Tensor x = x_in.scalar_type() == torch::kFloat32 ? x_in.contiguous()
+                                                                : x_in.to(torch::kFloat32).contiguous();
+  const int64_t M = x.size(0), K = x.size(1), steps = K / 32;
+  auto xa = torch::empty({Mp * K}, x.options().dtype(torch::kBFloat16));
+  const float* xp = x.data_ptr<float>();
+  at::BFloat16* out = xa.data_ptr<at::BFloat16>();
+  at::parallel_for(0, Mp / 16, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i)
+      for (int64_t s = 0; s < steps; ++s) {
+        at::BFloat16* t = out + (i * steps + s) * 512;
+        for (int r = 0; r < 16; ++r) {
+          const int64_t m = i * 16 + r;
+          __m512i v = _mm512_setzero_si512();
+          if (m < M) {
+            const float* src = xp + m * K + s * 32;
+            v = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + 16), _mm512_loadu_ps(src));
+          }
+          _mm512_storeu_si512(t + r * 32, v);
+        }
+      }
+  });
+  return xa;
+}
+
+bool amx_permitted() {
+  // Linux hands out AMX's tile state only on request (once per process).
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                                 18 /* XFEATURE_XTILEDATA */) == 0;
+  return ok;
+}
+#endif
+
+}  // namespace
+
+bool amx_available() {
+#if defined(DUET_AMX)
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
+
+// x [M, K] (float32 or bf16) against weights stacked along N, each part in its own packed
+// form (q4, q4k, q6, q8g), on AMX bf16 tiles: [M, sum n] float32. Weights and x are
+// rounded to bf16 (the dense bf16 path's numbers), sums kept in float32.
+torch::Tensor amx_gemm(torch::Tensor x, std::vector<torch::Tensor> packed, std::vector<int64_t> n) {
+#if defined(DUET_AMX)
+  TORCH_CHECK(amx_permitted(), "AMX: the kernel refused the tile state (arch_prctl)");
+  TORCH_CHECK(x.dim() == 2, "x must be [M, K]");
+  TORCH_CHECK(!packed.empty() && packed.size() == n.size(), "one N per packed part");
+  const int64_t M = x.size(0), K = x.size(1), Mp = (M + AMX_MB - 1) / AMX_MB * AMX_MB;
+  TORCH_CHECK(K % 32 == 0, "K must be a multiple of 32");
+  const torch::Tensor xa = amx_tile_x(x, Mp);
+  const size_t P = packed.size();
+  std::vector<int64_t> col(P + 1, 0), nblocks(P), chunks(P + 1, 0);
+  std::vector<Tiles> tiles;
+  std::vector<int> kind(P);
+  int64_t kmax = 0;     // the most columns a K tile has
+  for (size_t i = 0; i < P; ++i) {
+    const int64_t b = packed[i].size(3);
+    kind[i] = b == Q4_BLOCK ? 0 : b == Q4K_BLOCK ? 1 : b == Q6_BLOCK ? 2 : b == Q8G_BLOCK ? 3 : -1;
+    TORCH_CHECK(kind[i] >= 0, "packed blocks of ", Q4_BLOCK, ", ", Q4K_BLOCK, ", ", Q6_BLOCK,
+                " or ", Q8G_BLOCK, " bytes, got ", b);
+    const int64_t cols = kind[i] == 1 ? 256 : kind[i] == 2 ? CH * G : G;
+    TORCH_CHECK(K % cols == 0, "K = ", K, " is not a multiple of the form's ", cols, " columns");
+    tiles.push_back(tiles_of(packed[i], K, cols, b));
+    nblocks[i] = packed[i].size(1);
+    TORCH_CHECK(nblocks[i] == (n[i] + ROWS - 1) / ROWS, "N = ", n[i], " does not match packed part ", i);
+    col[i + 1] = col[i] + (n[i] + 31) / 32 * 32;     // each part's columns padded to a pair
+    chunks[i + 1] = chunks[i] + (nblocks[i] + AMX_CHUNK / ROWS - 1) / (AMX_CHUNK / ROWS);
+    kmax = std::max(kmax, std::min(K, tiles[i].tu * cols));
+  }
+  const int64_t ldy = col[P];
+  // Rows of x a pass over the chunks takes: its bf16 K tile (<= AMX_PANEL bytes) stays in
+  // L2 while the chunks pass, so each chunk's weights are dequantized once a pass.
+  const int64_t mstep = std::max(AMX_MB, std::min(Mp, AMX_PANEL / (kmax * 2) / AMX_MB * AMX_MB));
+  auto y = torch::empty({Mp, ldy}, x.options().dtype(torch::kFloat32));
+  float* yp = y.data_ptr<float>();
+  const at::BFloat16* xp = xa.data_ptr<at::BFloat16>();
+  at::parallel_for(0, chunks[P], 1, [&](int64_t c0, int64_t c1) {
+    thread_local AmxScratch sc;
+    if (int64_t(sc.rows.size()) < ROWS * kmax) sc.rows.resize(ROWS * kmax);
+    if (int64_t(sc.tiles.size()) < AMX_CHUNK * kmax) sc.tiles.resize(AMX_CHUNK * kmax);
+    amx_configure();
+    for (int64_t m0 = 0; m0 < Mp; m0 += mstep) {
+      const int64_t m1 = std::min(Mp, m0 + mstep);
+      for (int64_t c = c0; c < c1; ++c) {
+        size_t i = 0;
+        while (c >= chunks[i + 1]) ++i;
+        const int64_t ci = c - chunks[i];
+        float* yi = yp + col[i];
+        switch (kind[i]) {
+          case 0: amx_part_chunk<Q4Row>(tiles[i], nblocks[i], ci, xp, m0, m1, K, yi, ldy, sc); break;
+          case 1: amx_part_chunk<Q4KRow>(tiles[i], nblocks[i], ci, xp, m0, m1, K, yi, ldy, sc); break;
+          case 2: amx_part_chunk<Q6Row>(tiles[i], nblocks[i], ci, xp, m0, m1, K, yi, ldy, sc); break;
+          default: amx_part_chunk<Q8GRow>(tiles[i], nblocks[i], ci, xp, m0, m1, K, yi, ldy, sc);
+        }
+      }
+    }
+    _tile_release();
+  });
+  bool padded = Mp != M;
+  for (size_t i = 0; i < P; ++i) padded = padded || col[i + 1] - col[i] != n[i];
+  if (!padded) return y;
+  std::vector<torch::Tensor> parts;
+  for (size_t i = 0; i < P; ++i) parts.push_back(y.narrow(0, 0, M).narrow(1, col[i], n[i]));
+  return torch::cat(parts, 1);
+#else
+  TORCH_CHECK(false, "amx_gemm: built without AMX (this CPU or compiler lacks amx_tile/amx_bf16)");
+  return x;
+#endif
 }
 
 torch::Tensor q4_dequant_bf16(torch::Tensor packed, int64_t K, int64_t a, int64_t b) {
-  return q4_dequant<at::BFloat16>(packed, K, a, b);
+  return packed_dequant<at::BFloat16, Q4Row>(packed, K, a, b);
 }
 torch::Tensor q4_dequant_f32(torch::Tensor packed, int64_t K, int64_t a, int64_t b) {
-  return q4_dequant<float>(packed, K, a, b);
+  return packed_dequant<float, Q4Row>(packed, K, a, b);
 }
 torch::Tensor q4k_dequant_bf16(torch::Tensor packed, int64_t K, int64_t a, int64_t b) {
-  return q4k_dequant<at::BFloat16>(packed, K, a, b);
+  return packed_dequant<at::BFloat16, Q4KRow>(packed, K, a, b);
 }
 torch::Tensor q4k_dequant_f32(torch::Tensor packed, int64_t K, int64_t a, int64_t b) {
-  return q4k_dequant<float>(packed, K, a, b);
+  return packed_dequant<float, Q4KRow>(packed, K, a, b);
 }
 torch::Tensor q6_dequant_bf16(torch::Tensor packed, int64_t K, int64_t a, int64_t b) {
-  return q6_dequant<at::BFloat16>(packed, K, a, b);
+  return packed_dequant<at::BFloat16, Q6Row>(packed, K, a, b);
 }
 torch::Tensor q6_dequant_f32(torch::Tensor packed, int64_t K, int64_t a, int64_t b) {
-  return q6_dequant<float>(packed, K, a, b);
+  return packed_dequant<float, Q6Row>(packed, K, a, b);
 }
 torch::Tensor q8g_dequant_bf16(torch::Tensor packed, int64_t K, int64_t a, int64_t b) {
-  return q8g_dequant<at::BFloat16>(packed, K, a, b);
+  return packed_dequant<at::BFloat16, Q8GRow>(packed, K, a, b);
 }
 torch::Tensor q8g_dequant_f32(torch::Tensor packed, int64_t K, int64_t a, int64_t b) {
-  return q8g_dequant<float>(packed, K, a, b);
+  return packed_dequant<float, Q8GRow>(packed, K, a, b);
 }

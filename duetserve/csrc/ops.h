@@ -26,6 +26,8 @@ torch::Tensor stacked_gemv(torch::Tensor x, std::vector<torch::Tensor> packed,
 torch::Tensor q8_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor scale);
 torch::Tensor q4_dequant_bf16(torch::Tensor packed, int64_t K, int64_t a, int64_t b);
 torch::Tensor q4_dequant_f32(torch::Tensor packed, int64_t K, int64_t a, int64_t b);
+bool amx_available();
+torch::Tensor amx_gemm(torch::Tensor x, std::vector<torch::Tensor> packed, std::vector<int64_t> n);
 torch::Tensor f32_gemv(torch::Tensor x, torch::Tensor w);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor delta, torch::Tensor w, double eps);

@@ -137,6 +137,10 @@ def _add_kernel_switches(k: argparse._ArgumentGroup) -> None:
                    choices=list(KQUANT_FORMS),
                    help="GGUF Q4_K/Q6_K weights: keep their exact forms, widen them to "
                         "int4/int8, or measure which is faster here (default)")
+    k.add_argument("--no-amx", dest="amx", action="store_false",
+                   help="run many-row steps of low-bit weights on the dense path even where "
+                        "the CPU has AMX (by default AMX bf16 tiles run them when measured "
+                        "faster)")
     k.add_argument("--no-huge-pages", dest="huge_pages", action="store_false",
                    help="leave the weights in the allocator's pages (default: moved into "
                         "2 MiB pages where the kernel offers transparent huge pages)")
@@ -161,7 +165,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             kv_prefault=args.kv_prefault, native_kernels=args.native_kernels,
             kv_store=args.kv_store, kv_store_max_gib=args.kv_store_max_gib,
             decode_stack=args.decode_stack, kquant_forms=args.kquant_forms,
-            huge_pages=args.huge_pages, deterministic=args.deterministic,
+            huge_pages=args.huge_pages, deterministic=args.deterministic, amx=args.amx,
             step_time=args.step_time,
             check_integrity_when_idle=args.check_integrity_when_idle,
             max_num_batched_tokens=args.max_num_batched_tokens, max_step_ms=args.max_step_ms,

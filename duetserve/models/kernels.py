@@ -41,6 +41,7 @@ from duetserve.models.quant import (Int4KWeight, Int4Weight, Int6Weight, Int8Wei
 log = logging.getLogger("duetserve")
 
 BF16_MIN_SPEEDUP = 1.3
+AMX_PROBE_ROWS = 512     # rows of the AMX / dense comparison (a prefill chunk)
 # Row counts of the low-bit / dense crossover: up to the largest step a derived token
 # budget gives (core/step_budget.IDLE_BUDGET, 2,048; a test keeps the two equal).
 LOWBIT_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
@@ -240,7 +241,8 @@ def calibrate_lowbit_rows(layer: QuantLinear) -> int:
     sent 512-row prefill steps to the dense path 2.8x slower than eight 64-row chunks on
     the low-bit kernels (issue 67)."""
     policy = layer.policy
-    kind = "dense" if layer.dense is not None else "dequant"
+    kind = ("amx" if policy.many_rows == "amx" and layer.qweight.amx else
+            "dense" if layer.dense is not None else "dequant")
 
     def run(x: torch.Tensor, lowbit_rows: int) -> None:
         policy.lowbit_max_rows = lowbit_rows
@@ -262,8 +264,56 @@ def calibrate_lowbit_rows(layer: QuantLinear) -> int:
     return UNBOUNDED_ROWS if rows >= LOWBIT_ROWS[-1] else rows
 
 
-def finish_policy(model: torch.nn.Module, policy: KernelPolicy) -> None:
-    """Calibrate `policy.lowbit_max_rows` on the model's largest quantized linear and say
+def amx_speedup(layer: QuantLinear) -> float:
+    """Time of `layer` at AMX_PROBE_ROWS rows on its dense path (a resident dense copy, or
+    the weights dequantized for the call) / on AMX bf16 tiles: above 1, AMX is faster.
+    The two are timed alternately, best of 3 each (a load that comes and goes slows both
+    alike). Measured once per CPU, thread count and shape."""
+    policy = layer.policy
+    kind = "dense" if layer.dense is not None else "dequant"
+
+    @torch.inference_mode()
+    def measure() -> float:
+        saved = policy.lowbit_max_rows, policy.many_rows
+        x = torch.randn(AMX_PROBE_ROWS, layer.in_features)
+        best = {"amx": float("inf"), "dense": float("inf")}
+        try:
+            policy.lowbit_max_rows = 0
+            for i in range(4):
+                for path in best:
+                    policy.many_rows = path
+                    t = time.perf_counter()
+                    layer(x)
+                    if i:               # the first call of each builds oneDNN's primitive
+                        best[path] = min(best[path], time.perf_counter() - t)
+        finally:
+            policy.lowbit_max_rows, policy.many_rows = saved
+        return round(best["dense"] / best["amx"], 3)
+    return float(_cached(_key("amx_speedup", layer.out_features, layer.in_features,
+                              f"int{layer.qweight.bits}", kind, policy.dense_dtype,
+                              AMX_PROBE_ROWS, "native-v1"), measure))
+
+
+def choose_many_rows(layer: QuantLinear, amx: bool) -> tuple[str, str]:
+    """The many-row path ("amx" or "dense") for the model's linears, and why: AMX bf16
+    tiles where the native kernels have them, EngineConfig.amx allows them and
+    `amx_speedup` finds them faster than the dense path on `layer`."""
+    native = ops()
+    if not amx:
+        return "dense", "--no-amx"
+    if native is None or not native.amx_available():
+        return "dense", "no AMX (CPU flags, compiler or kernel permission)"
+    if not layer.qweight.amx:
+        return "dense", f"no AMX kernel for int{layer.qweight.bits} weights"
+    speedup = amx_speedup(layer)
+    if speedup > 1.0:
+        return "amx", f"AMX bf16 tiles, {speedup:.2f}x the dense path at {AMX_PROBE_ROWS} rows"
+    return "dense", f"dense path, AMX bf16 tiles only {speedup:.2f}x it at {AMX_PROBE_ROWS} rows"
+
+
+def finish_policy(model: torch.nn.Module, policy: KernelPolicy, amx: bool = True) -> None:
+    """Choose the many-row path (`choose_many_rows`), then calibrate
+    `policy.lowbit_max_rows` against it on the model's largest quantized linear, and say
     what was decided and why in `policy.reason` (the start-up log's kernel line).
     Mutates `policy` (shared by every QuantLinear)."""
     layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
@@ -272,19 +322,23 @@ def finish_policy(model: torch.nn.Module, policy: KernelPolicy) -> None:
     # The MLP's gate/up projection: the most common shape in a step's weight bytes.
     big = max((m for m in layers if m is not getattr(model, "lm_head", None)),
               key=lambda m: m.out_features * m.in_features, default=layers[0])
+    policy.many_rows, why = choose_many_rows(big, amx)
+    policy.reason += f"; many-row steps: {why}"
     rows = policy.lowbit_max_rows = calibrate_lowbit_rows(big)
-    dense = "resident" if big.dense is not None else "dequantized per call"
+    many = ("AMX tiles" if policy.many_rows == "amx" else
+            "dense path, resident" if big.dense is not None else
+            "dense path, dequantized per call")
     measured = (f"measured on {big.out_features}x{big.in_features} int{big.qweight.bits} "
                 f"at 1..{LOWBIT_ROWS[-1]} rows")
     if rows >= UNBOUNDED_ROWS:
-        policy.reason += (f"; low-bit kernels at every step size (faster than the dense "
-                          f"path, {dense}, at every row count {measured})")
+        policy.reason += (f"; low-bit kernels at every step size (faster than the many-row "
+                          f"path, {many}, at every row count {measured})")
     elif rows == 0:
-        policy.reason += (f"; dense path ({dense}) at every step size (faster than the "
+        policy.reason += (f"; many-row path ({many}) at every step size (faster than the "
                           f"low-bit kernels from 1 row, {measured})")
     else:
-        policy.reason += (f"; low-bit kernels for steps of <= {rows} rows, dense path "
-                          f"({dense}) above (faster there, {measured})")
+        policy.reason += (f"; low-bit kernels for steps of <= {rows} rows, many-row path "
+                          f"({many}) above (faster there, {measured})")
 
 
 def make_row_invariant(model: torch.nn.Module, policy: KernelPolicy | None) -> str:

@@ -62,6 +62,8 @@ class KernelPolicy:
     """Shared by every QuantLinear of a model; set once at load (see models/kernels.py)."""
 
     lowbit_max_rows: int = 8       # rows <= this: low-bit kernels (UNBOUNDED_ROWS: always)
+    many_rows: str = "dense"       # more rows: "amx" (AMX bf16 tiles, weights that have
+                                   # them: amx_matmul) or "dense" (the dense GEMM)
     dense_dtype: torch.dtype = torch.float32
     reason: str = ""
 
@@ -168,6 +170,13 @@ class _BlockWeight:
         if _NATIVE is not None:
             return getattr(_NATIVE, self._GEMV)(x.float(), self.packed, self.shape[0])
         return F.linear(x.float(), self.dequantize())
+
+    amx = True        # amx_matmul runs (where the native kernels have AMX)
+
+    def amx_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] -> [M, N] float32 on AMX bf16 tiles (many rows; the weights dequantized
+        to bf16 a chunk at a time in cache, csrc/lowbit_gemv.cpp: amx_gemm)."""
+        return _NATIVE.amx_gemm(x, [self.packed], [self.shape[0]])
 
     def dequantize(self, dtype: torch.dtype = torch.float32, a: int = 0,
                    b: int | None = None) -> torch.Tensor:
@@ -409,6 +418,7 @@ class Int8Weight:
     in turn; padding is zero."""
 
     bits = 8
+    amx = False       # no AMX kernel for this form: many-row steps take the dense path
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor) -> None:
         """q: int8 [N, K]; scale: [N] (see `quantize_int8`)."""
@@ -505,6 +515,12 @@ class StackedWeight:
             return _NATIVE.stacked_gemv(x.float(), [p.packed for p in self.parts], self._n)
         return torch.cat([p.matmul(x) for p in self.parts], dim=1)
 
+    amx = True
+
+    def amx_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] -> [M, N] float32: every part on AMX bf16 tiles, in one native call."""
+        return _NATIVE.amx_gemm(x, [p.packed for p in self.parts], self._n)
+
     def dequantize(self, dtype: torch.dtype = torch.float32, a: int = 0,
                    b: int | None = None) -> torch.Tensor:
         b = self.shape[0] if b is None else b
@@ -564,6 +580,8 @@ class QuantLinear(nn.Module):
         inside an op the model runs anyway (one op per linear saved at decode)."""
         if x.shape[0] <= self.policy.lowbit_max_rows:
             y = self.qweight.matmul(x)
+        elif self.policy.many_rows == "amx" and self.qweight.amx:
+            y = self.qweight.amx_matmul(x)
         elif self.dense is not None:
             y = F.linear(x.to(self.dense.dtype), self.dense)
         else:

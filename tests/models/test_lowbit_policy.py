@@ -17,16 +17,29 @@ from duetserve.models.quant import (Int4Weight, KernelPolicy, QuantLinear,
                                     int4_groups_from_float)
 
 
-class FakePaths:
-    """A QuantLinear whose two paths cost `lowbit(rows)` and `dense(rows, call)` seconds
-    of a fake clock (call: how many times the dense path ran at that row count), and
-    record which path ran. The dense path stands for the per-call dequantization and its
-    GEMM together (QuantLinear._dequantized_gemm)."""
+class FakeOps:
+    """The native module as the policy sees it: AMX or not, whatever this CPU has."""
 
-    def __init__(self, monkeypatch, lowbit, dense, n: int = 64, k: int = 256) -> None:
+    def __init__(self, amx: bool) -> None:
+        self.amx = amx
+
+    def amx_available(self) -> bool:
+        return self.amx
+
+
+class FakePaths:
+    """A QuantLinear whose paths cost `lowbit(rows)`, `dense(rows, call)` and, where
+    given, `amx(rows)` seconds of a fake clock (call: how many times the dense path ran at
+    that row count), and record which path ran. The dense path stands for the per-call
+    dequantization and its GEMM together (QuantLinear._dequantized_gemm). Without `amx`
+    the CPU has no AMX, whatever the real one has."""
+
+    def __init__(self, monkeypatch, lowbit, dense, n: int = 64, k: int = 256,
+                 amx=None) -> None:
         self.clock = 0.0
         self.calls: list[tuple[str, int]] = []
         self.dense_calls: dict[int, int] = {}
+        self.amx_calls = 0
         gen = torch.Generator().manual_seed(0)
         qw = Int4Weight(*int4_groups_from_float(torch.randn(n, k, generator=gen)))
         self.layer = QuantLinear(qw, None, KernelPolicy(lowbit_max_rows=8))
@@ -43,7 +56,14 @@ class FakePaths:
             self.clock += dense(rows, self.dense_calls[rows])
             self.calls.append(("dense", rows))
             return torch.zeros(rows, n)
+        def amx_path(x: torch.Tensor) -> torch.Tensor:
+            self.clock += amx(x.shape[0])
+            self.calls.append(("amx", x.shape[0]))
+            self.amx_calls += 1
+            return torch.zeros(x.shape[0], n)
         monkeypatch.setattr(qw, "matmul", lowbit_path)
+        monkeypatch.setattr(qw, "amx_matmul", amx_path)
+        monkeypatch.setattr(kernels, "ops", lambda: FakeOps(amx is not None))
         monkeypatch.setattr(self.layer, "_dequantized_gemm", dense_path)
         monkeypatch.setattr(kernels.time, "perf_counter", lambda: self.clock)
         self.keys: list[str] = []
@@ -102,7 +122,8 @@ def test_dense_faster_from_one_row_runs_every_step_dense(monkeypatch) -> None:
     fake = FakePaths(monkeypatch, lambda m: 10.0 + m, lambda m, call: 1.0 + 0.1 * m)
     kernels.finish_policy(fake.model, fake.layer.policy)
     assert fake.layer.policy.lowbit_max_rows == 0
-    assert "dense path (dequantized per call) at every step size" in fake.layer.policy.reason
+    assert ("many-row path (dense path, dequantized per call) at every step size"
+            in fake.layer.policy.reason)
     assert fake.path_of(1) == "dense"
 
 
@@ -157,3 +178,44 @@ def test_many_rows_on_the_lowbit_kernels_equal_the_dense_result(form) -> None:
                                       or torch.zeros(x.shape[0], 96), "bits": w.bits})()
     lowbit(x)
     assert ran == [300]
+
+
+def test_amx_faster_than_the_dense_path_runs_many_row_steps_on_amx(monkeypatch) -> None:
+    """AMX tiles beat the dense path at the probe's rows: many-row steps run on them, and
+    the low-bit crossover is measured against AMX (low-bit 1 s a row, AMX 100 s + 0.1 s a
+    row: AMX wins from 128 rows, confirmed at 256, so the bound is 64)."""
+    fake = FakePaths(monkeypatch, lambda m: 1.0 * m, lambda m, call: 5000.0 + 0.5 * m,
+                     amx=lambda m: 100.0 + 0.1 * m)
+    kernels.finish_policy(fake.model, fake.layer.policy)
+    policy = fake.layer.policy
+    assert policy.many_rows == "amx" and policy.lowbit_max_rows == 64
+    assert "many-row steps: AMX bf16 tiles" in policy.reason
+    assert "many-row path (AMX tiles) above" in policy.reason
+    assert fake.path_of(64) == "lowbit" and fake.path_of(2048) == "amx"
+    assert any(key.split("|")[3] == "amx_speedup" for key in fake.keys)
+
+
+def test_amx_slower_than_the_dense_path_keeps_the_dense_path(monkeypatch) -> None:
+    fake = FakePaths(monkeypatch, lambda m: 1.0 * m, lambda m, call: 100.0 + 0.1 * m,
+                     amx=lambda m: 200.0 + 0.2 * m)
+    kernels.finish_policy(fake.model, fake.layer.policy)
+    policy = fake.layer.policy
+    assert policy.many_rows == "dense"
+    assert "AMX bf16 tiles only 0.5" in policy.reason
+    assert fake.path_of(2048) == "dense"
+
+
+@pytest.mark.parametrize("amx_cpu", [True, False])
+def test_no_amx_switch_or_cpu_never_takes_the_amx_path(monkeypatch, amx_cpu) -> None:
+    """--no-amx (EngineConfig.amx False) on an AMX CPU, or a CPU without AMX: the AMX path
+    is neither timed nor taken, whatever it would cost."""
+    fake = FakePaths(monkeypatch, lambda m: 1.0 * m, lambda m, call: 100.0 + 0.1 * m,
+                     amx=lambda m: 1.0)
+    if not amx_cpu:
+        monkeypatch.setattr(kernels, "ops", lambda: FakeOps(False))
+    kernels.finish_policy(fake.model, fake.layer.policy, amx=not amx_cpu)
+    assert fake.layer.policy.many_rows == "dense"
+    assert ("--no-amx" if amx_cpu else "no AMX (CPU flags") in fake.layer.policy.reason
+    assert fake.path_of(2048) == "dense"
+    assert fake.amx_calls == 0
+    assert not any("amx_speedup" in key for key in fake.keys)
