@@ -65,8 +65,11 @@
 #endif
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define DUET_AMX 1     // bf16 tile products for many-row steps (amx_gemm)
+#include <sys/mman.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+#include <cstdlib>
+#include <mutex>
 #endif
 
 namespace {
@@ -1197,8 +1200,49 @@ struct Q4KRow {
 
 struct Q6Row {
   static constexpr int64_t cols = CH * G, block = Q6_BLOCK;
-  static constexpr bool direct = false;     // rows dequantized, then transposed (amx_pack)
-  void tiles(const Tiles&, int64_t, int64_t, int64_t, at::BFloat16*) const {}
+#if defined(DUET_AMX)
+  static constexpr bool direct = true;
+  // As q4_group_tile, each element's 6-bit q = its nibble | its top two bits << 4 (bits
+  // 8 j + 2 k of top vector v / 2, j = element % 4, k = element % 16 / 4), times d * sc
+  // of its half (vectors 0-1: elements 0-15), as Q6Row's rows round.
+  void tiles(const Tiles& W, int64_t nb, int64_t u0, int64_t u1, at::BFloat16* out) const {
+    const __m512i low4 = _mm512_set1_epi32(15), three = _mm512_set1_epi32(3);
+    const __m512i off = _mm512_set1_epi32(32);
+    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25,
+                                           9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2,
+                                           17, 1, 16, 0);
+    constexpr int shift[4][2] = {{0, 8}, {16, 24}, {4, 12}, {20, 28}};
+    constexpr int j0[4] = {0, 2, 0, 2};
+    for (int64_t c = u0; c < u1; ++c) {
+      const uint8_t* blk = W.at(nb, c);
+      const __m512 d = half16(blk + Q6_D);
+      for (int gi = 0; gi < CH; ++gi) {
+        const uint8_t* grp = blk + gi * Q6_GROUP;
+        at::BFloat16* tile = out + ((c - u0) * CH + gi) * 512;
+        for (int v = 0; v < 4; ++v) {
+          const int h = v / 2;
+          const __m512 sc = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(grp + Q6_SC + 16 * h)))));
+          const __m512i q = _mm512_loadu_si512(grp + v * 64);
+          const __m512i top = _mm512_loadu_si512(grp + Q6_TOP + h * 64);
+          for (int t = 0; t < 4; ++t) {
+            const int k = 2 * (v % 2) + (t >= 2);
+            __m512 f[2];
+            for (int e = 0; e < 2; ++e) {
+              const __m512i nib = _mm512_and_si512(_mm512_srli_epi32(q, shift[t][e]), low4);
+              const __m512i hi = _mm512_and_si512(
+                  _mm512_srli_epi32(top, 8 * (j0[t] + e) + 2 * k), three);
+              const __m512i q6 = _mm512_or_si512(nib, _mm512_slli_epi32(hi, 4));
+              f[e] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(q6, off)), sc);
+            }
+            _mm512_storeu_si512(tile + (4 * v + t) * 32, _mm512_permutexvar_epi16(
+                pairs, (__m512i)_mm512_cvtne2ps_pbh(f[1], f[0])));
+          }
+        }
+      }
+    }
+  }
+#endif
   template <typename T>
   void operator()(const Tiles& W, int64_t nb, int r, int64_t u0, int64_t u1, T* orow) const {
     for (int64_t c = u0; c < u1; ++c) {
@@ -1464,6 +1508,53 @@ torch::Tensor amx_tile_x(const torch::Tensor& x_in, int64_t Mp) {
   return xa;
 }
 
+// Outputs too big for the heap: glibc maps each allocation past its mmap threshold (32
+// MiB at most; loader/huge_pages.py sets it) afresh, so a 512-row gate/up product of the
+// 1.5B ([512, 17920] float32, 36 MiB) faulted in 9,000 pages a call (27.8 ms against 2 x
+// 8.6 for two halves). Such outputs come from here: the last POOL_KEEP freed ones are kept
+// and reused for the same size (consecutive layers' same products), in 2 MiB pages.
+constexpr size_t POOL_MIN = size_t(32) << 20, POOL_KEEP = 2, POOL_ALIGN = size_t(2) << 20;
+struct Pool {
+  std::mutex mu;
+  std::vector<std::pair<size_t, void*>> free;
+};
+// never destroyed: a tensor freed during interpreter shutdown still finds it
+Pool& pool() {
+  static Pool* p = new Pool;
+  return *p;
+}
+
+void pool_give(void* p, size_t bytes) {
+  Pool& pl = pool();
+  std::lock_guard<std::mutex> lock(pl.mu);
+  if (pl.free.size() < POOL_KEEP) pl.free.emplace_back(bytes, p);
+  else std::free(p);
+}
+
+torch::Tensor pooled_empty(int64_t rows, int64_t cols, const torch::TensorOptions& opts) {
+  const size_t bytes = size_t(rows) * cols * sizeof(float);
+  if (bytes < POOL_MIN) return torch::empty({rows, cols}, opts.dtype(torch::kFloat32));
+  void* p = nullptr;
+  {
+    Pool& pl = pool();
+    std::lock_guard<std::mutex> lock(pl.mu);
+    for (size_t i = 0; i < pl.free.size(); ++i)
+      if (pl.free[i].first == bytes) {
+        p = pl.free[i].second;
+        pl.free.erase(pl.free.begin() + i);
+        break;
+      }
+  }
+  if (p == nullptr) {
+    const size_t size = (bytes + POOL_ALIGN - 1) / POOL_ALIGN * POOL_ALIGN;
+    p = std::aligned_alloc(POOL_ALIGN, size);
+    TORCH_CHECK(p != nullptr, "amx_gemm: out of memory for a ", bytes, "-byte output");
+    madvise(p, size, MADV_HUGEPAGE);
+  }
+  return torch::from_blob(p, {rows, cols}, [bytes](void* q) { pool_give(q, bytes); },
+                          opts.dtype(torch::kFloat32));
+}
+
 bool amx_permitted() {
   // Linux hands out AMX's tile state only on request (once per process).
   static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
@@ -1516,7 +1607,7 @@ torch::Tensor amx_gemm(torch::Tensor x, std::vector<torch::Tensor> packed, std::
   // Rows of x a pass over the chunks takes: its bf16 K tile (<= AMX_PANEL bytes) stays in
   // L2 while the chunks pass, so each chunk's weights are dequantized once a pass.
   const int64_t mstep = std::max(AMX_MB, std::min(Mp, AMX_PANEL / (kmax * 2) / AMX_MB * AMX_MB));
-  auto y = torch::empty({Mp, ldy}, x.options().dtype(torch::kFloat32));
+  auto y = pooled_empty(Mp, ldy, x.options());
   float* yp = y.data_ptr<float>();
   const at::BFloat16* xp = xa.data_ptr<at::BFloat16>();
   at::parallel_for(0, chunks[P], 1, [&](int64_t c0, int64_t c1) {

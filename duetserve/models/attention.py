@@ -130,6 +130,11 @@ class TorchAttention(AttentionBackend):
         self.scale = head_dim ** -0.5 if scale is None else scale
         self.window = window
         self.window_arg = window or 0          # the native kernels' form (0: none)
+        # Prompt chunks' flash attention (no cached prefix, or a long chunk after one) in
+        # bfloat16, float32 softmax statistics: where the many-row steps run on AMX and
+        # oneDNN's bf16 tiles measured faster than the float32 kernels
+        # (kernels.finish_prefill_attention). Full-attention layers only.
+        self.bf16_prefill = False
 
     def forward_qkv(self, qkv, kv_cache, meta):
         """Decode-only steps with the native kernels: two calls per layer (rotary + cache
@@ -172,28 +177,32 @@ class TorchAttention(AttentionBackend):
             out[:meta.num_decodes] = self._paged(q[:meta.num_decodes], k_cache, v_cache, meta)
         for g in meta.decode_groups:
             out[g.start:g.end] = self._decode(q[g.start:g.end], k_cache, v_cache, g)
+        # the flash kernels' dtype (bf16_prefill); the small grouped path stays float32
+        fd = torch.bfloat16 if self.bf16_prefill and self.window is None else q.dtype
         for p in meta.prefills:
-            if p.mask is None and self._native_prefill(q, k, v, p, out):
+            if p.mask is None and fd == q.dtype and self._native_prefill(q, k, v, p, out):
                 continue
             qp = q[p.start:p.end].transpose(0, 1)                # [H, n, hd]
             if self.window is not None:
                 op = self._window_prefill(qp, k, v, k_flat, v_flat, p)
             elif p.mask is None:   # no cached prefix: the new K/V are the whole context
-                kp = k[p.start:p.end].transpose(0, 1)
-                vp = v[p.start:p.end].transpose(0, 1).to(q.dtype)
+                qp = qp.to(fd)
+                kp = k[p.start:p.end].transpose(0, 1).to(fd)
+                vp = v[p.start:p.end].transpose(0, 1).to(fd)
                 # 4-D: torch's CPU flash kernel takes only [B, H, n, hd]; 3-D inputs
                 # fall back to the math path (~4x slower at 512 tokens: an explicit
                 # [H, n, n] score matrix, masked and softmaxed in separate passes)
                 op = F.scaled_dot_product_attention(qp[None], kp[None], vp[None],
                                                     is_causal=True, enable_gqa=self.gqa,
                                                     scale=self.scale)[0]
-            else:
+            elif qp.shape[0] * qp.shape[1] * p.ctx_slots.shape[0] <= GROUPED_MAX_SCORES:
                 kp = self._gather(k_flat, p.ctx_slots, q.dtype)  # [KVH, L, hd]
                 vp = self._gather(v_flat, p.ctx_slots, q.dtype)
-                if qp.shape[0] * qp.shape[1] * kp.shape[1] <= GROUPED_MAX_SCORES:
-                    op = self._grouped(qp, kp, vp, p.mask)
-                else:
-                    op = self._after_prefix(qp, kp, vp, p.mask)
+                op = self._grouped(qp, kp, vp, p.mask)
+            else:
+                kp = self._gather(k_flat, p.ctx_slots, fd)
+                vp = self._gather(v_flat, p.ctx_slots, fd)
+                op = self._after_prefix(qp.to(fd), kp, vp, p.mask)
             out[p.start:p.end] = op.transpose(0, 1)
         return out
 

@@ -311,6 +311,58 @@ def choose_many_rows(layer: QuantLinear, amx: bool) -> tuple[str, str]:
     return "dense", f"dense path, AMX bf16 tiles only {speedup:.2f}x it at {AMX_PROBE_ROWS} rows"
 
 
+def bf16_attention_speedup(heads: int, kv_heads: int, head_dim: int) -> float:
+    """Time of the float32 causal prefill attention this engine runs on a fresh
+    AMX_PROBE_ROWS-token chunk (the native kernel where built, else torch's flash SDPA) /
+    torch's flash SDPA on the same chunk in bfloat16 (oneDNN's AMX tiles). Best of 3,
+    alternated. Measured once per CPU, thread count and head shape."""
+    import torch.nn.functional as F
+
+    def measure() -> float:
+        n = AMX_PROBE_ROWS
+        q, k, v = (torch.randn(n, h, head_dim) for h in (heads, kv_heads, kv_heads))
+        native = ops()
+        gqa = heads != kv_heads
+
+        def sdpa(dtype):
+            qt, kt, vt = (t.transpose(0, 1)[None].to(dtype) for t in (q, k, v))
+            return F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=gqa)
+
+        def fp32():
+            o = native.prefill_attention(q, k, v, head_dim ** -0.5) if native else None
+            if o is None or o.numel() == 0:
+                sdpa(torch.float32)
+        best = {"fp32": float("inf"), "bf16": float("inf")}
+        for i in range(4):
+            for name, fn in (("fp32", fp32), ("bf16", lambda: sdpa(torch.bfloat16))):
+                t = time.perf_counter()
+                fn()
+                if i:
+                    best[name] = min(best[name], time.perf_counter() - t)
+        return round(best["fp32"] / best["bf16"], 3)
+    return float(_cached(_key("bf16_attention_speedup", heads, kv_heads, head_dim,
+                              AMX_PROBE_ROWS, "native-v1"), measure))
+
+
+def finish_prefill_attention(model: torch.nn.Module, policy: KernelPolicy) -> str:
+    """Where the many-row steps run on AMX, prompt chunks' flash attention in bfloat16 when
+    `bf16_attention_speedup` finds it faster (TorchAttention.bf16_prefill on every
+    full-attention backend). Mutates the model's attention backends. Returns the reason
+    ("" where the many-row path is not AMX)."""
+    from duetserve.models.attention import TorchAttention
+    backends = {id(b): b for m in model.modules()
+                if isinstance(b := getattr(m, "backend", None), TorchAttention)
+                and b.window is None}
+    if policy.many_rows != "amx" or not backends:
+        return ""
+    b = next(iter(backends.values()))
+    speedup = bf16_attention_speedup(b.num_heads, b.num_kv_heads, b.head_dim)
+    for b in backends.values():
+        b.bf16_prefill = speedup > 1.0
+    return (f"prompt attention in {'bf16' if speedup > 1.0 else 'float32'} (bf16 flash "
+            f"{speedup:.2f}x float32 at {AMX_PROBE_ROWS} tokens)")
+
+
 def finish_policy(model: torch.nn.Module, policy: KernelPolicy, amx: bool = True) -> None:
     """Choose the many-row path (`choose_many_rows`), then calibrate
     `policy.lowbit_max_rows` against it on the model's largest quantized linear, and say
@@ -339,6 +391,9 @@ def finish_policy(model: torch.nn.Module, policy: KernelPolicy, amx: bool = True
     else:
         policy.reason += (f"; low-bit kernels for steps of <= {rows} rows, many-row path "
                           f"({many}) above (faster there, {measured})")
+    attention = finish_prefill_attention(model, policy)
+    if attention:
+        policy.reason += f"; {attention}"
 
 
 def make_row_invariant(model: torch.nn.Module, policy: KernelPolicy | None) -> str:
