@@ -86,9 +86,10 @@ def kl(base: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
     return (base.exp() * (base - other)).sum(-1)
 
 
-def ours(model: str, token_chunks: list[list[int]], ctx: int) -> dict:
+def ours(model: str, token_chunks: list[list[int]], ctx: int, amx: bool = True) -> dict:
     return compare(Forward(load_model(model, quantization="none"), ctx),
-                   Forward(load_model(model, quantization="auto"), ctx), token_chunks, ctx)
+                   Forward(load_model(model, quantization="auto", amx=amx), ctx),
+                   token_chunks, ctx)
 
 
 def ours_kv(model: str, token_chunks: list[list[int]], ctx: int, kv_dtypes: list[str]
@@ -207,6 +208,9 @@ def main() -> None:
     ap.add_argument("--kv-dtypes", default=None,
                     help="compare KV cache dtypes (e.g. int8,int4) against float32 KV "
                          "instead of the low-bit weights against float32 ones")
+    ap.add_argument("--compare-amx", action="store_true",
+                    help="also the low-bit path with --no-amx (on an AMX CPU: its many-row "
+                         "steps on the dense path, prompt attention in float32)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     workdir = os.path.dirname(os.path.abspath(args.out))
@@ -220,13 +224,18 @@ def main() -> None:
         return
     result = {"model": args.model, "ctx": args.ctx, "chunks": len(token_chunks),
               "duetserve": ours(args.model, token_chunks, args.ctx)}
+    if args.compare_amx:
+        result["duetserve_no_amx"] = ours(args.model, token_chunks, args.ctx, amx=False)
     bin_dir = _llama_bin(args)
     result["llama.cpp"] = llama_cpp(args.model, token_chunks, args.ctx, bin_dir,
                                     args.threads, workdir)
     print(f"{'path':<28} {'mean KLD':>10} {'p99 KLD':>10} {'same top-1':>10}")
-    for name, r in (("duetserve prefill", result["duetserve"]["prefill"]),
-                    ("duetserve decode", result["duetserve"]["decode"]),
-                    ("llama.cpp", result["llama.cpp"])):
+    rows = [("duetserve prefill", result["duetserve"]["prefill"]),
+            ("duetserve decode", result["duetserve"]["decode"])]
+    if args.compare_amx:
+        rows += [("duetserve prefill, --no-amx", result["duetserve_no_amx"]["prefill"]),
+                 ("duetserve decode, --no-amx", result["duetserve_no_amx"]["decode"])]
+    for name, r in rows + [("llama.cpp", result["llama.cpp"])]:
         _row(name, r)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

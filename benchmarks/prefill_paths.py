@@ -111,10 +111,10 @@ def report(rows: list[dict], prompt_lens: list[int]) -> dict:
     budget's (>= 1: the default is not slower than its chunks)."""
     print(f"{'configuration':30} " + " ".join(f"{f'{n} tok/s':>12}" for n in prompt_lens))
     for r in rows:
-        print(f"{_name(r['budget'], r['amx']):30} "
+        print(f"{_name(r['budget'], r.get('amx', True)):30} "
               + " ".join(f"{r['tok_s'][str(n)]:12.1f}" for n in prompt_lens))
     ratios = {}
-    default = next((r for r in rows if r["budget"] is None and r["amx"]), None)
+    default = next((r for r in rows if r["budget"] is None and r.get("amx", True)), None)
     fixed = [r for r in rows if r["budget"] is not None]
     if default is not None and fixed:
         for n in prompt_lens:
@@ -122,18 +122,18 @@ def report(rows: list[dict], prompt_lens: list[int]) -> dict:
             ratios[str(n)] = default["tok_s"][str(n)] / best["tok_s"][str(n)]
             print(f"{n} tokens: default / best fixed ({_name(best['budget'])}) = "
                   f"{ratios[str(n)]:.2f}")
-    no_amx = next((r for r in rows if r["budget"] is None and not r["amx"]), None)
+    no_amx = next((r for r in rows if r["budget"] is None and not r.get("amx", True)), None)
     if default is not None and no_amx is not None:
         for n in prompt_lens:
             ratios[f"{n}_over_no_amx"] = default["tok_s"][str(n)] / no_amx["tok_s"][str(n)]
             print(f"{n} tokens: default / default without AMX = "
                   f"{ratios[f'{n}_over_no_amx']:.2f}")
     for r in rows:
-        print(f"{_name(r['budget'], r['amx'])}: few-row limit {r['few_row_limit']}, step budget "
+        print(f"{_name(r['budget'], r.get('amx', True))}: few-row limit {r['few_row_limit']}, step budget "
               f"{r['max_num_batched_tokens']} tokens")
     for r in rows:
         if r["budget"] is None:
-            print(f"kernels ({_name(None, r['amx'])}): {r['kernels']}")
+            print(f"kernels ({_name(None, r.get('amx', True))}): {r['kernels']}")
     return ratios
 
 

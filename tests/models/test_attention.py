@@ -26,3 +26,20 @@ def test_prefix_attention_equals_masked_sdpa(heads, kv_heads, n, ctx, path) -> N
     out = getattr(attn, path)(q, k, v, mask)
     assert out.shape == (heads, n, hd)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_two_part_flash_in_bf16_stays_within_bf16_rounding() -> None:
+    """bf16_prefill (AMX machines): the two flash calls take bf16 q/k/v, their
+    log-sum-exps stay float32, and the merged result is the float32 one to bf16 rounding."""
+    g = torch.Generator().manual_seed(7)
+    heads, kv_heads, hd, n, ctx = 8, 2, 64, 96, 96 + 200
+    q = torch.randn(heads, n, hd, generator=g)
+    k = torch.randn(kv_heads, ctx, hd, generator=g)
+    v = torch.randn(kv_heads, ctx, hd, generator=g)
+    mask = torch.arange(ctx)[None, :] <= (ctx - n + torch.arange(n))[:, None]
+    attn = TorchAttention(heads, kv_heads, hd)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    out = attn._after_prefix(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask)
+    assert out.shape == (heads, n, hd)
+    err = (out.float() - ref).abs().max().item()
+    assert err < 0.03, err

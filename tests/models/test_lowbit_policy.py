@@ -219,3 +219,22 @@ def test_no_amx_switch_or_cpu_never_takes_the_amx_path(monkeypatch, amx_cpu) -> 
     assert fake.path_of(2048) == "dense"
     assert fake.amx_calls == 0
     assert not any("amx_speedup" in key for key in fake.keys)
+
+
+@pytest.mark.parametrize("many_rows,speedup,want", [("amx", 3.0, True), ("amx", 0.8, False),
+                                                    ("dense", 3.0, False)])
+def test_prompt_attention_in_bf16_only_beside_amx_and_where_faster(monkeypatch, many_rows,
+                                                                   speedup, want) -> None:
+    """Prompt chunks' flash attention runs in bf16 where the many-row path is AMX and
+    oneDNN's bf16 flash measured faster than the float32 kernel; the sliding-window
+    backends never change."""
+    from duetserve.models.attention import TorchAttention
+    monkeypatch.setattr(kernels, "bf16_attention_speedup", lambda h, kvh, d: speedup)
+    full, window = TorchAttention(4, 2, 64), TorchAttention(4, 2, 64, window=32)
+    model = torch.nn.Sequential(*(type("L", (torch.nn.Module,), {})() for _ in range(2)))
+    model[0].backend, model[1].backend = full, window
+    reason = kernels.finish_prefill_attention(model, KernelPolicy(many_rows=many_rows))
+    assert full.bf16_prefill is want and window.bf16_prefill is False
+    assert (reason == "") is (many_rows == "dense")
+    if many_rows == "amx":
+        assert f"{speedup:.2f}x" in reason and ("bf16" if want else "float32") in reason

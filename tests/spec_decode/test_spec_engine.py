@@ -174,9 +174,10 @@ def test_default_model_greedy_identical(pinned_lowbit, default_model_path) -> No
     assert _run(draft, prompts) == base
     _check_clean(draft)
     spec = draft.engine.scheduler.make_stats().spec
-    # its own draft: most drafts kept (0.91-0.92 on the EPYC; the draft runs int8
-    # activations against the float32 target, so not all)
-    assert spec.num_accepted_tokens > 0.8 * spec.num_draft_tokens
+    # its own draft: most drafts kept (0.91-0.92 on the EPYC, 0.77 on a Xeon with AMX,
+    # before and after the AMX kernels; the draft runs int8 activations against the
+    # float32 target, so not all)
+    assert spec.num_accepted_tokens > 0.7 * spec.num_draft_tokens
 
 
 def _joint_counts(llm: LLM, prompt: list[int], seeds: list) -> dict[tuple, int]:
@@ -288,9 +289,10 @@ def test_default_model_seeded_identical(pinned_lowbit, default_model_path) -> No
     draft = _own_draft(loaded, default_model_path)
     assert _seeded(draft, prompts, temperature=0.7) == base
     spec = draft.engine.scheduler.make_stats().spec
-    # its own draft: most drafts kept (0.91-0.92 on the EPYC; the draft runs int8
-    # activations against the float32 target, so not all)
-    assert spec.num_accepted_tokens > 0.8 * spec.num_draft_tokens
+    # its own draft: most drafts kept (0.91-0.92 on the EPYC, 0.77 on a Xeon with AMX,
+    # before and after the AMX kernels; the draft runs int8 activations against the
+    # float32 target, so not all)
+    assert spec.num_accepted_tokens > 0.7 * spec.num_draft_tokens
 
 
 def test_draft_with_another_vocabulary_is_refused(tiny, draft_path, tmp_path) -> None:
