@@ -12,7 +12,9 @@ Kernels:
 - q4_gemv(x, packed, N), q8_gemv(x, q, scale): low-bit weight x activation products for
   decode steps (csrc/lowbit_gemv.cpp): activations quantized to int8 per group of 32,
   AVX512-VNNI integer dot products where the CPU has them, plain loops otherwise;
-  q4_dequant_bf16 / q4_dequant_f32(packed, K, a, b) for the many-row path.
+  q4_dequant_bf16 / q4_dequant_f32(packed, K, a, b) for the many-row path;
+  amx_gemm(x, [packed...], [n...]) for many-row steps on AMX bf16 tiles where
+  amx_available() (built with AMX and the tile state granted by the kernel).
 - rms_norm(x, w, eps), silu_mul(gate_up): one-pass row ops for small steps.
 """
 from __future__ import annotations

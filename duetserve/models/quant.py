@@ -33,8 +33,10 @@ float32 path is measured by benchmarks/quant_accuracy.py).
 `QuantLinear.forward` picks per call: rows <= `policy.lowbit_max_rows` run the low-bit
 kernel, which reads 4 or 8 bits per weight (decode steps; and prefill chunks where it
 measured faster than the dense path: `UNBOUNDED_ROWS`, every step, when it won at every
-row count measured, models/kernels.py); more rows run a dense GEMM in `policy.dense_dtype`
-on a resident dense copy when one was kept, else on weights dequantized for the call.
+row count measured, models/kernels.py); more rows run AMX bf16 tiles where the policy chose
+them (`policy.many_rows`, `amx_matmul`: the weights dequantized a chunk at a time in cache),
+else a dense GEMM in `policy.dense_dtype` on a resident dense copy when one was kept, else on
+weights dequantized for the call.
 """
 from __future__ import annotations
 
