@@ -1291,8 +1291,7 @@ struct Q6Row {
 
 struct Q8GRow {
   static constexpr int64_t cols = G, block = Q8G_BLOCK;
-  static constexpr bool direct = false;
-  void tiles(const Tiles&, int64_t, int64_t, int64_t, at::BFloat16*) const {}
+  static constexpr bool direct = false;     // rows dequantized, then transposed (amx_pack)
   template <typename T>
   void operator()(const Tiles& W, int64_t nb, int r, int64_t u0, int64_t u1, T* o) const {
     for (int64_t g = u0; g < u1; ++g) {
