@@ -1104,27 +1104,34 @@ namespace {
 // (float or at::BFloat16) at o (o[0]: the first column of unit u0). The many-row paths
 // (packed_dequant; amx_gemm) call them a row and a span of units at a time.
 #if defined(DUET_AMX)
+// Tile row 4v + t of a q4-order group: its two elements' nibbles are at these bit shifts of
+// the row's dword in vector v (bytes 0-1 (t = 0) or 2-3 (t = 1) low, the same high (2, 3)).
+constexpr int NIB_SHIFT[4][2] = {{0, 8}, {16, 24}, {4, 12}, {20, 28}};
+
+// One B tile row: f0, f1 (the pair's first and second element of 16 rows) as bf16 pairs,
+// dword r = (f0[r], f1[r]), rounded to nearest even.
+inline void store_bf16_pairs(at::BFloat16* dst, __m512 f0, __m512 f1) {
+  // words 2i, 2i + 1: word i (f0) and 16 + i (f1) of cvtne2ps
+  const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25,
+                                         9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2,
+                                         17, 1, 16, 0);
+  _mm512_storeu_si512(dst, _mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(f1, f0)));
+}
+
 // A q4-order group of 16 rows (nib: 4 vectors of 64 bytes; vector v, dword r, byte j:
 // element 8v + j of row r low, 8v + 4 + j high) -> d * q + m as one AMX B tile (512 bf16:
 // tile row p, dword r = row r's elements 2p, 2p + 1), rounded as group_dequant rounds.
 // The lanes are already the rows: no transposition.
 inline void q4_group_tile(const uint8_t* nib, __m512 d, __m512 m, at::BFloat16* tile) {
   const __m512i low4 = _mm512_set1_epi32(15);
-  // words 2i, 2i + 1 of the result: word i (first element) and 16 + i (second) of cvtne2ps
-  const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25,
-                                         9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2,
-                                         17, 1, 16, 0);
   for (int v = 0; v < 4; ++v) {
     const __m512i q = _mm512_loadu_si512(nib + v * 64);
-    // pair 4v + t: bytes 0-1 (t = 0) or 2-3 (t = 1) low nibbles, the same high (t = 2, 3)
-    constexpr int shift[4][2] = {{0, 8}, {16, 24}, {4, 12}, {20, 28}};
     for (int t = 0; t < 4; ++t) {
-      const __m512 f0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(
-          _mm512_srli_epi32(q, shift[t][0]), low4)), d, m);
-      const __m512 f1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(
-          _mm512_srli_epi32(q, shift[t][1]), low4)), d, m);
-      _mm512_storeu_si512(tile + (4 * v + t) * 32,
-                          _mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(f1, f0)));
+      __m512 f[2];
+      for (int e = 0; e < 2; ++e)
+        f[e] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(
+            _mm512_srli_epi32(q, NIB_SHIFT[t][e]), low4)), d, m);
+      store_bf16_pairs(tile + (4 * v + t) * 32, f[0], f[1]);
     }
   }
 }
@@ -1208,10 +1215,6 @@ struct Q6Row {
   void tiles(const Tiles& W, int64_t nb, int64_t u0, int64_t u1, at::BFloat16* out) const {
     const __m512i low4 = _mm512_set1_epi32(15), three = _mm512_set1_epi32(3);
     const __m512i off = _mm512_set1_epi32(32);
-    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25,
-                                           9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2,
-                                           17, 1, 16, 0);
-    constexpr int shift[4][2] = {{0, 8}, {16, 24}, {4, 12}, {20, 28}};
     constexpr int j0[4] = {0, 2, 0, 2};
     for (int64_t c = u0; c < u1; ++c) {
       const uint8_t* blk = W.at(nb, c);
@@ -1229,14 +1232,13 @@ struct Q6Row {
             const int k = 2 * (v % 2) + (t >= 2);
             __m512 f[2];
             for (int e = 0; e < 2; ++e) {
-              const __m512i nib = _mm512_and_si512(_mm512_srli_epi32(q, shift[t][e]), low4);
+              const __m512i nib = _mm512_and_si512(_mm512_srli_epi32(q, NIB_SHIFT[t][e]), low4);
               const __m512i hi = _mm512_and_si512(
                   _mm512_srli_epi32(top, 8 * (j0[t] + e) + 2 * k), three);
               const __m512i q6 = _mm512_or_si512(nib, _mm512_slli_epi32(hi, 4));
               f[e] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(q6, off)), sc);
             }
-            _mm512_storeu_si512(tile + (4 * v + t) * 32, _mm512_permutexvar_epi16(
-                pairs, (__m512i)_mm512_cvtne2ps_pbh(f[1], f[0])));
+            store_bf16_pairs(tile + (4 * v + t) * 32, f[0], f[1]);
           }
         }
       }
