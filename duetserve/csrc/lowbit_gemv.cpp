@@ -63,13 +63,13 @@
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define DUET_VNNI 1
 #endif
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#define DUET_AMX 1     // bf16 tile products for many-row steps (amx_gemm)
 #include <sys/mman.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 #include <cstdlib>
 #include <mutex>
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define DUET_AMX 1     // bf16 tile products for many-row steps (amx_gemm)
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 namespace {
@@ -110,9 +110,11 @@ inline float half_to_float(uint16_t h) {
 // Per-call activation quantization.
 //   xq: in the order below; padded groups are zero.
 //   dx[g] = scale of group g (0 for padding); xs[g] = dx[g] * sum(xq of g).
-// Activation orders: PLAIN (element order; q8), GROUPED (q4, q4k, q6: PLAIN's groups with
-// the rows inside, group g of row m at g * M + m, and dx, xs, l and h the same, so a pass
-// finds its rows' values at fixed offsets from one pointer).
+// Activation orders: PLAIN (element order; q8), GROUPED (q4, q4k, q6, q8g: the rows in
+// blocks of XROWS, each block PLAIN's groups with the block's rows inside: group g of row m
+// at QuantizedX::first(m) + g * stride(m), and dx, xs, l and h the same, so a pass finds
+// its rows' values at fixed offsets from one pointer). Blocks, not all M rows inside each
+// group: with 512 rows a pass's groups sat 16 KiB apart, all in the same few L1 sets.
 enum Order { PLAIN = 0, GROUPED = 1 };
 
 // Group g of x (32 floats): its int8 values in element order, and returns their sum; *d
@@ -143,12 +145,17 @@ struct Buf {
   const T& operator[](int64_t i) const { return p[i]; }
 };
 
+constexpr int64_t XROWS = 8;   // GROUPED: rows of a row block (the widest pass)
+
 struct QuantizedX {
   Buf<int8_t> q;
   Buf<float> d, s;
   Buf<float> l, h;  // q6: 32 * dx * sum of xq over elements 0-15 / 16-31 per group
   int64_t gp;  // padded groups per row
   int64_t m;   // rows
+  // GROUPED: group g of row m at first(m) + g * stride(m) (in groups; scalars the same)
+  int64_t stride(int64_t r) const { return std::min(XROWS, m - r / XROWS * XROWS); }
+  int64_t first(int64_t r) const { return r / XROWS * XROWS * gp + r % XROWS; }
 };
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -261,6 +268,8 @@ void quantize_row(const float* x, int64_t K, int64_t gp, int64_t step, int8_t* x
 #endif
 }
 
+constexpr int64_t QUANT_GRAIN = 1 << 16;   // values a thread quantizes at least
+
 // x [M, K] quantized in `order`, its rows' groups padded to a multiple of pad_to.
 QuantizedX quantize_x(const float* x, int64_t M, int64_t K, int order, int64_t pad_to) {
   const int64_t ng = K / G, gp = (ng + pad_to - 1) / pad_to * pad_to;
@@ -275,13 +284,19 @@ QuantizedX quantize_x(const float* x, int64_t M, int64_t K, int order, int64_t p
     out.l.resize(M * gp);
     out.h.resize(M * gp);
   }
-  // PLAIN: row m's groups from m * gp on; GROUPED: group g of row m at g * M + m
-  const int64_t step = grouped ? M : 1, first = grouped ? 1 : gp;
-  for (int64_t m = 0; m < M; ++m)
-    quantize_row(x + m * K, K, gp, step, out.q.data() + m * first * G,
-                 out.d.data() + m * first, out.s.data() + m * first,
-                 grouped ? out.l.data() + m * first : nullptr,
-                 grouped ? out.h.data() + m * first : nullptr);
+  // PLAIN: row m's groups from m * gp on; GROUPED: QuantizedX::first / stride
+  // rows split across threads once there is enough to split (a 512-row prompt step of the
+  // 1.5B's down projection quantizes 4.6 M values); each row's values are its own
+  at::parallel_for(0, M, std::max<int64_t>(1, QUANT_GRAIN / std::max<int64_t>(K, 1)),
+                   [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const int64_t at = grouped ? out.first(m) : m * gp;
+      quantize_row(x + m * K, K, gp, grouped ? out.stride(m) : 1, out.q.data() + at * G,
+                   out.d.data() + at, out.s.data() + at,
+                   grouped ? out.l.data() + at : nullptr,
+                   grouped ? out.h.data() + at : nullptr);
+    }
+  });
   return out;
 }
 
@@ -350,7 +365,7 @@ inline void q4_group(const uint8_t* nib, __m512 dv, __m512 mv, const int8_t* xg,
 template <int MM>
 void q4_span(const Tiles& W, const QuantizedX& X, int64_t nb, int64_t t, int64_t m0,
              __m512* acc) {
-  const int64_t M = X.m;   // GROUPED: group g of row m at g * M + m
+  const int64_t M = X.stride(m0), x0 = X.first(m0);   // GROUPED
   const uint8_t* first = W.span(nb, t);
   const int64_t u0 = t * W.tu, u1 = W.end(t);
   __m512 sum[MM];   // in registers for the span (the rows' loop unrolled)
@@ -364,8 +379,8 @@ void q4_span(const Tiles& W, const QuantizedX& X, int64_t nb, int64_t t, int64_t
         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 256)));
     const __m512 mv = _mm512_cvtph_ps(
         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 288)));
-    q4_group<MM>(blk, dv, mv, X.q.data() + (g * M + m0) * G, X.d.data() + g * M + m0,
-                 X.s.data() + g * M + m0, sum);
+    q4_group<MM>(blk, dv, mv, X.q.data() + (x0 + g * M) * G, X.d.data() + x0 + g * M,
+                 X.s.data() + x0 + g * M, sum);
   }
 #pragma GCC unroll 8
   for (int i = 0; i < MM; ++i) acc[i] = sum[i];
@@ -375,7 +390,7 @@ void q4_span(const Tiles& W, const QuantizedX& X, int64_t nb, int64_t t, int64_t
 template <int MM>
 void q8g_span(const Tiles& W, const QuantizedX& X, int64_t nb, int64_t t, int64_t m0,
               __m512* acc) {
-  const int64_t M = X.m;   // GROUPED
+  const int64_t M = X.stride(m0), x0 = X.first(m0);   // GROUPED
   const uint8_t* first = W.span(nb, t);
   const int64_t u0 = t * W.tu, u1 = W.end(t);
   __m512 sum[MM];
@@ -391,9 +406,9 @@ void q8g_span(const Tiles& W, const QuantizedX& X, int64_t nb, int64_t t, int64_
         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 544)));
     __m512i w[8];
     for (int v = 0; v < 8; ++v) w[v] = _mm512_loadu_si512(blk + v * 64);
-    const int8_t* xg = X.q.data() + (g * M + m0) * G;
-    const float* dg = X.d.data() + g * M + m0;
-    const float* sg = X.s.data() + g * M + m0;
+    const int8_t* xg = X.q.data() + (x0 + g * M) * G;
+    const float* dg = X.d.data() + x0 + g * M;
+    const float* sg = X.s.data() + x0 + g * M;
 #pragma GCC unroll 8
     for (int i = 0; i < MM; ++i) {
       const int8_t* xq = xg + i * G;
@@ -431,7 +446,7 @@ inline __m512i widen24(const uint8_t* p) {
 template <int MM>
 void q4k_span(const Tiles& W, const QuantizedX& X, int64_t nb, int64_t t, int64_t m0,
               __m512* acc) {
-  const int64_t M = X.m;
+  const int64_t M = X.stride(m0), x0 = X.first(m0);   // GROUPED
   const uint8_t* first = W.span(nb, t);
   const int64_t u0 = t * W.tu, u1 = W.end(t);
   const __m512i six = _mm512_set1_epi32(63);
@@ -458,8 +473,8 @@ void q4k_span(const Tiles& W, const QuantizedX& X, int64_t nb, int64_t t, int64_
       const __m512i mn = _mm512_and_si512(_mm512_srli_epi32(codes, 12 + 6 * h), six);
       const int64_t g = 8 * s + gl;
       q4_group<MM>(nib, _mm512_mul_ps(ds, _mm512_cvtepi32_ps(sc)),
-                   _mm512_mul_ps(dm, _mm512_cvtepi32_ps(mn)), X.q.data() + (g * M + m0) * G,
-                   X.d.data() + g * M + m0, X.s.data() + g * M + m0, sum);
+                   _mm512_mul_ps(dm, _mm512_cvtepi32_ps(mn)), X.q.data() + (x0 + g * M) * G,
+                   X.d.data() + x0 + g * M, X.s.data() + x0 + g * M, sum);
     }
   }
 #pragma GCC unroll 8
@@ -471,7 +486,7 @@ void q4k_span(const Tiles& W, const QuantizedX& X, int64_t nb, int64_t t, int64_
 template <int MM>
 void q6_span(const Tiles& W, const QuantizedX& X, int64_t nb, int64_t t, int64_t m0,
              __m512* acc) {
-  const int64_t M = X.m;
+  const int64_t M = X.stride(m0), x0 = X.first(m0);   // GROUPED
   const uint8_t* first = W.span(nb, t);
   const int64_t u0 = t * W.tu, u1 = W.end(t);
   const __m512i low4 = _mm512_set1_epi8(0x0F), six = _mm512_set1_epi8(0x3F);
@@ -509,10 +524,10 @@ void q6_span(const Tiles& W, const QuantizedX& X, int64_t nb, int64_t t, int64_t
         }
       }
       const int64_t g = c * CH + gi;
-      const int8_t* xg = X.q.data() + (g * M + m0) * G;
-      const float* dg = X.d.data() + g * M + m0;
-      const float* lg = X.l.data() + g * M + m0;
-      const float* hg = X.h.data() + g * M + m0;
+      const int8_t* xg = X.q.data() + (x0 + g * M) * G;
+      const float* dg = X.d.data() + x0 + g * M;
+      const float* lg = X.l.data() + x0 + g * M;
+      const float* hg = X.h.data() + x0 + g * M;
 #pragma GCC unroll 8
       for (int i = 0; i < MM; ++i) {
         const int8_t* xq = xg + i * G;
@@ -555,6 +570,156 @@ void over_tiles(const Tiles& W, int64_t b0, int64_t b1, Span span, Store store) 
       for (int i = 0; i < MM; ++i) buf[(nb - b0) * MM + i] = acc[i];
     }
   for (int64_t nb = b0; nb < b1; ++nb) store(nb, &buf[(nb - b0) * MM]);
+}
+
+// Many-row steps (a prompt's chunk): each weight group of 16 rows unpacked once per tile
+// into a record of 8 byte vectors (vector t, dword r: elements 4t .. 4t + 3 of row r, one
+// byte each) and two float vectors, then every pass of activation rows runs over the
+// records: no nibble masks, shifts or scale decoding per pass, and one chain of 8 dots a
+// row. The forms' sums come out as their spans compute them (the same integers, the same
+// float operations in the same order), so a row's output does not depend on the path.
+//   DM forms (q4, q4k): a = d (d * sc), b = m (-dmin * mn): sum += (e dx) a + b xs.
+//   q6: a, b = the halves' d * sc: sum += (e_lo dx - l) a + (e_hi dx - h) b.
+struct alignas(64) Rec {
+  uint8_t w[8][64];
+  float a[16], b[16];
+};
+enum Unpack { NO_UNPACK = 0, UNPACK_Q4 = 1, UNPACK_Q4K = 2, UNPACK_Q6 = 3 };
+
+// A q4 group's nibble vectors at `nib` as bytes: record vector 2v = the low nibbles of
+// vector v (elements 8v + j), 2v + 1 = the high ones (8v + 4 + j).
+inline void unpack_nibbles(const uint8_t* nib, Rec& r) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  for (int v = 0; v < 4; ++v) {
+    const __m512i w = _mm512_loadu_si512(nib + v * 64);
+    _mm512_store_si512(r.w[2 * v], _mm512_and_si512(w, low4));
+    _mm512_store_si512(r.w[2 * v + 1], _mm512_and_si512(_mm512_srli_epi16(w, 4), low4));
+  }
+}
+
+// Block nb of W (all its units) into records out[0 .. K / G) in `kind`'s form.
+void unpack_block(int kind, const Tiles& W, int64_t nb, Rec* out) {
+  if (kind == UNPACK_Q4) {
+    for (int64_t g = 0; g < W.units; ++g) {
+      const uint8_t* blk = W.at(nb, g);
+      unpack_nibbles(blk, out[g]);
+      _mm512_store_ps(out[g].a, _mm512_cvtph_ps(_mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(blk + 256))));
+      _mm512_store_ps(out[g].b, _mm512_cvtph_ps(_mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(blk + 288))));
+    }
+    return;
+  }
+  if (kind == UNPACK_Q4K) {
+    const __m512i six = _mm512_set1_epi32(63);
+    for (int64_t s = 0; s < W.units; ++s) {
+      const uint8_t* blk = W.at(nb, s);
+      const __m512 ds = _mm512_cvtph_ps(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + Q4K_D)));
+      const __m512 dm = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_cvtph_ps(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + Q4K_D + 32))));
+      for (int gl = 0; gl < 8; ++gl) {
+        Rec& r = out[8 * s + gl];
+        unpack_nibbles(blk + gl * 256, r);
+        const int h = gl / 4;
+        const __m512i codes = widen24(blk + Q4K_CODES + 48 * (gl % 4));
+        const __m512i sc = _mm512_and_si512(_mm512_srli_epi32(codes, 6 * h), six);
+        const __m512i mn = _mm512_and_si512(_mm512_srli_epi32(codes, 12 + 6 * h), six);
+        _mm512_store_ps(r.a, _mm512_mul_ps(ds, _mm512_cvtepi32_ps(sc)));
+        _mm512_store_ps(r.b, _mm512_mul_ps(dm, _mm512_cvtepi32_ps(mn)));
+      }
+    }
+    return;
+  }
+  const __m512i low4 = _mm512_set1_epi8(0x0F), six = _mm512_set1_epi8(0x3F);   // q6
+  for (int64_t c = 0; c < W.units; ++c) {
+    const uint8_t* blk = W.at(nb, c);
+    const __m512 dv = _mm512_cvtph_ps(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + Q6_D)));
+    for (int gi = 0; gi < CH; ++gi) {
+      const uint8_t* grp = blk + gi * Q6_GROUP;
+      Rec& r = out[c * CH + gi];
+      _mm512_store_ps(r.a, _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(grp + Q6_SC))))));
+      _mm512_store_ps(r.b, _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(grp + Q6_SC + 16))))));
+      for (int u = 0; u < 2; ++u) {   // as q6_span
+        const __m512i top = _mm512_loadu_si512(grp + Q6_TOP + u * 64);
+        const __m512i tk[4] = {_mm512_slli_epi16(top, 4), _mm512_slli_epi16(top, 2), top,
+                               _mm512_srli_epi16(top, 2)};
+        for (int k = 0; k < 4; ++k) {
+          const int tt = 4 * u + k;
+          const __m512i n = _mm512_loadu_si512(grp + (tt / 2) * 64);
+          const __m512i low = tt % 2 ? _mm512_srli_epi16(n, 4) : n;
+          _mm512_store_si512(r.w[tt], _mm512_and_si512(
+              _mm512_ternarylogic_epi32(low4, low, tk[k], 0xCA), six));
+        }
+      }
+    }
+  }
+}
+
+// Records rec[0 .. ng) (one block's groups in order) against activation rows m0 .. m0 +
+// MM - 1: the block's outputs in sum.
+template <int MM, bool HALVES>
+void rec_span(const Rec* rec, int64_t ng, const QuantizedX& X, int64_t m0, __m512* sum) {
+  const int64_t M = X.stride(m0), x0 = X.first(m0);   // GROUPED
+#pragma GCC unroll 8
+  for (int i = 0; i < MM; ++i) sum[i] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < ng; ++g) {
+    const Rec& r = rec[g];
+    __m512i w[8];
+    for (int v = 0; v < 8; ++v) w[v] = _mm512_load_si512(r.w[v]);
+    const __m512 a = _mm512_load_ps(r.a), b = _mm512_load_ps(r.b);
+    const int8_t* xg = X.q.data() + (x0 + g * M) * G;
+    const float* dg = X.d.data() + x0 + g * M;
+#pragma GCC unroll 8
+    for (int i = 0; i < MM; ++i) {
+      const int8_t* xq = xg + i * G;
+      if constexpr (!HALVES) {
+        __m512i e = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], bcast4(xq));
+        for (int t = 1; t < 8; ++t) e = _mm512_dpbusd_epi32(e, w[t], bcast4(xq + 4 * t));
+        sum[i] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(e), _mm512_set1_ps(dg[i])),
+                                 a, sum[i]);
+        sum[i] = _mm512_fmadd_ps(b, _mm512_set1_ps(X.s[x0 + g * M + i]), sum[i]);
+      } else {
+        __m512i lo = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], bcast4(xq));
+        __m512i hi = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[4], bcast4(xq + 16));
+        for (int t = 1; t < 4; ++t) {
+          lo = _mm512_dpbusd_epi32(lo, w[t], bcast4(xq + 4 * t));
+          hi = _mm512_dpbusd_epi32(hi, w[4 + t], bcast4(xq + 16 + 4 * t));
+        }
+        const __m512 dx = _mm512_set1_ps(dg[i]);
+        sum[i] = _mm512_fmadd_ps(_mm512_fmsub_ps(_mm512_cvtepi32_ps(lo), dx,
+                                                 _mm512_set1_ps(X.l[x0 + g * M + i])), a, sum[i]);
+        sum[i] = _mm512_fmadd_ps(_mm512_fmsub_ps(_mm512_cvtepi32_ps(hi), dx,
+                                                 _mm512_set1_ps(X.h[x0 + g * M + i])), b, sum[i]);
+      }
+    }
+  }
+}
+
+// Blocks [t0, t1) of W (unpacked into thread-local records) against all M rows of X, in
+// passes of 8 rows (then up to 4): y's rows [0, M) at those blocks' columns.
+void unpacked_rows(int kind, const Tiles& W, const QuantizedX& X, float* y, int64_t N,
+                   int64_t t0, int64_t t1, int64_t M) {
+  thread_local std::vector<Rec> recs;
+  const int64_t ng = W.units * (kind == UNPACK_Q4K ? 8 : kind == UNPACK_Q6 ? CH : 1);
+  if (int64_t(recs.size()) < (t1 - t0) * ng) recs.resize((t1 - t0) * ng);
+  for (int64_t nb = t0; nb < t1; ++nb) unpack_block(kind, W, nb, recs.data() + (nb - t0) * ng);
+  for (int64_t m0 = 0; m0 < M;) {
+    const int64_t mm = M - m0 >= XROWS ? XROWS : std::min<int64_t>(4, M - m0);
+    dispatch<true>(mm, [&](auto MM) {
+      for (int64_t nb = t0; nb < t1; ++nb) {
+        __m512 acc[MM.value];
+        const Rec* rec = recs.data() + (nb - t0) * ng;
+        if (kind == UNPACK_Q6) rec_span<MM.value, true>(rec, ng, X, m0, acc);
+        else rec_span<MM.value, false>(rec, ng, X, m0, acc);
+        store_rows16<MM.value>(acc, y, N, nb, m0);
+      }
+    });
+    m0 += mm;
+  }
 }
 
 // Weight rows 4 nb .. 4 nb + 3 (one packed block) against activation rows m0 .. m0 + MM - 1.
@@ -691,16 +856,16 @@ void group_rows(const Tiles& W, const QuantizedX& X, float* y, int64_t N,
         [&](int64_t nb, const __m512* acc) { store_rows16<MM.value>(acc, y, N, nb, m0); });
   });
 #else
-  const int64_t M = X.m;   // GROUPED
   plain_rows(y, N, b0, b1, m0, mm, [&](int64_t nb, int r, int64_t m, float& total) {
     for (int64_t g = 0; g < W.units; ++g) {
       const uint8_t* blk = W.at(nb, g);
-      const int8_t* xq = X.q.data() + (g * M + m) * G;
+      const int64_t xi = X.first(m) + g * X.stride(m);
+      const int8_t* xq = X.q.data() + xi * G;
       int32_t dot = 0;
       for (int k = 0; k < G; ++k) dot += U::q(blk, r, k) * xq[k];
       const uint16_t* dm = reinterpret_cast<const uint16_t*>(blk + U::D_AT);
-      total += half_to_float(dm[r]) * X.d[g * M + m] * float(dot) +
-               half_to_float(dm[ROWS + r]) * X.s[g * M + m];
+      total += half_to_float(dm[r]) * X.d[xi] * float(dot) +
+               half_to_float(dm[ROWS + r]) * X.s[xi];
     }
   });
 #endif
@@ -735,18 +900,18 @@ void q4k_rows(const Tiles& W, const QuantizedX& X, float* y, int64_t N,
         [&](int64_t nb, const __m512* acc) { store_rows16<MM.value>(acc, y, N, nb, m0); });
   });
 #else
-  const int64_t M = X.m;   // GROUPED
   plain_rows(y, N, b0, b1, m0, mm, [&](int64_t nb, int r, int64_t m, float& total) {
     for (int64_t s = 0; s < W.units; ++s) {
       const uint8_t* blk = W.at(nb, s);
       for (int gl = 0; gl < 8; ++gl) {
         const int64_t g = 8 * s + gl;
-        const int8_t* xq = X.q.data() + (g * M + m) * G;
+        const int64_t xi = X.first(m) + g * X.stride(m);
+        const int8_t* xq = X.q.data() + xi * G;
         int32_t dot = 0;
         for (int k = 0; k < G; ++k) dot += q4_unit_nib(blk + gl * 256, r, k) * xq[k];
         float dv, mv;
         q4k_dm(blk, r, gl, &dv, &mv);
-        total += dv * X.d[g * M + m] * float(dot) + mv * X.s[g * M + m];
+        total += dv * X.d[xi] * float(dot) + mv * X.s[xi];
       }
     }
   });
@@ -774,21 +939,21 @@ void q6_rows(const Tiles& W, const QuantizedX& X, float* y, int64_t N,
         [&](int64_t nb, const __m512* acc) { store_rows16<MM.value>(acc, y, N, nb, m0); });
   });
 #else
-  const int64_t M = X.m;   // GROUPED
   plain_rows(y, N, b0, b1, m0, mm, [&](int64_t nb, int r, int64_t m, float& total) {
     for (int64_t c = 0; c < W.units; ++c) {
       const uint8_t* blk = W.at(nb, c);
       for (int gi = 0; gi < CH; ++gi) {
         const uint8_t* grp = blk + gi * Q6_GROUP;
         const int64_t g = c * CH + gi;
-        const int8_t* xq = X.q.data() + (g * M + m) * G;
+        const int64_t xi = X.first(m) + g * X.stride(m);
+        const int8_t* xq = X.q.data() + xi * G;
         for (int half = 0; half < 2; ++half) {
           int32_t dot = 0, xsum = 0;
           for (int j = 0; j < 16; ++j) {
             dot += q6_q(grp, r, half * 16 + j) * xq[half * 16 + j];
             xsum += xq[half * 16 + j];
           }
-          total += q6_scale(blk, grp, r, half * 16) * X.d[g * M + m] * float(dot - 32 * xsum);
+          total += q6_scale(blk, grp, r, half * 16) * X.d[xi] * float(dot - 32 * xsum);
         }
       }
     }
@@ -819,6 +984,53 @@ void q8_rows(const int8_t* pk, const float* ws, const QuantizedX& X, float* y, i
     }
   }
 #endif
+}
+
+// Outputs too big for the heap (the many-row products: amx_gemm, packed_gemv, stacked_gemv): glibc maps each allocation past its mmap threshold (32
+// MiB at most; loader/huge_pages.py sets it) afresh, so a 512-row gate/up product of the
+// 1.5B ([512, 17920] float32, 36 MiB) faulted in 9,000 pages a call (27.8 ms against 2 x
+// 8.6 for two halves). Such outputs come from here: the last POOL_KEEP freed ones are kept
+// and reused for the same size (consecutive layers' same products), in 2 MiB pages.
+constexpr size_t POOL_MIN = size_t(32) << 20, POOL_KEEP = 2, POOL_ALIGN = size_t(2) << 20;
+struct Pool {
+  std::mutex mu;
+  std::vector<std::pair<size_t, void*>> free;
+};
+// never destroyed: a tensor freed during interpreter shutdown still finds it
+Pool& pool() {
+  static Pool* p = new Pool;
+  return *p;
+}
+
+void pool_give(void* p, size_t bytes) {
+  Pool& pl = pool();
+  std::lock_guard<std::mutex> lock(pl.mu);
+  if (pl.free.size() < POOL_KEEP) pl.free.emplace_back(bytes, p);
+  else std::free(p);
+}
+
+torch::Tensor pooled_empty(int64_t rows, int64_t cols, const torch::TensorOptions& opts) {
+  const size_t bytes = size_t(rows) * cols * sizeof(float);
+  if (bytes < POOL_MIN) return torch::empty({rows, cols}, opts.dtype(torch::kFloat32));
+  void* p = nullptr;
+  {
+    Pool& pl = pool();
+    std::lock_guard<std::mutex> lock(pl.mu);
+    for (size_t i = 0; i < pl.free.size(); ++i)
+      if (pl.free[i].first == bytes) {
+        p = pl.free[i].second;
+        pl.free.erase(pl.free.begin() + i);
+        break;
+      }
+  }
+  if (p == nullptr) {
+    const size_t size = (bytes + POOL_ALIGN - 1) / POOL_ALIGN * POOL_ALIGN;
+    p = std::aligned_alloc(POOL_ALIGN, size);
+    TORCH_CHECK(p != nullptr, "out of memory for a ", bytes, "-byte output");
+    madvise(p, size, MADV_HUGEPAGE);
+  }
+  return torch::from_blob(p, {rows, cols}, [bytes](void* q) { pool_give(q, bytes); },
+                          opts.dtype(torch::kFloat32));
 }
 
 constexpr int64_t ROWS_PER_TASK = 16;
@@ -872,11 +1084,34 @@ struct Form {
   int order;
   RowsFn rows;
   int64_t pass_rows;
+  int unpack;   // how unpacked_rows takes its many-row steps (VNNI); NO_UNPACK: by passes
 };
-const Form Q4_FORM{G, Q4_BLOCK, GROUPED, q4_rows, WIDE_PASS_ROWS};
-const Form Q4K_FORM{256, Q4K_BLOCK, GROUPED, q4k_rows, WIDE_PASS_ROWS};
-const Form Q6_FORM{CH * G, Q6_BLOCK, GROUPED, q6_rows, WIDE_PASS_ROWS};
-const Form Q8G_FORM{G, Q8G_BLOCK, GROUPED, q8g_rows, WIDE_PASS_ROWS};
+#if !defined(DUET_VNNI)
+enum Unpack { NO_UNPACK = 0, UNPACK_Q4 = 1, UNPACK_Q4K = 2, UNPACK_Q6 = 3 };
+#endif
+const Form Q4_FORM{G, Q4_BLOCK, GROUPED, q4_rows, WIDE_PASS_ROWS, UNPACK_Q4};
+const Form Q4K_FORM{256, Q4K_BLOCK, GROUPED, q4k_rows, WIDE_PASS_ROWS, UNPACK_Q4K};
+const Form Q6_FORM{CH * G, Q6_BLOCK, GROUPED, q6_rows, WIDE_PASS_ROWS, UNPACK_Q6};
+const Form Q8G_FORM{G, Q8G_BLOCK, GROUPED, q8g_rows, WIDE_PASS_ROWS, NO_UNPACK};
+
+// Blocks [b0, b1) of a weight in form f against all M rows of X: by tiles of records
+// (unpacked_rows) when the form has them and there is more than one pass, else by
+// tiled_passes over the form's rows function.
+void form_rows(const Form& f, const Tiles& W, const QuantizedX& X, float* y, int64_t N,
+               int64_t b0, int64_t b1, int64_t M) {
+#if defined(DUET_VNNI)
+  if (f.unpack != NO_UNPACK && M > f.pass_rows) {
+    const int64_t tile = std::max<int64_t>(1, TILE_BYTES / (W.units * f.block));
+    for (int64_t t0 = b0; t0 < b1; t0 += tile)
+      unpacked_rows(f.unpack, W, X, y, N, t0, std::min(b1, t0 + tile), M);
+    return;
+  }
+#endif
+  tiled_passes(b0, b1, W.units * f.block, M, [&](int64_t t0, int64_t t1, int64_t m0,
+                                                  int64_t mm) {
+    f.rows(W, X, y, N, t0, t1, m0, mm);
+  }, f.pass_rows);
+}
 
 // The form of a packed weight of K columns, told apart by its block size (320 q4, 576
 // q4k, 424 q6); `want`, when given, is the only form accepted.
@@ -910,14 +1145,11 @@ torch::Tensor packed_gemv(torch::Tensor x, const torch::Tensor& packed, int64_t 
   const Tiles W = tiles_of(packed, K, f.cols, f.block);
   TORCH_CHECK(packed.size(1) == (N + ROWS - 1) / ROWS, "N = ", N,
               " does not match the packed weight");
-  auto y = torch::empty({M, N}, x.options());
+  auto y = pooled_empty(M, N, x.options());
   const QuantizedX X = quantize_x(x.data_ptr<float>(), M, K, f.order, CH);
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, packed.size(1), ROWS_PER_TASK / ROWS, [&](int64_t b0, int64_t b1) {
-    tiled_passes(b0, b1, W.units * f.block, M,
-                 [&](int64_t t0, int64_t t1, int64_t m0, int64_t mm) {
-      f.rows(W, X, yp, N, t0, t1, m0, mm);
-    }, f.pass_rows);
+    form_rows(f, W, X, yp, N, b0, b1, M);
   });
   return y;
 }
@@ -958,7 +1190,7 @@ torch::Tensor stacked_gemv(torch::Tensor x, std::vector<torch::Tensor> packed,
   std::vector<Form> forms;
   std::vector<Tiles> tiles;
   std::vector<torch::Tensor> ys;
-  std::vector<int64_t> block_bytes(P), blocks(P);
+  std::vector<int64_t> blocks(P);
   QuantizedX xq[2];
   bool quantized[2] = {false, false};
   for (size_t i = 0; i < P; ++i) {
@@ -973,9 +1205,8 @@ torch::Tensor stacked_gemv(torch::Tensor x, std::vector<torch::Tensor> packed,
     forms.push_back(f);
     tiles.push_back(W);
     // one row: the parts' outputs are slices of one [1, sum n] tensor (no copy after)
-    ys.push_back(M == 1 ? torch::Tensor() : torch::empty({M, n[i]}, x.options()));
+    ys.push_back(M == 1 ? torch::Tensor() : pooled_empty(M, n[i], x.options()));
     blocks[i] = packed[i].size(1);
-    block_bytes[i] = W.units * f.block;
   }
   int64_t total_n = 0;
   for (int64_t ni : n) total_n += ni;
@@ -989,10 +1220,8 @@ torch::Tensor stacked_gemv(torch::Tensor x, std::vector<torch::Tensor> packed,
     for (int64_t t = t0; t < t1; ++t)
       for (size_t i = 0; i < P; ++i) {
         float* y = ys[i].data_ptr<float>();
-        tiled_passes(blocks[i] * t / T, blocks[i] * (t + 1) / T, block_bytes[i], M,
-                     [&](int64_t a, int64_t b, int64_t m0, int64_t mm) {
-          forms[i].rows(tiles[i], xq[forms[i].order], y, n[i], a, b, m0, mm);
-        }, forms[i].pass_rows);
+        form_rows(forms[i], tiles[i], xq[forms[i].order], y, n[i], blocks[i] * t / T,
+                  blocks[i] * (t + 1) / T, M);
       }
   });
   return M == 1 ? out : torch::cat(ys, 1);
@@ -1510,53 +1739,6 @@ torch::Tensor amx_tile_x(const torch::Tensor& x_in, int64_t Mp) {
       }
   });
   return xa;
-}
-
-// Outputs too big for the heap: glibc maps each allocation past its mmap threshold (32
-// MiB at most; loader/huge_pages.py sets it) afresh, so a 512-row gate/up product of the
-// 1.5B ([512, 17920] float32, 36 MiB) faulted in 9,000 pages a call (27.8 ms against 2 x
-// 8.6 for two halves). Such outputs come from here: the last POOL_KEEP freed ones are kept
-// and reused for the same size (consecutive layers' same products), in 2 MiB pages.
-constexpr size_t POOL_MIN = size_t(32) << 20, POOL_KEEP = 2, POOL_ALIGN = size_t(2) << 20;
-struct Pool {
-  std::mutex mu;
-  std::vector<std::pair<size_t, void*>> free;
-};
-// never destroyed: a tensor freed during interpreter shutdown still finds it
-Pool& pool() {
-  static Pool* p = new Pool;
-  return *p;
-}
-
-void pool_give(void* p, size_t bytes) {
-  Pool& pl = pool();
-  std::lock_guard<std::mutex> lock(pl.mu);
-  if (pl.free.size() < POOL_KEEP) pl.free.emplace_back(bytes, p);
-  else std::free(p);
-}
-
-torch::Tensor pooled_empty(int64_t rows, int64_t cols, const torch::TensorOptions& opts) {
-  const size_t bytes = size_t(rows) * cols * sizeof(float);
-  if (bytes < POOL_MIN) return torch::empty({rows, cols}, opts.dtype(torch::kFloat32));
-  void* p = nullptr;
-  {
-    Pool& pl = pool();
-    std::lock_guard<std::mutex> lock(pl.mu);
-    for (size_t i = 0; i < pl.free.size(); ++i)
-      if (pl.free[i].first == bytes) {
-        p = pl.free[i].second;
-        pl.free.erase(pl.free.begin() + i);
-        break;
-      }
-  }
-  if (p == nullptr) {
-    const size_t size = (bytes + POOL_ALIGN - 1) / POOL_ALIGN * POOL_ALIGN;
-    p = std::aligned_alloc(POOL_ALIGN, size);
-    TORCH_CHECK(p != nullptr, "amx_gemm: out of memory for a ", bytes, "-byte output");
-    madvise(p, size, MADV_HUGEPAGE);
-  }
-  return torch::from_blob(p, {rows, cols}, [bytes](void* q) { pool_give(q, bytes); },
-                          opts.dtype(torch::kFloat32));
 }
 
 bool amx_permitted() {

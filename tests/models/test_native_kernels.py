@@ -236,7 +236,7 @@ def test_k_tiles_compute_what_one_tile_does(monkeypatch, form, k):
     # loader moves the weight into its 2 MiB pages (loader/huge_pages.py)
     assert tiled.packed._base is None and whole.packed._base is None
     gemv = getattr(native, f"{form}_gemv")
-    for rows in (1, 5):
+    for rows in (1, 5, 13):       # 13: the many-row path (records over every K tile)
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
         assert torch.equal(gemv(x, tiled.packed, 99), gemv(x, whole.packed, 99))
         head = tiled.prefix(33)       # tiles apart: a strided view of the row blocks
