@@ -481,6 +481,25 @@ void q4k_span(const Tiles& W, const QuantizedX& X, int64_t nb, int64_t t, int64_
   for (int i = 0; i < MM; ++i) acc[i] = sum[i];
 }
 
+// A q6 group's 8 byte vectors w[t] (elements 4t..4t+3 of each row, one byte each): the
+// low bits from nibble vector t / 2 (its low nibbles for even t), the top two from vector
+// t / 4, bits 2 (t % 4) moved to 4-5.
+inline void q6_bytes(const uint8_t* grp, __m512i* w) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F), six = _mm512_set1_epi8(0x3F);
+  for (int u = 0; u < 2; ++u) {
+    const __m512i top = _mm512_loadu_si512(grp + Q6_TOP + u * 64);
+    const __m512i tk[4] = {_mm512_slli_epi16(top, 4), _mm512_slli_epi16(top, 2), top,
+                           _mm512_srli_epi16(top, 2)};
+    for (int k = 0; k < 4; ++k) {
+      const int tt = 4 * u + k;
+      const __m512i n = _mm512_loadu_si512(grp + (tt / 2) * 64);
+      const __m512i low = tt % 2 ? _mm512_srli_epi16(n, 4) : n;
+      // (low & 0x0F) | (tk & ~0x0F), then & 0x3F
+      w[tt] = _mm512_and_si512(_mm512_ternarylogic_epi32(low4, low, tk[k], 0xCA), six);
+    }
+  }
+}
+
 // The same for a q6 weight: per group the 8 byte vectors (the low 4 bits and the top two
 // joined), and the dots of elements 0-15 and 16-31 apart, each half with its own scale.
 template <int MM>
@@ -489,7 +508,6 @@ void q6_span(const Tiles& W, const QuantizedX& X, int64_t nb, int64_t t, int64_t
   const int64_t M = X.stride(m0), x0 = X.first(m0);   // GROUPED
   const uint8_t* first = W.span(nb, t);
   const int64_t u0 = t * W.tu, u1 = W.end(t);
-  const __m512i low4 = _mm512_set1_epi8(0x0F), six = _mm512_set1_epi8(0x3F);
   __m512 sum[MM];
 #pragma GCC unroll 8
   for (int i = 0; i < MM; ++i) sum[i] = acc[i];
@@ -507,22 +525,8 @@ void q6_span(const Tiles& W, const QuantizedX& X, int64_t nb, int64_t t, int64_t
           _mm_loadu_si128(reinterpret_cast<const __m128i*>(grp + Q6_SC)))));
       const __m512 shi = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
           _mm_loadu_si128(reinterpret_cast<const __m128i*>(grp + Q6_SC + 16)))));
-      // byte vector t: elements 4t..4t+3 of each row, the low bits from nibble vector t / 2
-      // (its low nibbles for even t), the top two from vector t / 4, bits 2 (t % 4) moved
-      // to 4-5
       __m512i w[8];
-      for (int u = 0; u < 2; ++u) {
-        const __m512i top = _mm512_loadu_si512(grp + Q6_TOP + u * 64);
-        const __m512i tk[4] = {_mm512_slli_epi16(top, 4), _mm512_slli_epi16(top, 2), top,
-                               _mm512_srli_epi16(top, 2)};
-        for (int k = 0; k < 4; ++k) {
-          const int tt = 4 * u + k;
-          const __m512i n = _mm512_loadu_si512(grp + (tt / 2) * 64);
-          const __m512i low = tt % 2 ? _mm512_srli_epi16(n, 4) : n;
-          // (low & 0x0F) | (tk & ~0x0F), then & 0x3F
-          w[tt] = _mm512_and_si512(_mm512_ternarylogic_epi32(low4, low, tk[k], 0xCA), six);
-        }
-      }
+      q6_bytes(grp, w);
       const int64_t g = c * CH + gi;
       const int8_t* xg = X.q.data() + (x0 + g * M) * G;
       const float* dg = X.d.data() + x0 + g * M;
@@ -631,8 +635,7 @@ void unpack_block(int kind, const Tiles& W, int64_t nb, Rec* out) {
     }
     return;
   }
-  const __m512i low4 = _mm512_set1_epi8(0x0F), six = _mm512_set1_epi8(0x3F);   // q6
-  for (int64_t c = 0; c < W.units; ++c) {
+  for (int64_t c = 0; c < W.units; ++c) {   // q6
     const uint8_t* blk = W.at(nb, c);
     const __m512 dv = _mm512_cvtph_ps(
         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + Q6_D)));
@@ -643,18 +646,9 @@ void unpack_block(int kind, const Tiles& W, int64_t nb, Rec* out) {
           _mm_loadu_si128(reinterpret_cast<const __m128i*>(grp + Q6_SC))))));
       _mm512_store_ps(r.b, _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
           _mm_loadu_si128(reinterpret_cast<const __m128i*>(grp + Q6_SC + 16))))));
-      for (int u = 0; u < 2; ++u) {   // as q6_span
-        const __m512i top = _mm512_loadu_si512(grp + Q6_TOP + u * 64);
-        const __m512i tk[4] = {_mm512_slli_epi16(top, 4), _mm512_slli_epi16(top, 2), top,
-                               _mm512_srli_epi16(top, 2)};
-        for (int k = 0; k < 4; ++k) {
-          const int tt = 4 * u + k;
-          const __m512i n = _mm512_loadu_si512(grp + (tt / 2) * 64);
-          const __m512i low = tt % 2 ? _mm512_srli_epi16(n, 4) : n;
-          _mm512_store_si512(r.w[tt], _mm512_and_si512(
-              _mm512_ternarylogic_epi32(low4, low, tk[k], 0xCA), six));
-        }
-      }
+      __m512i w[8];
+      q6_bytes(grp, w);
+      for (int t = 0; t < 8; ++t) _mm512_store_si512(r.w[t], w[t]);
     }
   }
 }
