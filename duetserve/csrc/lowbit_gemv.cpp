@@ -300,6 +300,9 @@ QuantizedX quantize_x(const float* x, int64_t M, int64_t K, int order, int64_t p
   return out;
 }
 
+// How a form's many-row steps run (unpacked_rows; NO_UNPACK: by passes of its rows function).
+enum Unpack { NO_UNPACK = 0, UNPACK_Q4 = 1, UNPACK_Q4K = 2, UNPACK_Q6 = 3 };
+
 #if defined(DUET_VNNI)
 // Calls f(std::integral_constant<int, mm>) for mm in 1..4, and 8 where EIGHT (the forms
 // whose passes take 8 rows: Form::pass_rows below).
@@ -442,6 +445,19 @@ inline __m512i widen24(const uint8_t* p) {
   return _mm512_shuffle_epi8(lanes, _mm512_broadcast_i32x4(z));
 }
 
+// Group gl (0..7) of a q4k unit at blk: its rows' d * sc and -dmin * mn (ds = d, dm =
+// -dmin of the rows) from the unit's 6-bit codes.
+inline void q4k_group_dm(const uint8_t* blk, int gl, __m512 ds, __m512 dm, __m512* dv,
+                         __m512* mv) {
+  const __m512i six = _mm512_set1_epi32(63);
+  const int h = gl / 4;
+  const __m512i codes = widen24(blk + Q4K_CODES + 48 * (gl % 4));
+  const __m512i sc = _mm512_and_si512(_mm512_srli_epi32(codes, 6 * h), six);
+  const __m512i mn = _mm512_and_si512(_mm512_srli_epi32(codes, 12 + 6 * h), six);
+  *dv = _mm512_mul_ps(ds, _mm512_cvtepi32_ps(sc));
+  *mv = _mm512_mul_ps(dm, _mm512_cvtepi32_ps(mn));
+}
+
 // The same for a q4k weight: 8 groups a unit, their d and m computed from the codes.
 template <int MM>
 void q4k_span(const Tiles& W, const QuantizedX& X, int64_t nb, int64_t t, int64_t m0,
@@ -449,7 +465,6 @@ void q4k_span(const Tiles& W, const QuantizedX& X, int64_t nb, int64_t t, int64_
   const int64_t M = X.stride(m0), x0 = X.first(m0);   // GROUPED
   const uint8_t* first = W.span(nb, t);
   const int64_t u0 = t * W.tu, u1 = W.end(t);
-  const __m512i six = _mm512_set1_epi32(63);
   __m512 sum[MM];
 #pragma GCC unroll 8
   for (int i = 0; i < MM; ++i) sum[i] = acc[i];
@@ -467,13 +482,10 @@ void q4k_span(const Tiles& W, const QuantizedX& X, int64_t nb, int64_t t, int64_
         for (int l = 0; l < 4; ++l)
           _mm_prefetch(reinterpret_cast<const char*>(blk + 2 * Q4K_BLOCK + Q4K_CODES + l * 64),
                        _MM_HINT_T0);
-      const int h = gl / 4;
-      const __m512i codes = widen24(blk + Q4K_CODES + 48 * (gl % 4));
-      const __m512i sc = _mm512_and_si512(_mm512_srli_epi32(codes, 6 * h), six);
-      const __m512i mn = _mm512_and_si512(_mm512_srli_epi32(codes, 12 + 6 * h), six);
       const int64_t g = 8 * s + gl;
-      q4_group<MM>(nib, _mm512_mul_ps(ds, _mm512_cvtepi32_ps(sc)),
-                   _mm512_mul_ps(dm, _mm512_cvtepi32_ps(mn)), X.q.data() + (x0 + g * M) * G,
+      __m512 dv, mv;
+      q4k_group_dm(blk, gl, ds, dm, &dv, &mv);
+      q4_group<MM>(nib, dv, mv, X.q.data() + (x0 + g * M) * G,
                    X.d.data() + x0 + g * M, X.s.data() + x0 + g * M, sum);
     }
   }
@@ -588,7 +600,6 @@ struct alignas(64) Rec {
   uint8_t w[8][64];
   float a[16], b[16];
 };
-enum Unpack { NO_UNPACK = 0, UNPACK_Q4 = 1, UNPACK_Q4K = 2, UNPACK_Q6 = 3 };
 
 // A q4 group's nibble vectors at `nib` as bytes: record vector 2v = the low nibbles of
 // vector v (elements 8v + j), 2v + 1 = the high ones (8v + 4 + j).
@@ -615,7 +626,6 @@ void unpack_block(int kind, const Tiles& W, int64_t nb, Rec* out) {
     return;
   }
   if (kind == UNPACK_Q4K) {
-    const __m512i six = _mm512_set1_epi32(63);
     for (int64_t s = 0; s < W.units; ++s) {
       const uint8_t* blk = W.at(nb, s);
       const __m512 ds = _mm512_cvtph_ps(
@@ -625,12 +635,10 @@ void unpack_block(int kind, const Tiles& W, int64_t nb, Rec* out) {
       for (int gl = 0; gl < 8; ++gl) {
         Rec& r = out[8 * s + gl];
         unpack_nibbles(blk + gl * 256, r);
-        const int h = gl / 4;
-        const __m512i codes = widen24(blk + Q4K_CODES + 48 * (gl % 4));
-        const __m512i sc = _mm512_and_si512(_mm512_srli_epi32(codes, 6 * h), six);
-        const __m512i mn = _mm512_and_si512(_mm512_srli_epi32(codes, 12 + 6 * h), six);
-        _mm512_store_ps(r.a, _mm512_mul_ps(ds, _mm512_cvtepi32_ps(sc)));
-        _mm512_store_ps(r.b, _mm512_mul_ps(dm, _mm512_cvtepi32_ps(mn)));
+        __m512 dv, mv;
+        q4k_group_dm(blk, gl, ds, dm, &dv, &mv);
+        _mm512_store_ps(r.a, dv);
+        _mm512_store_ps(r.b, mv);
       }
     }
     return;
@@ -1080,9 +1088,6 @@ struct Form {
   int64_t pass_rows;
   int unpack;   // how unpacked_rows takes its many-row steps (VNNI); NO_UNPACK: by passes
 };
-#if !defined(DUET_VNNI)
-enum Unpack { NO_UNPACK = 0, UNPACK_Q4 = 1, UNPACK_Q4K = 2, UNPACK_Q6 = 3 };
-#endif
 const Form Q4_FORM{G, Q4_BLOCK, GROUPED, q4_rows, WIDE_PASS_ROWS, UNPACK_Q4};
 const Form Q4K_FORM{256, Q4K_BLOCK, GROUPED, q4k_rows, WIDE_PASS_ROWS, UNPACK_Q4K};
 const Form Q6_FORM{CH * G, Q6_BLOCK, GROUPED, q6_rows, WIDE_PASS_ROWS, UNPACK_Q6};
