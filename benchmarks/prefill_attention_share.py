@@ -15,32 +15,11 @@ import argparse
 import json
 import os
 import statistics
-import time
 
 from benchmarks.prefill_paths import _prompt
+from benchmarks.profile_step import Timers
 from duetserve import LLM, SamplingParams
 from duetserve.models import attention
-
-_acc = {"s": 0.0, "depth": 0}
-
-
-def _time_attention() -> None:
-    """Wrap the backend's entry points (patched in this process only); a call made from
-    inside another is counted once."""
-    for name in ("forward_qkv", "forward"):
-        fn = getattr(attention.TorchAttention, name)
-
-        def timed(self, *a, _fn=fn, **k):
-            if _acc["depth"]:
-                return _fn(self, *a, **k)
-            _acc["depth"] += 1
-            t0 = time.perf_counter()
-            try:
-                return _fn(self, *a, **k)
-            finally:
-                _acc["s"] += time.perf_counter() - t0
-                _acc["depth"] -= 1
-        setattr(attention.TorchAttention, name, timed)
 
 
 def main() -> None:
@@ -51,7 +30,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default="out/prefill_attention_share.json")
     args = ap.parse_args()
-    _time_attention()
+    # the decoder layers call the backend through forward_qkv only (forward is inside it)
+    timers = Timers()
+    timers.wrap(attention.TorchAttention, "forward_qkv", "attention")
     llm = LLM(model=args.model, num_threads=args.threads, max_model_len=max(args.prompt_lens) + 16)
     cfg = llm.engine.model_config
     vocab = cfg.vocab_size
@@ -60,11 +41,12 @@ def main() -> None:
     rows = []
     for n in args.prompt_lens:
         for r in range(args.repeats):
-            _acc["s"] = 0.0
+            timers.t["attention"] = 0.0
             out = llm.generate([_prompt(n, 1000 * n + r, vocab)], params)[0]
             ttft = out.metrics.first_token_time - out.metrics.arrival_time
             rows.append({"tokens": n, "ttft_s": ttft, "tok_s": n / ttft,
-                         "attention_s": _acc["s"], "share": _acc["s"] / ttft})
+                         "attention_s": timers.t["attention"],
+                         "share": timers.t["attention"] / ttft})
     per_t2 = cfg.num_attention_heads * cfg.head_dim * cfg.num_hidden_layers
     macs = {n: n * n * per_t2 for n in args.prompt_lens}         # 2 products x T^2 / 2
     print(f"{'tokens':>7} {'TTFT s':>8} {'tok/s':>7} {'attention s':>12} {'share':>6} {'attn GMAC/s':>12}")
