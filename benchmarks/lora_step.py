@@ -1,16 +1,20 @@
-"""Cost of LoRA adapters in a decode step: B decode rows (context C) with no adapter (the
-native decode stack), with no adapter through the per-layer modules (what a step with an
-adapter row falls back to), and with one adapter per row (B distinct adapters, rank R, all
-attention and MLP projections). Random adapters are written in the PEFT format.
+"""Cost of LoRA adapters in a decode step: B decode rows (context C) with no adapter, and
+with one adapter per row (B distinct adapters, rank R, all attention and MLP projections),
+each of the given weight dtypes; both run on the native decode stack. Rounds alternate
+base and adapter runs (the machine's speed drifts: each round's ratio is of neighbours),
+then the table gives each round and the medians. Random adapters are written in the PEFT
+format and loaded as the engine loads them (in 2 MiB pages).
 
     PYTHONPATH=. .venv/bin/python benchmarks/lora_step.py [--model PATH] [--rows 8]
-        [--rank 16] [--context 256] [--steps 50] [--lora-dtype float32|bfloat16]
+        [--rank 16] [--context 256] [--steps 30] [--rounds 3]
+        [--lora-dtypes int8 bfloat16 float32] [--out out/lora_step.json]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import statistics
 import tempfile
 import time
 
@@ -18,7 +22,8 @@ import torch
 from safetensors.torch import save_file
 
 from duetserve.loader import load_model
-from duetserve.models.lora import LoRABatch, linear_shapes, load_adapter
+from duetserve.models.lora import LoRABatch, linear_shapes
+from duetserve.worker.lora_slots import load_adapter_placed
 from duetserve.worker.batch import SeqWork, build_step_batch, chunk_rows
 from duetserve.worker.kv_cache import allocate_kv_cache
 
@@ -52,45 +57,56 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=8)
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--context", type=int, default=256)
-    p.add_argument("--steps", type=int, default=50)
-    p.add_argument("--lora-dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--lora-dtypes", nargs="+", default=["int8"],
+                   choices=["float32", "bfloat16", "int8"])
+    p.add_argument("--out", default="out/lora_step.json")
     args = p.parse_args()
     loaded = load_model(args.model, quantization="auto")   # the engine's default
     model, cfg, bs = loaded.model, loaded.config, 16
     tmp = tempfile.mkdtemp()
-    adapters = [load_adapter(write_adapter(f"{tmp}/a{i}", cfg, args.rank, i), cfg, args.rank,
-                             dtype=getattr(torch, args.lora_dtype)) for i in range(args.rows)]
+    paths = [write_adapter(f"{tmp}/a{i}", cfg, args.rank, i) for i in range(args.rows)]
     per_seq = (args.context + args.steps + bs) // bs
     kv = allocate_kv_cache(cfg, per_seq * args.rows, bs, loaded.dtype, "cpu")
     paged = getattr(model.layers[0].self_attn.backend, "paged_decode", None) is not None
     work = [SeqWork(str(i), [7 + i], args.context, list(range(i * per_seq, (i + 1) * per_seq)),
                     True, lora_slot=i) for i in range(args.rows)]
     batch = build_step_batch(work, bs, paged_decode=paged, as_rows=chunk_rows(paged))
-    lora = LoRABatch.from_rows(batch.lora_slots, adapters)
+    loras = {dt: LoRABatch.from_rows(batch.lora_slots, [
+        load_adapter_placed(path, cfg, args.rank, getattr(torch, dt), True) for path in paths])
+        for dt in args.lora_dtypes}
 
-    def run(lora_batch, modules: bool = False) -> float:
-        stack = model._stack
-        if modules:
-            model._stack = None
-        try:
-            with torch.inference_mode():
-                for _ in range(3):
-                    model(batch.input_ids, batch.positions, kv, batch.meta, lora_batch)
-                t0 = time.perf_counter()
-                for _ in range(args.steps):
-                    model(batch.input_ids, batch.positions, kv, batch.meta, lora_batch)
-                return (time.perf_counter() - t0) / args.steps * 1e3
-        finally:
-            model._stack = stack
+    def run(lora_batch) -> float:
+        with torch.inference_mode():
+            for _ in range(3):
+                model(batch.input_ids, batch.positions, kv, batch.meta, lora_batch)
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                model(batch.input_ids, batch.positions, kv, batch.meta, lora_batch)
+            return (time.perf_counter() - t0) / args.steps * 1e3
 
-    base = run(None)
-    modules = run(None, modules=True)
-    mixed = run(lora)
-    print(f"{args.rows} decode rows, context {args.context}, rank {args.rank} "
-          f"({args.lora_dtype}): "
-          f"base {base:.2f} ms (native stack: {model._stack is not None}), base through the "
-          f"modules {modules:.2f} ms, {args.rows} adapters {mixed:.2f} ms "
-          f"({mixed / base:.2f}x base)")
+    rounds = []
+    for _ in range(args.rounds):
+        base = run(None)
+        rounds.append({"base_ms": base, **{dt: run(lora) for dt, lora in loras.items()}})
+    print(f"{args.rows} decode rows, context {args.context}, rank {args.rank}, one adapter "
+          f"per row; step ms (ratio to the round's base); native stack: "
+          f"{model._stack is not None}")
+    print("| round | base | " + " | ".join(args.lora_dtypes) + " |")
+    print("|---" * (2 + len(args.lora_dtypes)) + "|")
+    for i, r in enumerate(rounds):
+        print(f"| {i + 1} | {r['base_ms']:.2f} | " + " | ".join(
+            f"{r[dt]:.2f} ({r[dt] / r['base_ms']:.2f}x)" for dt in args.lora_dtypes) + " |")
+    med = {dt: statistics.median(r[dt] / r["base_ms"] for r in rounds)
+           for dt in args.lora_dtypes}
+    print("| median ratio | 1.00 | " + " | ".join(f"{med[dt]:.2f}x" for dt in args.lora_dtypes)
+          + " |")
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"model": args.model, "rows": args.rows, "rank": args.rank,
+                   "context": args.context, "steps": args.steps, "rounds": rounds,
+                   "median_ratio": med}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -243,7 +243,7 @@ def _group_size(counts: list[int]) -> int:
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8", "int4")
-LORA_DTYPES = ("float32", "bfloat16")
+LORA_DTYPES = ("auto", "float32", "bfloat16", "int8")
 # Quantized KV caches (worker/kv_cache.py, models/kv_quant.py): each (token, KV head) row
 # holds its head_dim values packed (int8: one byte each; int4: two a byte) followed by
 # float16 scales, one per group of this many values (None: one for the whole head);
@@ -414,11 +414,13 @@ class EngineConfig:
     # (name, path) pairs (normalised to pairs); requests may also name others (offline
     # LoRARequest, runtime loading). max_loras: adapters resident at once (the running
     # requests use at most this many distinct ones); max_lora_rank: the largest rank;
-    # lora_dtype: the adapters' weights in memory (bfloat16 halves what a step reads).
+    # lora_dtype: the adapters' weights in memory; auto: int8 on a low-bit base (a quarter
+    # of float32's bytes, each step streams every adapter of its rows; its rounding is far
+    # below the base's), else the base's dtype (engine/engine_core.py: lora_weight_dtype).
     lora_modules: tuple = ()
     max_loras: int = 4
     max_lora_rank: int = 16
-    lora_dtype: str = "float32"
+    lora_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         # NOTE: normalised at construction (the dataclass is frozen afterwards).

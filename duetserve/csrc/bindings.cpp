@@ -44,8 +44,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gelu_tanh_mul", &gelu_tanh_mul, nogil,
         "gelu_tanh(gate) * up of [T, 2I] -> [T, I] float32");
   m.def("argmax_rows", &argmax_rows, nogil, "first index of each row's maximum, [M, V] float32 -> [M] int64");
-  m.def("lora_apply", &lora_apply, nogil,
-        "y[rows of group g] += B_g (A_g x[rows]) for LoRA groups (A [P r, in], Bt [r, out cols], spans [P, 2]); mutates y");
+  pybind11::class_<NativeLoRA>(m, "NativeLoRA")
+      .def(pybind11::init<int64_t>(), pybind11::arg("num_layers"))
+      .def("set", &NativeLoRA::set, pybind11::arg("layer"), pybind11::arg("linear"),
+           pybind11::arg("a"), pybind11::arg("bt"), pybind11::arg("spans"),
+           pybind11::arg("a_scale") = pybind11::none(),
+           pybind11::arg("bt_scale") = pybind11::none(),
+           "one fused linear's weights (0 qkv, 1 o, 2 gate_up, 3 down): A [P r, in], Bt in "
+           "tiles [C / 16, r, 16], spans [P, 2]; int8 A and Bt with float32 row / column "
+           "scales");
+  m.def("lora_apply",
+        [](torch::Tensor x, torch::Tensor y, std::vector<NativeLoRA*> adapters, int64_t layer,
+           int64_t linear, torch::Tensor rows, torch::Tensor offsets) {
+          lora_apply(x, y, {adapters.begin(), adapters.end()}, layer, linear, rows, offsets);
+        }, nogil,
+        "y[rows of group g] += B_g (A_g x[rows]) for each NativeLoRA g adapting the layer's "
+        "linear (rows[offsets[g] .. offsets[g + 1]): its rows); mutates y");
   m.def("rope_kv_write", &rope_kv_write, nogil,
         "rotary on q/k of a qkv row block, k/v written into the paged cache; returns q");
 }

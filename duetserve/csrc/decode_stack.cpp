@@ -12,7 +12,8 @@
 //   sandwich: h = add_rms_norm(x, rms_norm(o)); f = rms_norm(ffn(h))     (Gemma)
 //   ffn: down(act(gate | up of linear(h))), act silu or gelu_tanh, or a mixture of experts
 //   (router GEMV, softmax, top k, experts grouped by row as models/moe.py does),
-// then the model's final norm, each residual add fused with the norm that follows it
+// with the step's LoRA updates (csrc/lora.cpp, where rows use adapters) added after the
+// qkv, o, gate|up and down linears as the modules add them, then the model's final norm, each residual add fused with the norm that follows it
 // (add_rms_norm: the same float32 operations), so the result equals the module path's bit
 // for bit for low-bit linears (a test checks it). A linear is q4, q4k or q6 (packed, N), q8
 // (q, scale), two packed parts stacked, or dense float32 (weight), each with an optional
@@ -131,7 +132,9 @@ class DecodeStack {
                         const std::vector<torch::Tensor>& slot_mappings,
                         const std::vector<torch::Tensor>& block_tables,
                         torch::Tensor context_lens, const std::vector<torch::Tensor>& k_caches,
-                        const std::vector<torch::Tensor>& v_caches) const {
+                        const std::vector<torch::Tensor>& v_caches,
+                        const std::vector<NativeLoRA*>& lora, torch::Tensor lora_rows,
+                        torch::Tensor lora_offsets) const {
     TORCH_CHECK(k_caches.size() == layers_.size() && v_caches.size() == layers_.size(),
                 "one K and one V cache per layer");
     TORCH_CHECK(slot_mappings.size() == block_tables.size() && !slot_mappings.empty(),
@@ -168,7 +171,9 @@ class DecodeStack {
       cos.push_back(rows_of(cos_tables[r], pp, T));
       sin.push_back(rows_of(sin_tables[r], pp, T));
     }
-    return run(x, cos, sin, slot_mappings, block_tables, context_lens, k_caches, v_caches);
+    const Adapters adapters{{lora.begin(), lora.end()}, lora_rows, lora_offsets};
+    return run(x, cos, sin, slot_mappings, block_tables, context_lens, k_caches, v_caches,
+               adapters);
   }
 
  private:
@@ -193,6 +198,15 @@ class DecodeStack {
     return at::cat({q, k, qkv.slice(1, qs + ks)}, 1);
   }
 
+  // The LoRA adapters of the step's rows (none: no update), as lora_apply takes them.
+  struct Adapters {
+    std::vector<const NativeLoRA*> groups;
+    torch::Tensor rows, offsets;
+    void apply(const torch::Tensor& x, torch::Tensor& y, int64_t layer, int64_t linear) const {
+      if (!groups.empty()) lora_apply(x, y, groups, layer, linear, rows, offsets);
+    }
+  };
+
   // The layers and the final norm over x [T, d] (mutated: the residual stream).
   torch::Tensor run(torch::Tensor x, const std::vector<torch::Tensor>& cos,
                     const std::vector<torch::Tensor>& sin,
@@ -200,7 +214,8 @@ class DecodeStack {
                     const std::vector<torch::Tensor>& block_tables,
                     const torch::Tensor& context_lens,
                     const std::vector<torch::Tensor>& k_caches,
-                    const std::vector<torch::Tensor>& v_caches) const {
+                    const std::vector<torch::Tensor>& v_caches,
+                    const Adapters& lora) const {
     const int64_t T = x.size(0);
     torch::Tensor delta;   // the last layer's FFN output, added with the next layer's norm
     for (size_t i = 0; i < layers_.size(); ++i) {
@@ -208,21 +223,31 @@ class DecodeStack {
       torch::Tensor h = delta.defined() ? add_rms_norm(x, delta, l.in_norm, eps_)
                                         : rms_norm(x, l.in_norm, eps_);
       torch::Tensor qkv = l.qkv(h).contiguous();
+      lora.apply(h, qkv, i, 0);
       if (l.q_norm.defined()) qkv = norm_qk(l, qkv);
       torch::Tensor q = rope_kv_write(qkv, cos[l.rope], sin[l.rope], k_caches[i], v_caches[i],
                                       slot_mappings[l.group], H_, KVH_);
       torch::Tensor att = paged_decode_attention(q, k_caches[i], v_caches[i],
                                                  block_tables[l.group], context_lens, scale_,
                                                  l.window);
-      torch::Tensor o = l.o(att.reshape({T, -1}));
+      torch::Tensor att2 = att.reshape({T, -1}).contiguous();
+      torch::Tensor o = l.o(att2).contiguous();
+      lora.apply(att2, o, i, 1);
       if (l.sandwich) {
         h = add_rms_norm(x, rms_norm(o, l.post_attn_norm, eps_), l.pre_ffn_norm, eps_);
       } else {
         h = add_rms_norm(x, o, l.post_attn_norm, eps_);
       }
-      torch::Tensor f = l.expert_down.empty()
-                            ? l.down(gated_act(l.gate_up(h), l.gelu, l.fused_rows))
-                            : moe(l, h);
+      torch::Tensor f;
+      if (l.expert_down.empty()) {
+        torch::Tensor gu = l.gate_up(h).contiguous();
+        lora.apply(h, gu, i, 2);
+        torch::Tensor act = gated_act(gu, l.gelu, l.fused_rows).contiguous();
+        f = l.down(act).contiguous();
+        lora.apply(act, f, i, 3);
+      } else {
+        f = moe(l, h);
+      }
       delta = l.sandwich ? rms_norm(f, l.post_ffn_norm, eps_) : f;
     }
     return delta.defined() ? add_rms_norm(x, delta, final_norm_, eps_)
@@ -310,6 +335,10 @@ void bind_decode_stack(pybind11::module& m) {
   py::class_<DecodeStack>(m, "DecodeStack")
       .def(py::init<std::vector<NativeLayer>, torch::Tensor, int64_t, int64_t, double, double,
                     double>())
-      .def("forward", &DecodeStack::forward,
+      .def("forward", &DecodeStack::forward, py::arg("ids"), py::arg("positions"),
+           py::arg("embed"), py::arg("cos_tables"), py::arg("sin_tables"),
+           py::arg("slot_mappings"), py::arg("block_tables"), py::arg("context_lens"),
+           py::arg("k_caches"), py::arg("v_caches"),
+           py::arg("lora"), py::arg("lora_rows"), py::arg("lora_offsets"),
            py::call_guard<py::gil_scoped_release>());   // see bindings.cpp
 }

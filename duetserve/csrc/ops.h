@@ -2,6 +2,8 @@
 // bindings and for code that calls kernels from C++ (decode_stack.cpp).
 #pragma once
 #include <torch/extension.h>
+#include <array>
+#include <vector>
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
                                      torch::Tensor v_cache, torch::Tensor block_tables,
@@ -37,6 +39,22 @@ torch::Tensor argmax_rows(torch::Tensor x);
 torch::Tensor rope_kv_write(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
                             torch::Tensor k_cache, torch::Tensor v_cache,
                             torch::Tensor slot_mapping, int64_t H, int64_t KVH);
-void lora_apply(torch::Tensor x, torch::Tensor y, std::vector<torch::Tensor> as,
-                std::vector<torch::Tensor> bts, std::vector<torch::Tensor> spans,
-                torch::Tensor rows, torch::Tensor offsets);
+// One LoRA adapter's weights in the form csrc/lora.cpp reads, per layer and fused linear
+// (0 qkv, 1 o, 2 gate_up, 3 down; a = undefined where the adapter leaves it alone); set
+// once when the adapter loads (models/lora.py), read by lora_apply.
+struct LoRALinear {
+  torch::Tensor a, bt, spans, a_scale, bt_scale;   // scales: int8 weights only
+  int64_t fan_in = 0, out_end = 0;                 // x's width, the last output row + 1
+};
+struct NativeLoRA {
+  explicit NativeLoRA(int64_t num_layers) : layers(num_layers) {}
+  void set(int64_t layer, int64_t linear, torch::Tensor a, torch::Tensor bt,
+           torch::Tensor spans, c10::optional<torch::Tensor> a_scale,
+           c10::optional<torch::Tensor> bt_scale);
+  std::vector<std::array<LoRALinear, 4>> layers;
+};
+// y[rows of group g] += B_g (A_g x[rows]) for each adapter g that adapts `linear` of
+// `layer`; rows[offsets[g] .. offsets[g + 1]) are group g's rows. Mutates y.
+void lora_apply(const torch::Tensor& x, torch::Tensor& y,
+                const std::vector<const NativeLoRA*>& adapters, int64_t layer, int64_t linear,
+                const torch::Tensor& rows, const torch::Tensor& offsets);

@@ -111,21 +111,30 @@ def place_weights(model: nn.Module, enabled: bool = True) -> str:
     """Move the model's weight storages of at least MIN_STORAGE_BYTES into one 2 MiB-page
     mapping. Mutates the tensors in place (their storage). Returns where the weights are
     and why, for the start-up log ("in 2 MiB pages (...)")."""
+    return place_tensors(_weight_tensors(model), enabled, MIN_STORAGE_BYTES)
+
+
+def place_tensors(tensors: list[torch.Tensor], enabled: bool = True,
+                  min_bytes: int = 0) -> str:
+    """Move the storages (of at least `min_bytes`) of `tensors` into one 2 MiB-page
+    mapping, freed when the last tensor viewing it goes (a LoRA adapter's weights,
+    worker/lora_slots.py). Mutates the tensors in place (their storage). Returns where
+    they are and why."""
     mode = thp_mode()
     if not enabled:
         return "in the allocator's pages (--no-huge-pages)"
     if mode not in ("always", "madvise") or not hasattr(mmap, "MADV_HUGEPAGE"):
         return f"in 4 KiB pages (transparent huge pages: {mode})"
     groups: dict[int, tuple[torch.UntypedStorage, list[torch.Tensor]]] = {}
-    for t in _weight_tensors(model):
+    for t in tensors:
         if t.device.type != "cpu" or t.is_sparse or t.dtype == torch.bool:
             continue
         storage = t.untyped_storage()
-        if storage.nbytes() < MIN_STORAGE_BYTES:
+        if storage.nbytes() < min_bytes:
             continue
         groups.setdefault(storage.data_ptr(), (storage, []))[1].append(t)
     if not groups:
-        return "in 4 KiB pages (no storage of 1 MiB or more)"
+        return f"in 4 KiB pages (no storage of {min_bytes} bytes or more)"
     sizes = {k: -(-s.nbytes() // 64) * 64 for k, (s, _) in groups.items()}
     total = -(-sum(sizes.values()) // HUGE_PAGE) * HUGE_PAGE
     area = mmap.mmap(-1, total + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)

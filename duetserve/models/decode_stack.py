@@ -22,12 +22,14 @@ from torch import nn
 
 from duetserve.models.attention import AttentionMetadata, TorchAttention
 from duetserve.models.layers import DenseLinear, GatedMLP
+from duetserve.models.lora import LoRABatch
 from duetserve.models.moe import MoEFFN
 from duetserve.models.native import ops
 from duetserve.models.quant import (Int4KWeight, Int4Weight, Int6Weight, Int8GWeight,
                                     Int8Weight, QuantLinear, StackedWeight)
 
 _EMPTY_IDS = torch.empty(0, dtype=torch.int64)
+_NO_ROWS = torch.zeros(1, dtype=torch.int64)     # no LoRA groups: offsets [0]
 
 
 class _Unsupported(Exception):
@@ -153,8 +155,9 @@ class NativeDecodeStack:
 
     def forward(self, model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, lora: LoRABatch | None = None) -> torch.Tensor:
         """The final hidden states (after the model's final norm) of the step's tokens;
+        `lora`: the LoRA adapters of the step's rows (their updates run in the stack);
         the embeddings (from a float32 table) and the rotary rows are gathered in C++.
         Mutates every layer's KV cache, and the model's rotaries (their tables grow) when
         a position is past them."""
@@ -162,7 +165,8 @@ class NativeDecodeStack:
         views = meta.groups or [meta]
         args = ([v.slot_mapping for v in views], [v.decode_block_tables for v in views],
                 meta.decode_context_lens, [kv[0] for kv in kv_caches],
-                [kv[1] for kv in kv_caches])
+                [kv[1] for kv in kv_caches]) + \
+            (lora.native_args() if lora is not None else ([], _NO_ROWS, _NO_ROWS))
         emb, rotaries = model.embed_tokens, model.rotaries()
         if type(emb) is nn.Embedding and emb.weight.dtype == torch.float32:
             embed = emb.weight.detach()           # the table, rows gathered in C++

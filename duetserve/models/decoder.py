@@ -175,13 +175,12 @@ class DecoderForCausalLM(nn.Module):
                 meta: AttentionMetadata, lora: LoRABatch | None = None) -> torch.Tensor:
         """input_ids, positions: [T]. Writes K/V of every token into kv_caches (one (k, v)
         per layer). Returns final hidden states [T, d] (normed). `lora`: the LoRA adapters
-        of the step's rows (models/lora.py), or None; a step with any adapter row runs the
-        modules, not the native decode stack."""
+        of the step's rows (models/lora.py), or None."""
         if self._stack is _UNBUILT:
             self._stack = NativeDecodeStack.build(self)
-        if lora is None and self._stack is not None and \
+        if self._stack is not None and (lora is None or lora.native) and \
                 self._stack.applies(self, input_ids.shape[0], meta):
-            return self._stack.forward(self, input_ids, positions, kv_caches, meta)
+            return self._stack.forward(self, input_ids, positions, kv_caches, meta, lora)
         x = self.embed(input_ids)
         self.set_rotary(meta, positions)
         for layer, kv in zip(self.layers, kv_caches):

@@ -10,8 +10,9 @@ The decoder fuses q|k|v into qkv_proj and gate|up into gate_up_proj (models/deco
 so an adapter keeps, per layer and fused linear, one shrink matrix (the A of each part it
 targets, stacked: [parts * r, in]), one expand matrix (each part's B, scaled, transposed,
 side by side: [r, sum of the parts' sizes]) and the parts' output rows ([parts, 2]).
-Weights are float32 (default) or bfloat16 (`--lora-dtype`: half the bytes a step with
-adapters reads) whatever the base's (low-bit GGUF included). The update of a step's rows
+Weights are float32 (default), bfloat16 or int8 (`--lora-dtype`: a half or a quarter of
+the bytes a step with adapters reads) whatever the base's (low-bit GGUF included); int8
+keeps a float32 scale per row of A and per output row of B (absmax / 127). The update of a step's rows
 runs in one native call per linear (csrc/lora.cpp: every adapter of the step, grouped),
 or in torch where the native kernels are not built.
 """
@@ -22,6 +23,7 @@ import math
 import os
 import re
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -30,6 +32,7 @@ from duetserve.errors import LoRAError
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
+LINEARS = ("qkv", "o", "gate_up", "down")    # the fused linears, in csrc/lora.cpp's order
 # PEFT module name -> (the decoder's fused linear, the part of its output)
 TARGETS = {"q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2),
            "o_proj": ("o", 0), "gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1),
@@ -52,21 +55,43 @@ def linear_shapes(cfg: ModelConfig, layer_id: int) -> dict[str, tuple[int, list[
     return out
 
 
+class LinearLoRA(NamedTuple):
+    """One fused linear's update: A [parts * r, in]; Bt, the parts' B scaled and transposed
+    side by side ([r, C]: each part's columns padded to a multiple of 16), stored in tiles
+    of 16 columns [C / 16, r, 16] (the native expand reads it as one stream); spans
+    [parts, 2] int64 (each part's (first, end) output row); int8 weights only: a_scale
+    [parts * r] and bt_scale [C] float32, else None."""
+
+    a: torch.Tensor
+    bt: torch.Tensor
+    spans: torch.Tensor
+    a_scale: torch.Tensor | None = None
+    bt_scale: torch.Tensor | None = None
+
+    def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(A [parts * r, in], Bt [r, C]) in float32, untiled."""
+        tiles, r, _ = self.bt.shape
+        bt = self.bt.float().permute(1, 0, 2).reshape(r, tiles * 16)
+        if self.a_scale is None:
+            return self.a.float(), bt
+        return self.a.float() * self.a_scale[:, None], bt * self.bt_scale
+
+
 @dataclass
 class LoRAAdapter:
-    """One adapter's weights, laid out for the decoder. layers[N]: {fused linear: (A
-    [parts * r, in], Bt [r, sum of sizes] with the scaling folded in, spans [parts, 2]
-    int64: each part's (first, end) output row)}, only the targeted ones."""
+    """One adapter's weights, laid out for the decoder. layers[N]: {fused linear:
+    LinearLoRA}, only the targeted ones."""
 
     path: str
     rank: int
     scaling: float
-    layers: list[dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]
+    layers: list[dict[str, LinearLoRA]]
+    native: object = None      # its csrc NativeLoRA, made at first use (LoRABatch)
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for layer in self.layers
-                   for ab in layer.values() for t in ab)
+                   for w in layer.values() for t in w if t is not None)
 
 
 def read_config(path: str, max_rank: int) -> tuple[int, float]:
@@ -113,7 +138,7 @@ def load_adapter(path: str, cfg: ModelConfig, max_rank: int, weights: bool = Tru
     """Read and check an adapter against the model: every tensor must be a LoRA A or B of
     a linear the decoder has, in a layer it has, of the shapes its linears take and the
     config's rank. `weights=False`: check shapes only (the file's header), return an
-    adapter with no layers. `dtype`: the weights' (float32 or bfloat16). Raises LoRAError
+    adapter with no layers. `dtype`: the weights' (float32, bfloat16 or int8). Raises LoRAError
     naming the problem."""
     path = os.path.abspath(path)
     rank, scaling = read_config(path, max_rank)
@@ -179,14 +204,39 @@ def _check_shape(path: str, key: str, cfg: ModelConfig, layer_id: int, linear: s
 
 
 def _fuse(cfg: ModelConfig, layer_id: int, linear: str, pieces: dict, scaling: float,
-          dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(A stacked, Bt of the parts side by side and scaled, spans) of one fused linear's
+          dtype: torch.dtype) -> LinearLoRA:
+    """A stacked, Bt of the parts side by side and scaled, spans of one fused linear's
     targeted parts, in part order."""
     _, rows = linear_shapes(cfg, layer_id)[linear]
     order = sorted(pieces)
-    a = torch.cat([pieces[p]["A"] for p in order]).to(dtype).contiguous()
-    bt = torch.cat([(pieces[p]["B"] * scaling).T for p in order], 1).to(dtype).contiguous()
-    return a, bt, torch.tensor([rows[p] for p in order], dtype=torch.long)
+    a = torch.cat([pieces[p]["A"] for p in order])
+    bt = torch.cat([torch.nn.functional.pad((pieces[p]["B"] * scaling).T,
+                                            (0, _pad16(rows[p][1] - rows[p][0])))
+                    for p in order], 1)
+    spans = torch.tensor([rows[p] for p in order], dtype=torch.long)
+    if dtype != torch.int8:
+        return LinearLoRA(a.to(dtype).contiguous(), _tiles(bt.to(dtype)), spans)
+    qa, sa = _int8(a, 1)
+    qbt, sbt = _int8(bt, 0)
+    return LinearLoRA(qa, _tiles(qbt), spans, sa, sbt)
+
+
+def _pad16(n: int) -> int:
+    """Columns that pad n to a multiple of 16."""
+    return -n % 16
+
+
+def _tiles(bt: torch.Tensor) -> torch.Tensor:
+    """[r, C] -> [C / 16, r, 16]"""
+    r, c = bt.shape
+    return bt.reshape(r, c // 16, 16).permute(1, 0, 2).contiguous()
+
+
+def _int8(w: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """w as int8 and its float32 scales, one per slice along `dim` (absmax / 127)."""
+    scale = w.abs().amax(dim, keepdim=True).clamp_min(1e-30) / 127
+    q = torch.round(w / scale).clamp(-127, 127).to(torch.int8).contiguous()
+    return q, scale.flatten().float().contiguous()
 
 
 class LoRABatch:
@@ -199,9 +249,20 @@ class LoRABatch:
         self.offsets = [0]
         for _, rows in groups:
             self.offsets.append(self.offsets[-1] + len(rows))
-        self._calls: dict[tuple, tuple] = {}   # groups used -> the native call's rows, offsets
         from duetserve.models.native import ops
         self._native = ops()
+        self._offsets = torch.tensor(self.offsets, dtype=torch.long)
+        self._adapters = [native_form(a, self._native) for a, _ in groups] \
+            if self._native is not None else []
+
+    @property
+    def native(self) -> bool:
+        """Whether the updates run in csrc/lora.cpp (the native decode stack can run them)."""
+        return self._native is not None
+
+    def native_args(self) -> tuple[list, torch.Tensor, torch.Tensor]:
+        """(the groups' NativeLoRA, rows, offsets [G + 1]) as csrc's lora_apply takes them."""
+        return self._adapters, self.rows, self._offsets
 
     @classmethod
     def from_rows(cls, row_slots: list[int], adapters: list[LoRAAdapter | None]
@@ -224,23 +285,26 @@ class LoRABatch:
             return
         if self._native is not None and x.dtype == y.dtype == torch.float32 and \
                 x.is_contiguous() and y.is_contiguous():
-            key = tuple(i for i, _ in used)
-            if key not in self._calls:        # the same for every layer of the step
-                self._calls[key] = self._native_rows(key)
-            self._native.lora_apply(x, y, [w[0] for _, w in used], [w[1] for _, w in used],
-                                    [w[2] for _, w in used], *self._calls[key])
+            self._native.lora_apply(x, y, self._adapters, layer_id, LINEARS.index(linear),
+                                    self.rows, self._offsets)
             return
-        for i, (a, bt, spans) in used:
+        for i, w in used:
             rows = self.rows[self.offsets[i]:self.offsets[i + 1]]
-            u = x.index_select(0, rows).float() @ a.float().T        # [n, parts * r]
+            a, bt = w.dequantized()
+            u = x.index_select(0, rows).float() @ a.T                # [n, parts * r]
             r, at = bt.shape[0], 0
-            for p, (start, end) in enumerate(spans.tolist()):
-                delta = u[:, p * r:(p + 1) * r] @ bt[:, at:at + end - start].float()
+            for p, (start, end) in enumerate(w.spans.tolist()):
+                delta = u[:, p * r:(p + 1) * r] @ bt[:, at:at + end - start]
                 y[:, start:end].index_add_(0, rows, delta.to(y.dtype))
-                at += end - start
+                at += end - start + _pad16(end - start)
 
-    def _native_rows(self, groups: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rows of `groups`, in order, and their offsets [len(groups) + 1]."""
-        rows = torch.cat([self.rows[self.offsets[i]:self.offsets[i + 1]] for i in groups])
-        sizes = [self.offsets[i + 1] - self.offsets[i] for i in groups]
-        return rows, torch.tensor([0] + sizes, dtype=torch.long).cumsum(0)
+
+def native_form(adapter: LoRAAdapter, native) -> object:
+    """The adapter's csrc NativeLoRA (made once, kept on the adapter)."""
+    if adapter.native is None:
+        form = native.NativeLoRA(len(adapter.layers))
+        for layer_id, linears in enumerate(adapter.layers):
+            for linear, w in linears.items():
+                form.set(layer_id, LINEARS.index(linear), *w)
+        adapter.native = form
+    return adapter.native

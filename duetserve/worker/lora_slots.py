@@ -24,6 +24,7 @@ import torch
 
 from duetserve.config import ModelConfig
 from duetserve.errors import LoRAError
+from duetserve.loader.huge_pages import place_tensors
 from duetserve.models.lora import LoRAAdapter, LoRABatch, load_adapter
 from duetserve.request import LoRARequest
 
@@ -33,10 +34,11 @@ AdapterLoader = Callable[[str, ModelConfig, int], LoRAAdapter]
 
 class LoRASlots:
     def __init__(self, model_config: ModelConfig, max_loras: int, max_lora_rank: int,
-                 dtype: torch.dtype = torch.float32, load: AdapterLoader | None = None
-                 ) -> None:
+                 dtype: torch.dtype = torch.float32, load: AdapterLoader | None = None,
+                 huge_pages: bool = True) -> None:
         """`dtype`: the weights' (--lora-dtype); `load` reads an adapter (default:
-        load_adapter in `dtype`; tests hold it back: `self.load`)."""
+        load_adapter in `dtype`, its weights then moved into 2 MiB pages unless
+        `huge_pages` is off, as the model's are; tests hold it back: `self.load`)."""
         self.config = model_config
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
@@ -44,7 +46,7 @@ class LoRASlots:
         self._slot: OrderedDict[int, int] = OrderedDict()  # lora_int_id -> slot, LRU first
         self._paths: dict[int, str] = {}                   # lora_int_id -> its folder
         self.num_loads = 0                                 # adapters put in a slot
-        self.load = load or partial(load_adapter, dtype=dtype)
+        self.load = load or partial(load_adapter_placed, dtype=dtype, huge_pages=huge_pages)
         # reads off the step loop, lora_int_id -> folder (reading) or (folder, adapter or
         # the LoRAError it raised) (read); the loader threads write them under the lock
         self._lock = threading.Lock()
@@ -184,3 +186,14 @@ class LoRASlots:
         """The LoRABatch of a step whose row i uses slot row_slots[i] (-1: none); None
         when no row uses an adapter."""
         return None if row_slots is None else LoRABatch.from_rows(row_slots, self.adapters)
+
+
+def load_adapter_placed(path: str, cfg: ModelConfig, max_rank: int, dtype: torch.dtype,
+                 huge_pages: bool) -> LoRAAdapter:
+    """load_adapter, the weights then in one 2 MiB-page mapping (a step streams every
+    adapter of its rows: in 4 KiB pages each page is a TLB miss and a prefetcher restart,
+    loader/huge_pages.py)."""
+    adapter = load_adapter(path, cfg, max_rank, dtype=dtype)
+    place_tensors([t for layer in adapter.layers for w in layer.values() for t in w
+                   if t is not None], huge_pages)
+    return adapter

@@ -61,9 +61,7 @@ def test_adapters_match_merged_reference_alone_and_mixed(setup):
     stack = loaded.model._stack              # built on the first forward
     calls = stack.calls if stack is not None else 0
     assert _tokens(llm.generate(PROMPTS, GREEDY, lora_request=per_prompt)) == alone
-    if stack is not None:                 # steps with adapter rows ran the modules
-        assert stack.calls == calls
-        llm.generate(PROMPTS[4], GREEDY)  # base-only decode steps: the native stack,
+    if stack is not None:      # decode steps with adapter rows ran the native stack,
         # unless the measured GEMV bound (models/kernels.py, timed at load: 0 on a busy
         # machine) keeps even 1-row steps off it
         assert stack.calls > calls or stack.max_rows == 0

@@ -16,7 +16,7 @@ from tiny_models import make_tiny_checkpoint
 from duetserve.errors import LoRAError
 from duetserve.loader import load_model
 from duetserve.models.lora import LoRABatch, load_adapter
-from duetserve.worker.batch import SeqWork, build_step_batch
+from duetserve.worker.batch import SeqWork, build_step_batch, chunk_rows
 from duetserve.worker.kv_cache import allocate_kv_cache
 
 PROMPTS = [[5, 17, 99, 3, 250, 42, 42, 7, 128, 64, 1], [200, 33, 12, 90, 91],
@@ -93,31 +93,72 @@ def test_mixed_adapters_in_one_step(lora_setup):
     assert LoRABatch.from_rows([-1, -1], adapters) is None
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int8])
+def test_decode_stack_runs_the_adapters(lora_setup, dtype):
+    """A decode step whose rows use four adapters and the base runs on the native decode
+    stack (the updates inside it) and gives the module path's hidden states."""
+    from duetserve.models.decoder import _UNBUILT
+    from duetserve.models.native import ops
+    if ops() is None:
+        pytest.skip("native kernels not built here")
+    _, paths, loaded = lora_setup
+    model, bs = loaded.model, 4
+    adapters = [load_adapter(p, loaded.config, max_rank=16, dtype=dtype) for p in paths]
+    slots = [2, -1, 0, 3, 1]
+    kv = allocate_kv_cache(loaded.config, 64, bs, torch.float32, "cpu")
+    paged = getattr(model.layers[0].self_attn.backend, "paged_decode", None) is not None
+    work = [SeqWork(str(i), p, 0, list(range(4 * i, 4 * i + 4)), True, lora_slot=s)
+            for i, (p, s) in enumerate(zip(PROMPTS, slots))]
+    prefill = build_step_batch(work, bs)
+    decode = build_step_batch(
+        [SeqWork(str(i), [7 + i], len(p), list(range(4 * i, 4 * i + 4)), True, lora_slot=s)
+         for i, (p, s) in enumerate(zip(PROMPTS, slots))],
+        bs, paged_decode=paged, as_rows=chunk_rows(paged))
+    saved, out = model._stack, {}
+    try:
+        with torch.inference_mode():
+            model(prefill.input_ids, prefill.positions, kv, prefill.meta,
+                  LoRABatch.from_rows(prefill.lora_slots, adapters))
+            for use_stack in (True, False):
+                model._stack = _UNBUILT if use_stack else None
+                out[use_stack] = model(decode.input_ids, decode.positions, kv, decode.meta,
+                                       LoRABatch.from_rows(decode.lora_slots, adapters))
+                if use_stack:
+                    assert model._stack is not None and model._stack.calls == 1
+            plain = model(decode.input_ids, decode.positions, kv, decode.meta, None)
+    finally:
+        model._stack = saved
+    torch.testing.assert_close(out[True], out[False], rtol=1e-5, atol=1e-5)
+    assert torch.equal(out[True][1], plain[1])                  # the base row
+    assert not torch.allclose(out[True][0], plain[0], atol=1e-3)  # an adapter row
+
+
 def test_scaling_and_fused_layout(lora_setup):
     _, paths, loaded = lora_setup
     cfg = loaded.config
     full = load_adapter(paths[1], cfg, max_rank=16)      # r=8, alpha=16, rsLoRA
     assert full.rank == 8 and full.scaling == pytest.approx(16 / 8 ** 0.5)
-    a, bt, spans = full.layers[0]["qkv"]
+    a, bt, spans, _, _ = full.layers[0]["qkv"]
     assert a.shape == (3 * 8, cfg.hidden_size)
-    assert bt.shape == (8, cfg.q_size + 2 * cfg.kv_size)
     q, kv = cfg.q_size, cfg.kv_size
+    pad16 = lambda n: -(-n // 16) * 16                   # noqa: E731  (parts pad to 16)
+    assert bt.shape == ((pad16(q) + 2 * pad16(kv)) // 16, 8, 16)   # tiles of 16 columns
     assert spans.tolist() == [[0, q], [q, q + kv], [q + kv, q + 2 * kv]]
     part = load_adapter(paths[3], cfg, max_rank=16)      # q, v and up only
     assert part.scaling == pytest.approx(3 / 6)
     assert set(part.layers[0]) == {"qkv", "gate_up"}
-    a, bt, spans = part.layers[0]["qkv"]
-    assert a.shape == (2 * 6, cfg.hidden_size) and bt.shape == (6, q + kv)
+    a, bt, spans, _, _ = part.layers[0]["qkv"]
+    assert a.shape == (2 * 6, cfg.hidden_size) and bt.shape == ((pad16(q) + pad16(kv)) // 16, 6, 16)
     assert spans.tolist() == [[0, q], [q + kv, q + 2 * kv]]          # k untouched
     i = cfg.intermediate_size
-    assert part.layers[0]["gate_up"][2].tolist() == [[i, 2 * i]]      # gate untouched
+    assert part.layers[0]["gate_up"].spans.tolist() == [[i, 2 * i]]  # gate untouched
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
 def test_native_update_equals_torch(lora_setup, dtype):
     """csrc/lora.cpp's grouped update (every adapter of a step in one call) against the
-    torch loop, rows of four adapters interleaved with base rows, float32 and bfloat16
-    weights; bfloat16 weights change the update by their rounding only."""
+    torch loop, rows of four adapters interleaved with base rows, float32, bfloat16 and
+    int8 weights; bfloat16 and int8 weights change the update by their rounding only."""
     from duetserve.models.native import ops
     if ops() is None:
         pytest.skip("native kernels not built here")
@@ -139,7 +180,7 @@ def test_native_update_equals_torch(lora_setup, dtype):
         torch.testing.assert_close(native, plain, rtol=1e-5, atol=1e-5)
         assert torch.equal(native[[1, 6]], y0[[1, 6]])          # base rows untouched
         assert not torch.equal(native[0], y0[0])
-    if dtype == torch.bfloat16:        # the same update as float32 weights, to bf16's rounding
+    if dtype != torch.float32:        # the same update as float32 weights, to their rounding
         f32 = [load_adapter(p, cfg, max_rank=16) for p in paths]
         x = torch.randn(len(slots), cfg.hidden_size, generator=g)
         ya, yb = (torch.zeros(len(slots), cfg.q_size + 2 * cfg.kv_size) for _ in range(2))
