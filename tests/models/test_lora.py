@@ -261,14 +261,16 @@ def test_bad_adapters_name_the_problem(lora_setup, tmp_path):
     fails(p, "layer 1 has lora_A of a module without its other half")
 
 
-def test_lowbit_base_with_adapter(lora_setup):
-    """The QLoRA serving case: int8 base weights, float32 adapter. Its error against the
-    float32 merged reference stays at the low-bit base's own error against its float32
-    reference, and it is far from the base without the adapter."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int8])
+def test_lowbit_base_with_adapter(lora_setup, dtype):
+    """The QLoRA serving case: int8 base weights, a float32 or int8 (the engine's choice on
+    a low-bit base) adapter. Its error against the float32 merged reference stays at the
+    low-bit base's own error against its float32 reference, and it is far from the base
+    without the adapter."""
     base, paths, _ = lora_setup
     loaded = load_model(base, quantization="int8")
     assert loaded.quant_summary.get("int8")                  # the linears are low-bit
-    adapter = load_adapter(paths[0], loaded.config, max_rank=16)
+    adapter = load_adapter(paths[0], loaded.config, max_rank=16, dtype=dtype)
     prompt = PROMPTS[0]
     base_err = rel_err(_last_logits(loaded, [prompt], [-1], [])[0],
                        _reference(base, None, prompt))
