@@ -2,10 +2,10 @@
 # Serving with LoRA adapters against the base model alone, on one server: 8 random rank-16
 # PEFT adapters of every projection (benchmarks/lora_step.py's), `duet bench serve` at
 # saturation alternating base and adapter runs (a new seed each pair), output tok/s each.
-#   benchmarks/lora_serve.sh MODEL [PAIRS=2] [LORA_DTYPE=auto] [OUT=out/lora_serve]
+#   benchmarks/lora_serve.sh MODEL [PAIRS=2] [LORA_DTYPE=int8] [OUT=out/lora_serve]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-MODEL=$1; PAIRS=${2:-2}; DTYPE=${3:-auto}; OUT=${4:-out/lora_serve}; PORT=8123
+MODEL=$1; PAIRS=${2:-2}; DTYPE=${3:-int8}; OUT=${4:-out/lora_serve}; PORT=8123
 mkdir -p "$OUT"
 PYTHONPATH=. .venv/bin/python - "$MODEL" "$OUT" <<'PY'
 import sys

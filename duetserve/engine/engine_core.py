@@ -194,16 +194,13 @@ class EngineCore:
         return shared
 
     def _lora_weight_dtype(self) -> torch.dtype:
-        """--lora-dtype resolved against the loaded base (auto: int8 where its linears are
-        low-bit, else its dtype); logged."""
-        name = self.config.lora_dtype
-        if name == "auto":
-            lowbit = self.loaded.kernel_policy is not None
-            dtype = torch.int8 if lowbit else self.loaded.dtype
-            log.info("LoRA weights: %s (--lora-dtype auto: %s)", str(dtype).split(".")[-1],
-                     "the base's linears are low-bit" if lowbit else "the base's dtype")
-            return dtype
-        return getattr(torch, name)
+        """--lora-dtype resolved against the loaded base (auto: its dtype, float32 for a
+        low-bit GGUF base); logged."""
+        dtype = self.loaded.dtype if self.config.lora_dtype == "auto" else \
+            getattr(torch, self.config.lora_dtype)
+        log.info("LoRA weights: %s (--lora-dtype %s)", str(dtype).split(".")[-1],
+                 self.config.lora_dtype)
+        return dtype
 
     def _build_scheduler(self) -> None:
         """Sets step_time (the one model of step cost, core/step_time.py) and where it came

@@ -52,8 +52,8 @@ def _add_lora_arguments(g: argparse._ArgumentGroup) -> None:
                    help="the largest LoRA rank accepted (default %(default)s)")
     g.add_argument("--lora-dtype", choices=LORA_DTYPES, default=d.lora_dtype,
                    help="LoRA weights in memory: int8 (a float32 scale per row) reads a "
-                        "quarter of float32's bytes a step, bfloat16 half; auto: int8 on a "
-                        "low-bit base, else the base's dtype (default %(default)s)")
+                        "quarter of float32's bytes a step, bfloat16 half; auto: the base's "
+                        "dtype (default %(default)s)")
 
 
 def _add_model_arguments(g: argparse._ArgumentGroup) -> None:

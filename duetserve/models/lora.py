@@ -11,7 +11,7 @@ so an adapter keeps, per layer and fused linear, one shrink matrix (the A of eac
 targets, stacked: [parts * r, in]), one expand matrix (each part's B, scaled, transposed,
 side by side: [r, sum of the parts' sizes]) and the parts' output rows ([parts, 2]).
 Weights are float32, bfloat16 or int8 (`--lora-dtype`: a half or a quarter of the bytes a
-step with adapters reads; the engine's auto picks int8 on a low-bit base) whatever the
+step with adapters reads) whatever the
 base's (low-bit GGUF included); int8 keeps a float32 scale per row of A and per output row
 of B (absmax / 127). The update of a step's rows
 runs in one native call per linear (csrc/lora.cpp: every adapter of the step, grouped;
