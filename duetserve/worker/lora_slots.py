@@ -189,7 +189,7 @@ class LoRASlots:
 
 
 def load_adapter_placed(path: str, cfg: ModelConfig, max_rank: int, dtype: torch.dtype,
-                 huge_pages: bool) -> LoRAAdapter:
+                        huge_pages: bool) -> LoRAAdapter:
     """load_adapter, the weights then in one 2 MiB-page mapping (a step streams every
     adapter of its rows: in 4 KiB pages each page is a TLB miss and a prefetcher restart,
     loader/huge_pages.py), the freed heap handed back (else an unloaded adapter leaves
