@@ -13,9 +13,10 @@
 //   ffn: down(act(gate | up of linear(h))), act silu or gelu_tanh, or a mixture of experts
 //   (router GEMV, softmax, top k, experts grouped by row as models/moe.py does),
 // with the step's LoRA updates (csrc/lora.cpp, where rows use adapters) added after the
-// qkv, o, gate|up and down linears as the modules add them, then the model's final norm, each residual add fused with the norm that follows it
-// (add_rms_norm: the same float32 operations), so the result equals the module path's bit
-// for bit for low-bit linears (a test checks it). A linear is q4, q4k or q6 (packed, N), q8
+// qkv, o, gate|up and down linears as the modules add them, then the model's final norm,
+// each residual add fused with the norm that follows it (add_rms_norm: the same float32
+// operations), so the result equals the module path's bit for bit for low-bit linears (a
+// test checks it). A linear is q4, q4k or q6 (packed, N), q8
 // (q, scale), two packed parts stacked, or dense float32 (weight), each with an optional
 // bias; dense ones run f32_gemv up to the row count the loader measured it faster than
 // oneDNN's GEMM (models/kernels.py: calibrate_dense_gemv_rows; the module path uses the same

@@ -8,8 +8,10 @@
 // float32, bfloat16 or int8 weights, float32 math; int8 weights carry a float32 scale per
 // row of A (a_scale_g [P r]) and per column of Bt (bt_scale_g [C]), applied once per dot
 // and once per 16 columns. Shrink: one dot per (group, rank row, row); expand: per tile, a
-// broadcast FMA per rank row (no horizontal sums). Rows of different groups and chunks of
-// different columns are disjoint: work items run in parallel without locks. The scaling is folded into B when the adapter loads.
+// broadcast FMA per rank row, four tiles at a time (no horizontal sums). Rows of different
+// groups and chunks of different columns are disjoint: work items run in parallel without
+// locks. The scaling is folded into B when the adapter loads; adapters come as NativeLoRA
+// (ops.h), made once per adapter (models/lora.py native_form).
 #include "ops.h"
 #include <ATen/Parallel.h>
 #include <algorithm>

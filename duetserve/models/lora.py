@@ -11,12 +11,11 @@ so an adapter keeps, per layer and fused linear, one shrink matrix (the A of eac
 targets, stacked: [parts * r, in]), one expand matrix (each part's B, scaled, transposed,
 side by side: [r, sum of the parts' sizes]) and the parts' output rows ([parts, 2]).
 Weights are float32, bfloat16 or int8 (`--lora-dtype`: a half or a quarter of the bytes a
-step with adapters reads) whatever the
-base's (low-bit GGUF included); int8 keeps a float32 scale per row of A and per output row
-of B (absmax / 127). The update of a step's rows
-runs in one native call per linear (csrc/lora.cpp: every adapter of the step, grouped;
-inside the native decode stack on decode steps), or in torch where the native kernels
-are not built.
+step with adapters reads) whatever the base's (low-bit GGUF included); int8 keeps a
+float32 scale per row of A and per output row of B (absmax / 127). The update of a step's
+rows runs in one native call per linear (csrc/lora.cpp: every adapter of the step,
+grouped; inside the native decode stack on decode steps), or in torch where the native
+kernels are not built.
 """
 from __future__ import annotations
 
@@ -140,8 +139,8 @@ def load_adapter(path: str, cfg: ModelConfig, max_rank: int, weights: bool = Tru
     """Read and check an adapter against the model: every tensor must be a LoRA A or B of
     a linear the decoder has, in a layer it has, of the shapes its linears take and the
     config's rank. `weights=False`: check shapes only (the file's header), return an
-    adapter with no layers. `dtype`: the weights' (float32, bfloat16 or int8). Raises LoRAError
-    naming the problem."""
+    adapter with no layers. `dtype`: the weights' (float32, bfloat16 or int8). Raises
+    LoRAError naming the problem."""
     path = os.path.abspath(path)
     rank, scaling = read_config(path, max_rank)
     parts = _read_parts(path, cfg, rank, weights)
