@@ -3,13 +3,14 @@ same adapter on the float32 base, next to the low-bit base's own KL against the 
 base, on the same text (issue 65).
 
     PYTHONPATH=. .venv/bin/python benchmarks/lora_kl.py [--model FILE.gguf] [--ctx 512]
-        [--chunks 4] [--rank 16] [--train-steps 30] [--lora-dtypes float32 int8]
-        [--out out/lora_kl.json]
+        [--chunks 4] [--rank 16] [--train-steps 30] [--adapter PEFT_DIR]
+        [--lora-dtypes float32 int8] [--out out/lora_kl.json]
 
 No real adapter can be downloaded here, so the script trains one: transformers loads the
 GGUF (dequantized to float32), peft puts a rank-R LoRA on every attention and MLP
 projection and takes --train-steps AdamW steps on one text (docs/serving.md) from B = 0,
-then saves it in the PEFT format. Evaluation is on another text (docs/architecture.md,
+then saves it in the PEFT format (seeded: the same adapter each run; `--adapter` takes a
+saved one instead). Evaluation is on another text (docs/architecture.md,
 benchmarks/kl_divergence.py's chunks: the second half of each is scored). The float32
 base is the same file with `--quantization none` (exact dequantization; with a float32
 adapter it equals transformers' merged model, tests/models/test_lora.py). Rows:
@@ -105,6 +106,7 @@ def main() -> None:
     ap.add_argument("--chunks", type=int, default=4)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--train-steps", type=int, default=30)
+    ap.add_argument("--adapter", default=None, help="a PEFT folder instead of training one")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--lora-dtypes", nargs="+", default=["float32", "int8"],
                     choices=["float32", "bfloat16", "int8"])
@@ -112,8 +114,11 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model = resolve_model_path(args.model)
-    folder = tempfile.mkdtemp()
-    loss = train_adapter(model, folder, args.rank, args.train_steps, args.ctx)
+    folder, loss = args.adapter, float("nan")
+    if folder is None:
+        torch.manual_seed(0)
+        folder = tempfile.mkdtemp()
+        loss = train_adapter(model, folder, args.rank, args.train_steps, args.ctx)
     f32, low = load_model(model, quantization="none"), load_model(model, quantization="auto")
     token_chunks = chunks(f32.tokenizer, args.ctx, args.chunks)
     adapter = {d: load_adapter(folder, low.config, args.rank, dtype=getattr(torch, d))
@@ -124,9 +129,10 @@ def main() -> None:
     for d in args.lora_dtypes:
         rows[f"low-bit + adapter {d}"] = mean_kl(
             ref, LoRAForward(low, args.ctx, adapter[d]), token_chunks, args.ctx)
-    print(f"{os.path.basename(model)}, adapter rank {args.rank} on every projection, "
-          f"{args.train_steps} AdamW steps (last loss {loss:.3f}); {len(token_chunks)} "
-          f"chunks of {args.ctx}, second halves scored")
+    made = f"from {args.adapter}" if args.adapter else \
+        f"{args.train_steps} AdamW steps (last loss {loss:.3f})"
+    print(f"{os.path.basename(model)}, adapter rank {args.rank} on every projection, {made}; "
+          f"{len(token_chunks)} chunks of {args.ctx}, second halves scored")
     print(f"| {'row':<26} | mean KLD | p99 KLD | same top-1 |")
     print("|---|---|---|---|")
     for name, r in rows.items():
@@ -135,7 +141,8 @@ def main() -> None:
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"model": model, "ctx": args.ctx, "chunks": len(token_chunks),
-                   "rank": args.rank, "train_steps": args.train_steps, "train_loss": loss,
+                   "rank": args.rank, "adapter": args.adapter,
+                   "train_steps": args.train_steps, "train_loss": loss,
                    "rows": rows}, f, indent=1)
 
 
