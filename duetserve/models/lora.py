@@ -280,15 +280,13 @@ class LoRABatch:
     def apply(self, layer_id: int, linear: str, x: torch.Tensor, y: torch.Tensor) -> None:
         """y[rows] += B(A x[rows]) for each adapter that targets `linear` of the layer.
         Mutates y."""
-        used = [(i, a.layers[layer_id][linear]) for i, (a, _) in enumerate(self.groups)
-                if linear in a.layers[layer_id]]
-        if not used:
-            return
         if self._native is not None and x.dtype == y.dtype == torch.float32 and \
-                x.is_contiguous() and y.is_contiguous():
+                x.is_contiguous() and y.is_contiguous():     # skips adapters without it
             self._native.lora_apply(x, y, self._adapters, layer_id, LINEARS.index(linear),
                                     self.rows, self._offsets)
             return
+        used = [(i, a.layers[layer_id][linear]) for i, (a, _) in enumerate(self.groups)
+                if linear in a.layers[layer_id]]
         for i, w in used:
             rows = self.rows[self.offsets[i]:self.offsets[i + 1]]
             a, bt = w.dequantized()
