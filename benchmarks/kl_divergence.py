@@ -86,9 +86,10 @@ def kl(base: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
     return (base.exp() * (base - other)).sum(-1)
 
 
-def ours(model: str, token_chunks: list[list[int]], ctx: int, amx: bool = True) -> dict:
+def ours(model: str, token_chunks: list[list[int]], ctx: int, **switches) -> dict:
+    """The low-bit path (with `switches`, load_model's kernel switches) against float32."""
     return compare(Forward(load_model(model, quantization="none"), ctx),
-                   Forward(load_model(model, quantization="auto", amx=amx), ctx),
+                   Forward(load_model(model, quantization="auto", **switches), ctx),
                    token_chunks, ctx)
 
 
@@ -211,6 +212,9 @@ def main() -> None:
     ap.add_argument("--compare-amx", action="store_true",
                     help="also the low-bit path with --no-amx (on an AMX CPU: its many-row "
                          "steps on the dense path, prompt attention in float32)")
+    ap.add_argument("--compare-prefill-attention", action="store_true",
+                    help="also the low-bit path with --prefill-attention float32 (where the "
+                         "default runs prompt attention in bfloat16)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     workdir = os.path.dirname(os.path.abspath(args.out))
@@ -226,6 +230,9 @@ def main() -> None:
               "duetserve": ours(args.model, token_chunks, args.ctx)}
     if args.compare_amx:
         result["duetserve_no_amx"] = ours(args.model, token_chunks, args.ctx, amx=False)
+    if args.compare_prefill_attention:
+        result["duetserve_f32_attention"] = ours(args.model, token_chunks, args.ctx,
+                                                 prefill_attention="float32")
     bin_dir = _llama_bin(args)
     result["llama.cpp"] = llama_cpp(args.model, token_chunks, args.ctx, bin_dir,
                                     args.threads, workdir)
@@ -235,6 +242,10 @@ def main() -> None:
     if args.compare_amx:
         rows += [("duetserve prefill, --no-amx", result["duetserve_no_amx"]["prefill"]),
                  ("duetserve decode, --no-amx", result["duetserve_no_amx"]["decode"])]
+    if args.compare_prefill_attention:
+        r = result["duetserve_f32_attention"]
+        rows += [("duetserve prefill, f32 attn", r["prefill"]),
+                 ("duetserve decode, f32 attn", r["decode"])]
     for name, r in rows + [("llama.cpp", result["llama.cpp"])]:
         _row(name, r)
     with open(args.out, "w") as f:

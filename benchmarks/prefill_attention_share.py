@@ -4,7 +4,8 @@ of the attention backend's calls (the KV write included) is summed against the T
 Prints a table and writes JSON.
 
     PYTHONPATH=. .venv/bin/python benchmarks/prefill_attention_share.py --model M \\
-        [--prompt-lens 2048 8192] [--repeats 2] [--threads 2] [--out out/prefill_attention_share.json]
+        [--prompt-lens 2048 8192] [--repeats 2] [--threads 2] \\
+        [--prefill-attention auto|float32|bfloat16] [--out out/prefill_attention_share.json]
 
 Attention MACs are counted as a causal prompt's (2 x T^2 / 2 x heads x head_dim x layers),
 so GMAC/s compares the kernels' rate across lengths.
@@ -28,12 +29,15 @@ def main() -> None:
     ap.add_argument("--prompt-lens", type=int, nargs="+", default=[2048, 8192])
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prefill-attention", default="auto",
+                    help="EngineConfig.prefill_attention (auto, float32, bfloat16)")
     ap.add_argument("--out", default="out/prefill_attention_share.json")
     args = ap.parse_args()
     # the decoder layers call the backend through forward_qkv only (forward is inside it)
     timers = Timers()
     timers.wrap(attention.TorchAttention, "forward_qkv", "attention")
-    llm = LLM(model=args.model, num_threads=args.threads, max_model_len=max(args.prompt_lens) + 16)
+    llm = LLM(model=args.model, num_threads=args.threads, max_model_len=max(args.prompt_lens) + 16,
+              prefill_attention=args.prefill_attention)
     cfg = llm.engine.model_config
     vocab = cfg.vocab_size
     params = SamplingParams(max_tokens=1, temperature=0)

@@ -261,6 +261,7 @@ def kv_row_bytes(kv_dtype: str, head_dim: int) -> int:
     bits = 8 if kv_dtype == "int8" else 4
     return head_dim * bits // 8 + 2 * (head_dim // group)
 KQUANT_FORMS = ("measure", "exact", "widened")
+PREFILL_ATTENTION = ("auto", "float32", "bfloat16")
 SCHEDULING_POLICIES = ("slo", "fcfs")
 
 
@@ -376,6 +377,10 @@ class EngineConfig:
     amx: bool = True                    # many-row steps of low-bit weights on AMX bf16 tiles
                                         # where the CPU has them and they measured faster than
                                         # the dense path (models/kernels.py); False: dense path
+    # Prompt chunks' attention (full-attention layers of a low-bit model): "bfloat16" dot
+    # products (the native AVX512-BF16 kernel, or torch's bf16 flash beside AMX), "float32",
+    # or "auto": bfloat16 where the CPU has it and it measured faster (models/kernels.py).
+    prefill_attention: str = "auto"
     # Batch-invariant results: every step runs the same per-row kernels whatever its rows
     # (low-bit / float32 GEMVs, prompt tokens as decode rows of the paged attention), so a
     # request's tokens do not depend on what shares its steps, on chunking or on the prefix
@@ -430,6 +435,7 @@ class EngineConfig:
         check_one_of("quantization", self.quantization, QUANTIZATIONS)
         check_one_of("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         check_one_of("kquant_forms", self.kquant_forms, KQUANT_FORMS)
+        check_one_of("prefill_attention", self.prefill_attention, PREFILL_ATTENTION)
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a power of two > 0, got {self.block_size}")
         if self.kv_cache_memory <= 0:
@@ -471,13 +477,15 @@ class EngineConfig:
         """The options that change which kernels a step runs (the step-time cache key)."""
         return {k: getattr(self, k) for k in (
             "dtype", "quantization", "kv_cache_dtype", "native_kernels", "decode_stack",
-            "kquant_forms", "huge_pages", "kv_prefault", "deterministic", "amx")}
+            "kquant_forms", "huge_pages", "kv_prefault", "deterministic", "amx",
+            "prefill_attention")}
 
     def load_options(self) -> dict[str, object]:
         """The kernel switches as load_model's keywords (loader/__init__.py)."""
         return {"native": self.native_kernels, "decode_stack": self.decode_stack,
                 "kquant_forms": self.kquant_forms, "huge_pages": self.huge_pages,
-                "deterministic": self.deterministic, "amx": self.amx}
+                "deterministic": self.deterministic, "amx": self.amx,
+                "prefill_attention": self.prefill_attention}
 
     def to_json(self) -> dict:
         """Every field (the speculative config as a dict): `--print-config`."""

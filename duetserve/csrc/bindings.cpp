@@ -19,6 +19,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "causal attention of a prompt chunk over itself, [n, H, D] float32 (empty: not "
         "covered; window > 0: sliding window)",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("scale"), py::arg("window") = 0);
+  m.def("prefill_attention_bf16", &prefill_attention_bf16, nogil,
+        "causal attention of a chunk's rows (the last n of the context's L positions) over "
+        "k / v [L, KVH, D], bfloat16 dot products, [n, H, D] float32 (empty: not covered)",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("scale"));
+  m.def("bf16_attention_available", &bf16_attention_available,
+        "built with AVX512-BF16 (prefill_attention_bf16 runs)");
   m.def("q4_gemv", &q4_gemv, nogil, "x[M,K] f32 (int8 per 32) @ packed q4 W^T -> [M,N] f32 (few rows)");
   m.def("q4k_gemv", &q4k_gemv, nogil, "x[M,K] f32 (int8 per 32) @ packed q4k (Q4_K) W^T -> [M,N] f32 (few rows)");
   m.def("q4k_dequant_bf16", &q4k_dequant_bf16, nogil, "rows [a, b) of a packed q4k weight (K columns) as bf16");

@@ -11,6 +11,9 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
                                      int64_t window);
 torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
                                 double scale, int64_t window);
+torch::Tensor prefill_attention_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v,
+                                     double scale);
+bool bf16_attention_available();
 torch::Tensor q4_gemv(torch::Tensor x, torch::Tensor packed, int64_t N);
 torch::Tensor q4k_gemv(torch::Tensor x, torch::Tensor packed, int64_t N);
 torch::Tensor q4k_dequant_bf16(torch::Tensor packed, int64_t K, int64_t a, int64_t b);

@@ -44,7 +44,8 @@ def store_fingerprint(config: EngineConfig, loaded: LoadedModel, mcfg: ModelConf
             "planes": [[[p.shape[0], *p.shape[2:]], str(p.dtype)] for p in planes],
             "kv_groups": [[g.window, list(g.layer_ids)] for g in mcfg.kv_groups()],
             "kernels": {k: getattr(config, k) for k in ("native_kernels", "kquant_forms",
-                                                        "deterministic", "amx")}}
+                                                        "deterministic", "amx",
+                                                        "prefill_attention")}}
 
 
 class DiskCache:

@@ -7,7 +7,8 @@ import argparse
 import logging
 
 from duetserve.config import (DTYPES, KQUANT_FORMS, KV_CACHE_DTYPES, LORA_DTYPES,
-                              QUANTIZATIONS, SCHEDULING_POLICIES, ConfigError, EngineConfig)
+                              PREFILL_ATTENTION, QUANTIZATIONS, SCHEDULING_POLICIES,
+                              ConfigError, EngineConfig)
 from duetserve.entrypoints.cli import UserError
 from duetserve.outputs import OutputAccumulator
 
@@ -142,6 +143,11 @@ def _add_kernel_switches(k: argparse._ArgumentGroup) -> None:
                    help="run many-row steps of low-bit weights on the dense path even where "
                         "the CPU has AMX (by default AMX bf16 tiles run them when measured "
                         "faster)")
+    k.add_argument("--prefill-attention", default=EngineConfig().prefill_attention,
+                   choices=list(PREFILL_ATTENTION),
+                   help="prompt chunks' attention on a low-bit model: bfloat16 dot products "
+                        "(AVX512-BF16, or torch's bf16 flash beside AMX), float32, or auto: "
+                        "bfloat16 where the CPU has it and it measured faster (default)")
     k.add_argument("--no-huge-pages", dest="huge_pages", action="store_false",
                    help="leave the weights in the allocator's pages (default: moved into "
                         "2 MiB pages where the kernel offers transparent huge pages)")
@@ -167,6 +173,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             kv_store=args.kv_store, kv_store_max_gib=args.kv_store_max_gib,
             decode_stack=args.decode_stack, kquant_forms=args.kquant_forms,
             huge_pages=args.huge_pages, deterministic=args.deterministic, amx=args.amx,
+            prefill_attention=args.prefill_attention,
             step_time=args.step_time,
             check_integrity_when_idle=args.check_integrity_when_idle,
             max_num_batched_tokens=args.max_num_batched_tokens, max_step_ms=args.max_step_ms,

@@ -110,13 +110,13 @@ def load_model(path: str | None, dtype: str = "float32", device: str = "cpu",
                max_positions: int | None = None, quantization: str = "none",
                native: bool = True, decode_stack: bool = True, kquant_forms: str = "measure",
                huge_pages: bool = True, deterministic: bool = False,
-               amx: bool = True) -> LoadedModel:
+               amx: bool = True, prefill_attention: str = "auto") -> LoadedModel:
     """Read a checkpoint, build the model on meta, assign weights (packing them low-bit
     per `quantization`, see loader/quantize.py), build rotary tables, and calibrate the
     kernel policy. `dtype` "auto" means float32 activations with many-row GEMMs in bf16
     where this CPU runs bf16 fast (models/kernels.py). The kernel switches (EngineConfig's
-    native_kernels, decode_stack, kquant_forms, huge_pages, deterministic, amx) are applied
-    here: `deterministic` makes every linear and activation run its per-row kernel at any
+    native_kernels, decode_stack, kquant_forms, huge_pages, deterministic, amx,
+    prefill_attention) are applied here: `deterministic` makes every linear and activation run its per-row kernel at any
     row count (kernels.make_row_invariant) instead of calibrating the row bounds."""
     t0 = time.perf_counter()
     set_mmap_threshold(LOAD_MMAP_THRESHOLD)      # no heap holes from the packing (huge_pages.py)
@@ -183,7 +183,7 @@ def load_model(path: str | None, dtype: str = "float32", device: str = "cpu",
     if deterministic:
         dense_kernels = make_row_invariant(model, policy)
     elif policy is not None:
-        finish_policy(model, policy, amx)
+        finish_policy(model, policy, amx, prefill_attention)
     pages = place_weights(model, huge_pages) if device == "cpu" else ""
     if not deterministic:
         dense_kernels = finish_dense(model) if device == "cpu" else ""   # timed in place

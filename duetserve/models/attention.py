@@ -135,6 +135,10 @@ class TorchAttention(AttentionBackend):
         # oneDNN's bf16 tiles measured faster than the float32 kernels
         # (kernels.finish_prefill_attention). Full-attention layers only.
         self.bf16_prefill = False
+        # Every prompt chunk's attention (cached context or not) through the native
+        # bfloat16 dot-product kernel (prefill_attention_bf16) where set: kernels.
+        # finish_prefill_attention, where the CPU has AVX512-BF16 and it measured faster.
+        self.bf16_kernel = None
 
     def forward_qkv(self, qkv, kv_cache, meta):
         """Decode-only steps with the native kernels: two calls per layer (rotary + cache
@@ -180,6 +184,9 @@ class TorchAttention(AttentionBackend):
         # the flash kernels' dtype (bf16_prefill); the small grouped path stays float32
         fd = torch.bfloat16 if self.bf16_prefill and self.window is None else q.dtype
         for p in meta.prefills:
+            if self.bf16_kernel is not None and self._bf16_chunk(q, k, v, k_flat, v_flat, p,
+                                                                 out):
+                continue
             if p.mask is None and fd == q.dtype and self._native_prefill(q, k, v, p, out):
                 continue
             qp = q[p.start:p.end].transpose(0, 1)                # [H, n, hd]
@@ -222,6 +229,27 @@ class TorchAttention(AttentionBackend):
             return False
         o = self.prefill_native(q[p.start:p.end].float(), k[p.start:p.end].float(),
                                 v[p.start:p.end].float(), self.scale, self.window_arg)
+        if o.numel() == 0:
+            return False
+        out[p.start:p.end] = o
+        return True
+
+    def _bf16_chunk(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    k_flat: torch.Tensor, v_flat: torch.Tensor, p: PrefillSeq,
+                    out: torch.Tensor) -> bool:
+        """A prompt chunk through the native bfloat16 kernel (csrc/prefill_attention.cpp:
+        the chunk's rows are the last of its context, key blocks aligned to position 0, so
+        a row's result does not depend on how the prompt was chunked): over its own K/V,
+        or over the context gathered from the cache (in the cache's dtype where that is
+        float32 or bfloat16: a bf16 cache is copied at half the bytes and read exactly).
+        Writes out[p.start:p.end]; False where the kernel does not cover the shape."""
+        if p.mask is None:
+            kc, vc = k[p.start:p.end], v[p.start:p.end]
+        else:
+            dt = k_flat.dtype if k_flat.dtype in (torch.float32, torch.bfloat16) else q.dtype
+            kc = self._gather(k_flat, p.ctx_slots, dt).transpose(0, 1)   # [L, KVH, hd]
+            vc = self._gather(v_flat, p.ctx_slots, dt).transpose(0, 1)
+        o = self.bf16_kernel(q[p.start:p.end].float(), kc, vc, self.scale)
         if o.numel() == 0:
             return False
         out[p.start:p.end] = o

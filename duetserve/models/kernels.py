@@ -311,11 +311,27 @@ def choose_many_rows(layer: QuantLinear, amx: bool) -> tuple[str, str]:
     return "dense", f"dense path, AMX bf16 tiles only {speedup:.2f}x it at {AMX_PROBE_ROWS} rows"
 
 
-def bf16_attention_speedup(heads: int, kv_heads: int, head_dim: int) -> float:
+def bf16_attention_kernel(policy: KernelPolicy, heads: int, kv_heads: int,
+                          head_dim: int) -> str | None:
+    """Which bfloat16 prompt attention this build and CPU offer for these heads: "native"
+    (the AVX512-BF16 kernel, csrc/prefill_attention.cpp, where it covers the head size),
+    "torch" (torch's bf16 flash SDPA, oneDNN's AMX tiles: only where the many-row steps
+    run on AMX), or None."""
+    native = ops()
+    if native is not None and native.bf16_attention_available():
+        one = [torch.zeros(1, h, head_dim) for h in (heads, kv_heads, kv_heads)]
+        if native.prefill_attention_bf16(*one, 1.0).numel():
+            return "native"
+    return "torch" if policy.many_rows == "amx" else None
+
+
+def bf16_attention_speedup(heads: int, kv_heads: int, head_dim: int,
+                           kernel: str = "torch") -> float:
     """Time of the float32 causal prefill attention this engine runs on a fresh
     AMX_PROBE_ROWS-token chunk (the native kernel where built, else torch's flash SDPA) /
-    torch's flash SDPA on the same chunk in bfloat16 (oneDNN's AMX tiles). Best of 3,
-    alternated. Measured once per CPU, thread count and head shape."""
+    the same chunk in bfloat16 (`kernel` "native": csrc's vdpbf16ps kernel; "torch": torch's
+    flash SDPA, oneDNN's AMX tiles). Best of 3, alternated. Measured once per CPU, thread
+    count, head shape and kernel."""
     import torch.nn.functional as F
 
     def measure() -> float:
@@ -323,51 +339,74 @@ def bf16_attention_speedup(heads: int, kv_heads: int, head_dim: int) -> float:
         q, k, v = (torch.randn(n, h, head_dim) for h in (heads, kv_heads, kv_heads))
         native = ops()
         gqa = heads != kv_heads
+        scale = head_dim ** -0.5
 
         def sdpa(dtype):
             qt, kt, vt = (t.transpose(0, 1)[None].to(dtype) for t in (q, k, v))
             return F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=gqa)
 
         def fp32():
-            o = native.prefill_attention(q, k, v, head_dim ** -0.5) if native else None
+            o = native.prefill_attention(q, k, v, scale) if native else None
             if o is None or o.numel() == 0:
                 sdpa(torch.float32)
+
+        def bf16():
+            if kernel == "native":
+                native.prefill_attention_bf16(q, k, v, scale)
+            else:
+                sdpa(torch.bfloat16)
         best = {"fp32": float("inf"), "bf16": float("inf")}
         for i in range(4):
-            for name, fn in (("fp32", fp32), ("bf16", lambda: sdpa(torch.bfloat16))):
+            for name, fn in (("fp32", fp32), ("bf16", bf16)):
                 t = time.perf_counter()
                 fn()
                 if i:
                     best[name] = min(best[name], time.perf_counter() - t)
         return round(best["fp32"] / best["bf16"], 3)
     return float(_cached(_key("bf16_attention_speedup", heads, kv_heads, head_dim,
-                              AMX_PROBE_ROWS, "native-v1"), measure))
+                              AMX_PROBE_ROWS, kernel, "native-v2"), measure))
 
 
-def finish_prefill_attention(model: torch.nn.Module, policy: KernelPolicy) -> str:
-    """Where the many-row steps run on AMX, prompt chunks' flash attention in bfloat16 when
-    `bf16_attention_speedup` finds it faster (TorchAttention.bf16_prefill on every
-    full-attention backend). Mutates the model's attention backends. Returns the reason
-    ("" where the many-row path is not AMX)."""
+def finish_prefill_attention(model: torch.nn.Module, policy: KernelPolicy,
+                             mode: str = "auto") -> str:
+    """Prompt chunks' attention on the full-attention backends (EngineConfig.
+    prefill_attention): in bfloat16 dot products (`bf16_attention_kernel`: the native
+    kernel sets TorchAttention.bf16_kernel, every chunk with or without cached context;
+    torch's sets TorchAttention.bf16_prefill, its flash calls in bf16) when `mode` is
+    "bfloat16", or "auto" and `bf16_attention_speedup` finds it faster; else float32.
+    Sliding-window backends stay float32. Mutates the backends. Returns the reason ("" for
+    a model without full-attention backends)."""
     from duetserve.models.attention import TorchAttention
     backends = {id(b): b for m in model.modules()
                 if isinstance(b := getattr(m, "backend", None), TorchAttention)
                 and b.window is None}
-    if policy.many_rows != "amx" or not backends:
+    if not backends:
         return ""
     b = next(iter(backends.values()))
-    speedup = bf16_attention_speedup(b.num_heads, b.num_kv_heads, b.head_dim)
+    kernel = bf16_attention_kernel(policy, b.num_heads, b.num_kv_heads, b.head_dim)
+    if mode == "float32" or kernel is None:
+        use, why = False, ("--prefill-attention float32" if mode == "float32" else
+                           "no bf16 kernel here for these heads (AVX512-BF16 or AMX)")
+    elif mode == "bfloat16":
+        use, why = True, "--prefill-attention bfloat16"
+    else:
+        speedup = bf16_attention_speedup(b.num_heads, b.num_kv_heads, b.head_dim, kernel)
+        use = speedup > 1.0
+        why = f"{kernel} bf16 kernel {speedup:.2f}x float32 at {AMX_PROBE_ROWS} tokens"
+    native = ops()
     for b in backends.values():
-        b.bf16_prefill = speedup > 1.0
-    return (f"prompt attention in {'bf16' if speedup > 1.0 else 'float32'} (bf16 flash "
-            f"{speedup:.2f}x float32 at {AMX_PROBE_ROWS} tokens)")
+        b.bf16_kernel = native.prefill_attention_bf16 if use and kernel == "native" else None
+        b.bf16_prefill = use and kernel == "torch"
+    return f"prompt attention in {'bf16' if use else 'float32'} ({why})"
 
 
-def finish_policy(model: torch.nn.Module, policy: KernelPolicy, amx: bool = True) -> None:
+def finish_policy(model: torch.nn.Module, policy: KernelPolicy, amx: bool = True,
+                  prefill_attention: str = "auto") -> None:
     """Choose the many-row path (`choose_many_rows`), then calibrate
-    `policy.lowbit_max_rows` against it on the model's largest quantized linear, and say
-    what was decided and why in `policy.reason` (the start-up log's kernel line).
-    Mutates `policy` (shared by every QuantLinear)."""
+    `policy.lowbit_max_rows` against it on the model's largest quantized linear, then
+    the prompt attention's dtype (`finish_prefill_attention`, `prefill_attention` its mode),
+    and say what was decided and why in `policy.reason` (the start-up log's kernel line).
+    Mutates `policy` (shared by every QuantLinear) and the attention backends."""
     layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
     if not layers:
         return
@@ -391,7 +430,7 @@ def finish_policy(model: torch.nn.Module, policy: KernelPolicy, amx: bool = True
     else:
         policy.reason += (f"; low-bit kernels for steps of <= {rows} rows, many-row path "
                           f"({many}) above (faster there, {measured})")
-    attention = finish_prefill_attention(model, policy)
+    attention = finish_prefill_attention(model, policy, prefill_attention)
     if attention:
         policy.reason += f"; {attention}"
 

@@ -221,20 +221,48 @@ def test_no_amx_switch_or_cpu_never_takes_the_amx_path(monkeypatch, amx_cpu) -> 
     assert not any("amx_speedup" in key for key in fake.keys)
 
 
-@pytest.mark.parametrize("many_rows,speedup,want", [("amx", 3.0, True), ("amx", 0.8, False),
-                                                    ("dense", 3.0, False)])
-def test_prompt_attention_in_bf16_only_beside_amx_and_where_faster(monkeypatch, many_rows,
-                                                                   speedup, want) -> None:
-    """Prompt chunks' flash attention runs in bf16 where the many-row path is AMX and
-    oneDNN's bf16 flash measured faster than the float32 kernel; the sliding-window
-    backends never change."""
+class FakeAttentionOps:
+    """The native module as the prompt-attention choice sees it: with or without the
+    AVX512-BF16 kernel, whatever this CPU has."""
+
+    def __init__(self, bf16: bool) -> None:
+        self.bf16 = bf16
+
+    def bf16_attention_available(self) -> bool:
+        return self.bf16
+
+    def prefill_attention_bf16(self, q, k, v, scale):
+        """The choice only asks whether the kernel covers the heads (one row)."""
+        assert q.shape[0] == 1 and self.bf16
+        return torch.zeros(1)
+
+
+@pytest.mark.parametrize("native_bf16,many_rows,mode,speedup,want", [
+    (True, "dense", "auto", 2.0, "native"), (True, "dense", "auto", 0.8, None),
+    (True, "amx", "auto", 2.0, "native"), (True, "dense", "float32", 2.0, None),
+    (True, "dense", "bfloat16", 0.8, "native"),
+    (False, "amx", "auto", 3.0, "torch"), (False, "amx", "auto", 0.8, None),
+    (False, "dense", "auto", 3.0, None), (False, "dense", "bfloat16", 3.0, None)])
+def test_prompt_attention_in_bf16_where_the_cpu_has_it_and_it_is_faster(
+        monkeypatch, native_bf16, many_rows, mode, speedup, want) -> None:
+    """Prompt chunks' attention runs in bf16 dot products where the CPU has them (the
+    native AVX512-BF16 kernel; else torch's bf16 flash beside AMX many-row steps) and,
+    under --prefill-attention auto, they measured faster; `float32` never, `bfloat16`
+    wherever a kernel exists. Sliding-window backends never change."""
     from duetserve.models.attention import TorchAttention
-    monkeypatch.setattr(kernels, "bf16_attention_speedup", lambda h, kvh, d: speedup)
+    measured = []
+    monkeypatch.setattr(kernels, "ops", lambda: FakeAttentionOps(native_bf16))
+    monkeypatch.setattr(kernels, "bf16_attention_speedup",
+                        lambda h, kvh, d, kernel: measured.append(kernel) or speedup)
     full, window = TorchAttention(4, 2, 64), TorchAttention(4, 2, 64, window=32)
     model = torch.nn.Sequential(*(type("L", (torch.nn.Module,), {})() for _ in range(2)))
     model[0].backend, model[1].backend = full, window
-    reason = kernels.finish_prefill_attention(model, KernelPolicy(many_rows=many_rows))
-    assert full.bf16_prefill is want and window.bf16_prefill is False
-    assert (reason == "") is (many_rows == "dense")
-    if many_rows == "amx":
-        assert f"{speedup:.2f}x" in reason and ("bf16" if want else "float32") in reason
+    reason = kernels.finish_prefill_attention(model, KernelPolicy(many_rows=many_rows), mode)
+    assert (full.bf16_kernel is not None) is (want == "native")
+    assert full.bf16_prefill is (want == "torch")
+    assert window.bf16_kernel is None and window.bf16_prefill is False
+    assert ("prompt attention in bf16" if want else "prompt attention in float32") in reason
+    available = "native" if native_bf16 else "torch" if many_rows == "amx" else None
+    assert measured == ([available] if mode == "auto" and available else [])
+    if measured:
+        assert f"{speedup:.2f}x" in reason

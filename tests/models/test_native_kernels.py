@@ -663,6 +663,125 @@ def test_bfloat16_prefill_runs_the_native_kernel_in_float32():
     torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=1e-2)   # bf16 output
 
 
+needs_bf16 = pytest.mark.skipif(native is None or not native.bf16_attention_available(),
+                                reason="no AVX512-BF16 attention kernel in this build")
+
+
+def _bf16_rounded_reference(q, k, v, start, scale=None):
+    """Causal attention of rows at positions start.. over k, v [L, KVH, hd], float32 math
+    on q, k, v rounded to bf16 as the kernel rounds them (float32 keys less the first)."""
+    n, heads, hd = q.shape
+    if k.dtype == torch.float32:
+        k = (k - k[:1]).bfloat16().float() + k[:1]
+    r = [t.bfloat16().float().transpose(0, 1) for t in (q, k, v)]
+    mask = torch.arange(k.shape[0])[None, :] <= (start + torch.arange(n))[:, None]
+    return F.scaled_dot_product_attention(r[0], r[1], r[2], attn_mask=mask, enable_gqa=True,
+                                          scale=scale).transpose(0, 1)
+
+
+@needs_bf16
+@pytest.mark.parametrize("n,ctx,heads,kvh,hd,kv_dtype", [
+    (1, 1, 4, 4, 64, torch.float32), (31, 31, 9, 3, 64, torch.float32),
+    (100, 100, 6, 2, 128, torch.bfloat16), (5, 133, 6, 2, 128, torch.float32),
+    (70, 200, 8, 1, 256, torch.bfloat16), (64, 129, 4, 2, 64, torch.float32)])
+def test_bf16_prompt_attention_matches_the_causal_reference(n, ctx, heads, kvh, hd, kv_dtype):
+    """prefill_attention_bf16: a chunk of n rows, the last of a ctx-token context, equals
+    float32 causal attention on bf16-rounded inputs to within the rounding of its softmax
+    weights (bf16), and float32 attention to within bf16 rounding."""
+    g = torch.Generator().manual_seed(n + ctx)
+    q = torch.randn(n, heads, hd, generator=g)
+    k, v = (torch.randn(ctx, kvh, hd, generator=g).to(kv_dtype) for _ in range(2))
+    got = native.prefill_attention_bf16(q, k, v, hd ** -0.5)
+    assert got.shape == (n, heads, hd) and got.dtype == torch.float32
+    torch.testing.assert_close(got, _bf16_rounded_reference(q, k, v, ctx - n),
+                               rtol=0, atol=6e-3)
+    want = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.float().transpose(0, 1), v.float().transpose(0, 1),
+        attn_mask=torch.arange(ctx)[None, :] <= (ctx - n + torch.arange(n))[:, None],
+        enable_gqa=True).transpose(0, 1)
+    torch.testing.assert_close(got, want, rtol=0, atol=3e-2)
+
+
+@needs_bf16
+def test_bf16_prompt_attention_does_not_depend_on_the_chunking():
+    """A row's result is the same bits whether its prompt ran whole or in chunks after
+    cached context (key blocks aligned to position 0), and the backend's chunk path over
+    a paged cache gives what the kernel gives on the gathered context."""
+    from duetserve.models.attention import PrefillSeq, TorchAttention
+    q, k, v = _qkv_views(150, 6, 2, 64, seed=5)
+    whole = native.prefill_attention_bf16(q, k, v, 64 ** -0.5)
+    for a, b in ((0, 37), (37, 101), (101, 150)):
+        part = native.prefill_attention_bf16(q[a:b], k[:b], v[:b], 64 ** -0.5)
+        assert torch.equal(part, whole[a:b])
+    backend = TorchAttention(6, 2, 64)
+    backend.bf16_kernel = native.prefill_attention_bf16
+    slots = torch.randperm(160)[:150]                        # a scattered paged context
+    k_flat, v_flat = torch.zeros(2, 160, 64), torch.zeros(2, 160, 64)
+    k_flat[:, slots], v_flat[:, slots] = k.transpose(0, 1), v.transpose(0, 1)
+    out = torch.zeros(150, 6, 64)
+    seq = PrefillSeq(101, 150, slots, torch.ones(49, 150, dtype=torch.bool))
+    assert backend._bf16_chunk(q, k, v, k_flat, v_flat, seq, out)
+    assert torch.equal(out[101:], whole[101:]) and not out[:101].any()
+
+
+@needs_bf16
+def test_engine_runs_prompt_attention_in_bf16_on_a_low_bit_model(tmp_path):
+    """--prefill-attention bfloat16 on a low-bit model with 64-wide heads: every prompt
+    chunk, fresh or after cached context, goes through the bf16 kernel (float32 leaves it
+    unset), and the engine's first tokens and log-probabilities match those of the same
+    engine with the kernel replaced by float32 attention on the same bf16-rounded inputs,
+    to within what rounding the softmax weights moves them on this random model (a wrong
+    context or offset moves them by far more; test_bf16_prompt_attention_does_not_depend_
+    on_the_chunking checks the chunk path bit for bit)."""
+    from tiny_models import make_tiny_checkpoint
+    from duetserve.config import EngineConfig
+    from duetserve.engine.engine_core import EngineCore
+    from duetserve.engine.llm import LLM
+    from duetserve.loader import load_model
+    from duetserve.models.attention import TorchAttention
+    from duetserve.sampling_params import SamplingParams
+    from safetensors.torch import load_file, save_file
+    path = make_tiny_checkpoint(str(tmp_path / "m"), "llama-gqa-untied", hidden_size=256)
+    weights = load_file(f"{path}/model.safetensors")
+    for name in weights:        # softer scores (the helper's are sharp: std ~10 at 64 dims)
+        if "q_proj" in name or "k_proj" in name:
+            weights[name] = weights[name] * 0.3
+    save_file(weights, f"{path}/model.safetensors", metadata={"format": "pt"})
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(3, 290, (n,), generator=g).tolist() for n in (20, 75, 200)]
+    sp = SamplingParams(temperature=0.0, max_tokens=1, logprobs=1)
+    firsts = {}
+    for mode in ("float32", "bfloat16", "emulated"):
+        loaded = load_model(path, quantization="int8",
+                            prefill_attention="float32" if mode == "float32" else "bfloat16")
+        backends = [m.backend for m in loaded.model.modules()
+                    if isinstance(getattr(m, "backend", None), TorchAttention)]
+        assert backends and all((b.bf16_kernel is not None) is (mode != "float32")
+                                for b in backends)
+        calls = []
+
+        def spy(kernel):
+            def run(q, k, v, scale):
+                calls.append((q.shape[0], k.shape[0]))
+                if mode == "emulated":
+                    return _bf16_rounded_reference(q, k, v, k.shape[0] - q.shape[0], scale)
+                return kernel(q, k, v, scale)
+            return run
+        for b in backends:
+            if b.bf16_kernel is not None:
+                b.bf16_kernel = spy(b.bf16_kernel)
+        cfg = EngineConfig(model=path, quantization="int8", num_threads=2,
+                           step_time=pinned_step_time(), max_num_batched_tokens=96)
+        llm = LLM.from_engine(EngineCore(cfg, loaded=loaded))   # chunks > 64: not decode rows
+        outs = [llm.generate([p], sp)[0].outputs[0] for p in prompts]
+        firsts[mode] = [(o.token_ids[0], o.logprobs[0][o.token_ids[0]].logprob) for o in outs]
+        if mode != "float32":
+            assert any(n < ctx for n, ctx in calls) and any(n == ctx for n, ctx in calls)
+    for (t, lp), (te, lpe) in zip(firsts["bfloat16"], firsts["emulated"]):
+        assert t == te and abs(lp - lpe) < 0.1      # seen: <= 0.036 (the P rounding)
+    assert firsts["float32"] != firsts["bfloat16"]          # a different kernel ran
+
+
 def test_finish_dense_sets_the_measured_gemv_bound(tiny_checkpoints, monkeypatch):
     """finish_dense puts the calibrated row bound on every float32 linear and on the model
     (tied LM head, decode stack); dense_linear runs the GEMV up to it and oneDNN above,
