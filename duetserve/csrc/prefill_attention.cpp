@@ -211,6 +211,21 @@ inline void bf16_pairs(const at::BFloat16* s, int64_t D, uint32_t* d) {
   std::memcpy(d, s, D * sizeof(at::BFloat16));
 }
 
+// One step of the R x 64 tiles both products use: acc[r][j] += the 16 pairs at
+// b + 16 j times row r's pair a[r * astride] (rows past rr - 1 repeat the last).
+inline void dp_step(__m512 (&acc)[R][4], const uint32_t* b, const uint32_t* a,
+                    int64_t astride, int64_t rr) {
+  const __m512bh b0 = as_bh(_mm512_loadu_si512(b)), b1 = as_bh(_mm512_loadu_si512(b + 16)),
+                 b2 = as_bh(_mm512_loadu_si512(b + 32)), b3 = as_bh(_mm512_loadu_si512(b + 48));
+  for (int64_t r = 0; r < R; ++r) {
+    const __m512bh x = as_bh(_mm512_set1_epi32(static_cast<int>(a[std::min(r, rr - 1) * astride])));
+    acc[r][0] = _mm512_dpbf16_ps(acc[r][0], b0, x);
+    acc[r][1] = _mm512_dpbf16_ps(acc[r][1], b1, x);
+    acc[r][2] = _mm512_dpbf16_ps(acc[r][2], b2, x);
+    acc[r][3] = _mm512_dpbf16_ps(acc[r][3], b3, x);
+  }
+}
+
 template <int NV>
 void attend_bf16(const float* Qh, int64_t qs, int64_t q0, int64_t rows, int64_t off,
                  const uint32_t* Kp, const uint32_t* Vp, int64_t np, float* out, int64_t os,
@@ -235,18 +250,8 @@ void attend_bf16(const float* Qh, int64_t qs, int64_t q0, int64_t rows, int64_t 
       __m512 acc[R][4];
       for (int64_t r = 0; r < R; ++r)
         for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
-      for (int64_t d2 = 0; d2 < D2; ++d2) {
-        const uint32_t* kt = Kp + d2 * np + k0;
-        const __m512bh k0v = as_bh(_mm512_loadu_si512(kt)), k1v = as_bh(_mm512_loadu_si512(kt + 16)),
-                       k2v = as_bh(_mm512_loadu_si512(kt + 32)), k3v = as_bh(_mm512_loadu_si512(kt + 48));
-        for (int64_t r = 0; r < R; ++r) {
-          const __m512bh qv = as_bh(_mm512_set1_epi32(static_cast<int>(Qb[r0 + std::min(r, rr - 1)][d2])));
-          acc[r][0] = _mm512_dpbf16_ps(acc[r][0], k0v, qv);
-          acc[r][1] = _mm512_dpbf16_ps(acc[r][1], k1v, qv);
-          acc[r][2] = _mm512_dpbf16_ps(acc[r][2], k2v, qv);
-          acc[r][3] = _mm512_dpbf16_ps(acc[r][3], k3v, qv);
-        }
-      }
+      for (int64_t d2 = 0; d2 < D2; ++d2)
+        dp_step(acc, Kp + d2 * np + k0, &Qb[r0][d2], D2, rr);
       const __m512 sc = _mm512_set1_ps(scale);
       for (int64_t r = 0; r < rr; ++r)
         for (int j = 0; j < 4; ++j) _mm512_store_ps(&S[r0 + r][16 * j], _mm512_mul_ps(acc[r][j], sc));
@@ -292,18 +297,8 @@ void attend_bf16(const float* Qh, int64_t qs, int64_t q0, int64_t rows, int64_t 
           const __m512 av = _mm512_set1_ps(alpha[rc]);
           for (int i = 0; i < 4; ++i) o[r][i] = _mm512_mul_ps(_mm512_load_ps(&O[rc][16 * (c0 + i)]), av);
         }
-        for (int64_t jp = 0; jp < npairs; ++jp) {
-          const uint32_t* vr = vb + jp * D + 16 * c0;
-          const __m512bh v0 = as_bh(_mm512_loadu_si512(vr)), v1 = as_bh(_mm512_loadu_si512(vr + 16)),
-                         v2 = as_bh(_mm512_loadu_si512(vr + 32)), v3 = as_bh(_mm512_loadu_si512(vr + 48));
-          for (int64_t r = 0; r < R; ++r) {
-            const __m512bh pv = as_bh(_mm512_set1_epi32(static_cast<int>(P[r0 + std::min(r, rr - 1)][jp])));
-            o[r][0] = _mm512_dpbf16_ps(o[r][0], v0, pv);
-            o[r][1] = _mm512_dpbf16_ps(o[r][1], v1, pv);
-            o[r][2] = _mm512_dpbf16_ps(o[r][2], v2, pv);
-            o[r][3] = _mm512_dpbf16_ps(o[r][3], v3, pv);
-          }
-        }
+        for (int64_t jp = 0; jp < npairs; ++jp)
+          dp_step(o, vb + jp * D + 16 * c0, &P[r0][jp], KB / 2, rr);
         for (int64_t r = 0; r < rr; ++r)
           for (int i = 0; i < 4; ++i) _mm512_store_ps(&O[r0 + r][16 * (c0 + i)], o[r][i]);
       }
