@@ -117,6 +117,21 @@ void attend(const float* Qh, int64_t qs, int64_t q0, int64_t rows, const float* 
   }
 }
 
+// fn(h, g, q0, rows) for every task (query head h of KV head g, rows q0 .. q0 + rows - 1),
+// in parallel. Within a head, blocks alternate early / late (0, nb-1, 1, nb-2, ...), so a
+// contiguous share of tasks that cuts a head in two still gets an even mix of causal work.
+template <typename F>
+void for_query_blocks(int64_t n, int64_t H, int64_t G, const F& fn) {
+  const int64_t nb = (n + QB - 1) / QB;
+  at::parallel_for(0, H * nb, 1, [&](int64_t a, int64_t b) {
+    for (int64_t task = a; task < b; ++task) {
+      const int64_t h = task / nb, i = task % nb;
+      const int64_t q0 = (i % 2 == 0 ? i / 2 : nb - 1 - i / 2) * QB;
+      fn(h, h / G, q0, std::min(QB, n - q0));
+    }
+  });
+}
+
 template <int NV>
 void run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
          torch::Tensor& out, float scale, int64_t window) {
@@ -134,17 +149,9 @@ void run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
   const float* qp = q.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const int64_t nb = (n + QB - 1) / QB;
-  at::parallel_for(0, H * nb, 1, [&](int64_t a, int64_t b) {
-    for (int64_t task = a; task < b; ++task) {
-      // within a head, blocks alternate early / late (0, nb-1, 1, nb-2, ...), so a
-      // contiguous share of tasks that cuts a head in two still gets an even mix
-      const int64_t h = task / nb, i = task % nb, g = h / G;
-      const int64_t q0 = (i % 2 == 0 ? i / 2 : nb - 1 - i / 2) * QB;
-      attend<NV>(qp + q0 * q.stride(0) + h * D, q.stride(0), q0, std::min(QB, n - q0),
-                 kt.data() + g * D * np, np, vp + g * D, v.stride(0),
-                 op + (q0 * H + h) * D, H * D, scale, window);
-    }
+  for_query_blocks(n, H, G, [&](int64_t h, int64_t g, int64_t q0, int64_t rows) {
+    attend<NV>(qp + q0 * q.stride(0) + h * D, q.stride(0), q0, rows, kt.data() + g * D * np,
+               np, vp + g * D, v.stride(0), op + (q0 * H + h) * D, H * D, scale, window);
   });
 }
 
@@ -353,15 +360,10 @@ void run_bf16(const torch::Tensor& q, const torch::Tensor& k, const torch::Tenso
   });
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const int64_t nb = (n + QB - 1) / QB;
-  at::parallel_for(0, H * nb, 1, [&](int64_t a, int64_t b) {
-    for (int64_t task = a; task < b; ++task) {
-      const int64_t h = task / nb, i = task % nb, g = h / G;
-      const int64_t q0 = (i % 2 == 0 ? i / 2 : nb - 1 - i / 2) * QB;
-      attend_bf16<NV>(qp + q0 * q.stride(0) + h * D, q.stride(0), q0, std::min(QB, n - q0),
-                      off, kp.data() + g * D2 * np, vp.data() + g * np / 2 * D, np,
-                      op + (q0 * H + h) * D, H * D, scale);
-    }
+  for_query_blocks(n, H, G, [&](int64_t h, int64_t g, int64_t q0, int64_t rows) {
+    attend_bf16<NV>(qp + q0 * q.stride(0) + h * D, q.stride(0), q0, rows, off,
+                    kp.data() + g * D2 * np, vp.data() + g * np / 2 * D, np,
+                    op + (q0 * H + h) * D, H * D, scale);
   });
 }
 
