@@ -116,8 +116,9 @@ def load_model(path: str | None, dtype: str = "float32", device: str = "cpu",
     kernel policy. `dtype` "auto" means float32 activations with many-row GEMMs in bf16
     where this CPU runs bf16 fast (models/kernels.py). The kernel switches (EngineConfig's
     native_kernels, decode_stack, kquant_forms, huge_pages, deterministic, amx,
-    prefill_attention) are applied here: `deterministic` makes every linear and activation run its per-row kernel at any
-    row count (kernels.make_row_invariant) instead of calibrating the row bounds."""
+    prefill_attention) are applied here: `deterministic` makes every linear and activation
+    run its per-row kernel at any row count (kernels.make_row_invariant) instead of
+    calibrating the row bounds."""
     t0 = time.perf_counter()
     set_mmap_threshold(LOAD_MMAP_THRESHOLD)      # no heap holes from the packing (huge_pages.py)
     set_native_enabled(native)
