@@ -7,7 +7,9 @@ max_num_batched_tokens) a fresh process builds one `LLM` with --threads threads 
 prefix caching off, warms up with one request of each prompt length, then for each
 prompt length times --repeats fresh requests (unique prompts, max_tokens=1): prefill
 tok/s = prompt tokens / TTFT (arrival to first token, so it includes the one sampling
-step), the median reported. Prints a table and writes JSON: every run, and per
+step), the median reported. With --alternate, every configuration is built in one process
+and they take turns prompt by prompt (the order rotated each round), so the machine's drift
+falls on all alike. Prints a table and writes JSON: every run, and per
 configuration the start-up's kernel decision (the weights line of the log), its few-row
 limit and its step budget.
 
@@ -36,40 +38,69 @@ def _prompt(length: int, seed: int, vocab: int) -> list[int]:
     return [(7919 * (i + 1) + 104729 * seed) % (vocab - 300) + 100 for i in range(length)]
 
 
-def bench_config(model: str, threads: int, budget: int | None, prompt_lens: list[int],
-                 repeats: int, quantization: str, dtype: str, amx: bool = True) -> dict:
-    """One configuration in this process: {"budget", "load_s", "kernels", "few_row_limit",
-    "max_num_batched_tokens", "step_budget", "runs": {len: [tok/s]}, "tok_s": {len:
-    median}}."""
-    from duetserve import LLM, SamplingParams
-    from duetserve.config import describe_row_limit
-    from duetserve.models.kernels import few_row_limit
+def _build(model: str, threads: int, budget: int | None, prompt_lens: list[int],
+           quantization: str, dtype: str, amx: bool = True):
+    """(LLM, load seconds) of one configuration, warmed up with one request of each
+    prompt length."""
+    from duetserve import LLM
     t0 = time.perf_counter()
     llm = LLM(model=model, num_threads=threads, quantization=quantization, dtype=dtype,
               kv_cache_memory=0.5, max_model_len=max(prompt_lens) + 16,
               max_num_batched_tokens=budget, enable_prefix_caching=False, amx=amx)
     load_s = time.perf_counter() - t0
-    engine = llm.engine
-    vocab = engine.model_config.vocab_size
+    for i, n in enumerate(prompt_lens):
+        _tok_s(llm, n, 10_000 * (budget or 1) + i)
+    return llm, load_s
+
+
+def _tok_s(llm, n: int, seed: int) -> float:
+    """Prefill tok/s of one fresh n-token prompt: n / TTFT."""
+    from duetserve import SamplingParams
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    seed = 0
-    for n in prompt_lens:                                  # warm-up
-        seed += 1
-        llm.generate([_prompt(n, seed, vocab)], params)
-    runs: dict[str, list[float]] = {}
-    for n in prompt_lens:
-        runs[str(n)] = []
-        for _ in range(repeats):
-            seed += 1
-            out = llm.generate([_prompt(n, seed, vocab)], params)[0]
-            ttft = out.metrics.first_token_time - out.metrics.arrival_time
-            runs[str(n)].append(n / ttft)
+    vocab = llm.engine.model_config.vocab_size
+    out = llm.generate([_prompt(n, seed, vocab)], params)[0]
+    return n / (out.metrics.first_token_time - out.metrics.arrival_time)
+
+
+def _row(llm, budget: int | None, amx: bool, load_s: float, runs: dict) -> dict:
+    from duetserve.config import describe_row_limit
+    from duetserve.models.kernels import few_row_limit
+    engine = llm.engine
     step_budget = getattr(engine, "step_budget", None)
     return {"budget": budget, "amx": amx, "load_s": load_s, "kernels": engine.loaded.describe(),
             "few_row_limit": describe_row_limit(few_row_limit(engine.loaded.model)),
             "max_num_batched_tokens": engine.max_num_batched_tokens,
             "step_budget": step_budget.describe() if step_budget is not None else None,
             "runs": runs, "tok_s": {k: statistics.median(v) for k, v in runs.items()}}
+
+
+def bench_config(model: str, threads: int, budget: int | None, prompt_lens: list[int],
+                 repeats: int, quantization: str, dtype: str, amx: bool = True) -> dict:
+    """One configuration in this process: {"budget", "load_s", "kernels", "few_row_limit",
+    "max_num_batched_tokens", "step_budget", "runs": {len: [tok/s]}, "tok_s": {len:
+    median}}."""
+    llm, load_s = _build(model, threads, budget, prompt_lens, quantization, dtype, amx)
+    runs = {str(n): [_tok_s(llm, n, 100 * n + r) for r in range(repeats)]
+            for n in prompt_lens}
+    return _row(llm, budget, amx, load_s, runs)
+
+
+def bench_alternated(model: str, threads: int, budgets: list[int | None],
+                     prompt_lens: list[int], repeats: int, quantization: str, dtype: str
+                     ) -> list[dict]:
+    """Every configuration built side by side in this process, then `repeats` rounds in
+    which each prompt length runs once on each configuration, the order rotated every
+    round: a drift in the machine's speed (10-20% within an hour on these VMs) falls on
+    all of them alike instead of on whichever ran last. Rows as bench_config's."""
+    built = [_build(model, threads, b, prompt_lens, quantization, dtype) for b in budgets]
+    runs = [{str(n): [] for n in prompt_lens} for _ in budgets]
+    for r in range(repeats):
+        for n in prompt_lens:
+            for k in range(len(budgets)):
+                i = (k + r) % len(budgets)
+                runs[i][str(n)].append(_tok_s(built[i][0], n, 100 * n + 10 * r + i))
+    return [_row(llm, b, True, load_s, run)
+            for (llm, load_s), b, run in zip(built, budgets, runs)]
 
 
 def _no_amx_env() -> dict:
@@ -150,10 +181,18 @@ def main() -> None:
     ap.add_argument("--no-amx-row", action="store_true",
                     help="add the defaults as on a CPU without AMX (--no-amx, oneDNN capped "
                          "at AVX512_CORE_BF16) and report the default over it")
+    ap.add_argument("--alternate", action="store_true",
+                    help="build every configuration in one process and alternate them "
+                         "prompt by prompt (drift falls on all alike) instead of one "
+                         "fresh process each")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     args.model = os.path.expanduser(args.model)
-    rows = [_in_fresh_process(args, b) for b in [None, *args.budgets]]
+    if args.alternate:
+        rows = bench_alternated(args.model, args.threads, [None, *args.budgets],
+                                args.prompt_lens, args.repeats, args.quantization, args.dtype)
+    else:
+        rows = [_in_fresh_process(args, b) for b in [None, *args.budgets]]
     if args.no_amx_row:
         rows.append(_in_fresh_process(args, None, amx=False))
     print(f"model {os.path.basename(args.model)}, {args.threads} threads, prefill tok/s "

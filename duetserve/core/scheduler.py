@@ -280,7 +280,8 @@ class Scheduler:
         num_computed_tokens of scheduled requests is advanced later, by
         update_from_output. Returns the SchedulerOutput for the runner."""
         self._now = now
-        step = StepPlan(self._token_budget(now))
+        budget, num_decodes = self._token_budget(now)
+        step = StepPlan(budget, idle=num_decodes == 0)
         self.remote.run_loaded(self.running, self.config.max_num_seqs)
         if self.spec_policy is not None:
             plan_spec(self.spec_policy, self.running, step)
@@ -291,25 +292,26 @@ class Scheduler:
             self._schedule_waiting(step)
         return self._build_output(step)
 
-    def _token_budget(self, now: float | None) -> int:
-        """This step's budget: fixed, or re-derived from the number of running decodes
-        (requests one token behind) and of requests with prompt tokens to compute (the
-        other running ones and the waiting ones that could be admitted) when the config
-        carries a StepBudget; with an SloPolicy and the time, the larger of that and the
-        budget the decodes' TPOT slack allows for the prompt next in line."""
+    def _token_budget(self, now: float | None) -> tuple[int, int]:
+        """(this step's budget, running decodes): the budget fixed, or re-derived from the
+        number of running decodes (requests one token behind) and of requests with prompt
+        tokens to compute (the other running ones and the waiting ones that could be
+        admitted) when the config carries a StepBudget; with an SloPolicy and the time,
+        the larger of that and the budget the decodes' TPOT slack allows for the prompt
+        next in line."""
+        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         policy = self.config.step_budget
         if policy is None:
-            return self.config.max_num_batched_tokens
-        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+            return self.config.max_num_batched_tokens, len(decodes)
         admissible = min(len(self.waiting), max(self.config.max_num_seqs - len(self.running),
                                                 0))
         prefills = len(self.running) - len(decodes) + admissible
         budget = policy.for_step(len(decodes), prefills)
         prompt = self._next_prompt()
         if self.slo is None or now is None or not decodes or prompt is None:
-            return budget
+            return budget, len(decodes)
         return min(max(policy.idle, budget),
-                   self.slo.token_budget(now, decodes, prompt, budget))
+                   self.slo.token_budget(now, decodes, prompt, budget)), len(decodes)
 
     def _next_prompt(self) -> Request | None:
         """The prompt next in line: the first running request more than one token behind,
@@ -324,18 +326,19 @@ class Scheduler:
             return None
         return self.waiting.peek()
 
-    def _chunk(self, num_new: int, start: int, budget: int, step_budget: int
-               ) -> tuple[int, int]:
+    def _chunk(self, num_new: int, start: int, step: StepPlan) -> tuple[int, int]:
         """(tokens, budget charged) of a request's slice of up to `num_new` tokens after
-        `start` computed ones when `budget` of the step's `step_budget` is left. A prefill chunk under a StepBudget
-        is sized and charged for its attention over the cached context (see
-        core/step_budget.py); a decode, or any slice under a fixed budget, costs its
-        length."""
+        `start` computed ones in `step`. A prefill chunk under a StepBudget, in a step
+        with decodes running, is sized and charged for its attention over the cached
+        context (see core/step_budget.py); a decode, a slice under a fixed budget, or
+        any slice of a step without decodes (no gap to protect: a prompt prefills in the
+        idle chunks `idle_chunk` priced, without a short tail chunk) costs its length."""
+        budget, step_budget = step.budget, step.full
         if self.config.long_prefill_token_threshold > 0:
             num_new = min(num_new, self.config.long_prefill_token_threshold)
         num_new = min(num_new, budget)
         policy = self.config.step_budget
-        if policy is None or num_new <= 1 or start == 0:
+        if policy is None or num_new <= 1 or start == 0 or step.idle:
             return num_new, num_new
         num_new = policy.max_chunk(budget, start, num_new, step_budget)
         return num_new, policy.chunk_cost(num_new, start, step_budget)
@@ -347,8 +350,7 @@ class Scheduler:
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num_new, charge = self._chunk(request.num_tokens - request.num_computed_tokens,
-                                          request.num_computed_tokens, step.budget,
-                                          step.full)
+                                          request.num_computed_tokens, step)
             if num_new <= 0:
                 continue
             if self.spec_policy is None:        # no drafts to verify or to propose
@@ -419,8 +421,7 @@ class Scheduler:
                 if not loads:
                     break
                 continue
-            num_new, charge = self._chunk(request.num_tokens - num_hit, num_hit, step.budget,
-                                          step.full)
+            num_new, charge = self._chunk(request.num_tokens - num_hit, num_hit, step)
             propose = num_to_propose(self.spec_policy, request, num_hit, num_new, 0, step,
                                      self.max_len)
             new_block_ids = kv.allocate_slots(request,

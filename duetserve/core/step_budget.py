@@ -28,9 +28,12 @@ a cliff in step time (8 decodes + 16 prompt tokens can take twice 8 + 8 on a 2-c
   chunk is the smallest whose own rows take CHUNK_EFFICIENCY of the step time it adds
   (1 where F <= 0), but never one whose step is modelled above MAX_GAP_FACTOR x the
   decode-only step (the bound on a stream's gap this budget exists for).
-- A prefill chunk after s cached tokens is charged its rows plus its attention over them
-  in rows' worth of time (`chunk_cost`), so deep in a long context it gets fewer tokens
-  (`max_chunk`), never fewer than MIN_CHUNK.
+- In a step with decodes, a prefill chunk after s cached tokens is charged its rows plus
+  its attention over them in rows' worth of time (`chunk_cost`), so deep in a long context
+  it gets fewer tokens (`max_chunk`), never fewer than MIN_CHUNK. A step without decodes
+  charges a chunk its length (the scheduler's `_chunk`): nobody's gap to protect, and the
+  idle chunk was priced with its attention (`prompt_seconds`), so a lone prompt runs in
+  whole idle chunks instead of shrinking ones and a short tail step.
 
 The answers that depend only on the decode count D are computed once and remembered (at
 most max_num_seqs of each): the scheduler pays a dict lookup per step for them, and a few

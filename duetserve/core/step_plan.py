@@ -27,12 +27,13 @@ class StepPlan:
     """The work being assembled by one schedule() call. Mutated only through its
     methods and its spec fields (set by core/spec_schedule.plan_spec)."""
 
-    __slots__ = ("budget", "full", "scheduled", "charged", "preempted", "spec_plan",
+    __slots__ = ("budget", "full", "idle", "scheduled", "charged", "preempted", "spec_plan",
                  "spec_open", "spec_next_rows")
 
-    def __init__(self, budget: int) -> None:
+    def __init__(self, budget: int, idle: bool = False) -> None:
         self.budget = budget                    # left
         self.full = budget                      # the step's whole budget
+        self.idle = idle                        # no decode running (no gap to protect)
         self.charged: dict[str, int] = {}      # req_id -> budget taken (>= its tokens)
         self.scheduled: dict[str, PlannedSlice] = {}   # in schedule order
         self.preempted: set[str] = set()

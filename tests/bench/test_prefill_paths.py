@@ -28,3 +28,33 @@ def test_every_run_gets_its_own_prompt() -> None:
     a, b = bench._prompt(64, 1, 32000), bench._prompt(64, 2, 32000)
     assert len(a) == 64 and all(100 <= t < 32000 for t in a + b)
     assert a[:16] != b[:16]                 # no shared first block for the prefix cache
+
+
+def test_alternated_configurations_take_turns_in_a_rotating_order(monkeypatch) -> None:
+    """--alternate: each round runs every prompt length once on every configuration, the
+    configuration that goes first rotating from round to round; each row gets its own
+    runs (one per round and length) and its median."""
+    bench = import_benchmark("prefill_paths")
+    calls = []
+
+    class FakeLLM:
+        def __init__(self, budget):
+            self.budget = budget
+
+    monkeypatch.setattr(bench, "_build", lambda model, threads, b, *a, **k: (FakeLLM(b), 1.0))
+    monkeypatch.setattr(bench, "_row", lambda llm, b, amx, load_s, runs: {"budget": b,
+                                                                          "runs": runs})
+
+    def tok_s(llm, n, seed):
+        calls.append((llm.budget, n, seed))
+        return float(len(calls))
+    monkeypatch.setattr(bench, "_tok_s", tok_s)
+    rows = bench.bench_alternated("m", 2, [None, 64, 128], [64, 512], 3, "auto", "auto")
+    assert [c[0] for c in calls[:3]] == [None, 64, 128]          # round 0, 64 tokens
+    assert [c[0] for c in calls[6:9]] == [64, 128, None]         # round 1 starts one later
+    assert [c[0] for c in calls[12:15]] == [128, None, 64]
+    assert len({c[2] for c in calls}) == len(calls)               # a fresh prompt each run
+    assert [r["budget"] for r in rows] == [None, 64, 128]
+    for r in rows:
+        assert {k: len(v) for k, v in r["runs"].items()} == {"64": 3, "512": 3}
+    assert rows[0]["runs"]["64"] == [1.0, 9.0, 14.0]

@@ -259,6 +259,34 @@ def test_step_budget_widens_without_decodes(make_scheduler, step) -> None:
     drain(sched, runner, step)
 
 
+def test_idle_steps_cut_a_lone_prompt_into_whole_idle_chunks(make_scheduler, step) -> None:
+    """With no decode running, a long prompt's chunks after cached context are not
+    charged their attention: a 2,000-token prompt alone runs in idle-chunk steps (512,
+    512, 512, 464), not in chunks that shrink with the context and leave a short tail
+    step (the model priced the idle chunk with its attention: prompt_seconds). Once a
+    decode runs, the next prompt's chunks are charged again."""
+    from duetserve.core.step_budget import StepBudget
+    from duetserve.core.step_time import Layout, StepTime
+    cost = StepTime.of(Layout(few_rows=64), few_step=0.010, few_row=0.005, mixed_step=0.020,
+                       mixed_row=0.001, many_step=0.020, many_row=0.001, chunk_pair=1e-6)
+    policy = StepBudget(cost, min_chunk=4, idle=512)
+    assert policy.for_step(0, 1) == 512 and policy.chunk_cost(512, 512, 512) > 512
+    sched, runner = make_scheduler(max_num_batched_tokens=512, step_budget=policy,
+                                   num_blocks=1024, max_model_len=4096, max_num_seqs=16)
+    sched.add_request(mk("alone", 2000, max_tokens=3))
+    chunks = []
+    while sched.requests["alone"].num_computed_tokens < 2000:
+        out, _ = step(sched, runner)
+        chunks.append(out.num_scheduled_tokens["alone"])
+    assert chunks == [512, 512, 512, 464]
+    sched.add_request(mk("next", 1000, max_tokens=1))   # "alone" now decodes
+    step(sched, runner)
+    out, _ = step(sched, runner)
+    start = sched.requests["next"].num_computed_tokens - out.num_scheduled_tokens["next"]
+    assert start > 0 and out.num_scheduled_tokens["next"] < policy.for_step(1, 1) - 1
+    drain(sched, runner, step)
+
+
 def test_step_budget_shrinks_chunks_deep_in_a_long_context(make_scheduler, step) -> None:
     """With a StepBudget whose cost has a context term, a long prompt arriving beside 8
     decodes is cut into chunks that shrink as its cached context grows: each chunk's
