@@ -137,9 +137,11 @@ def _name(budget: int | None, amx: bool = True) -> str:
     return name if amx else f"{name}, no AMX"
 
 
-def report(rows: list[dict], prompt_lens: list[int]) -> dict:
+def report(rows: list[dict], prompt_lens: list[int], alternated: bool = False) -> dict:
     """Print the table; return per prompt length the default's tok/s over the best fixed
-    budget's (>= 1: the default is not slower than its chunks)."""
+    budget's (>= 1: the default is not slower than its chunks); `alternated` (the runs
+    took turns, round by round): also the ratios of each round's pair and their median
+    ("<len>_paired"), which a drift between rounds does not move."""
     print(f"{'configuration':30} " + " ".join(f"{f'{n} tok/s':>12}" for n in prompt_lens))
     for r in rows:
         print(f"{_name(r['budget'], r.get('amx', True)):30} "
@@ -151,8 +153,14 @@ def report(rows: list[dict], prompt_lens: list[int]) -> dict:
         for n in prompt_lens:
             best = max(fixed, key=lambda r: r["tok_s"][str(n)])
             ratios[str(n)] = default["tok_s"][str(n)] / best["tok_s"][str(n)]
-            print(f"{n} tokens: default / best fixed ({_name(best['budget'])}) = "
-                  f"{ratios[str(n)]:.2f}")
+            line = (f"{n} tokens: default / best fixed ({_name(best['budget'])}) = "
+                    f"{ratios[str(n)]:.2f}")
+            if alternated:
+                pairs = [a / b for a, b in zip(default["runs"][str(n)], best["runs"][str(n)])]
+                ratios[f"{n}_paired"] = statistics.median(pairs)
+                line += (f"; round by round {', '.join(f'{x:.2f}' for x in pairs)} "
+                         f"(median {ratios[f'{n}_paired']:.2f})")
+            print(line)
     no_amx = next((r for r in rows if r["budget"] is None and not r.get("amx", True)), None)
     if default is not None and no_amx is not None:
         for n in prompt_lens:
@@ -197,13 +205,14 @@ def main() -> None:
         rows.append(_in_fresh_process(args, None, amx=False))
     print(f"model {os.path.basename(args.model)}, {args.threads} threads, prefill tok/s "
           f"(prompt tokens / TTFT, median of {args.repeats} fresh prompts)")
-    ratios = report(rows, args.prompt_lens)
+    ratios = report(rows, args.prompt_lens, args.alternate)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
             json.dump({"model": args.model, "threads": args.threads,
                        "prompt_lens": args.prompt_lens, "repeats": args.repeats,
-                       "rows": rows, "default_over_best_fixed": ratios}, f, indent=1)
+                       "alternated": args.alternate, "rows": rows,
+                       "default_over_best_fixed": ratios}, f, indent=1)
 
 
 if __name__ == "__main__":

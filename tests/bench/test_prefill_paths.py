@@ -58,3 +58,16 @@ def test_alternated_configurations_take_turns_in_a_rotating_order(monkeypatch) -
     for r in rows:
         assert {k: len(v) for k, v in r["runs"].items()} == {"64": 3, "512": 3}
     assert rows[0]["runs"]["64"] == [1.0, 9.0, 14.0]
+
+
+def test_alternated_report_pairs_each_round(capsys) -> None:
+    """Rounds that took turns are also compared pair by pair: a round where the whole
+    machine ran slower moves both sides of its pair, not the medians' ratio."""
+    bench = import_benchmark("prefill_paths")
+    rows = [dict(_row(None, {512: 150.0}), runs={"512": [200.0, 100.0, 150.0]}),
+            dict(_row(256, {512: 160.0}), runs={"512": [190.0, 110.0, 160.0]})]
+    ratios = bench.report(rows, [512], alternated=True)
+    assert ratios["512"] == pytest.approx(150 / 160)
+    assert ratios["512_paired"] == pytest.approx(150 / 160)     # median of 1.05, 0.91, 0.94
+    assert "round by round 1.05, 0.91, 0.94" in capsys.readouterr().out
+    assert "512_paired" not in bench.report(rows, [512])
