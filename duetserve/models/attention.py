@@ -245,6 +245,8 @@ class TorchAttention(AttentionBackend):
         Writes out[p.start:p.end]; False where the kernel does not cover the shape."""
         if p.mask is None:
             kc, vc = k[p.start:p.end], v[p.start:p.end]
+            if kc.dtype != vc.dtype:       # a bf16 step: k rotated in float32, v not
+                kc, vc = kc.float(), vc.float()
         else:
             dt = k_flat.dtype if k_flat.dtype in (torch.float32, torch.bfloat16) else q.dtype
             kc = self._gather(k_flat, p.ctx_slots, dt).transpose(0, 1)   # [L, KVH, hd]

@@ -725,6 +725,23 @@ def test_bf16_prompt_attention_does_not_depend_on_the_chunking():
 
 
 @needs_bf16
+def test_bf16_chunk_takes_keys_and_values_of_different_dtypes():
+    """A fresh chunk of a step whose GEMMs ran in bfloat16 has float32 keys (rotated with
+    float32 cos/sin) beside bfloat16 values: the chunk path widens both (the kernel takes
+    one dtype) instead of raising (it did: a 301-token prompt on the default model's
+    many-row path failed with "shape mismatch")."""
+    from duetserve.models.attention import PrefillSeq, TorchAttention
+    q, k, v = _qkv_views(40, 6, 2, 64, seed=7)
+    backend = TorchAttention(6, 2, 64)
+    backend.bf16_kernel = native.prefill_attention_bf16
+    out = torch.zeros(40, 6, 64)
+    vb = v.bfloat16()
+    assert backend._bf16_chunk(q, k, vb, None, None, PrefillSeq(0, 40, torch.arange(40), None),
+                               out)
+    assert torch.equal(out, native.prefill_attention_bf16(q, k, vb.float(), 64 ** -0.5))
+
+
+@needs_bf16
 def test_engine_runs_prompt_attention_in_bf16_on_a_low_bit_model(tmp_path):
     """--prefill-attention bfloat16 on a low-bit model with 64-wide heads: every prompt
     chunk, fresh or after cached context, goes through the bf16 kernel (float32 leaves it
