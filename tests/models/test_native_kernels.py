@@ -742,6 +742,50 @@ def test_bf16_chunk_takes_keys_and_values_of_different_dtypes():
 
 
 @needs_bf16
+def test_engine_bf16_many_row_step_runs_bf16_prompt_attention(tmp_path):
+    """A prompt longer than the few-row limit on a model whose many-row GEMMs run in
+    bfloat16 (as SmolLM2 Q4_1 where the start-up put the crossover at 256 rows) prefills
+    through the bf16 attention kernel and answers like the same engine with float32
+    prompt attention (it raised "shape mismatch": float32 rotated keys, bf16 values)."""
+    from tiny_models import make_tiny_checkpoint
+    from duetserve.config import EngineConfig
+    from duetserve.engine.engine_core import EngineCore
+    from duetserve.engine.llm import LLM
+    from duetserve.loader import load_model
+    from duetserve.models.attention import TorchAttention
+    from duetserve.models.quant import QuantLinear
+    from duetserve.sampling_params import SamplingParams
+    path = make_tiny_checkpoint(str(tmp_path / "m"), "llama-gqa-untied", hidden_size=256)
+    prompt = torch.randint(3, 290, (120,), generator=torch.Generator().manual_seed(3)).tolist()
+    sp = SamplingParams(temperature=0.0, max_tokens=4, logprobs=1)
+    outs = {}
+    for mode in ("float32", "bfloat16"):
+        loaded = load_model(path, quantization="int4", prefill_attention=mode)
+        calls = []
+        for b in (m.backend for m in loaded.model.modules()
+                  if isinstance(getattr(m, "backend", None), TorchAttention)):
+            if b.bf16_kernel is not None:
+                def run(q, k, v, scale, kernel=b.bf16_kernel):
+                    calls.append((q.shape[0], k.shape[0], k.dtype))
+                    return kernel(q, k, v, scale)
+                b.bf16_kernel = run
+        cfg = EngineConfig(model=path, quantization="int4", num_threads=2,
+                           step_time=pinned_step_time(), max_num_batched_tokens=128)
+        core = EngineCore(cfg, loaded=loaded)
+        linears = [m for m in loaded.model.modules() if isinstance(m, QuantLinear)]
+        assert linears and all(m.dense is not None for m in linears)
+        for m in linears:       # after the start-up's choice: as dtype "auto" where bf16 won
+            m.policy.lowbit_max_rows, m.dense = 16, m.dense.to(torch.bfloat16)
+        out = LLM.from_engine(core).generate([prompt], sp)[0]
+        outs[mode] = out.outputs[0]
+        assert out.outputs[0].finish_reason == "length"
+        assert (mode == "bfloat16") is any(n == ctx == 120 for n, ctx, _ in calls)
+    a, b = outs["float32"], outs["bfloat16"]
+    t = a.token_ids[0]
+    assert b.token_ids[0] == t and abs(a.logprobs[0][t].logprob - b.logprobs[0][t].logprob) < 0.1
+
+
+@needs_bf16
 def test_engine_runs_prompt_attention_in_bf16_on_a_low_bit_model(tmp_path):
     """--prefill-attention bfloat16 on a low-bit model with 64-wide heads: every prompt
     chunk, fresh or after cached context, goes through the bf16 kernel (float32 leaves it
