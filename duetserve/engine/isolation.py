@@ -22,6 +22,8 @@ executions with the remaining requests failed: bounded work, never an endless re
 from __future__ import annotations
 
 import logging
+import os
+import traceback
 from collections.abc import Callable
 
 from duetserve.core.scheduler import Scheduler
@@ -57,6 +59,20 @@ def _merge(into: ModelRunnerOutput, part: ModelRunnerOutput) -> None:
         into.prompt_logprobs = {**(into.prompt_logprobs or {}), **part.prompt_logprobs}
 
 
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # duetserve/
+
+
+def _where(e: BaseException) -> str:
+    """Where `e` was raised: the innermost frame in duetserve's own code (a kernel's error
+    text rarely says which caller passed it what)."""
+    ours = [f for f in traceback.extract_tb(e.__traceback__)
+            if f.filename.startswith(_PACKAGE + os.sep)]
+    if not ours:
+        return "raised outside duetserve"
+    f = ours[-1]
+    return f"raised in {f.name} at {os.path.relpath(f.filename, _PACKAGE)}:{f.lineno}"
+
+
 class IsolatedExecutor:
     """execute(so) -> (ModelRunnerOutput, {req_id: error text or RequestError}) for one
     step."""
@@ -74,8 +90,8 @@ class IsolatedExecutor:
             if not so.num_scheduled_tokens:
                 raise
             self.num_isolations += 1
-            log.warning("step of %d request(s) raised %s; isolating the request(s) at fault",
-                        len(so.num_scheduled_tokens), _error_text(e))
+            log.warning("step of %d request(s) raised %s (%s); isolating the request(s) at "
+                        "fault", len(so.num_scheduled_tokens), _error_text(e), _where(e))
             return self._bisect(so, e)
 
     def _group_output(self, so: SchedulerOutput, req_ids: list[str]) -> SchedulerOutput:

@@ -164,3 +164,16 @@ def test_a_request_error_keeps_the_field_it_names(loaded) -> None:
     assert done[POISON].error_param == "guided_regex"
     assert "guided_regex: no token can continue" in done[POISON].error
     assert done["0"].error is None and done["0"].error_param is None
+
+
+def test_the_isolation_warning_says_where_the_step_raised() -> None:
+    """The warning names the innermost frame in duetserve's code (a kernel's "shape
+    mismatch" alone does not say which caller passed what), or says it was elsewhere."""
+    from duetserve.engine.isolation import _where
+    with pytest.raises(Exception) as info:
+        EngineConfig(model=None, kv_cache_memory=-1)
+    where = _where(info.value)
+    assert where.startswith("raised in ") and "config.py:" in where
+    with pytest.raises(RuntimeError) as info:
+        raise RuntimeError("not ours")
+    assert _where(info.value) == "raised outside duetserve"
