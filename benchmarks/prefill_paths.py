@@ -9,7 +9,9 @@ prompt length times --repeats fresh requests (unique prompts, max_tokens=1): pre
 tok/s = prompt tokens / TTFT (arrival to first token, so it includes the one sampling
 step), the median reported. With --alternate, every configuration is built in one process
 and they take turns prompt by prompt (the order rotated each round), so the machine's drift
-falls on all alike. Prints a table and writes JSON: every run, and per
+falls on all alike; what it cannot remove is the instances' own spread (two engines of the
+same configuration in one process differed by 3-10% on a Zen 4, the first built faster):
+ratios within that are ties. Prints a table and writes JSON: every run, and per
 configuration the start-up's kernel decision (the weights line of the log), its few-row
 limit and its step budget.
 
