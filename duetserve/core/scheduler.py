@@ -280,8 +280,7 @@ class Scheduler:
         num_computed_tokens of scheduled requests is advanced later, by
         update_from_output. Returns the SchedulerOutput for the runner."""
         self._now = now
-        budget, num_decodes = self._token_budget(now)
-        step = StepPlan(budget, idle=num_decodes == 0)
+        step = StepPlan(*self._token_budget(now))
         self.remote.run_loaded(self.running, self.config.max_num_seqs)
         if self.spec_policy is not None:
             plan_spec(self.spec_policy, self.running, step)
@@ -292,26 +291,27 @@ class Scheduler:
             self._schedule_waiting(step)
         return self._build_output(step)
 
-    def _token_budget(self, now: float | None) -> tuple[int, int]:
-        """(this step's budget, running decodes): the budget fixed, or re-derived from the
-        number of running decodes (requests one token behind) and of requests with prompt
-        tokens to compute (the other running ones and the waiting ones that could be
-        admitted) when the config carries a StepBudget; with an SloPolicy and the time,
+    def _token_budget(self, now: float | None) -> tuple[int, bool]:
+        """(this step's budget, whether it is idle): the budget fixed (never idle: a fixed
+        budget charges chunks their length anyway), or re-derived from the number of
+        running decodes (requests one token behind; idle when none) and of requests with
+        prompt tokens to compute (the other running ones and the waiting ones that could
+        be admitted) when the config carries a StepBudget; with an SloPolicy and the time,
         the larger of that and the budget the decodes' TPOT slack allows for the prompt
         next in line."""
-        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         policy = self.config.step_budget
         if policy is None:
-            return self.config.max_num_batched_tokens, len(decodes)
+            return self.config.max_num_batched_tokens, False
+        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         admissible = min(len(self.waiting), max(self.config.max_num_seqs - len(self.running),
                                                 0))
         prefills = len(self.running) - len(decodes) + admissible
         budget = policy.for_step(len(decodes), prefills)
         prompt = self._next_prompt()
         if self.slo is None or now is None or not decodes or prompt is None:
-            return budget, len(decodes)
+            return budget, not decodes
         return min(max(policy.idle, budget),
-                   self.slo.token_budget(now, decodes, prompt, budget)), len(decodes)
+                   self.slo.token_budget(now, decodes, prompt, budget)), False
 
     def _next_prompt(self) -> Request | None:
         """The prompt next in line: the first running request more than one token behind,
