@@ -51,6 +51,7 @@
 // threads with at::parallel_for. Without AVX512-VNNI a plain loop computes the same sums.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <memory>
@@ -1036,6 +1037,33 @@ torch::Tensor pooled_empty(int64_t rows, int64_t cols, const torch::TensorOption
 }
 
 constexpr int64_t ROWS_PER_TASK = 16;
+
+// Work items [0, n) taken by the threads in turn from a shared counter, each run as
+// fn(i): a thread that runs slower (another process on its core, the server's own threads
+// on a 2-core machine) takes fewer items instead of holding the step at the join, as a
+// fixed half each did. An item's result does not depend on which thread computes it.
+template <typename F>
+void items_for(int64_t n, const F& fn) {
+  const int64_t T = std::max<int64_t>(1, at::get_num_threads());
+  if (n <= 1 || T == 1 || at::in_parallel_region()) {
+    for (int64_t i = 0; i < n; ++i) fn(i);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min(T, n), 1, [&](int64_t, int64_t) {
+    for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) fn(i);
+  });
+}
+
+// Row blocks a work item of a weight with `blocks` row blocks: ITEMS_PER_THREAD items per
+// thread (fine enough that a thread slowed to half its speed costs the step ~1/16 more
+// rather than up to 2x, coarse enough that each item is a long sequential stream: >= 64
+// KiB of the 1.5B's smallest weight).
+constexpr int64_t ITEMS_PER_THREAD = 8;
+inline int64_t item_blocks(int64_t blocks) {
+  const int64_t T = std::max<int64_t>(1, at::get_num_threads());
+  return std::max<int64_t>(1, (blocks + ITEMS_PER_THREAD * T - 1) / (ITEMS_PER_THREAD * T));
+}
 // Activation rows run in passes of at most `most` rows (the kernels' register budget: 8 for
 // q4, q4k and q6, whose weight vectors then unpack once for 8 rows; 4 for q8 and f32),
 // 8-row passes while 8 rows are left and passes of up to 4 after. With more than one pass each
@@ -1147,8 +1175,9 @@ torch::Tensor packed_gemv(torch::Tensor x, const torch::Tensor& packed, int64_t 
   auto y = pooled_empty(M, N, x.options());
   const QuantizedX X = quantize_x(x.data_ptr<float>(), M, K, f.order, CH);
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, packed.size(1), ROWS_PER_TASK / ROWS, [&](int64_t b0, int64_t b1) {
-    form_rows(f, W, X, yp, N, b0, b1, M);
+  const int64_t blocks = packed.size(1), per = item_blocks(blocks);
+  items_for((blocks + per - 1) / per, [&](int64_t i) {
+    form_rows(f, W, X, yp, N, i * per, std::min(blocks, (i + 1) * per), M);
   });
   return y;
 }
@@ -1211,17 +1240,19 @@ torch::Tensor stacked_gemv(torch::Tensor x, std::vector<torch::Tensor> packed,
   for (int64_t ni : n) total_n += ni;
   torch::Tensor out = M == 1 ? torch::empty({1, total_n}, x.options()) : torch::Tensor();
   for (size_t i = 0, at = 0; M == 1 && i < P; at += n[i], ++i) ys[i] = out.narrow(1, at, n[i]);
-  const int64_t T = std::max<int64_t>(1, at::get_num_threads());
-  // Thread t takes the same share of every part, [b t / T, b (t + 1) / T) of its b row
-  // blocks: a part's kernel may be slower per byte than another's (q6 than q4k), so an
-  // even split of the bytes as a whole left one thread the slow part and the other waiting.
-  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t)
-      for (size_t i = 0; i < P; ++i) {
-        float* y = ys[i].data_ptr<float>();
-        form_rows(forms[i], tiles[i], xq[forms[i].order], y, n[i], blocks[i] * t / T,
-                  blocks[i] * (t + 1) / T, M);
-      }
+  // Every part's row blocks cut into items (items_for): a part's kernel may be slower per
+  // byte than another's (q6 than q4k), and the shared counter evens that out too.
+  std::vector<int64_t> per(P), first(P + 1, 0);
+  for (size_t i = 0; i < P; ++i) {
+    per[i] = item_blocks(blocks[i]);
+    first[i + 1] = first[i] + (blocks[i] + per[i] - 1) / per[i];
+  }
+  items_for(first[P], [&](int64_t item) {
+    size_t i = 0;
+    while (item >= first[i + 1]) ++i;
+    const int64_t b0 = (item - first[i]) * per[i];
+    form_rows(forms[i], tiles[i], xq[forms[i].order], ys[i].data_ptr<float>(), n[i], b0,
+              std::min(blocks[i], b0 + per[i]), M);
   });
   return M == 1 ? out : torch::cat(ys, 1);
 }

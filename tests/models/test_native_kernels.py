@@ -255,7 +255,9 @@ def test_k_tiles_compute_what_one_tile_does(monkeypatch, form, k):
 @pytest.mark.parametrize("forms,ns,k", [(("q4k", "q6"), (99, 37), 512),
                                         (("q4", "q6", "q4k"), (8, 5, 64), 2304),   # 2 K tiles
                                         (("q6", "q4"), (3, 2), 128),
-                                        (("q4k", "q8g"), (40, 24), 256)])   # Q4_K q, k + Q8_0 v
+                                        (("q4k", "q8g"), (40, 24), 256),   # Q4_K q, k + Q8_0 v
+                                        # parts cut into work items of several row blocks
+                                        (("q4k", "q6"), (600, 250), 256)])
 def test_stacked_gemv_is_each_part_gemv(rows, forms, ns, k):
     """Parts of different packed forms stacked along N (a Q4_K_M file's qkv: Q4_K q and
     k, Q6_K v): one call gives every part's own GEMV, bit for bit, at 1 and 2 threads."""
