@@ -47,8 +47,8 @@
 //   in turn; rows and columns past N and K are zero.
 //   u8 x s8 needs an unsigned side: |q| times x with q's sign moved onto x.
 //
-// x: [M, K] float32 (M small); returns [M, N] float32. Rows of W are split across
-// threads with at::parallel_for. Without AVX512-VNNI a plain loop computes the same sums.
+// x: [M, K] float32 (M small); returns [M, N] float32. Row blocks of W are work items the
+// threads take in turn (items_for). Without AVX512-VNNI a plain loop computes the same sums.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <atomic>
