@@ -1064,6 +1064,24 @@ inline int64_t item_blocks(int64_t blocks) {
   const int64_t T = std::max<int64_t>(1, at::get_num_threads());
   return std::max<int64_t>(1, (blocks + ITEMS_PER_THREAD * T - 1) / (ITEMS_PER_THREAD * T));
 }
+
+// The row blocks [0, blocks[p]) of every part p (one weight, or a stack of them) cut into
+// items of item_blocks(blocks[p]) blocks, each run by items_for as fn(p, b0, b1).
+template <typename F>
+void block_items(const std::vector<int64_t>& blocks, const F& fn) {
+  const size_t P = blocks.size();
+  std::vector<int64_t> per(P), first(P + 1, 0);
+  for (size_t p = 0; p < P; ++p) {
+    per[p] = item_blocks(blocks[p]);
+    first[p + 1] = first[p] + (blocks[p] + per[p] - 1) / per[p];
+  }
+  items_for(first[P], [&](int64_t item) {
+    size_t p = 0;
+    while (item >= first[p + 1]) ++p;
+    const int64_t b0 = (item - first[p]) * per[p];
+    fn(p, b0, std::min(blocks[p], b0 + per[p]));
+  });
+}
 // Activation rows run in passes of at most `most` rows (the kernels' register budget: 8 for
 // q4, q4k and q6, whose weight vectors then unpack once for 8 rows; 4 for q8 and f32),
 // 8-row passes while 8 rows are left and passes of up to 4 after. With more than one pass each
@@ -1175,9 +1193,8 @@ torch::Tensor packed_gemv(torch::Tensor x, const torch::Tensor& packed, int64_t 
   auto y = pooled_empty(M, N, x.options());
   const QuantizedX X = quantize_x(x.data_ptr<float>(), M, K, f.order, CH);
   float* yp = y.data_ptr<float>();
-  const int64_t blocks = packed.size(1), per = item_blocks(blocks);
-  items_for((blocks + per - 1) / per, [&](int64_t i) {
-    form_rows(f, W, X, yp, N, i * per, std::min(blocks, (i + 1) * per), M);
+  block_items({packed.size(1)}, [&](size_t, int64_t b0, int64_t b1) {
+    form_rows(f, W, X, yp, N, b0, b1, M);
   });
   return y;
 }
@@ -1240,19 +1257,10 @@ torch::Tensor stacked_gemv(torch::Tensor x, std::vector<torch::Tensor> packed,
   for (int64_t ni : n) total_n += ni;
   torch::Tensor out = M == 1 ? torch::empty({1, total_n}, x.options()) : torch::Tensor();
   for (size_t i = 0, at = 0; M == 1 && i < P; at += n[i], ++i) ys[i] = out.narrow(1, at, n[i]);
-  // Every part's row blocks cut into items (items_for): a part's kernel may be slower per
-  // byte than another's (q6 than q4k), and the shared counter evens that out too.
-  std::vector<int64_t> per(P), first(P + 1, 0);
-  for (size_t i = 0; i < P; ++i) {
-    per[i] = item_blocks(blocks[i]);
-    first[i + 1] = first[i] + (blocks[i] + per[i] - 1) / per[i];
-  }
-  items_for(first[P], [&](int64_t item) {
-    size_t i = 0;
-    while (item >= first[i + 1]) ++i;
-    const int64_t b0 = (item - first[i]) * per[i];
-    form_rows(forms[i], tiles[i], xq[forms[i].order], ys[i].data_ptr<float>(), n[i], b0,
-              std::min(blocks[i], b0 + per[i]), M);
+  // Every part's row blocks as items: a part's kernel may be slower per byte than
+  // another's (q6 than q4k), and the shared counter evens that out too.
+  block_items(blocks, [&](size_t i, int64_t b0, int64_t b1) {
+    form_rows(forms[i], tiles[i], xq[forms[i].order], ys[i].data_ptr<float>(), n[i], b0, b1, M);
   });
   return M == 1 ? out : torch::cat(ys, 1);
 }
