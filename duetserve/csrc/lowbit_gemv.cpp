@@ -1057,8 +1057,8 @@ void items_for(int64_t n, const F& fn) {
 
 // Row blocks a work item of a weight with `blocks` row blocks: ITEMS_PER_THREAD items per
 // thread (fine enough that a thread slowed to half its speed costs the step ~1/16 more
-// rather than up to 2x, coarse enough that each item is a long sequential stream: >= 64
-// KiB of the 1.5B's smallest weight).
+// rather than up to 2x), at least one block (on the 1.5B with 2 threads: one ~14 KiB block
+// an item for the 16-block k and v parts, 6 blocks / 83 KiB and more for the rest).
 constexpr int64_t ITEMS_PER_THREAD = 8;
 inline int64_t item_blocks(int64_t blocks) {
   const int64_t T = std::max<int64_t>(1, at::get_num_threads());
