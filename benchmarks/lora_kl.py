@@ -3,7 +3,7 @@ same adapter on the float32 base, next to the low-bit base's own KL against the 
 base, on the same text (issue 65).
 
     PYTHONPATH=. .venv/bin/python benchmarks/lora_kl.py [--model FILE.gguf] [--ctx 512]
-        [--chunks 4] [--rank 16] [--train-steps 30] [--adapter PEFT_DIR]
+        [--chunks 4] [--rank 16] [--train-steps 30] [--lr 1e-3] [--adapter PEFT_DIR]
         [--lora-dtypes float32 int8] [--out out/lora_kl.json]
 
 No real adapter can be downloaded here, so the script trains one: transformers loads the
@@ -43,9 +43,10 @@ TRAIN_TEXT = os.path.join(HERE, "..", "docs", "serving.md")
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def train_adapter(model_file: str, out: str, rank: int, steps: int, ctx: int) -> float:
-    """A rank-`rank` adapter trained `steps` AdamW steps on TRAIN_TEXT; returns the last
-    step's loss."""
+def train_adapter(model_file: str, out: str, rank: int, steps: int, ctx: int,
+                  lr: float = 1e-3) -> float:
+    """A rank-`rank` adapter trained `steps` AdamW steps at learning rate `lr` on TRAIN_TEXT;
+    returns the last step's loss."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
     folder, name = os.path.dirname(model_file), os.path.basename(model_file)
@@ -56,7 +57,7 @@ def train_adapter(model_file: str, out: str, rank: int, steps: int, ctx: int) ->
     with open(TRAIN_TEXT, encoding="utf-8") as f:
         ids = tok(f.read(), return_tensors="pt").input_ids[0]
     n = min(ctx, 256)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
     model.train()
     loss = torch.tensor(0.0)
     for step in range(steps):
@@ -106,6 +107,7 @@ def main() -> None:
     ap.add_argument("--chunks", type=int, default=4)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--train-steps", type=int, default=30)
+    ap.add_argument("--lr", type=float, default=1e-3, help="the training's learning rate")
     ap.add_argument("--adapter", default=None, help="a PEFT folder instead of training one")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--lora-dtypes", nargs="+", default=["float32", "int8"],
@@ -118,7 +120,8 @@ def main() -> None:
     if folder is None:
         torch.manual_seed(0)
         folder = tempfile.mkdtemp()
-        loss = train_adapter(model, folder, args.rank, args.train_steps, args.ctx)
+        loss = train_adapter(model, folder, args.rank, args.train_steps, args.ctx, args.lr)
+        print(f"adapter saved in {folder}")
     f32, low = load_model(model, quantization="none"), load_model(model, quantization="auto")
     token_chunks = chunks(f32.tokenizer, args.ctx, args.chunks)
     adapter = {d: load_adapter(folder, low.config, args.rank, dtype=getattr(torch, d))
@@ -130,7 +133,7 @@ def main() -> None:
         rows[f"low-bit + adapter {d}"] = mean_kl(
             ref, LoRAForward(low, args.ctx, adapter[d]), token_chunks, args.ctx)
     made = f"from {args.adapter}" if args.adapter else \
-        f"{args.train_steps} AdamW steps (last loss {loss:.3f})"
+        f"{args.train_steps} AdamW steps at lr {args.lr:g} (last loss {loss:.3f})"
     print(f"{os.path.basename(model)}, adapter rank {args.rank} on every projection, {made}; "
           f"{len(token_chunks)} chunks of {args.ctx}, second halves scored")
     print(f"| {'row':<26} | mean KLD | p99 KLD | same top-1 |")
@@ -142,7 +145,7 @@ def main() -> None:
     with open(args.out, "w") as f:
         json.dump({"model": model, "ctx": args.ctx, "chunks": len(token_chunks),
                    "rank": args.rank, "adapter": args.adapter,
-                   "train_steps": args.train_steps, "train_loss": loss,
+                   "train_steps": args.train_steps, "lr": args.lr, "train_loss": loss,
                    "rows": rows}, f, indent=1)
 
 

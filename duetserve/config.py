@@ -419,9 +419,10 @@ class EngineConfig:
     # (name, path) pairs (normalised to pairs); requests may also name others (offline
     # LoRARequest, runtime loading). max_loras: adapters resident at once (the running
     # requests use at most this many distinct ones); max_lora_rank: the largest rank;
-    # lora_dtype: the adapters' weights in memory; auto: the base's dtype (float32 for a
-    # low-bit GGUF base). int8 reads a quarter of float32's bytes (each step streams every
-    # adapter of its rows) at a rounding cost that grows with the adapter's size.
+    # lora_dtype: the adapters' weights in memory; auto: int8 on a low-bit base (the QLoRA
+    # case: a quarter of float32's bytes, each step streams every adapter of its rows; its
+    # rounding, which grows with the adapter's size, is far below such a base's own error),
+    # else the base's dtype.
     lora_modules: tuple = ()
     max_loras: int = 4
     max_lora_rank: int = 16

@@ -194,10 +194,13 @@ class EngineCore:
         return shared
 
     def _lora_weight_dtype(self) -> torch.dtype:
-        """--lora-dtype resolved against the loaded base (auto: its dtype, float32 for a
-        low-bit GGUF base); logged."""
-        dtype = self.loaded.dtype if self.config.lora_dtype == "auto" else \
-            getattr(torch, self.config.lora_dtype)
+        """--lora-dtype resolved against the loaded base; logged. auto: int8 on a base whose
+        linears are low-bit (a step streams every adapter of its rows, and int8's rounding
+        is far below the base's own error: docs/results.md), else the base's dtype."""
+        if self.config.lora_dtype != "auto":
+            dtype = getattr(torch, self.config.lora_dtype)
+        else:
+            dtype = torch.int8 if self.loaded.kernel_policy is not None else self.loaded.dtype
         log.info("LoRA weights: %s (--lora-dtype %s)", str(dtype).split(".")[-1],
                  self.config.lora_dtype)
         return dtype

@@ -42,6 +42,7 @@ class LoRASlots:
         self.config = model_config
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
+        self.dtype = dtype
         self.adapters: list[LoRAAdapter | None] = [None] * max_loras
         self._slot: OrderedDict[int, int] = OrderedDict()  # lora_int_id -> slot, LRU first
         self._paths: dict[int, str] = {}                   # lora_int_id -> its folder

@@ -82,6 +82,21 @@ def test_max_loras_bounds_the_adapters_running_at_once(setup):
     assert slots.num_loads == 4 and len(slots.resident()) == 2      # LRU evicted two
 
 
+def test_lora_dtype_auto_is_int8_on_a_low_bit_base(setup):
+    """--lora-dtype auto: int8 adapter weights where the base's linears are low-bit, the
+    base's dtype otherwise; an explicit dtype wins. The int8 engine still runs the adapter
+    (its tokens differ from the base's)."""
+    base, loras, loaded = setup
+    low = load_model(base, quantization="int8")
+    assert _llm(loaded).engine.runner.lora.dtype == torch.float32
+    assert _llm(low, lora_dtype="float32").engine.runner.lora.dtype == torch.float32
+    llm = _llm(low)
+    assert llm.engine.runner.lora.dtype == torch.int8
+    adapted = _tokens(llm.generate(PROMPTS[0], GREEDY, lora_request=loras[0]))[0]
+    assert adapted != _tokens(llm.generate(PROMPTS[0], GREEDY))[0]
+    assert llm.engine.runner.lora.resident()
+
+
 def test_prefix_cache_keyed_by_adapter(setup):
     _, loras, loaded = setup
     prompt = list(range(10, 60))                        # three full 16-token blocks
