@@ -47,8 +47,8 @@
 //   in turn; rows and columns past N and K are zero.
 //   u8 x s8 needs an unsigned side: |q| times x with q's sign moved onto x.
 //
-// x: [M, K] float32 (M small); returns [M, N] float32. Row blocks of W are work items the
-// threads take in turn (items_for). Without AVX512-VNNI a plain loop computes the same sums.
+// x: [M, K] float32 (M small); returns [M, N] float32. Row blocks of W are split across the
+// threads (block_items). Without AVX512-VNNI a plain loop computes the same sums.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <atomic>
@@ -1065,11 +1065,29 @@ inline int64_t item_blocks(int64_t blocks) {
   return std::max<int64_t>(1, (blocks + ITEMS_PER_THREAD * T - 1) / (ITEMS_PER_THREAD * T));
 }
 
-// The row blocks [0, blocks[p]) of every part p (one weight, or a stack of them) cut into
-// items of item_blocks(blocks[p]) blocks, each run by items_for as fn(p, b0, b1).
+// The row blocks [0, blocks[p]) of every part p (one weight, or a stack of them) split
+// across the threads, each range run as fn(p, b0, b1). Many-row steps (`shared`) cut them
+// into items of item_blocks(blocks[p]) blocks taken from a shared counter (items_for).
+// A decode-sized step reads each weight once, in microseconds on a small model: there each
+// thread takes the same fixed share of every part, [b t / T, b (t + 1) / T), one sequential
+// stream a part. Items cost such steps 20-30% (SmolLM2's batch-1 decode: every item
+// restarts the hardware prefetcher on a new stream and fetches a counter line from the
+// other core) and measured no gain beside a busy process, where they help prefill.
 template <typename F>
-void block_items(const std::vector<int64_t>& blocks, const F& fn) {
+void block_items(const std::vector<int64_t>& blocks, bool shared, const F& fn) {
   const size_t P = blocks.size();
+  const int64_t T = std::max<int64_t>(1, at::get_num_threads());
+  if (!shared || T == 1 || at::in_parallel_region()) {
+    const int64_t S = at::in_parallel_region() ? 1 : T;
+    at::parallel_for(0, S, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t)
+        for (size_t p = 0; p < P; ++p) {
+          const int64_t b0 = blocks[p] * t / S, b1 = blocks[p] * (t + 1) / S;
+          if (b0 < b1) fn(p, b0, b1);
+        }
+    });
+    return;
+  }
   std::vector<int64_t> per(P), first(P + 1, 0);
   for (size_t p = 0; p < P; ++p) {
     per[p] = item_blocks(blocks[p]);
@@ -1193,7 +1211,7 @@ torch::Tensor packed_gemv(torch::Tensor x, const torch::Tensor& packed, int64_t 
   auto y = pooled_empty(M, N, x.options());
   const QuantizedX X = quantize_x(x.data_ptr<float>(), M, K, f.order, CH);
   float* yp = y.data_ptr<float>();
-  block_items({packed.size(1)}, [&](size_t, int64_t b0, int64_t b1) {
+  block_items({packed.size(1)}, M > f.pass_rows, [&](size_t, int64_t b0, int64_t b1) {
     form_rows(f, W, X, yp, N, b0, b1, M);
   });
   return y;
@@ -1257,9 +1275,11 @@ torch::Tensor stacked_gemv(torch::Tensor x, std::vector<torch::Tensor> packed,
   for (int64_t ni : n) total_n += ni;
   torch::Tensor out = M == 1 ? torch::empty({1, total_n}, x.options()) : torch::Tensor();
   for (size_t i = 0, at = 0; M == 1 && i < P; at += n[i], ++i) ys[i] = out.narrow(1, at, n[i]);
-  // Every part's row blocks as items: a part's kernel may be slower per byte than
-  // another's (q6 than q4k), and the shared counter evens that out too.
-  block_items(blocks, [&](size_t i, int64_t b0, int64_t b1) {
+  // Every part's row blocks as items (many rows): a part's kernel may be slower per byte
+  // than another's (q6 than q4k), and the shared counter evens that out too.
+  bool many = false;
+  for (const Form& f : forms) many = many || M > f.pass_rows;
+  block_items(blocks, many, [&](size_t i, int64_t b0, int64_t b1) {
     form_rows(forms[i], tiles[i], xq[forms[i].order], ys[i].data_ptr<float>(), n[i], b0, b1, M);
   });
   return M == 1 ? out : torch::cat(ys, 1);
