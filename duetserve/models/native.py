@@ -19,12 +19,13 @@ Kernels:
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
 import platform
 import threading
-import time
 
 from duetserve.config import cache_dir
 
@@ -66,21 +67,20 @@ def cpu_flags() -> set[str]:
     return set()
 
 
-STALE_LOCK_S = 900   # no build of these sources takes this long on 2 cores (~4 min)
-
-
-def _clear_stale_lock(build_dir: str) -> None:
-    """torch's cpp_extension guards a build with a `lock` file that a killed build leaves
-    behind, after which every later load waits on it forever. Mutates build_dir: removes
-    a lock older than STALE_LOCK_S."""
-    lock = os.path.join(build_dir, "lock")
-    try:
-        if time.time() - os.path.getmtime(lock) > STALE_LOCK_S:
+@contextlib.contextmanager
+def _build_guard(build_dir: str):
+    """Held around a build of build_dir: an exclusive flock on `build.flock` there, which
+    the OS releases when its holder exits, however it dies. torch's cpp_extension guards a
+    build with a `lock` file instead, which a killed build leaves behind, and every later
+    load then waits on it forever; under the flock no build of ours is running, so such a
+    file is stale and is removed (logged). Mutates build_dir."""
+    with open(os.path.join(build_dir, "build.flock"), "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        lock = os.path.join(build_dir, "lock")
+        if os.path.exists(lock):
             os.remove(lock)
-            log.warning("removed a stale native-build lock left by an interrupted build: %s",
-                        lock)
-    except OSError:     # no lock (the usual case), or another process removed it first
-        pass
+            log.warning("removed a native-build lock left by an interrupted build: %s", lock)
+        yield
 
 
 def _build():
@@ -101,11 +101,11 @@ def _build():
     tag = digest.hexdigest()[:12]
     build_dir = os.path.join(cache_dir(), "ext", tag)
     os.makedirs(build_dir, exist_ok=True)
-    _clear_stale_lock(build_dir)
-    return cpp_extension.load(name=f"duet_native_{tag}", sources=sources,
-                              build_directory=build_dir,
-                              extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                              extra_ldflags=["-fopenmp"], verbose=False)
+    with _build_guard(build_dir):
+        return cpp_extension.load(name=f"duet_native_{tag}", sources=sources,
+                                  build_directory=build_dir,
+                                  extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                                  extra_ldflags=["-fopenmp"], verbose=False)
 
 
 def ops():

@@ -550,22 +550,24 @@ def test_f32_gemv_equals_linear(rows, n, k):
     torch.testing.assert_close(native.f32_gemv(x, w), F.linear(x, w), atol=1e-4, rtol=1e-5)
 
 
-def test_stale_build_lock_is_cleared(tmp_path):
-    """A lock left by a killed extension build would make every later load wait forever:
-    one older than STALE_LOCK_S is removed, a fresh one (a build in progress) is kept."""
-    import os
-    import time
+def test_build_guard_clears_a_dead_builds_lock_and_excludes_other_builds(tmp_path):
+    """torch's `lock` file, left by a killed extension build, would make every later load
+    wait forever: under the build guard's flock no build of ours is running, so it is
+    removed; while one process holds the guard, another cannot take it."""
+    import fcntl
 
     from duetserve.models import native
     lock = tmp_path / "lock"
     lock.write_text("")
-    native._clear_stale_lock(str(tmp_path))
-    assert lock.exists()
-    old = time.time() - native.STALE_LOCK_S - 5
-    os.utime(lock, (old, old))
-    native._clear_stale_lock(str(tmp_path))
-    assert not lock.exists()
-    native._clear_stale_lock(str(tmp_path))     # nothing to remove: no error
+    with native._build_guard(str(tmp_path)):
+        assert not lock.exists()
+        with open(tmp_path / "build.flock", "w") as other:   # another open file: another holder
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    with open(tmp_path / "build.flock", "w") as other:        # released on exit
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    with native._build_guard(str(tmp_path)):                   # nothing to remove: no error
+        pass
 
 
 def test_f32_gemv_rows_are_independent_of_the_row_count():
