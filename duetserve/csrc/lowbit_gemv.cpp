@@ -1076,13 +1076,12 @@ inline int64_t item_blocks(int64_t blocks) {
 template <typename F>
 void block_items(const std::vector<int64_t>& blocks, bool shared, const F& fn) {
   const size_t P = blocks.size();
-  const int64_t T = std::max<int64_t>(1, at::get_num_threads());
-  if (!shared || T == 1 || at::in_parallel_region()) {
-    const int64_t S = at::in_parallel_region() ? 1 : T;
-    at::parallel_for(0, S, 1, [&](int64_t t0, int64_t t1) {
+  if (!shared) {   // inside a parallel region parallel_for runs the T shares inline
+    const int64_t T = std::max<int64_t>(1, at::get_num_threads());
+    at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t)
         for (size_t p = 0; p < P; ++p) {
-          const int64_t b0 = blocks[p] * t / S, b1 = blocks[p] * (t + 1) / S;
+          const int64_t b0 = blocks[p] * t / T, b1 = blocks[p] * (t + 1) / T;
           if (b0 < b1) fn(p, b0, b1);
         }
     });
