@@ -16,24 +16,35 @@ streams allow each of those steps
 
     T(N) = min over running decodes i of (tpot_i + banked_i / N)
 
-Spending that slack is not free: slower streams live longer, so more of them run at once
-(Little's law), and every step of a larger batch costs more; with a cliff in step time
-(the few-row kernels' limit) that lowers capacity and raises everyone's TTFT. So the
-slack is spent only on a prompt that needs it. The prompt next in line (the oldest
-running prefill, else the first waiting request) has `left` = its TTFT target minus the
-time it has waited. If StepBudget's chunks (its budget this step, kept as the floor) end
-its prefill within `left`, nothing changes. Else, over the prefill plans of N steps of
-c = ceil(remaining / N) tokens (N = 1, 2, ... fewer than StepBudget's plan needs) whose
-step the step-time model prices within T(N), the policy takes the plan that meets the
-deadline with the most steps (the least slack spent), or, when none does (a prompt past
-its deadline included), the one that ends the prefill soonest (a late first token is
-still better early than later: an overloaded server that kept the slack for the streams
-let the queue's first tokens wait 1.5-2x longer, 1.5B at 1 req/s on 2 cores), and
-widens the budget to D + c. Under heavy load the streams have no slack, no plan fits,
-and the budget protects TPOT exactly as StepBudget does. No step is planned longer than
-STEP_TTFT_SHARE of the TTFT target (a request that arrives during a step waits for its
-end), and every target is planned at SLO_MARGIN of its value, a margin for the
-step-time model's error.
+The prompt next in line (the oldest running prefill, else the first waiting request) is
+planned over prefills of N steps of c = ceil(remaining / N) tokens (N = 1, 2, ... fewer
+than StepBudget's chunks, its budget this step and the floor, need), each step priced by
+the step-time model within T(N). Two plans are taken, and the larger chunk wins:
+
+- Light load: steps of at most LIGHT_STEP_SHARE of the TPOT target: the largest chunk
+  whose step fits, the prompt spread evenly over the steps it then needs. Beside one or
+  two streams StepBudget's target (1.5x their decode step) gives a prompt a handful of
+  tokens a step (SmolLM2 on 2 cores: 6 tokens in 5 ms steps, so a 200-token prompt waits
+  30 steps); with TPOT far under target the prompt prefills in a few larger chunks
+  instead. A stream's mean TPOT hardly moves (the prompt's rows cost the same time in
+  any chunking, and fewer steps save their overhead); its longest gap grows to the step
+  (`--scheduling-policy fcfs` keeps StepBudget's steps).
+- Deadline: `left` = the prompt's TTFT target minus the time it has waited. If the
+  floor's chunks end its prefill within `left`, none. Else the plan that meets the
+  deadline with the most steps (the least slack spent), or, when none does (a prompt
+  past its deadline included), the one that ends the prefill soonest (a late first token
+  is still better early than later: an overloaded server that kept the slack for the
+  streams let the queue's first tokens wait 1.5-2x longer, 1.5B at 1 req/s on 2 cores).
+
+Spending slack beyond the light steps is not free: slower streams live longer, so more
+of them run at once (Little's law), and every step of a larger batch costs more; with a
+cliff in step time (the few-row kernels' limit) that lowers capacity and raises
+everyone's TTFT; so longer steps are taken only for a deadline. The budget is widened to
+D + c. Under heavy load the streams have no slack (and their decode step alone nears the
+light steps), no plan fits, and the budget protects TPOT exactly as StepBudget does. No
+step is planned longer than STEP_TTFT_SHARE of the TTFT target (a request that arrives
+during a step waits for its end), and every target is planned at SLO_MARGIN of its
+value, a margin for the step-time model's error.
 
 Admission: a waiting request is admitted beside running ones only while the decode-only
 step of all of them (it included) stays within the server's TPOT target (planned at the
@@ -62,6 +73,7 @@ from duetserve.request import Request
 SLO_MARGIN = 0.9          # plan against this fraction of every target (model error)
 STEP_TTFT_SHARE = 0.5     # no planned step longer than this share of the TTFT target
 STEP_COUNT_GROWTH = 1.25  # prefill plans tried: 1, 2, 3, ... steps, then x1.25 apart
+LIGHT_STEP_SHARE = 0.3    # light load: a prompt's steps up to this share of the TPOT target
 LATE_SHARE = 0.5          # a request first in line this far into its TTFT target is late
 OVERLOAD_TPOT = 3.0       # admission for a late request: decode steps within this x TPOT
 
@@ -150,15 +162,23 @@ class SloPolicy:
     def _allowance(self, slack: list[tuple[float, float]], num_steps: int) -> float:
         return min(1e3 * min(a + b / num_steps for a, b in slack), self.cap_ms())
 
+    def light_ms(self) -> float:
+        """The longest step a light-load plan takes (LIGHT_STEP_SHARE of the server's
+        TPOT target at the margin), in ms."""
+        return 1e3 * LIGHT_STEP_SHARE * self.margin * self.targets.tpot_s
+
     def plan(self, now: float, decodes: Sequence[Request], prompt: Request, floor: int
              ) -> tuple[int, int]:
         """(N, chunk): the prefill plan of `prompt` (next in line) beside the running
-        `decodes` (module docstring). `floor`: StepBudget's budget this step. Returns
-        (0, 0) when StepBudget's own chunks meet the prompt's TTFT target (or it has
-        output already: preempted, no TTFT to meet) or no wider step fits the streams'
-        slack; else the N steps of `chunk` tokens each (the last one fewer) that meet the
-        deadline with the fewest tokens a step, or, when none meets it (or the deadline
-        has passed), that end the prefill soonest. Mutates nothing."""
+        `decodes` (module docstring). `floor`: StepBudget's budget this step. Among the
+        plans of N steps of ceil(remaining / N) tokens (N fewer than StepBudget's plan
+        needs) whose step fits the streams' slack: the light plan (`_light_plan`, steps
+        of at most light_ms()); and, only when StepBudget's chunks would miss the
+        prompt's TTFT target, the deadline plan: the one that meets it with the
+        most steps, or, when none does (or it has passed), the one that ends the prefill
+        soonest. Returns the one of the two with the larger chunk; (0, 0) when neither
+        beats StepBudget's chunks or the prompt has output already (preempted: no TTFT
+        to meet). Mutates nothing."""
         d, start = len(decodes), prompt.num_computed_tokens
         num_left = prompt.num_tokens - start
         if prompt.num_output_tokens or num_left <= 1:
@@ -166,10 +186,12 @@ class SloPolicy:
         left_ms = 1e3 * (self.margin * self.ttft_s(prompt) - (now - prompt.arrival_time))
         c0 = max(1, floor - d)
         n0 = -(-num_left // c0)
-        if n0 * self.budget.step_ms(d, min(c0, num_left), start) <= left_ms:
-            return 0, 0
-        meets, soonest = (0, 0), (math.inf, 0, 0)
+        floor_ms = n0 * self.budget.step_ms(d, min(c0, num_left), start)
         slack = self._slack(now, decodes)
+        light = self._light_plan(d, start, num_left, slack, floor_ms)
+        if floor_ms <= left_ms:
+            return light
+        meets, soonest = (0, 0), (math.inf, 0, 0)
         for n in _step_counts(n0 - 1):
             c = -(-num_left // n)
             t = self.budget.step_ms(d, c, start)
@@ -178,7 +200,24 @@ class SloPolicy:
             if n * t <= left_ms:
                 meets = max(meets, (n, c))
             soonest = min(soonest, (n * t, n, c))
-        return meets if meets[0] else soonest[1:]
+        deadline = meets if meets[0] else soonest[1:]
+        return max(deadline, light, key=lambda plan: plan[1])
+
+    def _light_plan(self, d: int, start: int, num_left: int,
+                    slack: list[tuple[float, float]], floor_ms: float) -> tuple[int, int]:
+        """(N, chunk) of the light plan (`plan`): the largest chunk whose step fits
+        light_ms(), spread evenly over the N steps the prompt then needs; (0, 0) when
+        that plan's step is beyond the streams' slack or it ends no sooner than
+        StepBudget's chunks (`floor_ms` in all)."""
+        most = self.budget.chunk_within(d, start, self.light_ms(), num_left)
+        if not most:
+            return 0, 0
+        n = -(-num_left // most)
+        c = -(-num_left // n)
+        t = self.budget.step_ms(d, c, start)
+        if t > self._allowance(slack, n) or n * t >= floor_ms:
+            return 0, 0
+        return n, c
 
     def token_budget(self, now: float, decodes: Sequence[Request], prompt: Request,
                      floor: int) -> int:
@@ -220,8 +259,9 @@ class SloPolicy:
         """The policy as reported at start-up (and by the simulator)."""
         return (f"goodput-first (SLO TTFT {self.targets.ttft_s * 1e3:g} ms, TPOT "
                 f"{self.targets.tpot_s * 1e3:g} ms, planned at {self.margin:g}): steps "
-                f"widened, for a prompt that would miss its TTFT target, by the streams' "
-                f"TPOT slack up to {self.cap_ms():.0f} ms; admission stops at "
+                f"widened within the streams' TPOT slack for the prompt next in line, to "
+                f"{self.light_ms():.0f} ms while they have it (light load), up to "
+                f"{self.cap_ms():.0f} ms when it would miss its TTFT target; admission stops at "
                 f"{self._most_admitted(False)} running streams (their decode-only step "
                 f"within TPOT), at {self._most_admitted(True)} while the request first in "
                 f"line has waited {LATE_SHARE:g} of its TTFT target (within "

@@ -170,6 +170,14 @@ class StepBudget:
             return max(d, rows // 16 * 16) if rows >= ROUND_FROM else rows
         return d + max(0, _largest_fit(1, min(lay.few_rows - d, hi - d), ok, cuts))
 
+    def chunk_within(self, num_decodes: int, start: int, target_ms: float, most: int
+                     ) -> int:
+        """The largest chunk of at most `most` tokens after `start` cached ones whose step
+        beside `num_decodes` decodes fits `target_ms` (0 when not even one token does)."""
+        return max(0, _largest_fit(
+            1, most, lambda c: self.step_ms(num_decodes, c, start) <= target_ms,
+            (1, self.step_time.layout.chunk_rows)))
+
     def efficient_chunk(self, num_decodes: int) -> int:
         """The least chunk a step beside `num_decodes` decodes carries (module
         docstring): the fewest c with c x row >= efficiency x (step_ms(D, c) -

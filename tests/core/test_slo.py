@@ -52,28 +52,51 @@ def prompt(num_tokens: int, arrival: float, **params: object) -> Request:
                    arrival_time=arrival)
 
 
-def test_no_widening_while_the_step_budget_meets_the_ttft_target() -> None:
-    """One fresh stream: StepBudget's target (1.5 x 11 ms) gives a 200-token prompt 5
-    tokens a 16 ms step, 640 ms in all, within the 1.8 s planned: nothing to spend."""
+def test_light_load_prefills_in_the_largest_chunks_within_the_light_step() -> None:
+    """One fresh stream, TPOT target 105 ms (94.5 planned): StepBudget's target (1.5 x
+    11 ms) gives a 200-token prompt 5 tokens a 16 ms step, 640 ms in all, within the 1.8 s
+    planned, so no deadline plan; with TPOT far under target the light plan takes the
+    largest chunk whose step fits 0.3 x 94.5 = 28.35 ms (17 tokens, 28 ms), spread over
+    the 12 steps it needs (17 tokens each, the last 13)."""
+    p = SloPolicy(StepBudget(LINE), SloTargets(ttft_s=2.0, tpot_s=0.105))
     assert StepBudget(LINE).for_step(1, 1) == 6
+    assert p.light_ms() == pytest.approx(28.35)
     a = stream("a", 1, anchor=0.0)
-    assert policy().plan(0.0, [a], prompt(200, 0.0), 6) == (0, 0)
-    assert policy().token_budget(0.0, [a], prompt(200, 0.0), 6) == 6
+    assert p.plan(0.0, [a], prompt(200, 0.0), 6) == (12, 17)
+    assert p.token_budget(0.0, [a], prompt(200, 0.0), 6) == 18
+    assert p.plan(0.0, [a], prompt(30, 0.0), 6) == (2, 15)
+    # 17 streams decode in 27 ms: a chunk of 1 fits 28.35 ms but is no faster than the
+    # floor (StepBudget's 13 tokens beside them); 19 leave no light step at all
+    many = [stream(f"s{i}", 1, anchor=0.0) for i in range(17)]
+    assert p.plan(0.0, many, prompt(200, 0.0), 30) == (0, 0)
+    assert p.plan(0.0, many + many[:2], prompt(200, 0.0), 32) == (0, 0)
+    # a stream so far behind its TPOT target that its slack over the 12 steps is below
+    # the light step gets none either: 2 gaps in 1 s, T(12) = 94.5 - 811 / 12 = 26.9 ms
+    behind = stream("b", 3, anchor=0.0)
+    assert p.plan(1.0, [behind], prompt(200, 1.0), 6) == (0, 0)
+    # a tighter TPOT target: light steps of 0.3 x 36 = 10.8 ms, not even one decode's
+    tight = SloPolicy(StepBudget(LINE), SloTargets(ttft_s=2.0, tpot_s=0.040))
+    assert tight.plan(0.0, [a], prompt(200, 0.0), 6) == (0, 0)
 
 
 def test_a_prompt_that_would_miss_ttft_gets_the_least_widening_that_meets_it() -> None:
-    """TTFT 0.5 s (450 ms planned): StepBudget's 40 steps of 16 ms miss it. Plans of N
+    """TTFT 0.31 s (279 ms planned): StepBudget's 40 steps of 16 ms miss it. Plans of N
     steps of ceil(200 / N) tokens, each step 11 + c ms within the fresh stream's 90 ms:
-    N = 18 (12 tokens, 18 x 23 = 414 ms) is the most steps that still meet 450 ms
-    (N = 22: 10 tokens, 462 ms)."""
-    p = SloPolicy(StepBudget(LINE), SloTargets(ttft_s=0.5, tpot_s=0.100))
+    N = 6 (34 tokens, 6 x 45 = 270 ms) is the most steps that still meet 279 ms
+    (N = 7: 29 tokens, 280 ms); its chunk is larger than the light plan's (16 tokens:
+    11 + 16 ms fit 0.3 x 90)."""
+    p = SloPolicy(StepBudget(LINE), SloTargets(ttft_s=0.31, tpot_s=0.100))
     a = stream("a", 1, anchor=0.0)
-    assert p.plan(0.0, [a], prompt(200, 0.0), 6) == (18, 12)
-    assert p.token_budget(0.0, [a], prompt(200, 0.0), 6) == 13
+    assert p.plan(0.0, [a], prompt(200, 0.0), 6) == (6, 34)
+    assert p.token_budget(0.0, [a], prompt(200, 0.0), 6) == 35
+    # TTFT 0.5 s, TPOT 105 ms: the deadline plan (N = 18 of 12 tokens, 414 ms) is
+    # smaller than the light plan's chunk (17, the test above), which wins
+    half = SloPolicy(StepBudget(LINE), SloTargets(ttft_s=0.5, tpot_s=0.105))
+    assert half.plan(0.0, [a], prompt(200, 0.0), 6) == (12, 17)
     # 1 s already waited: late whatever happens, so the prefill ends soonest within the
     # stream's 90 ms steps: 3 steps of 67 tokens (78 ms, 234 ms in all; N = 2 would need
     # 111 ms steps, N = 4 takes 244 ms)
-    assert p.plan(1.0, [stream("a", 1, anchor=1.0)], prompt(200, 0.0), 6) == (3, 67)
+    assert half.plan(1.0, [stream("a", 1, anchor=1.0)], prompt(200, 0.0), 6) == (3, 67)
 
 
 def test_when_no_plan_meets_the_deadline_the_prefill_ends_soonest() -> None:
@@ -162,9 +185,9 @@ def req(req_id: str, num_prompt: int, arrival: float, **params: object) -> Reque
 def test_new_prompt_beside_one_stream(slo: bool) -> None:
     """TTFT target 0.5 s: without the policy the prompt gets 5 tokens a 16 ms step and
     its first token comes after 40 steps, past the target; with it, the prefill is
-    planned to meet 450 ms (first chunk: 12 tokens, see the plan test above), re-planned
-    every step, and the stream stays within its planned TPOT."""
-    sched = scheduler(slo, SloTargets(ttft_s=0.5, tpot_s=0.100))
+    planned in light steps (TPOT 105 ms: first chunk 17 tokens, see the plan tests),
+    re-planned every step, and the stream stays within its planned TPOT."""
+    sched = scheduler(slo, SloTargets(ttft_s=0.5, tpot_s=0.105))
     sched.add_request(req("a", 8, 0.0))
     _, now = run(sched, 0.0)                            # a's prefill: 18 ms
     assert sched.requests["a"].slo_anchor_time == pytest.approx(0.018)
@@ -179,7 +202,7 @@ def test_new_prompt_beside_one_stream(slo: bool) -> None:
     a = sched.requests["a"]
     tpot = (now - a.slo_anchor_time) / (a.num_output_tokens - 1)
     if slo:
-        assert got[0] == 12 and sum(got) == 200
+        assert got[0] == 17 and sum(got) == 200
         assert ttft <= 0.450 and tpot <= 0.090
     else:
         assert got == [5] * 40 and ttft == pytest.approx(0.640)
