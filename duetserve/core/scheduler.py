@@ -29,9 +29,10 @@ Waiting order and preemption victims follow one key, (priority, arrival): smalle
 priority first, then earlier add_request; preempted requests go to the front of their
 priority in the waiting queue.
 
-Goodput-first (config.slo, core/slo.py): for a prompt that would miss its TTFT target
-with StepBudget's chunks, the budget is widened within the running streams' TPOT slack
-(never narrowed below StepBudget's); a waiting request joins running ones only while
+Goodput-first (config.slo, core/slo.py): for the prompt next in line the budget is
+widened within the running streams' TPOT slack (to light steps while they have it,
+further for a prompt that would miss its TTFT target; never narrowed below
+StepBudget's); a waiting request joins running ones only while
 their decode-only step stays within the TPOT target (a wider bound once it has waited
 part of its TTFT target: SloPolicy.admits); the waiting order within a priority
 is the TTFT deadline. The scheduler reads no clock: `schedule(now)` and
