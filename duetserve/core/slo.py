@@ -28,7 +28,7 @@ the step-time model within T(N). Two plans are taken, and the larger chunk wins:
   30 steps); with TPOT far under target the prompt prefills in a few larger chunks
   instead. A stream's mean TPOT hardly moves (the prompt's rows cost the same time in
   any chunking, and fewer steps save their overhead); its longest gap grows to the step
-  (`--scheduling-policy fcfs` keeps StepBudget's steps).
+  (a pinned `--max-step-ms` bounds the light steps too).
 - Deadline: `left` = the prompt's TTFT target minus the time it has waited. If the
   floor's chunks end its prefill within `left`, none. Else the plan that meets the
   deadline with the most steps (the least slack spent), or, when none does (a prompt
@@ -164,8 +164,10 @@ class SloPolicy:
 
     def light_ms(self) -> float:
         """The longest step a light-load plan takes (LIGHT_STEP_SHARE of the server's
-        TPOT target at the margin), in ms."""
-        return 1e3 * LIGHT_STEP_SHARE * self.margin * self.targets.tpot_s
+        TPOT target at the margin; at most a pinned --max-step-ms), in ms."""
+        light = 1e3 * LIGHT_STEP_SHARE * self.margin * self.targets.tpot_s
+        pinned = self.budget.max_step_ms
+        return light if pinned is None else min(light, pinned)
 
     def plan(self, now: float, decodes: Sequence[Request], prompt: Request, floor: int
              ) -> tuple[int, int]:

@@ -74,6 +74,13 @@ def test_light_load_prefills_in_the_largest_chunks_within_the_light_step() -> No
     # the light step gets none either: 2 gaps in 1 s, T(12) = 94.5 - 811 / 12 = 26.9 ms
     behind = stream("b", 3, anchor=0.0)
     assert p.plan(1.0, [behind], prompt(200, 1.0), 6) == (0, 0)
+    # a pinned step target (--max-step-ms 20) bounds the light steps to 9 tokens (20
+    # ms): no wider than StepBudget's own budget under that target, so nothing to add
+    pinned = SloPolicy(StepBudget(LINE, max_step_ms=20.0), SloTargets(2.0, 0.105))
+    assert pinned.light_ms() == 20.0
+    assert pinned.budget.for_step(1, 1) == 10
+    assert pinned.plan(0.0, [a], prompt(200, 0.0), 10) == (0, 0)
+    assert pinned.plan(0.0, [a], prompt(200, 0.0), 6) == (23, 9)
     # a tighter TPOT target: light steps of 0.3 x 36 = 10.8 ms, not even one decode's
     tight = SloPolicy(StepBudget(LINE), SloTargets(ttft_s=2.0, tpot_s=0.040))
     assert tight.plan(0.0, [a], prompt(200, 0.0), 6) == (0, 0)
