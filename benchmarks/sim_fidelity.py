@@ -11,9 +11,11 @@ mix, everything queued at once): the same seeded conversations and arrival sched
 simulator on the profile, with the engine's scheduler settings. Printed per cell: the
 measured TTFT and TPOT p50 (the median over the repeats) and their spread over the repeats
 (max / min: the run-to-run noise the comparison sits in), the simulated p50s and the
-ratios simulated / measured; OUT/fidelity.json keeps every run. The target is every ratio
-within 0.85-1.15. Run it alone on the machine: another process's load slows the measured
-side only.
+ratios simulated / measured, and the time of one reference step (8 decodes, `reference_ms`)
+before each served run and before calibrating: the VM's speed drifts by 10-50% within an
+hour, and a calibration in a slow spell over-predicts every cell by about as much.
+OUT/fidelity.json keeps every run. The target is every ratio within 0.85-1.15. Run it
+alone on the machine: another process's load slows the measured side only.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from duetserve.bench.datasets import make_dataset
 from duetserve.bench.replay import replay
 from duetserve.bench.token_workload import (arrival_offsets, id_range_for_vocab,
                                              token_conversations)
+from duetserve.engine.step_probe import Probe
 from duetserve.sim.cluster import ClusterSpec
 from duetserve.sim.profile import load_profile
 from duetserve.sim.run import simulate
@@ -42,6 +45,7 @@ MIXES = {
                          num_turns=1),
 }
 KEYS = ("ttft_ms", "tpot_ms")
+REFERENCE = Probe("reference", ((256, 1),) * 8)     # 8 decode streams at 256 tokens
 
 
 def log(msg: str) -> None:
@@ -68,6 +72,17 @@ def p50s(records, duration: float) -> dict[str, float]:
     return {k: summary[k]["p50"] for k in KEYS}
 
 
+def reference_ms(engine) -> float:
+    """The machine's speed now: the fastest of two timed steps of REFERENCE (after a
+    warm-up) through `engine`'s runner, before any request exists, ms. The same step
+    before the calibration and before each served run shows how far the VM drifted."""
+    from duetserve.engine.step_probe import layout_of, measure
+    layout = layout_of(engine.runner, engine.model_config.num_attention_heads)
+    samples, _ = measure(engine.runner, [REFERENCE], layout, engine.model_config.vocab_size,
+                         engine.config.block_size)
+    return samples[0][1] * 1e3
+
+
 def cell(mix: str, level: float, args, engine_config, loaded, profile, config, id_range
          ) -> dict:
     """One mix at one load: the measured runs and the simulation."""
@@ -76,16 +91,20 @@ def cell(mix: str, level: float, args, engine_config, loaded, profile, config, i
     n = max(16, int(round(rate * args.run_seconds)))
     convs = conversations(mix, n, args.seed, id_range)
     offsets = arrival_offsets(n, rate, 1.0, args.seed).tolist()
-    runs = []
+    runs, refs = [], []
     for rep in range(args.repeats):
-        res = replay(EngineCore(engine_config, loaded), convs, offsets)
+        engine = EngineCore(engine_config, loaded)
+        refs.append(reference_ms(engine))
+        res = replay(engine, convs, offsets)
         runs.append(p50s(res.records, res.duration_s))
-        log(f"{mix} {level}: run {rep + 1}/{args.repeats}: {runs[-1]}")
+        log(f"{mix} {level}: run {rep + 1}/{args.repeats}: {runs[-1]}, reference step "
+            f"{refs[-1]:.2f} ms")
     sim = simulate(convs, profile, ClusterSpec(1), rate, 1.0, args.seed, None, config,
                    id_range)
     simulated = p50s(sim.records, sim.duration_s)
     measured = {k: statistics.median(r[k] for r in runs) for k in KEYS}
     return {"mix": mix, "level": level, "rate": rate, "requests": n, "runs": runs,
+            "reference_ms": statistics.median(refs),
             "measured": measured, "simulated": simulated,
             "spread": {k: max(r[k] for r in runs) / min(r[k] for r in runs) for k in KEYS},
             "ratio": {k: simulated[k] / measured[k] for k in KEYS}}
@@ -113,7 +132,11 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     engine_config = EngineConfig(model=args.model, num_threads=args.threads, dtype=args.dtype)
     loaded = load_model(args.model, args.dtype, quantization=engine_config.quantization)
+    from duetserve.engine.engine_core import EngineCore
+    calibration_ref = None
     if args.calibrate:
+        calibration_ref = reference_ms(EngineCore(engine_config, loaded))
+        log(f"reference step before calibrating: {calibration_ref:.2f} ms")
         profile, path = calibrate(args.model, args.threads, out=out / "profile.json",
                                   loaded=loaded, dtype=args.dtype)
         print(format_report(profile, path))
@@ -126,15 +149,21 @@ def main() -> int:
     cells = [cell(mix, float(level), args, engine_config, loaded, profile, config, id_range)
              for level in args.levels.split(",") for mix in args.mixes.split(",")]
     print(f"{'mix':>14} {'load':>5} | {'TTFT p50 ms':>11} {'spread':>6} {'sim':>8} {'ratio':>5}"
-          f" | {'TPOT p50 ms':>11} {'spread':>6} {'sim':>8} {'ratio':>5}")
+          f" | {'TPOT p50 ms':>11} {'spread':>6} {'sim':>8} {'ratio':>5} | {'ref ms':>6}")
     for c in cells:
         cols = " | ".join(f"{c['measured'][k]:11.1f} {c['spread'][k]:6.2f} "
                           f"{c['simulated'][k]:8.1f} {c['ratio'][k]:5.2f}" for k in KEYS)
-        print(f"{c['mix']:>14} {c['level']:5.2f} | {cols}")
+        print(f"{c['mix']:>14} {c['level']:5.2f} | {cols} | {c['reference_ms']:6.2f}")
     within = sum(0.85 <= c["ratio"][k] <= 1.15 for c in cells for k in KEYS)
     print(f"{within} of {2 * len(cells)} p50 ratios within 0.85-1.15")
+    if calibration_ref is not None:
+        print(f"reference step (8 decodes at 256 tokens, ms): {calibration_ref:.2f} before "
+              f"calibrating; before the served runs (ref ms, median of a cell's repeats) "
+              f"{min(c['reference_ms'] for c in cells):.2f}-"
+              f"{max(c['reference_ms'] for c in cells):.2f}")
     (out / "fidelity.json").write_text(json.dumps(
-        {"args": vars(args), "profile": profile.to_json(), "cells": cells}, indent=1))
+        {"args": vars(args), "profile": profile.to_json(), "cells": cells,
+         "calibration_reference_ms": calibration_ref}, indent=1))
     print(f"wrote {out / 'fidelity.json'}")
     return 0
 

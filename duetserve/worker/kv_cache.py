@@ -18,7 +18,9 @@ reads the cache with one gather and no transpose copy.
 """
 from __future__ import annotations
 
+import ctypes
 import mmap
+import os
 
 import numpy as np
 import torch
@@ -123,3 +125,16 @@ def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int,
         cache = torch.zeros(shape, dtype=dtype, device=device)
     slot = {i: s for g in cfg.kv_groups() for s, i in enumerate(g.layer_ids)}
     return [(cache[slot[i], 0], cache[slot[i], 1]) for i in range(cfg.num_hidden_layers)]
+
+
+def release_pages(caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Hand the pages of a lazily mapped CPU cache (allocate_kv_cache without `buffer` or
+    `prefault`) back to the OS: they read as zeros again and hold no memory until written,
+    as at allocation. Only while no request's KV is in the cache (the start-up probes
+    write blocks of it, engine/step_probe.py). OSError when the kernel refuses."""
+    storage = caches[0][0].untyped_storage()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    if libc.madvise(storage.data_ptr(), storage.nbytes(), mmap.MADV_DONTNEED) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"madvise(MADV_DONTNEED) of the KV cache: {os.strerror(err)}")

@@ -58,6 +58,8 @@ class ModelRunner:
         self.device = device
         self.kv_caches = allocate_kv_cache(model_config, num_blocks, block_size, dtype, device,
                                            kv_buffer, prefault=kv_prefault)
+        # mapped on first touch (kv_cache.release_pages may hand its pages back)
+        self.kv_lazy = kv_buffer is None and str(device) == "cpu" and not kv_prefault
         self.requests: dict[str, RunnerRequestState] = {}
         self.grammars = grammars
         masker = None if grammars is None else GrammarMasker(grammars, model_config.vocab_size)

@@ -213,3 +213,67 @@ def _policy_model(lowbit_max_rows: int) -> torch.nn.Module:
     layer = QuantLinear(Int8Weight(*quantize_int8(torch.randn(8, 64))), None,
                         KernelPolicy(lowbit_max_rows=lowbit_max_rows))
     return torch.nn.Sequential(layer)
+
+
+class CacheRunner:
+    """What ProbeBlocks reads of a runner, over a real (tiny) KV cache."""
+
+    def __init__(self, num_blocks: int, lazy: bool) -> None:
+        from duetserve.config import ModelConfig
+        from duetserve.worker.kv_cache import allocate_kv_cache
+        cfg = ModelConfig(architecture="llama", vocab_size=64, hidden_size=64,
+                          intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
+                          rms_norm_eps=1e-5, rope_theta=10000.0)
+        self.num_blocks, self.kv_windows, self.kv_lazy = num_blocks, (None,), lazy
+        self.kv_caches = allocate_kv_cache(cfg, num_blocks, 16, torch.float32, "cpu")
+
+
+def _faults_writing(t: torch.Tensor, blocks: torch.Tensor | None = None) -> int:
+    """Page faults taken writing ones to `t` (to its `blocks` along dim 1, when given)."""
+    import resource
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    if blocks is None:
+        t.fill_(1.0)
+    else:
+        t.index_fill_(1, blocks, 1.0)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+
+def test_probe_blocks_spread_over_the_pool_and_wrap() -> None:
+    """Probe sequences read KV scattered over the pool, as a served engine's blocks are,
+    each its own blocks while the pool holds them all."""
+    runner = CacheRunner(64, lazy=False)
+    probe = step_probe.Probe("d", ((128, 1),) * 4)               # 4 x 8 blocks of 16
+    blocks = step_probe.ProbeBlocks(runner, [probe], 16)
+    tables = blocks.tables(probe)
+    ids = [b for t in tables for b in t]
+    assert [len(t) for t in tables] == [8] * 4 and len(set(ids)) == 32
+    assert ids != sorted(ids) and max(ids) - min(ids) > 32      # not blocks 0..31 in order
+    big = step_probe.Probe("big", ((1024, 1),) * 2)              # 128 blocks from a pool of 64
+    wrapped = [b for t in step_probe.ProbeBlocks(runner, [big], 16).tables(big) for b in t]
+    assert len(wrapped) == 128 and set(wrapped) == set(range(64))
+
+
+def test_probe_blocks_map_their_pages_and_hand_a_lazy_cache_back() -> None:
+    """Entering writes the blocks the probes use (unwritten pages would all read the one
+    zero page, always in cache); leaving hands a lazily mapped cache's pages back, so they
+    read as zeros and fault again on the next write; a cache mapped by someone else
+    (prefaulted, a shared buffer) keeps its pages and contents."""
+    probe = step_probe.Probe("d", ((256, 1),) * 4)               # 64 of 256 blocks
+    lazy = CacheRunner(256, lazy=True)
+    k = lazy.kv_caches[0][0]                                      # [kv_heads, blocks, 16, 32]
+    with step_probe.ProbeBlocks(lazy, [probe], 16) as blocks:
+        used = torch.tensor(blocks.order[:blocks.num_used])
+        assert blocks.num_used == 64
+        pages = k.index_select(1, used).numel() * 4 // 4096        # 64 blocks x 2 heads x 2 KiB
+        assert _faults_writing(k, used) < pages // 4              # mapped on entering
+    assert float(k.abs().sum()) == 0.0
+    assert _faults_writing(k, used) >= pages // 2                 # handed back
+    kept = CacheRunner(256, lazy=False)
+    kept.kv_caches[1][1].fill_(2.0)
+    with step_probe.ProbeBlocks(kept, [probe], 16) as blocks:
+        pass
+    v = kept.kv_caches[1][1]
+    assert float(v[:, blocks.order[0]].abs().sum()) == 0.0        # used: written zeros
+    assert float(v[:, blocks.order[-1]].min()) == 2.0             # others: untouched
