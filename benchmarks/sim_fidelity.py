@@ -11,9 +11,10 @@ mix, everything queued at once): the same seeded conversations and arrival sched
 simulator on the profile, with the engine's scheduler settings. Printed per cell: the
 measured TTFT and TPOT p50 (the median over the repeats) and their spread over the repeats
 (max / min: the run-to-run noise the comparison sits in), the simulated p50s and the
-ratios simulated / measured, and the time of one reference step (8 decodes, `reference_ms`)
-before each served run and before calibrating: the VM's speed drifts by 10-50% within an
-hour, and a calibration in a slow spell over-predicts every cell by about as much.
+ratios simulated / measured, and the profile's price of the served runs' own steps over
+their measured time ("steps", the median over the repeats): a latency ratio off by about
+as much as "steps" is the step-time model's miss (or the VM's speed drifting between the
+calibration and the run: it drifts by 10-50% within an hour); the rest is the schedule's.
 OUT/fidelity.json keeps every run. The target is every ratio within 0.85-1.15. Run it
 alone on the machine: another process's load slows the measured side only.
 """
@@ -32,7 +33,7 @@ from duetserve.bench.datasets import make_dataset
 from duetserve.bench.replay import replay
 from duetserve.bench.token_workload import (arrival_offsets, id_range_for_vocab,
                                              token_conversations)
-from duetserve.engine.step_probe import Probe
+from duetserve.core.step_time import StepShape
 from duetserve.sim.cluster import ClusterSpec
 from duetserve.sim.profile import load_profile
 from duetserve.sim.run import simulate
@@ -45,7 +46,6 @@ MIXES = {
                          num_turns=1),
 }
 KEYS = ("ttft_ms", "tpot_ms")
-REFERENCE = Probe("reference", ((256, 1),) * 8)     # 8 decode streams at 256 tokens
 
 
 def log(msg: str) -> None:
@@ -72,15 +72,15 @@ def p50s(records, duration: float) -> dict[str, float]:
     return {k: summary[k]["p50"] for k in KEYS}
 
 
-def reference_ms(engine) -> float:
-    """The machine's speed now: the fastest of two timed steps of REFERENCE (after a
-    warm-up) through `engine`'s runner, before any request exists, ms. The same step
-    before the calibration and before each served run shows how far the VM drifted."""
-    from duetserve.engine.step_probe import layout_of, measure
-    layout = layout_of(engine.runner, engine.model_config.num_attention_heads)
-    samples, _ = measure(engine.runner, [REFERENCE], layout, engine.model_config.vocab_size,
-                         engine.config.block_size)
-    return samples[0][1] * 1e3
+def priced_ratio(res, profile) -> float:
+    """The profile's price of a served run's own steps over their measured time (sum over
+    the steps): how far the step-time model misses this run's steps, whether from the
+    model or from the VM's speed having drifted since the calibration. The rest of a
+    latency ratio's miss is the simulated schedule's."""
+    st = profile.step_time
+    priced = sum(st.seconds(StepShape.of(slices, st.layout, cold > 0))
+                 for (_, _, slices), cold in zip(res.steps, res.step_cold))
+    return priced / sum(dt for _, dt, _ in res.steps)
 
 
 def cell(mix: str, level: float, args, engine_config, loaded, profile, config, id_range
@@ -91,20 +91,19 @@ def cell(mix: str, level: float, args, engine_config, loaded, profile, config, i
     n = max(16, int(round(rate * args.run_seconds)))
     convs = conversations(mix, n, args.seed, id_range)
     offsets = arrival_offsets(n, rate, 1.0, args.seed).tolist()
-    runs, refs = [], []
+    runs, priced = [], []
     for rep in range(args.repeats):
-        engine = EngineCore(engine_config, loaded)
-        refs.append(reference_ms(engine))
-        res = replay(engine, convs, offsets)
+        res = replay(EngineCore(engine_config, loaded), convs, offsets)
         runs.append(p50s(res.records, res.duration_s))
-        log(f"{mix} {level}: run {rep + 1}/{args.repeats}: {runs[-1]}, reference step "
-            f"{refs[-1]:.2f} ms")
+        priced.append(priced_ratio(res, profile))
+        log(f"{mix} {level}: run {rep + 1}/{args.repeats}: {runs[-1]}, steps priced / "
+            f"measured {priced[-1]:.2f}")
     sim = simulate(convs, profile, ClusterSpec(1), rate, 1.0, args.seed, None, config,
                    id_range)
     simulated = p50s(sim.records, sim.duration_s)
     measured = {k: statistics.median(r[k] for r in runs) for k in KEYS}
     return {"mix": mix, "level": level, "rate": rate, "requests": n, "runs": runs,
-            "reference_ms": statistics.median(refs),
+            "steps_priced": statistics.median(priced),
             "measured": measured, "simulated": simulated,
             "spread": {k: max(r[k] for r in runs) / min(r[k] for r in runs) for k in KEYS},
             "ratio": {k: simulated[k] / measured[k] for k in KEYS}}
@@ -132,11 +131,7 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     engine_config = EngineConfig(model=args.model, num_threads=args.threads, dtype=args.dtype)
     loaded = load_model(args.model, args.dtype, quantization=engine_config.quantization)
-    from duetserve.engine.engine_core import EngineCore
-    calibration_ref = None
     if args.calibrate:
-        calibration_ref = reference_ms(EngineCore(engine_config, loaded))
-        log(f"reference step before calibrating: {calibration_ref:.2f} ms")
         profile, path = calibrate(args.model, args.threads, out=out / "profile.json",
                                   loaded=loaded, dtype=args.dtype)
         print(format_report(profile, path))
@@ -149,21 +144,15 @@ def main() -> int:
     cells = [cell(mix, float(level), args, engine_config, loaded, profile, config, id_range)
              for level in args.levels.split(",") for mix in args.mixes.split(",")]
     print(f"{'mix':>14} {'load':>5} | {'TTFT p50 ms':>11} {'spread':>6} {'sim':>8} {'ratio':>5}"
-          f" | {'TPOT p50 ms':>11} {'spread':>6} {'sim':>8} {'ratio':>5} | {'ref ms':>6}")
+          f" | {'TPOT p50 ms':>11} {'spread':>6} {'sim':>8} {'ratio':>5} | {'steps':>5}")
     for c in cells:
         cols = " | ".join(f"{c['measured'][k]:11.1f} {c['spread'][k]:6.2f} "
                           f"{c['simulated'][k]:8.1f} {c['ratio'][k]:5.2f}" for k in KEYS)
-        print(f"{c['mix']:>14} {c['level']:5.2f} | {cols} | {c['reference_ms']:6.2f}")
+        print(f"{c['mix']:>14} {c['level']:5.2f} | {cols} | {c['steps_priced']:5.2f}")
     within = sum(0.85 <= c["ratio"][k] <= 1.15 for c in cells for k in KEYS)
     print(f"{within} of {2 * len(cells)} p50 ratios within 0.85-1.15")
-    if calibration_ref is not None:
-        print(f"reference step (8 decodes at 256 tokens, ms): {calibration_ref:.2f} before "
-              f"calibrating; before the served runs (ref ms, median of a cell's repeats) "
-              f"{min(c['reference_ms'] for c in cells):.2f}-"
-              f"{max(c['reference_ms'] for c in cells):.2f}")
     (out / "fidelity.json").write_text(json.dumps(
-        {"args": vars(args), "profile": profile.to_json(), "cells": cells,
-         "calibration_reference_ms": calibration_ref}, indent=1))
+        {"args": vars(args), "profile": profile.to_json(), "cells": cells}, indent=1))
     print(f"wrote {out / 'fidelity.json'}")
     return 0
 
