@@ -171,10 +171,10 @@ def calibration_probes(layout: Layout) -> list[Probe]:
 class ProbeBlocks:
     """The KV blocks of probe steps: each step's sequences take consecutive runs of one
     fixed shuffle of the pool, so a probe reads KV scattered over the pool as a served
-    engine does once its free list has churned (blocks 0..k read in order: decode steps
-    of 8-12 streams ran 1.2-1.4x faster, fewer TLB and cache misses, than the same
-    steps on shuffled blocks), from pages that hold memory: a lazily mapped cache's
-    unwritten pages all read the one zero page, which stays in cache. Used as a context:
+    engine does once its free list has churned (SmolLM2, 8-12 decode streams: on shuffled
+    blocks 1.45x the step of every stream reading blocks 0..k, 1.3x that of distinct
+    blocks in order: TLB and cache misses), from pages that hold memory: a lazily mapped
+    cache's unwritten pages all read the one zero page, which stays in cache. As a context:
     entering writes zeros to the blocks the probes use (mapping their pages); leaving
     hands a lazily mapped cache's pages back (worker/kv_cache.release_pages), so an
     idle engine holds none of them. Only while no request exists: a chunk after context

@@ -47,7 +47,7 @@ def test_prefault_maps_the_cache_at_allocation() -> None:
 @pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs Linux /proc")
 def test_a_prefaulted_cache_asks_for_huge_pages_and_a_lazy_one_refuses_them() -> None:
     """Prefaulted, every page is written at start, so 2 MiB pages cost nothing later and
-    spare the scattered blocks of a serving pool a TLB miss each (benchmarks/kv_scatter.py);
+    spare the scattered blocks of a serving pool a TLB miss each (worker/kv_cache.py);
     lazily mapped, a block's first write would fault a whole 2 MiB page."""
     cfg = _config()
     lazy = allocate_kv_cache(cfg, 1024, 16, torch.float32, "cpu")
