@@ -103,6 +103,13 @@ def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, huge: bool = False) 
     return torch.frombuffer(area, dtype=torch.uint8)[:nbytes].view(dtype).view(shape)
 
 
+def maps_lazily(device: str | torch.device, buffer: torch.Tensor | None, prefault: bool
+                ) -> bool:
+    """Whether allocate_kv_cache maps the cache page by page on first touch (and so
+    release_pages may hand its pages back): a CPU cache of its own, not prefaulted."""
+    return buffer is None and str(device) == "cpu" and not prefault
+
+
 def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int,
                       dtype: torch.dtype, device: str | torch.device,
                       buffer: torch.Tensor | None = None, prefault: bool = False
@@ -117,10 +124,11 @@ def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int,
              kv_row_elems(cfg.head_dim, dtype))
     if buffer is not None:
         cache = buffer.view(dtype).view(shape)
+    elif maps_lazily(device, buffer, prefault):
+        cache = _lazy_zeros(shape, dtype)
     elif str(device) == "cpu":
-        cache = _lazy_zeros(shape, dtype, huge=prefault)
-        if prefault:
-            cache.zero_()
+        cache = _lazy_zeros(shape, dtype, huge=True)
+        cache.zero_()
     else:
         cache = torch.zeros(shape, dtype=dtype, device=device)
     slot = {i: s for g in cfg.kv_groups() for s, i in enumerate(g.layer_ids)}
@@ -128,10 +136,10 @@ def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int,
 
 
 def release_pages(caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Hand the pages of a lazily mapped CPU cache (allocate_kv_cache without `buffer` or
-    `prefault`) back to the OS: they read as zeros again and hold no memory until written,
-    as at allocation. Only while no request's KV is in the cache (the start-up probes
-    write blocks of it, engine/step_probe.py). OSError when the kernel refuses."""
+    """Hand the pages of a lazily mapped CPU cache (`maps_lazily`) back to the OS: they
+    read as zeros again and hold no memory until written, as at allocation. Only while no
+    request's KV is in the cache (the start-up probes write blocks of it,
+    engine/step_probe.py). OSError when the kernel refuses."""
     storage = caches[0][0].untyped_storage()
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)

@@ -16,7 +16,7 @@ from duetserve.sampling_params import SamplingParams
 from duetserve.structured import GrammarCompiler, GrammarState
 from duetserve.worker.batch import SeqWork, build_step_batch, chunk_rows
 from duetserve.worker.grammar_mask import GrammarMasker
-from duetserve.worker.kv_cache import allocate_kv_cache
+from duetserve.worker.kv_cache import allocate_kv_cache, maps_lazily
 from duetserve.worker.lora_slots import LoRASlots
 from duetserve.worker.sampler import compute_prompt_logprobs
 from duetserve.worker.sampling import StepSampler
@@ -59,7 +59,7 @@ class ModelRunner:
         self.kv_caches = allocate_kv_cache(model_config, num_blocks, block_size, dtype, device,
                                            kv_buffer, prefault=kv_prefault)
         # mapped on first touch (kv_cache.release_pages may hand its pages back)
-        self.kv_lazy = kv_buffer is None and str(device) == "cpu" and not kv_prefault
+        self.kv_lazy = maps_lazily(device, kv_buffer, kv_prefault)
         self.requests: dict[str, RunnerRequestState] = {}
         self.grammars = grammars
         masker = None if grammars is None else GrammarMasker(grammars, model_config.vocab_size)
