@@ -4,20 +4,26 @@ TPOT medians, per workload mix and load.
     PYTHONPATH=. .venv/bin/python benchmarks/sim_fidelity.py --calibrate --out out/sim/fidelity
     PYTHONPATH=. .venv/bin/python benchmarks/sim_fidelity.py --profile P.json --out out/sim/f2
 
-For each mix (MIXES) and load level (a fraction of the capacity the simulation gives that
-mix, everything queued at once): the same seeded conversations and arrival schedule run
-(a) on a fresh in-process EngineCore with `duet serve`'s defaults, on the wall clock
-(bench/replay.py: the engine's own steps, no HTTP), --repeats times, and (b) in the
-simulator on the profile, with the engine's scheduler settings. Printed per cell: the
-measured TTFT and TPOT p50 (the median over the repeats) and their spread over the repeats
-(max / min: the run-to-run noise the comparison sits in), the simulated p50s and the
+For each mix (MIXES) and load level (a fraction of the capacity the first profile's
+simulation gives that mix, everything queued at once): the same seeded conversations and
+arrival schedule run (a) on a fresh in-process EngineCore with `duet serve`'s defaults, on
+the wall clock (bench/replay.py: the engine's own steps, no HTTP), --repeats times, the cells
+taken round robin (forward, then backward) so that each cell's runs span the whole run, and
+(b) in the simulator on the profile, with the engine's scheduler settings. Printed per cell:
+the measured TTFT and TPOT p50 (the median over the repeats) and their spread over the
+repeats (max / min: the run-to-run noise the comparison sits in), the simulated p50s and the
 ratios simulated / measured, and the profile's price of the served runs' own steps over
-their measured time ("steps", the median over the repeats): a latency ratio off by about
-as much as "steps" is the step-time model's miss (or the VM's speed drifting between the
+their measured time ("steps", the median over the repeats): a latency ratio off by about as
+much as "steps" is the step-time model's miss (or the VM's speed drifting between the
 calibration and the run: it drifts by 10-50% within an hour); the rest is the schedule's.
-A second count simulates each cell on the profile scaled by 1 / steps: the VM's drift out.
-OUT/fidelity.json keeps every run. The target is every ratio within 0.85-1.15. Run it
-alone on the machine: another process's load slows the measured side only.
+The first count is what a user gets from one calibration before serving. With --calibrate
+the harness calibrates again after the served runs, prints how differently that profile
+prices the same steps (the VM's drift across the run), and counts the cells simulated on the
+mean of the two calibrations (which sample the VM at both ends of the served runs). A last
+count simulates each cell on the profile scaled by 1 / steps: the VM's drift out, a
+diagnostic of the simulated schedule alone. OUT/fidelity.json keeps every run. The target
+is every ratio within 0.85-1.15. Run it alone on the machine: another process's load slows
+the measured side only.
 """
 from __future__ import annotations
 
@@ -74,47 +80,81 @@ def p50s(records, duration: float) -> dict[str, float]:
     return {k: summary[k]["p50"] for k in KEYS}
 
 
-def priced_ratio(res, profile) -> float:
+def step_shapes(res, layout) -> list:
+    """A served run's steps as (StepShape, measured seconds)."""
+    return [(StepShape.of(slices, layout, cold > 0), dt)
+            for (_, dt, slices), cold in zip(res.steps, res.step_cold)]
+
+
+def priced_ratio(shapes, step_time) -> float:
     """The profile's price of a served run's own steps over their measured time (sum over
     the steps): how far the step-time model misses this run's steps, whether from the
     model or from the VM's speed having drifted since the calibration. The rest of a
     latency ratio's miss is the simulated schedule's."""
-    st = profile.step_time
-    priced = sum(st.seconds(StepShape.of(slices, st.layout, cold > 0))
-                 for (_, _, slices), cold in zip(res.steps, res.step_cold))
-    return priced / sum(dt for _, dt, _ in res.steps)
+    return sum(step_time.seconds(s) for s, _ in shapes) / sum(dt for _, dt in shapes)
 
 
-def cell(mix: str, level: float, args, engine_config, loaded, profile, config, id_range
-         ) -> dict:
-    """One mix at one load: the measured runs and the simulation."""
-    from duetserve.engine.engine_core import EngineCore
-    rate = level * capacity(mix, profile, config, id_range, args.seed)
-    n = max(16, int(round(rate * args.run_seconds)))
-    convs = conversations(mix, n, args.seed, id_range)
-    offsets = arrival_offsets(n, rate, 1.0, args.seed).tolist()
-    runs, priced = [], []
-    for rep in range(args.repeats):
-        res = replay(EngineCore(engine_config, loaded), convs, offsets)
-        runs.append(p50s(res.records, res.duration_s))
-        priced.append(priced_ratio(res, profile))
-        log(f"{mix} {level}: run {rep + 1}/{args.repeats}: {runs[-1]}, steps priced / "
-            f"measured {priced[-1]:.2f}")
-    steps = statistics.median(priced)
+def mean_step_time(a, b):
+    """The step time whose price of every shape is the mean of a's and b's (the model is
+    linear in its coefficients)."""
+    return type(a)(a.layout, tuple((x + y) / 2 for x, y in zip(a.coef, b.coef)))
 
-    def simulated_p50s(step_time) -> dict[str, float]:
-        sim = simulate(convs, replace(profile, step_time=step_time), ClusterSpec(1), rate,
-                       1.0, args.seed, None, config, id_range)
+
+class Cell:
+    """One mix at one load: its workload (the rate from the first profile's simulated
+    capacity), its served runs, and its simulations."""
+
+    def __init__(self, mix: str, level: float, args, profile, config, id_range) -> None:
+        self.mix, self.level = mix, level
+        self.rate = level * capacity(mix, profile, config, id_range, args.seed)
+        self.n = max(16, int(round(self.rate * args.run_seconds)))
+        self.convs = conversations(mix, self.n, args.seed, id_range)
+        self.offsets = arrival_offsets(self.n, self.rate, 1.0, args.seed).tolist()
+        self.runs: list[dict] = []
+        self.shapes: list[list] = []
+
+    def serve(self, engine_config, loaded, layout) -> dict:
+        from duetserve.engine.engine_core import EngineCore
+        res = replay(EngineCore(engine_config, loaded), self.convs, self.offsets)
+        self.runs.append(p50s(res.records, res.duration_s))
+        self.shapes.append(step_shapes(res, layout))
+        return self.runs[-1]
+
+    def simulated_p50s(self, profile, step_time, config, id_range, seed) -> dict:
+        sim = simulate(self.convs, replace(profile, step_time=step_time), ClusterSpec(1),
+                       self.rate, 1.0, seed, None, config, id_range)
         return p50s(sim.records, sim.duration_s)
-    simulated = simulated_p50s(profile.step_time)
-    at_speed = simulated_p50s(profile.step_time.scaled(1.0 / steps))
-    measured = {k: statistics.median(r[k] for r in runs) for k in KEYS}
-    return {"mix": mix, "level": level, "rate": rate, "requests": n, "runs": runs,
-            "steps_priced": steps, "measured": measured, "simulated": simulated,
-            "spread": {k: max(r[k] for r in runs) / min(r[k] for r in runs) for k in KEYS},
-            "ratio": {k: simulated[k] / measured[k] for k in KEYS},
-            # the simulation on the profile scaled to the served runs' step speed
-            "ratio_at_served_speed": {k: at_speed[k] / measured[k] for k in KEYS}}
+
+    def result(self, profile, config, id_range, seed, after=None) -> dict:
+        """The cell's record: measured p50s (median over the runs), their spread, and the
+        ratios simulated / measured on the profile; on the profile scaled to the served
+        runs' step speed; and, given the profile calibrated `after` the served runs, on
+        the mean of the two calibrations."""
+        st = profile.step_time
+        steps = statistics.median(priced_ratio(s, st) for s in self.shapes)
+        measured = {k: statistics.median(r[k] for r in self.runs) for k in KEYS}
+        models = {"ratio": st, "ratio_at_served_speed": st.scaled(1.0 / steps)}
+        if after is not None:
+            models["ratio_bracketed"] = mean_step_time(st, after.step_time)
+        out = {"mix": self.mix, "level": self.level, "rate": self.rate,
+               "requests": self.n, "runs": self.runs, "steps_priced": steps,
+               "measured": measured,
+               "spread": {k: max(r[k] for r in self.runs) / min(r[k] for r in self.runs)
+                          for k in KEYS}}
+        for name, model in models.items():
+            sim = self.simulated_p50s(profile, model, config, id_range, seed)
+            if name == "ratio":
+                out["simulated"] = sim
+            out[name] = {k: sim[k] / measured[k] for k in KEYS}
+        return out
+
+
+def calibrated(args, loaded, path: Path):
+    from duetserve.entrypoints.sim_calibrate import calibrate, format_report
+    profile, path = calibrate(args.model, args.threads, out=path, loaded=loaded,
+                              dtype=args.dtype)
+    print(format_report(profile, path))
+    return profile
 
 
 def main() -> int:
@@ -125,7 +165,8 @@ def main() -> int:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--profile", default=None, help="use this profile instead of calibrating")
     ap.add_argument("--calibrate", action="store_true",
-                    help="run `duet simulate --calibrate` first, into OUT/profile.json")
+                    help="run `duet simulate --calibrate` first, into OUT/profile.json, and "
+                         "again after the served runs, into OUT/profile_after.json")
     ap.add_argument("--mixes", default=",".join(MIXES))
     ap.add_argument("--levels", default="0.4,0.8", help="fractions of the simulated capacity")
     ap.add_argument("--run-seconds", type=float, default=45.0, help="arrival span per run")
@@ -133,36 +174,52 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=1)
     args = ap.parse_args()
     from duetserve.config import EngineConfig
-    from duetserve.entrypoints.sim_calibrate import calibrate, format_report
     from duetserve.loader import load_model
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     engine_config = EngineConfig(model=args.model, num_threads=args.threads, dtype=args.dtype)
     loaded = load_model(args.model, args.dtype, quantization=engine_config.quantization)
     if args.calibrate:
-        profile, path = calibrate(args.model, args.threads, out=out / "profile.json",
-                                  loaded=loaded, dtype=args.dtype)
-        print(format_report(profile, path))
+        profile = calibrated(args, loaded, out / "profile.json")
     elif args.profile:
         profile = load_profile(args.profile)
     else:
         ap.error("give --calibrate or --profile")
     config = profile.scheduler_config()
     id_range = id_range_for_vocab(loaded.config.vocab_size)
-    cells = [cell(mix, float(level), args, engine_config, loaded, profile, config, id_range)
+    layout = profile.step_time.layout
+    cells = [Cell(mix, float(level), args, profile, config, id_range)
              for level in args.levels.split(",") for mix in args.mixes.split(",")]
+    for rep in range(args.repeats):      # round robin: each cell's runs span the whole run
+        for c in (cells if rep % 2 == 0 else cells[::-1]):
+            run = c.serve(engine_config, loaded, layout)
+            log(f"{c.mix} {c.level}: run {rep + 1}/{args.repeats}: {run}, steps priced / "
+                f"measured {priced_ratio(c.shapes[-1], profile.step_time):.2f}")
+    after = calibrated(args, loaded, out / "profile_after.json") if args.calibrate else None
+    results = [c.result(profile, config, id_range, args.seed, after) for c in cells]
     print(f"{'mix':>14} {'load':>5} | {'TTFT p50 ms':>11} {'spread':>6} {'sim':>8} {'ratio':>5}"
           f" | {'TPOT p50 ms':>11} {'spread':>6} {'sim':>8} {'ratio':>5} | {'steps':>5}")
-    for c in cells:
+    for c in results:
         cols = " | ".join(f"{c['measured'][k]:11.1f} {c['spread'][k]:6.2f} "
                           f"{c['simulated'][k]:8.1f} {c['ratio'][k]:5.2f}" for k in KEYS)
         print(f"{c['mix']:>14} {c['level']:5.2f} | {cols} | {c['steps_priced']:5.2f}")
-    for key, how in (("ratio", ""), ("ratio_at_served_speed", " with the profile scaled by "
-                                                             "1 / steps (the VM's drift out)")):
-        within = sum(0.85 <= c[key][k] <= 1.15 for c in cells for k in KEYS)
-        print(f"{within} of {2 * len(cells)} p50 ratios within 0.85-1.15{how}")
+    if after is not None:
+        shapes = [s for c in cells for run in c.shapes for s in run]
+        print(f"the profile calibrated after the served runs prices their steps "
+              f"{priced_ratio(shapes, after.step_time) / priced_ratio(shapes, profile.step_time):.2f}"
+              f"x the first one (the VM's drift across the run)")
+    counts = [("ratio", ""),
+              ("ratio_bracketed", " on the mean of the calibrations before and after"),
+              ("ratio_at_served_speed", " with the profile scaled by 1 / steps (the VM's "
+                                        "drift out)")]
+    for key, how in counts:
+        if key in results[0]:
+            within = sum(0.85 <= c[key][k] <= 1.15 for c in results for k in KEYS)
+            print(f"{within} of {2 * len(results)} p50 ratios within 0.85-1.15{how}")
     (out / "fidelity.json").write_text(json.dumps(
-        {"args": vars(args), "profile": profile.to_json(), "cells": cells}, indent=1))
+        {"args": vars(args), "profile": profile.to_json(),
+         "profile_after": after.to_json() if after is not None else None,
+         "cells": results}, indent=1))
     print(f"wrote {out / 'fidelity.json'}")
     return 0
 
