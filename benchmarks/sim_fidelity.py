@@ -17,11 +17,12 @@ their measured time ("steps", the median over the repeats): a latency ratio off 
 much as "steps" is the step-time model's miss (or the VM's speed drifting between the
 calibration and the run: it drifts by 10-50% within an hour); the rest is the schedule's.
 The first count is what a user gets from one calibration before serving. With --calibrate
-the harness calibrates again after the served runs, prints how differently that profile
-prices the same steps (the VM's drift across the run), and counts the cells simulated on the
-mean of the two calibrations (which sample the VM at both ends of the served runs). A last
-count simulates each cell on the profile scaled by 1 / steps: the VM's drift out, a
-diagnostic of the simulated schedule alone. OUT/fidelity.json keeps every run. The target
+the harness calibrates again after each round of served runs, prints how each later profile
+prices the served steps against the first (on this VM calibrations a few minutes apart
+differ by 10-30%: its speed moves on that scale), and counts the cells simulated on the mean
+of all the calibrations (which sample the VM across the run, as the round robin samples
+each cell). A last count simulates each cell on the first profile scaled by 1 / steps: the
+VM's drift out, a diagnostic of the simulated schedule alone. OUT/fidelity.json keeps every run. The target
 is every ratio within 0.85-1.15. Run it alone on the machine: another process's load slows
 the measured side only.
 """
@@ -94,10 +95,11 @@ def priced_ratio(shapes, step_time) -> float:
     return sum(step_time.seconds(s) for s, _ in shapes) / sum(dt for _, dt in shapes)
 
 
-def mean_step_time(a, b):
-    """The step time whose price of every shape is the mean of a's and b's (the model is
+def mean_step_time(models):
+    """The step time whose price of every shape is the mean of the models' (a step time is
     linear in its coefficients)."""
-    return type(a)(a.layout, tuple((x + y) / 2 for x, y in zip(a.coef, b.coef)))
+    return type(models[0])(models[0].layout,
+                           tuple(statistics.fmean(c) for c in zip(*(m.coef for m in models))))
 
 
 class Cell:
@@ -125,17 +127,17 @@ class Cell:
                        self.rate, 1.0, seed, None, config, id_range)
         return p50s(sim.records, sim.duration_s)
 
-    def result(self, profile, config, id_range, seed, after=None) -> dict:
+    def result(self, profile, config, id_range, seed, later=()) -> dict:
         """The cell's record: measured p50s (median over the runs), their spread, and the
         ratios simulated / measured on the profile; on the profile scaled to the served
-        runs' step speed; and, given the profile calibrated `after` the served runs, on
-        the mean of the two calibrations."""
+        runs' step speed; and, given the profiles calibrated `later` (after each
+        round of served runs), on the mean of all the calibrations."""
         st = profile.step_time
         steps = statistics.median(priced_ratio(s, st) for s in self.shapes)
         measured = {k: statistics.median(r[k] for r in self.runs) for k in KEYS}
         models = {"ratio": st, "ratio_at_served_speed": st.scaled(1.0 / steps)}
-        if after is not None:
-            models["ratio_bracketed"] = mean_step_time(st, after.step_time)
+        if later:
+            models["ratio_pooled"] = mean_step_time([st] + [p.step_time for p in later])
         out = {"mix": self.mix, "level": self.level, "rate": self.rate,
                "requests": self.n, "runs": self.runs, "steps_priced": steps,
                "measured": measured,
@@ -166,7 +168,7 @@ def main() -> int:
     ap.add_argument("--profile", default=None, help="use this profile instead of calibrating")
     ap.add_argument("--calibrate", action="store_true",
                     help="run `duet simulate --calibrate` first, into OUT/profile.json, and "
-                         "again after the served runs, into OUT/profile_after.json")
+                         "again after each round of served runs, into OUT/profile_R.json")
     ap.add_argument("--mixes", default=",".join(MIXES))
     ap.add_argument("--levels", default="0.4,0.8", help="fractions of the simulated capacity")
     ap.add_argument("--run-seconds", type=float, default=45.0, help="arrival span per run")
@@ -190,26 +192,29 @@ def main() -> int:
     layout = profile.step_time.layout
     cells = [Cell(mix, float(level), args, profile, config, id_range)
              for level in args.levels.split(",") for mix in args.mixes.split(",")]
+    later = []                           # the calibrations after each round
     for rep in range(args.repeats):      # round robin: each cell's runs span the whole run
         for c in (cells if rep % 2 == 0 else cells[::-1]):
             run = c.serve(engine_config, loaded, layout)
             log(f"{c.mix} {c.level}: run {rep + 1}/{args.repeats}: {run}, steps priced / "
                 f"measured {priced_ratio(c.shapes[-1], profile.step_time):.2f}")
-    after = calibrated(args, loaded, out / "profile_after.json") if args.calibrate else None
-    results = [c.result(profile, config, id_range, args.seed, after) for c in cells]
+        if args.calibrate:
+            later.append(calibrated(args, loaded, out / f"profile_{rep + 1}.json"))
+    results = [c.result(profile, config, id_range, args.seed, later) for c in cells]
     print(f"{'mix':>14} {'load':>5} | {'TTFT p50 ms':>11} {'spread':>6} {'sim':>8} {'ratio':>5}"
           f" | {'TPOT p50 ms':>11} {'spread':>6} {'sim':>8} {'ratio':>5} | {'steps':>5}")
     for c in results:
         cols = " | ".join(f"{c['measured'][k]:11.1f} {c['spread'][k]:6.2f} "
                           f"{c['simulated'][k]:8.1f} {c['ratio'][k]:5.2f}" for k in KEYS)
         print(f"{c['mix']:>14} {c['level']:5.2f} | {cols} | {c['steps_priced']:5.2f}")
-    if after is not None:
+    if later:
         shapes = [s for c in cells for run in c.shapes for s in run]
-        print(f"the profile calibrated after the served runs prices their steps "
-              f"{priced_ratio(shapes, after.step_time) / priced_ratio(shapes, profile.step_time):.2f}"
-              f"x the first one (the VM's drift across the run)")
+        first = priced_ratio(shapes, profile.step_time)
+        print("the calibrations after each round price the served steps " + ", ".join(
+            f"{priced_ratio(shapes, p.step_time) / first:.2f}" for p in later)
+            + " x the first one (the VM's speed moving across the run)")
     counts = [("ratio", ""),
-              ("ratio_bracketed", " on the mean of the calibrations before and after"),
+              ("ratio_pooled", " on the mean of all the calibrations"),
               ("ratio_at_served_speed", " with the profile scaled by 1 / steps (the VM's "
                                         "drift out)")]
     for key, how in counts:
@@ -218,7 +223,7 @@ def main() -> int:
             print(f"{within} of {2 * len(results)} p50 ratios within 0.85-1.15{how}")
     (out / "fidelity.json").write_text(json.dumps(
         {"args": vars(args), "profile": profile.to_json(),
-         "profile_after": after.to_json() if after is not None else None,
+         "later_profiles": [p.to_json() for p in later],
          "cells": results}, indent=1))
     print(f"wrote {out / 'fidelity.json'}")
     return 0
