@@ -22,9 +22,9 @@ prices the served steps against the first (on this VM calibrations a few minutes
 differ by 10-30%: its speed moves on that scale), and counts the cells simulated on the mean
 of all the calibrations (which sample the VM across the run, as the round robin samples
 each cell). A last count simulates each cell on the first profile scaled by 1 / steps: the
-VM's drift out, a diagnostic of the simulated schedule alone. OUT/fidelity.json keeps every run. The target
-is every ratio within 0.85-1.15. Run it alone on the machine: another process's load slows
-the measured side only.
+VM's drift out, a diagnostic of the simulated schedule alone. OUT/fidelity.json keeps every
+run. The target is every ratio within 0.85-1.15. Run it alone on the machine: another
+process's load slows the measured side only.
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ from duetserve.bench.datasets import make_dataset
 from duetserve.bench.replay import replay
 from duetserve.bench.token_workload import (arrival_offsets, id_range_for_vocab,
                                              token_conversations)
-from duetserve.core.step_time import StepShape
+from duetserve.core.step_time import StepShape, StepTime
 from duetserve.sim.cluster import ClusterSpec
 from duetserve.sim.profile import load_profile
 from duetserve.sim.run import simulate
@@ -98,8 +98,8 @@ def priced_ratio(shapes, step_time) -> float:
 def mean_step_time(models):
     """The step time whose price of every shape is the mean of the models' (a step time is
     linear in its coefficients)."""
-    return type(models[0])(models[0].layout,
-                           tuple(statistics.fmean(c) for c in zip(*(m.coef for m in models))))
+    return StepTime(models[0].layout,
+                    tuple(statistics.fmean(c) for c in zip(*(m.coef for m in models))))
 
 
 class Cell:
