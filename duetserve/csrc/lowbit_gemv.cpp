@@ -1151,18 +1151,31 @@ struct Form {
   int64_t pass_rows;
   int unpack;   // how unpacked_rows takes its many-row steps (VNNI); NO_UNPACK: by passes
 };
+
+// Steps of more rows than this unpack a form's weight tiles into records (unpacked_rows);
+// up to it they run tiled passes of the form's rows function. The unpacking pays off only
+// over many rows: on a Zen 5 passes took 0.45-0.7x the records' time at 9-16 rows and
+// 0.8-0.9x at 64 (the 1.5B's and SmolLM2's layers; the same sums either way), while on a
+// Zen 4 records ran 1.3-1.4x the passes' speed at 512 rows (docs/results.md).
+constexpr int64_t RECORD_ROWS = 64;
+
+// Whether a step of M rows in form f runs as a many-row step: by records, and with its
+// row blocks split as shared items (block_items).
+inline bool many_rows(const Form& f, int64_t M) {
+  return M > (f.unpack != NO_UNPACK ? RECORD_ROWS : f.pass_rows);
+}
 const Form Q4_FORM{G, Q4_BLOCK, GROUPED, q4_rows, WIDE_PASS_ROWS, UNPACK_Q4};
 const Form Q4K_FORM{256, Q4K_BLOCK, GROUPED, q4k_rows, WIDE_PASS_ROWS, UNPACK_Q4K};
 const Form Q6_FORM{CH * G, Q6_BLOCK, GROUPED, q6_rows, WIDE_PASS_ROWS, UNPACK_Q6};
 const Form Q8G_FORM{G, Q8G_BLOCK, GROUPED, q8g_rows, WIDE_PASS_ROWS, NO_UNPACK};
 
 // Blocks [b0, b1) of a weight in form f against all M rows of X: by tiles of records
-// (unpacked_rows) when the form has them and there is more than one pass, else by
-// tiled_passes over the form's rows function.
+// (unpacked_rows) when the form has them and the step is a many-row one (many_rows), else
+// by tiled_passes over the form's rows function.
 void form_rows(const Form& f, const Tiles& W, const QuantizedX& X, float* y, int64_t N,
                int64_t b0, int64_t b1, int64_t M) {
 #if defined(DUET_VNNI)
-  if (f.unpack != NO_UNPACK && M > f.pass_rows) {
+  if (f.unpack != NO_UNPACK && many_rows(f, M)) {
     const int64_t tile = std::max<int64_t>(1, TILE_BYTES / (W.units * f.block));
     for (int64_t t0 = b0; t0 < b1; t0 += tile)
       unpacked_rows(f.unpack, W, X, y, N, t0, std::min(b1, t0 + tile), M);
@@ -1210,7 +1223,7 @@ torch::Tensor packed_gemv(torch::Tensor x, const torch::Tensor& packed, int64_t 
   auto y = pooled_empty(M, N, x.options());
   const QuantizedX X = quantize_x(x.data_ptr<float>(), M, K, f.order, CH);
   float* yp = y.data_ptr<float>();
-  block_items({packed.size(1)}, M > f.pass_rows, [&](size_t, int64_t b0, int64_t b1) {
+  block_items({packed.size(1)}, many_rows(f, M), [&](size_t, int64_t b0, int64_t b1) {
     form_rows(f, W, X, yp, N, b0, b1, M);
   });
   return y;
@@ -1277,7 +1290,7 @@ torch::Tensor stacked_gemv(torch::Tensor x, std::vector<torch::Tensor> packed,
   // Every part's row blocks as items (many rows): a part's kernel may be slower per byte
   // than another's (q6 than q4k), and the shared counter evens that out too.
   bool many = false;
-  for (const Form& f : forms) many = many || M > f.pass_rows;
+  for (const Form& f : forms) many = many || many_rows(f, M);
   block_items(blocks, many, [&](size_t i, int64_t b0, int64_t b1) {
     form_rows(forms[i], tiles[i], xq[forms[i].order], ys[i].data_ptr<float>(), n[i], b0, b1, M);
   });

@@ -131,15 +131,19 @@ def test_kv_cache_dtype_option(tiny_checkpoints):
 
 
 def _int8_activations(x: torch.Tensor) -> torch.Tensor:
-    """x as the low-bit kernels see it: int8 per group of 32, dx = max|x_g| / 127."""
+    """x as the low-bit kernels see it: int8 per group of 32, dx = max|x_g| / 127, each
+    value rounded (to nearest even) from x * (1 / dx) in float32 as the kernels compute it
+    (in float64 about one value in 10^5 lands on the other side of a half)."""
     m, k = x.shape
-    g = x.double().view(m, k // 32, 32)
+    g = x.float().view(m, k // 32, 32)
     dx = g.abs().amax(-1, keepdim=True) / 127
-    q = torch.round(g / torch.where(dx > 0, dx, torch.ones_like(dx)))
-    return (q * dx).view(m, k)
+    inv = torch.where(dx > 0, 1 / torch.where(dx > 0, dx, torch.ones_like(dx)),
+                      torch.zeros_like(dx))
+    q = torch.round(g * inv)
+    return (q.double() * dx.double()).view(m, k)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9, 70])     # 70: the many-row records path
 @pytest.mark.parametrize("n,k", [(192, 320), (100, 96), (64, 576),   # K/32 = 10, 3, 18
                                  (64, 2176)])    # 17 chunks: 2 K tiles, the last one padded
 def test_q4_gemv_equals_dequantized(rows, n, k):
@@ -195,7 +199,7 @@ def _random_q8g(n: int, k: int, gen: torch.Generator):
                        (torch.randn(n, k // 32, generator=gen) * 0.3).half())
 
 
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9, 70])
 @pytest.mark.parametrize("form,n,k", [("q4k", 99, 512), ("q4k", 8, 256),    # 2 / 1 blocks
                                       ("q8g", 99, 96), ("q8g", 8, 32),      # 3 / 1 groups
                                       ("q8g", 37, 2176),                    # 2 K tiles
@@ -212,6 +216,21 @@ def test_k_quant_gemv_equals_dequantized(rows, form, n, k):
     got = getattr(native, f"{form}_gemv")(x, qw.packed, n).double()
     w = qw.dequantize().double()
     torch.testing.assert_close(got, _int8_activations(x) @ w.t(), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("form", ["q4", "q4k", "q6", "q8g"])
+def test_gemv_rows_do_not_depend_on_the_step(form):
+    """A row's output is the same bits alone, in a step of one pass (8 rows), of tiled
+    passes (13) and of unpacked records (70): deterministic mode's batch invariance rests
+    on it, and the kernels switch by row count (csrc/lowbit_gemv.cpp: many_rows)."""
+    make = {"q4": _random_q4, "q4k": _random_q4k, "q6": _random_q6, "q8g": _random_q8g}[form]
+    k = 512
+    qw = make(99, k, torch.Generator().manual_seed(2))
+    gemv = getattr(native, f"{form}_gemv")
+    x = torch.randn(70, k, generator=torch.Generator().manual_seed(3))
+    every = gemv(x, qw.packed, 99)
+    for rows in (1, 8, 13):
+        assert torch.equal(gemv(x[:rows], qw.packed, 99), every[:rows]), rows
 
 
 def _random_q4(n: int, k: int, gen: torch.Generator):
@@ -236,7 +255,7 @@ def test_k_tiles_compute_what_one_tile_does(monkeypatch, form, k):
     # loader moves the weight into its 2 MiB pages (loader/huge_pages.py)
     assert tiled.packed._base is None and whole.packed._base is None
     gemv = getattr(native, f"{form}_gemv")
-    for rows in (1, 5, 13):       # 13: the many-row path (records over every K tile)
+    for rows in (1, 5, 13, 70):   # 13: passes past 8 rows; 70: records over every K tile
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
         assert torch.equal(gemv(x, tiled.packed, 99), gemv(x, whole.packed, 99))
         head = tiled.prefix(33)       # tiles apart: a strided view of the row blocks
