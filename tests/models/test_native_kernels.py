@@ -133,7 +133,7 @@ def test_kv_cache_dtype_option(tiny_checkpoints):
 def _int8_activations(x: torch.Tensor) -> torch.Tensor:
     """x as the low-bit kernels see it: int8 per group of 32, dx = max|x_g| / 127, each
     value rounded (to nearest even) from x * (1 / dx) in float32 as the kernels compute it
-    (in float64 about one value in 10^5 lands on the other side of a half)."""
+    (in float64 one value in about 6 x 10^5 lands on the other side of a half)."""
     m, k = x.shape
     g = x.float().view(m, k // 32, 32)
     dx = g.abs().amax(-1, keepdim=True) / 127
