@@ -305,19 +305,25 @@ QuantizedX quantize_x(const float* x, int64_t M, int64_t K, int order, int64_t p
 enum Unpack { NO_UNPACK = 0, UNPACK_Q4 = 1, UNPACK_Q4K = 2, UNPACK_Q6 = 3 };
 
 #if defined(DUET_VNNI)
-// Calls f(std::integral_constant<int, mm>) for mm in 1..4, and 8 where EIGHT (the forms
-// whose passes take 8 rows: Form::pass_rows below).
+// Calls f(std::integral_constant<int, mm>) for mm in 1..4, and 5..8 where EIGHT (the
+// forms whose passes take 8 rows: Form::pass_rows below).
 template <bool EIGHT = false, typename F>
 inline void dispatch(int64_t mm, F&& f) {
   switch (mm) {
-    case 1: f(std::integral_constant<int, 1>{}); break;
-    case 2: f(std::integral_constant<int, 2>{}); break;
-    case 3: f(std::integral_constant<int, 3>{}); break;
-    case 4: f(std::integral_constant<int, 4>{}); break;
-    default:
-      if constexpr (EIGHT) f(std::integral_constant<int, 8>{});
-      else TORCH_CHECK(false, "passes of at most 4 rows here, got ", mm);
+    case 1: f(std::integral_constant<int, 1>{}); return;
+    case 2: f(std::integral_constant<int, 2>{}); return;
+    case 3: f(std::integral_constant<int, 3>{}); return;
+    case 4: f(std::integral_constant<int, 4>{}); return;
   }
+  if constexpr (EIGHT) {
+    switch (mm) {
+      case 5: f(std::integral_constant<int, 5>{}); return;
+      case 6: f(std::integral_constant<int, 6>{}); return;
+      case 7: f(std::integral_constant<int, 7>{}); return;
+      case 8: f(std::integral_constant<int, 8>{}); return;
+    }
+  }
+  TORCH_CHECK(false, "passes of 1 to ", EIGHT ? 8 : 4, " rows here, got ", mm);
 }
 
 // 4 activation bytes broadcast straight from memory (a load, no vector op).
@@ -703,7 +709,7 @@ void rec_span(const Rec* rec, int64_t ng, const QuantizedX& X, int64_t m0, __m51
 }
 
 // Blocks [t0, t1) of W (unpacked into thread-local records) against all M rows of X, in
-// passes of 8 rows (then up to 4): y's rows [0, M) at those blocks' columns.
+// passes of up to 8 rows: y's rows [0, M) at those blocks' columns.
 void unpacked_rows(int kind, const Tiles& W, const QuantizedX& X, float* y, int64_t N,
                    int64_t t0, int64_t t1, int64_t M) {
   thread_local std::vector<Rec> recs;
@@ -711,7 +717,7 @@ void unpacked_rows(int kind, const Tiles& W, const QuantizedX& X, float* y, int6
   if (int64_t(recs.size()) < (t1 - t0) * ng) recs.resize((t1 - t0) * ng);
   for (int64_t nb = t0; nb < t1; ++nb) unpack_block(kind, W, nb, recs.data() + (nb - t0) * ng);
   for (int64_t m0 = 0; m0 < M;) {
-    const int64_t mm = M - m0 >= XROWS ? XROWS : std::min<int64_t>(4, M - m0);
+    const int64_t mm = std::min(XROWS, M - m0);
     dispatch<true>(mm, [&](auto MM) {
       for (int64_t nb = t0; nb < t1; ++nb) {
         __m512 acc[MM.value];
@@ -1100,8 +1106,9 @@ void block_items(const std::vector<int64_t>& blocks, bool shared, const F& fn) {
   });
 }
 // Activation rows run in passes of at most `most` rows (the kernels' register budget: 8 for
-// q4, q4k and q6, whose weight vectors then unpack once for 8 rows; 4 for q8 and f32),
-// 8-row passes while 8 rows are left and passes of up to 4 after. With more than one pass each
+// q4, q4k, q6 and q8g, whose weight vectors then unpack once for up to 8 rows; 4 for q8 and
+// f32), full passes while that many rows are left, then one pass of the rest (a step of 5-7
+// rows is one pass, not 4 + 1..3 that read the weights twice). With more than one pass each
 // thread walks its weight rows in tiles of about TILE_BYTES and runs every pass on a tile
 // before the next, so passes after the first read the weights from L2 instead of DRAM (a
 // fifth row used to cost another full read of the thread's half of the matrix). Every
@@ -1117,7 +1124,7 @@ inline void tiled_passes(int64_t b0, int64_t b1, int64_t unit_bytes, int64_t M, 
   const int64_t tile = M <= most ? b1 - b0 : std::max<int64_t>(1, TILE_BYTES / unit_bytes);
   for (int64_t t0 = b0; t0 < b1; t0 += tile)
     for (int64_t m0 = 0; m0 < M;) {
-      const int64_t mm = M - m0 >= most ? most : std::min<int64_t>(PASS_ROWS, M - m0);
+      const int64_t mm = std::min(most, M - m0);
       pass(t0, std::min(b1, t0 + tile), m0, mm);
       m0 += mm;
     }

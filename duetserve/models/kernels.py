@@ -257,7 +257,7 @@ def calibrate_lowbit_rows(layer: QuantLinear) -> int:
                               confirm=True)
         finally:
             policy.lowbit_max_rows = saved
-    gemv = "native-v15" if ops() is not None else "torch"   # bump when kernels change
+    gemv = "native-v16" if ops() is not None else "torch"   # bump when kernels change
     rows = int(_cached(_key("lowbit_rows", layer.out_features, layer.in_features,
                             f"int{layer.qweight.bits}", kind, policy.dense_dtype, gemv,
                             f"upto{LOWBIT_ROWS[-1]}-confirmed"), measure))

@@ -143,7 +143,7 @@ def _int8_activations(x: torch.Tensor) -> torch.Tensor:
     return (q.double() * dx.double()).view(m, k)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9, 70])     # 70: the many-row records path
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 7, 9, 70])   # 70: the many-row records path
 @pytest.mark.parametrize("n,k", [(192, 320), (100, 96), (64, 576),   # K/32 = 10, 3, 18
                                  (64, 2176)])    # 17 chunks: 2 K tiles, the last one padded
 def test_q4_gemv_equals_dequantized(rows, n, k):
@@ -199,7 +199,7 @@ def _random_q8g(n: int, k: int, gen: torch.Generator):
                        (torch.randn(n, k // 32, generator=gen) * 0.3).half())
 
 
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9, 70])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 7, 9, 70])
 @pytest.mark.parametrize("form,n,k", [("q4k", 99, 512), ("q4k", 8, 256),    # 2 / 1 blocks
                                       ("q8g", 99, 96), ("q8g", 8, 32),      # 3 / 1 groups
                                       ("q8g", 37, 2176),                    # 2 K tiles
@@ -220,16 +220,17 @@ def test_k_quant_gemv_equals_dequantized(rows, form, n, k):
 
 @pytest.mark.parametrize("form", ["q4", "q4k", "q6", "q8g"])
 def test_gemv_rows_do_not_depend_on_the_step(form):
-    """A row's output is the same bits alone, in a step of one pass (8 rows), of tiled
-    passes (13) and of unpacked records (70): deterministic mode's batch invariance rests
-    on it, and the kernels switch by row count (csrc/lowbit_gemv.cpp: many_rows)."""
+    """A row's output is the same bits alone, in a step of one pass (5 or 8 rows), of
+    tiled passes (13: 8 + 5) and of unpacked records (70): deterministic mode's batch
+    invariance rests on it, and the kernels switch by row count (csrc/lowbit_gemv.cpp:
+    many_rows)."""
     make = {"q4": _random_q4, "q4k": _random_q4k, "q6": _random_q6, "q8g": _random_q8g}[form]
     k = 512
     qw = make(99, k, torch.Generator().manual_seed(2))
     gemv = getattr(native, f"{form}_gemv")
     x = torch.randn(70, k, generator=torch.Generator().manual_seed(3))
     every = gemv(x, qw.packed, 99)
-    for rows in (1, 8, 13):
+    for rows in (1, 5, 8, 13):
         assert torch.equal(gemv(x[:rows], qw.packed, 99), every[:rows]), rows
 
 
@@ -606,8 +607,8 @@ def test_f32_gemv_rows_are_independent_of_the_row_count():
 @pytest.mark.parametrize("rows", [2, 5, 7, 8, 11, 17])
 def test_gemv_rows_equal_alone(rows):
     """The GEMVs compute up to 8 (q4, q4k, q6) or 4 (q8, float32) activation rows in one
-    pass over the weights; more rows run in several passes (8, then up to 4) over tiles of
-    the weight (so later passes read it from cache). Every row equals
+    pass over the weights; more rows run in several passes (8 or 4 each, then the rest)
+    over tiles of the weight (so later passes read it from cache). Every row equals
     the same row run as a step of its own, bit for bit, for weights spanning many tiles
     (q4, q4k, q6, q8 and float32): a verify step's rows are what decodes of them would compute."""
     from duetserve.models.quant import Int4Weight, Int8Weight, int4_groups_from_float, \
