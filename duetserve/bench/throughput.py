@@ -39,6 +39,7 @@ import numpy as np
 
 from duetserve.bench.datasets import DatasetError, parse_len_range, sample_lengths
 from duetserve.outputs import StepStats
+from duetserve.metrics.step_accounting import format_peaks
 
 DEFAULT_NUM_PROMPTS = 256
 
@@ -298,9 +299,8 @@ def format_table(r: dict[str, Any], title: str = "duet bench throughput") -> str
                              f"{100 * u[phase]['time_weighted_mfu']:.1f}% / "
                              f"{100 * u[phase]['time_weighted_mbu']:.1f}%  "
                              f"({u[phase]['steps']} steps, {u[phase]['seconds']:.1f} s)"))
-        rows.append(("roofline of", f"{u['hardware']}: {u['peak_flops'] / 1e9:.0f} GFLOP/s "
-                                    f"{u['compute_dtype']}, "
-                                    f"{u['mem_bandwidth'] / 1e9:.1f} GB/s"))
+        rows.append(("roofline of", f"{u['hardware']}: {format_peaks(u['peaks'])} (each "
+                                    f"step's compute), {u['mem_bandwidth'] / 1e9:.1f} GB/s"))
     width = max(len(k) for k, _ in rows)
     lines = [f"== {title} ==".center(width + 20)]
     lines += [f"{k:<{width}}  {v}" for k, v in rows]

@@ -41,6 +41,7 @@ from duetserve.kv_transfer import KVTransferConfig
 from duetserve.loader import LoadedModel, load_model, release_free_memory
 from duetserve.metrics.step_accounting import StepAccountant
 from duetserve.metrics.trace import TraceWriter
+from duetserve.models.kernels import compute_by_rows
 from duetserve.outputs import (CompletionOutput, ModelRunnerOutput, OutputAccumulator,
                                RequestMetrics, RequestOutput, SchedulerOutput, StepStats)
 from duetserve.request import LoRARequest, Request
@@ -308,7 +309,8 @@ class EngineCore:
         the trace writer (when config.trace_file)."""
         self.step_observers: list[StepObserver] = []
         self.accountant = StepAccountant(self.model_config, self.loaded.weight_bytes,
-                                         kv_dtype_name(self.kv_dtype))
+                                         kv_dtype_name(self.kv_dtype),
+                                         compute_of=compute_by_rows(self.loaded.model))
         self.trace: TraceWriter | None = None
         if self.config.trace_file:
             self.trace = TraceWriter(self.config.trace_file, self.accountant,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from duetserve.config import ConfigError, cache_dir
 
-COMPUTE_DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
+COMPUTE_DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8", "int8")
 
 T, G = 1e12, 1e9
 
@@ -81,14 +81,17 @@ GPU_PROFILES: dict[str, HardwareProfile] = {p.name: p for p in (
          "NVIDIA L40S GPU datasheet"),
 )}
 
-# This machine before `duet roofline --measure`: the figures of the 2-vCPU VM duetserve was
-# developed on (fp32 GEMM and DRAM read medians at 2 threads), an example until measured.
+# This machine before `duet roofline --measure`: figures of the 2-vCPU VMs duetserve was
+# developed on (GEMM and DRAM read medians at 2 threads), an example until measured. "int8"
+# is int8 x int8 -> int32 products (2 ops a multiply-add, as FLOPs count them): what the
+# low-bit GEMVs run on (models/kernels.compute_by_rows).
 CPU_FALLBACK = HardwareProfile(
     name="cpu", description="this machine (not measured yet: example figures of a 2-vCPU "
                             "VM; run `duet roofline --measure`)",
-    peak_flops=(("fp32", 310 * G), ("bf16", 62 * G), ("fp16", 2 * G)),
+    peak_flops=(("fp32", 310 * G), ("bf16", 886 * G), ("fp16", 2 * G), ("int8", 1874 * G)),
     mem_bandwidth=30 * G, memory_bytes=23 * G, default_compute="fp32",
-    source="example 2-vCPU VM (fp32 GEMM 308 GFLOP/s, DRAM read ~30 GB/s)")
+    source="example 2-vCPU VMs (an AMD EPYC Zen 4: fp32 GEMM 308 GFLOP/s, DRAM read ~30 "
+           "GB/s; a Zen 5: bf16 GEMM 886 GFLOP/s, int8 GEMM 1,874 G op/s)")
 
 LOCAL_NAMES = ("cpu", "local")
 
@@ -98,11 +101,14 @@ def cache_path() -> Path:
     return Path(cache_dir()) / "hardware.json"
 
 
-def save_measured(fp32_flops: float, mem_bandwidth: float, details: dict | None = None) -> Path:
-    """Write measured local figures to `cache_path()`; return the path."""
+def save_measured(fp32_flops: float, mem_bandwidth: float, details: dict | None = None,
+                  peaks: dict[str, float] | None = None) -> Path:
+    """Write measured local figures to `cache_path()` (`peaks`: other compute dtypes'
+    measured peaks, e.g. {"bf16": ..., "int8": ...}); return the path."""
     path = cache_path()
     path.parent.mkdir(parents=True, exist_ok=True)
-    data = {"fp32_flops": fp32_flops, "mem_bandwidth": mem_bandwidth, "details": details or {}}
+    data = {"fp32_flops": fp32_flops, "mem_bandwidth": mem_bandwidth, "peaks": peaks or {},
+            "details": details or {}}
     path.write_text(json.dumps(data, indent=2) + "\n")
     return path
 
@@ -110,16 +116,18 @@ def save_measured(fp32_flops: float, mem_bandwidth: float, details: dict | None 
 def local_profile() -> HardwareProfile:
     """Return the measured local profile from the cache, or CPU_FALLBACK when not measured.
 
-    Only fp32 GEMM is measured; bf16/fp16 peaks keep CPU_FALLBACK's figures.
+    fp32 and whatever other peaks the cache holds (bf16, int8) are measured; the rest keep
+    CPU_FALLBACK's figures.
     """
     path = cache_path()
     try:
         data = json.loads(path.read_text())
         flops, bw = float(data["fp32_flops"]), float(data["mem_bandwidth"])
-    except (OSError, ValueError, KeyError, TypeError):
+        measured = {str(k): float(v) for k, v in data.get("peaks", {}).items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return CPU_FALLBACK
     peaks = dict(CPU_FALLBACK.peak_flops)
-    peaks["fp32"] = flops
+    peaks.update(measured, fp32=flops)
     return HardwareProfile(
         name="cpu", description=f"this machine (measured, cached in {path})",
         peak_flops=tuple(peaks.items()), mem_bandwidth=bw,

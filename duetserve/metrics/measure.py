@@ -1,4 +1,5 @@
-"""Microbenchmarks of this machine for the roofline: fp32 GEMM FLOP/s and DRAM read bandwidth.
+"""Microbenchmarks of this machine for the roofline: GEMM peaks (fp32, bf16, int8) and DRAM
+read bandwidth.
 
 torch is imported inside the functions only (duetserve.metrics stays torch-free at import).
 Each benchmark warms up, repeats, and returns the median; threads are set explicitly.
@@ -10,18 +11,30 @@ import time
 
 from duetserve.metrics.hardware import save_measured
 
+GEMM_DTYPES = ("fp32", "bf16", "int8")
 
-def measure_gemm_flops(n: int = 4096, repeats: int = 5, threads: int = 2) -> float:
-    """Return the median fp32 FLOP/s of an n x n x n matmul (2 n^3 FLOPs), after one warm-up."""
+
+def measure_gemm_flops(n: int = 4096, repeats: int = 5, threads: int = 2,
+                       dtype: str = "fp32") -> float:
+    """Return the median FLOP/s (int8: multiply-add ops x 2, counted as FLOPs are) of an
+    n x n x n matmul (2 n^3) in `dtype` (GEMM_DTYPES; int8 through torch._int_mm, int32
+    sums), after one warm-up."""
     import torch
     torch.set_num_threads(threads)
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    out = torch.empty(n, n)
-    torch.mm(a, b, out=out)  # warm-up
+    if dtype == "int8":
+        a = torch.randint(-128, 128, (n, n), dtype=torch.int8)
+        b = torch.randint(-128, 128, (n, n), dtype=torch.int8)
+        run = lambda: torch._int_mm(a, b)       # noqa: E731
+    else:
+        kind = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+        a, b = torch.randn(n, n).to(kind), torch.randn(n, n).to(kind)
+        out = torch.empty(n, n, dtype=kind)
+        run = lambda: torch.mm(a, b, out=out)  # noqa: E731
+    run()  # warm-up
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        torch.mm(a, b, out=out)
+        run()
         times.append(time.perf_counter() - t0)
     return 2 * n ** 3 / statistics.median(times)
 
@@ -50,17 +63,28 @@ def measure_read_bandwidth(total_gib: float = 2.0, num_arrays: int = 8, repeats:
 
 
 def measure_and_cache(threads: int = 2) -> dict:
-    """Measure fp32 GEMM and read bandwidth, cache them (hardware.json); return the figures."""
-    flops = measure_gemm_flops(threads=threads)
+    """Measure the GEMM peaks and read bandwidth, cache them (hardware.json); return the
+    figures. A dtype this torch cannot multiply in (RuntimeError) is left unmeasured."""
+    peaks = {}
+    for dtype in GEMM_DTYPES:
+        try:
+            peaks[dtype] = measure_gemm_flops(threads=threads, dtype=dtype)
+        except RuntimeError:
+            pass
     bw = measure_read_bandwidth(threads=threads)
-    details = {"threads": threads, "gemm": "fp32 4096^3 torch.mm, median of 5",
+    details = {"threads": threads, "gemm": "4096^3 torch.mm (int8: torch._int_mm), median of 5",
                "bandwidth": "sum over 8 fp32 arrays, 2 GiB total, median of 5"}
-    path = save_measured(flops, bw, details)
-    return {"fp32_flops": flops, "mem_bandwidth": bw, "path": str(path), **details}
+    flops = peaks.pop("fp32")
+    path = save_measured(flops, bw, details, peaks)
+    return {"fp32_flops": flops, "peaks": peaks, "mem_bandwidth": bw, "path": str(path),
+            **details}
 
 
 def format_measure(m: dict) -> str:
     """Return one paragraph describing a `measure_and_cache` result."""
+    others = "".join(f", {k} GEMM {v / 1e9:.1f} G{'FLOP' if k != 'int8' else 'op'}/s"
+                     for k, v in m.get("peaks", {}).items())
     return (f"measured this machine ({m['threads']} threads): fp32 GEMM "
-            f"{m['fp32_flops'] / 1e9:.1f} GFLOP/s, DRAM read {m['mem_bandwidth'] / 1e9:.1f} GB/s, "
-            f"ridge {m['fp32_flops'] / m['mem_bandwidth']:.1f} FLOP/byte; cached in {m['path']}\n")
+            f"{m['fp32_flops'] / 1e9:.1f} GFLOP/s{others}, DRAM read "
+            f"{m['mem_bandwidth'] / 1e9:.1f} GB/s, ridge {m['fp32_flops'] / m['mem_bandwidth']:.1f}"
+            f" FLOP/byte (fp32); cached in {m['path']}\n")

@@ -303,7 +303,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--json", action="store_true", help="print the analysis as JSON")
     a("--plot", default=None, metavar="OUT.png", help="draw the log-log roofline (matplotlib)")
     a("--measure", action="store_true",
-      help="measure this machine (fp32 GEMM, DRAM read) and cache it, then analyse on cpu")
+      help="measure this machine (fp32, bf16, int8 GEMMs; DRAM read) and cache it, then "
+           "analyse on cpu")
     a("--threads", type=int, default=2, help="threads for --measure (default 2)")
 
 

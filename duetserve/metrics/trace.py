@@ -115,7 +115,8 @@ class TraceWriter:
         if self.accountant is not None:
             acc = self.accountant.account_for(stats)
             args.update(mfu=acc.mfu, mbu=acc.mbu, flops=acc.flops, bytes=acc.bytes,
-                        flops_per_s=acc.flops_per_s, bytes_per_s=acc.bytes_per_s)
+                        flops_per_s=acc.flops_per_s, bytes_per_s=acc.bytes_per_s,
+                        compute=acc.compute)
         else:
             args.update(mfu=None, mbu=None)
         self._events.append({"name": name, "ph": "X", "tid": STEPS_TID, "start": start,

@@ -526,3 +526,25 @@ def few_row_limit(model: torch.nn.Module) -> int:
     if limits:
         return min(limits)
     return int(getattr(model, "dense_gemv_rows", 0) or 0)
+
+
+_COMPUTE_KEYS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def compute_by_rows(model: torch.nn.Module) -> Callable[[int], str]:
+    """A step's rows -> the number type its linear layers multiply in (a key of
+    metrics/hardware's peak table: the peak the step's MFU is against). Low-bit linears:
+    "int8" up to the few-row limit (the GEMVs quantize activations to int8 and sum int8
+    products; without native kernels they multiply dequantized float32), above it "bf16"
+    on AMX tiles or the dense GEMMs' dtype. Float linears: their weights' dtype."""
+    policy = next((m.policy for m in model.modules() if isinstance(m, QuantLinear)), None)
+    if policy is None:
+        weight = next((m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)),
+                      None)
+        key = _COMPUTE_KEYS.get(weight.dtype if weight is not None else torch.float32, "fp32")
+        return lambda rows: key
+    few = few_row_limit(model)
+    small = "int8" if ops() is not None else "fp32"
+    large = "bf16" if policy.many_rows == "amx" else _COMPUTE_KEYS.get(policy.dense_dtype,
+                                                                      "fp32")
+    return lambda rows: small if rows <= few else large

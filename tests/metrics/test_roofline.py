@@ -92,6 +92,11 @@ def test_measured_cache_roundtrip(monkeypatch, tmp_path) -> None:
     assert path == tmp_path / "hardware.json"
     hw = hardware.get_hardware("cpu")
     assert hw.measured and hw.peak("fp32") == 200e9 and hw.ridge_point() == pytest.approx(8.0)
+    # a cache without other peaks keeps the example's; measured ones replace them
+    assert hw.peak("bf16") == hardware.CPU_FALLBACK.peak("bf16")
+    hardware.save_measured(200e9, 25e9, {"threads": 2}, {"bf16": 800e9, "int8": 1.6e12})
+    hw = hardware.get_hardware("cpu")
+    assert (hw.peak("fp32"), hw.peak("bf16"), hw.peak("int8")) == (200e9, 800e9, 1.6e12)
 
 
 def test_bad_arguments() -> None:

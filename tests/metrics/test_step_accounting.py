@@ -152,3 +152,25 @@ def test_dtypes_and_default_hardware() -> None:
     assert local.peak_flops == local_profile().peak("fp32")
     with pytest.raises(ConfigError):
         StepAccountant(TINY, 0, "float32", HW)
+
+
+def test_mfu_against_the_peak_of_each_steps_compute() -> None:
+    """With compute_of (the engine's kernels by rows), a decode step's MFU is against one
+    peak and a prefill's against another; time-weighted MFU adds each step's FLOPs at its
+    own peak, and the summary names the peaks used."""
+    a = StepAccountant(TINY, WEIGHT_BYTES, "float32", HW,
+                       compute_of=lambda rows: "fp32" if rows <= 4 else "bf16")
+    assert a.peaks() == {"fp32": 1e4}                   # nothing observed yet: the default
+    decode = a.observe(Stats([("a", 1, 10)], 0, 1, step_seconds=0.5))
+    prefill = a.observe(Stats([("b", 8, 0)], 8, 0, step_seconds=0.25))
+    assert (decode.compute, prefill.compute) == ("fp32", "bf16")
+    assert decode.mfu == pytest.approx(decode.flops / 0.5 / 1e4)
+    assert prefill.mfu == pytest.approx(prefill.flops / 0.25 / 4e4)
+    s = a.summary()
+    assert s["peaks"] == {"bf16": 4e4, "fp32": 1e4}
+    assert s["prefill"]["time_weighted_mfu"] == pytest.approx(prefill.mfu)
+    assert s["all"]["time_weighted_mfu"] == pytest.approx(
+        (decode.flops / 1e4 + prefill.flops / 4e4) / 0.75)
+    assert "peak bf16 0, fp32 0 GFLOP/s" in a.format_summary()
+    a.reset()
+    assert a.peaks() == {"fp32": 1e4}

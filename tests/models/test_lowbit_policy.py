@@ -266,3 +266,24 @@ def test_prompt_attention_in_bf16_where_the_cpu_has_it_and_it_is_faster(
     assert measured == ([available] if mode == "auto" and available else [])
     if measured:
         assert f"{speedup:.2f}x" in reason
+
+
+@pytest.mark.parametrize("many_rows,dense_dtype,large", [("dense", torch.bfloat16, "bf16"),
+                                                        ("dense", torch.float32, "fp32"),
+                                                        ("amx", torch.float32, "bf16")])
+def test_compute_by_rows_follows_the_kernel_switch(monkeypatch, many_rows, dense_dtype,
+                                                   large) -> None:
+    """A step's MFU is against the peak of what its linears multiply in: int8 products on
+    the low-bit GEMVs up to the few-row limit (float32 without native kernels), the AMX
+    tiles' bf16 or the dense GEMMs' dtype above it; a float model, its weights' dtype."""
+    w = Int4Weight(*int4_groups_from_float(torch.randn(32, 64)))
+    policy = KernelPolicy(lowbit_max_rows=8, many_rows=many_rows, dense_dtype=dense_dtype)
+    model = torch.nn.Sequential(QuantLinear(w, None, policy))
+    monkeypatch.setattr(kernels, "ops", lambda: object())
+    compute = kernels.compute_by_rows(model)
+    assert [compute(r) for r in (1, 8, 9, 2048)] == ["int8", "int8", large, large]
+    monkeypatch.setattr(kernels, "ops", lambda: None)
+    assert kernels.compute_by_rows(model)(1) == "fp32"
+    for dtype, key in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+        dense = torch.nn.Sequential(torch.nn.Linear(64, 32).to(dtype))
+        assert {kernels.compute_by_rows(dense)(r) for r in (1, 512)} == {key}
