@@ -38,8 +38,8 @@ from typing import Any
 import numpy as np
 
 from duetserve.bench.datasets import DatasetError, parse_len_range, sample_lengths
-from duetserve.outputs import StepStats
 from duetserve.metrics.step_accounting import format_peaks
+from duetserve.outputs import StepStats
 
 DEFAULT_NUM_PROMPTS = 256
 

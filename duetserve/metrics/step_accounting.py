@@ -120,7 +120,7 @@ class StepAccountant:
                                                               self.hardware.default_compute)
         self.peak_flops = self.hardware.peak(self.compute_dtype)
         self.compute_of = compute_of
-        self._computes: dict[str, None] = {}   # compute dtypes of the observed steps
+        self._computes: set[str] = set()   # compute dtypes of the observed steps
         self.mem_bandwidth = self.hardware.mem_bandwidth
         self.last: StepAccount | None = None
         self.last_stats: StepStats | None = None   # the stats `last` was computed from
@@ -160,7 +160,7 @@ class StepAccountant:
         acc = self.account(stats, num_logits)
         with self._lock:
             self._totals[acc.phase].add(acc)
-            self._computes.setdefault(acc.compute)
+            self._computes.add(acc.compute)
             self.last = acc
             self.last_stats = stats
         return acc
@@ -181,7 +181,7 @@ class StepAccountant:
         """Forget all totals and `last`."""
         with self._lock:
             self._totals = {p: _PhaseTotals() for p in PHASES}
-            self._computes = {}
+            self._computes = set()
             self.last = None
             self.last_stats = None
 
@@ -189,7 +189,7 @@ class StepAccountant:
         """The peak FLOP/s of each compute dtype the observed steps ran in (the default
         compute's alone before any step)."""
         with self._lock:
-            computes = list(self._computes) or [self.compute_dtype]
+            computes = set(self._computes) or {self.compute_dtype}
         return {c: self.hardware.peak(c) for c in sorted(computes)}
 
     def summary(self) -> dict[str, Any]:
