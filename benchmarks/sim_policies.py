@@ -40,12 +40,12 @@ RANDOM, CHAT = "random 32-256 in, 32-128 out", "chat, 3 turns"
 MODELS = {
     "qwen2.5-coder-1.5b-like": (StepTime.of(
         LAYOUT, few_step=0.029, few_row=0.0018, mixed_step=0.035, mixed_row=0.0025,
-        many_step=0.060, many_row=0.0068, logit=0.0015, decode_kv=5e-8,
+        many_step=0.060, many_row=0.0068, logit=0.0015, decode_kv=5e-8, decode_kv_reread=5e-8,
         fresh_pair=1.5e-6, chunk_score=3e-9, chunk_pair=1.5e-6), 2340,
         {RANDOM: (0.25, 1.0, 2.0), CHAT: (0.1, 0.25, 0.5)}),
     "smollm2-135m-like": (StepTime.of(
         LAYOUT, few_step=0.004, few_row=0.0003, mixed_step=0.008, mixed_row=0.0004,
-        many_step=0.012, many_row=0.0008, logit=0.00005, decode_kv=2e-8,
+        many_step=0.012, many_row=0.0008, logit=0.00005, decode_kv=2e-8, decode_kv_reread=2e-8,
         fresh_pair=5e-7, chunk_score=3e-9, chunk_pair=1e-9), 4096,
         {RANDOM: (2.0, 8.0, 16.0), CHAT: (1.0, 2.0, 4.0)}),
 }

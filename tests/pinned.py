@@ -13,6 +13,7 @@ from duetserve.core.step_time import Layout, StepTime
 PINNED = StepTime.of(Layout(few_rows=16, chunk_rows=64, masked_max_scores=58254),
                      few_step=0.004, few_row=0.0003, mixed_step=0.008, mixed_row=0.0004,
                      many_step=0.012, many_row=0.0005, logit=0.00005, decode_kv=2e-8,
+                     decode_kv_reread=2e-8,
                      chunk_score=3e-9, chunk_pair=1e-9)
 
 

@@ -23,15 +23,19 @@ OUTLIER_FACTOR = 6.0
 
 
 def nnls(a: np.ndarray, b: np.ndarray, max_iter: int = 200) -> np.ndarray:
-    """min ||a x - b|| subject to x >= 0 (Lawson-Hanson active set)."""
+    """min ||a x - b|| subject to x >= 0 (Lawson-Hanson active set). A column that cannot
+    enter the solution with a positive value (it is a combination of those in it, as on
+    noise-free data) is skipped until the solution moves."""
     n = a.shape[1]
     x = np.zeros(n)
     passive = np.zeros(n, dtype=bool)
+    skipped = np.zeros(n, dtype=bool)
     for _ in range(max_iter):
         w = a.T @ (b - a @ x)
-        if passive.all() or w[~passive].max(initial=-np.inf) <= 1e-12 * (1 + np.abs(w).max()):
+        free = ~passive & ~skipped
+        if not free.any() or w[free].max() <= 1e-12 * (1 + np.abs(w).max()):
             break
-        j = int(np.argmax(np.where(passive, -np.inf, w)))
+        j = int(np.argmax(np.where(free, w, -np.inf)))
         passive[j] = True
         while True:
             z = np.zeros(n)
@@ -40,10 +44,15 @@ def nnls(a: np.ndarray, b: np.ndarray, max_iter: int = 200) -> np.ndarray:
                 x = z
                 break
             neg = passive & (z <= 0)
-            alpha = np.min(x[neg] / (x[neg] - z[neg]))
+            step = x[neg] - z[neg]               # >= 0; 0 where x and z are both 0
+            alpha = np.min(np.where(step > 0, x[neg] / np.where(step > 0, step, 1.0), 0.0))
             x = x + alpha * (z - x)
             passive &= x > 1e-15
             x[~passive] = 0.0
+        if passive[j]:
+            skipped[:] = False
+        else:
+            skipped[j] = True
     return x
 
 

@@ -57,7 +57,12 @@ TERMS = (
     "many_row",     # rows of such a step: GEMM FLOPs
     "logit",        # rows that are sampled: the LM head's row, the sampler's row
     "request",      # scheduled requests: per-request work in the runner and sampler
-    "decode_kv",    # KV entries read by decode rows (paged decode attention: bytes)
+    "decode_kv",    # KV entries decode rows read from memory: each decode-row slice's
+                    # context once, c + n (paged decode attention: bytes)
+    "decode_kv_reread",  # the same slice's entries read again by its later rows: a chunk
+                    # laid out as n decode rows reads its context n times, the repeats
+                    # from cache (SmolLM2 on a Zen 5: 0.5-0.6 us/entry, the first read
+                    # 1.6-1.8; one coefficient for both misprices chat turns by 1.2-1.5x)
     "fresh_pair",   # (query, key) pairs of fresh prefills (flash, causal half)
     "chunk_score",  # score entries of chunks after context run as one masked matrix
     "chunk_pair",   # (query, key) pairs of longer chunks after context (flash, twice)
@@ -112,6 +117,7 @@ class StepShape:
     num_decode_rows: int = 0     # rows laid out as decode rows
     num_prefills: int = 0        # slices laid out as prefills (not as decode rows)
     decode_kv: int = 0           # KV entries read by decode rows
+    decode_kv_reread: int = 0    # of those, read again by a later row of the same slice
     prefill_context: int = 0     # cached positions read by prefill slices (sum of c)
     fresh_pairs: int = 0
     chunk_scores: int = 0
@@ -137,7 +143,9 @@ class StepShape:
         n, c, w = num_new, num_computed, lay.window
         if n == 1 or n <= lay.chunk_rows:
             self.num_decode_rows += n
-            self.decode_kv += attention_pairs(n, c)
+            pairs = attention_pairs(n, c)
+            self.decode_kv += pairs
+            self.decode_kv_reread += pairs - (c + n)
             if w:
                 self.window_decode_kv += attention_pairs(n, c, w)
             return
@@ -184,9 +192,10 @@ class StepShape:
                     ) -> "StepShape":
         """A step of decode rows only, every one sampled: `num_reqs` requests with
         `num_rows` rows in all (a verify slice is k+1 rows of one request), each row
-        after about `context` cached tokens."""
+        after about `context` cached tokens (a request's rows past its first re-read it)."""
         return cls(layout, num_reqs=num_reqs, num_rows=num_rows, num_logits=num_rows,
                    num_decode_rows=num_rows, decode_kv=num_rows * (context + 1),
+                   decode_kv_reread=(num_rows - num_reqs) * (context + 1),
                    window_decode_kv=(num_rows * min(context + 1, layout.window)
                                      if layout.window else 0))
 
@@ -199,7 +208,8 @@ class StepShape:
         f[_T[f"{path}_row"]] = float(rows)
         f[_T["logit"]] = float(self.num_logits)
         f[_T["request"]] = float(self.num_reqs)
-        f[_T["decode_kv"]] = float(self.decode_kv)
+        f[_T["decode_kv"]] = float(self.decode_kv - self.decode_kv_reread)
+        f[_T["decode_kv_reread"]] = float(self.decode_kv_reread)
         f[_T["fresh_pair"]] = float(self.fresh_pairs)
         f[_T["chunk_score"]] = float(self.chunk_scores)
         f[_T["chunk_pair"]] = float(self.chunk_pairs)
@@ -258,10 +268,11 @@ class StepTime:
             t = c[2] + c[3] * rows
         else:
             t = c[0] + c[1] * rows
-        t += (c[6] * s.num_logits + c[7] * s.num_reqs + c[8] * s.decode_kv
-              + c[9] * s.fresh_pairs + c[10] * s.chunk_scores + c[11] * s.chunk_pairs)
+        t += (c[6] * s.num_logits + c[7] * s.num_reqs
+              + c[8] * (s.decode_kv - s.decode_kv_reread) + c[9] * s.decode_kv_reread
+              + c[10] * s.fresh_pairs + c[11] * s.chunk_scores + c[12] * s.chunk_pairs)
         if s.cold:
-            t += c[12] + c[13] * rows
+            t += c[13] + c[14] * rows
         return t
 
     def row_seconds(self, path: str) -> float:
@@ -290,7 +301,7 @@ class StepTime:
         """One line for logs and reports: the layout and every non-zero coefficient."""
         lay = self.layout
         units = {"step": "ms", "row": "ms/row", "logit": "ms/row", "request": "ms/request",
-                 "kv": "us/entry", "pair": "ns/pair", "score": "ns/entry"}
+                 "kv": "us/entry", "reread": "us/entry", "pair": "ns/pair", "score": "ns/entry"}
         parts = []
         for name, x in zip(TERMS, self.coef):
             if not x:
@@ -320,6 +331,9 @@ class StepTime:
         coef = d.get("coef_s")
         if not isinstance(coef, dict):
             raise ValueError("a step-time model needs coef_s: {term: seconds}")
+        coef = dict(coef)
+        if "decode_kv_reread" not in coef:       # a model from before the term: every
+            coef["decode_kv_reread"] = coef.get("decode_kv", 0.0)  # read priced alike
         try:
             return cls.of(Layout.from_json(d.get("layout", {})),
                           **{k: float(v) for k, v in coef.items()})

@@ -71,7 +71,8 @@ MAX_CACHE_ENTRIES = 64
 CACHE_FILE = "step_time.json"
 # the terms the start-up probes tell apart (the rest: calibration only, core/step_time.py)
 STARTUP_TERMS = ("few_step", "few_row", "mixed_step", "mixed_row", "many_step", "many_row",
-                 "logit", "decode_kv", "fresh_pair", "chunk_score", "chunk_pair")
+                 "logit", "decode_kv", "decode_kv_reread", "fresh_pair", "chunk_score",
+                 "chunk_pair")
 _PROBE_ID = "__duet_step_probe__"
 
 

@@ -171,14 +171,15 @@ def test_a_lone_prompt_runs_in_the_chunks_priced_fastest() -> None:
     # per-layer modules' rows, and fresh prefills pay their flash attention
     stack = StepTime.of(Layout(few_rows=UNBOUNDED_ROWS, chunk_rows=64), few_step=0.018,
                         few_row=0.0025, mixed_row=0.0040, decode_kv=1.8e-6,
-                        fresh_pair=1.3e-6, chunk_pair=1.1e-6)
+                        decode_kv_reread=1.8e-6, fresh_pair=1.3e-6, chunk_pair=1.1e-6)
     assert idle_chunk(stack) == 64 and StepBudget(stack).for_step(0) == 64
     t64 = prompt_seconds(stack, IDLE_PROMPT, 64)
     assert all(t64 < prompt_seconds(stack, IDLE_PROMPT, c) for c in (16, 128, 256, 512))
     # the same rows on the modules as cheap as on the stack: the step overheads decide
     flat = StepTime.of(Layout(few_rows=UNBOUNDED_ROWS, chunk_rows=64), few_step=0.018,
                        few_row=0.0025, mixed_step=0.018, mixed_row=0.0025,
-                       decode_kv=1.3e-6, fresh_pair=1.3e-6, chunk_pair=1.3e-6)
+                       decode_kv=1.3e-6, decode_kv_reread=1.3e-6, fresh_pair=1.3e-6,
+                       chunk_pair=1.3e-6)
     assert idle_chunk(flat) == IDLE_PROBE
     assert idle_chunk(flat, most=128) == 128                       # never past the cap
     # dense GEMMs above 16 rows with a big fixed cost: a big chunk amortizes it

@@ -19,6 +19,8 @@ def test_slices_are_laid_out_as_the_engine_runs_them() -> None:
     # a decode and a 5-token chunk (<= chunk_rows) are decode rows: 101 + (21..25) entries
     assert shape.num_decode_rows == 6
     assert shape.decode_kv == 101 + sum(range(21, 26))
+    # the chunk's 5 rows read its 25 entries once from memory, then 90 more times
+    assert shape.decode_kv_reread == sum(range(21, 26)) - 25
     assert shape.fresh_pairs == 40 * 41 // 2                 # the fresh prefill
     assert shape.chunk_scores == 30 * 80                     # 2,400 <= 4,096: masked
     assert shape.chunk_pairs == 64 * 200 + 64 * 65 // 2     # 16,896 > 4,096: flash
@@ -36,6 +38,7 @@ def test_shape_of_scheduler_slices_counts_their_sampled_rows() -> None:
     shape = StepShape.of_slices(slices, LAYOUT, cold=True)
     assert (shape.num_rows, shape.num_logits, shape.num_reqs, shape.cold) == (17, 5, 3, True)
     assert shape.decode_kv == 11 + sum(range(31, 35))
+    assert shape.decode_kv_reread == sum(range(31, 35)) - 34       # the verify slice's
 
 
 def test_price_is_the_sum_of_its_terms() -> None:
@@ -62,6 +65,23 @@ def test_price_is_the_sum_of_its_terms() -> None:
         StepTime.from_json({"coef_s": {}})
 
 
+def test_a_chunk_as_decode_rows_pays_its_context_once_from_memory() -> None:
+    """n decode rows of one slice read the same context n times; only the first read is
+    priced at decode_kv, the repeats (from cache) at decode_kv_reread. A model saved
+    before the reread term prices every read at decode_kv, as it did."""
+    model = StepTime.of(LAYOUT, few_step=0.004, decode_kv=2e-6, decode_kv_reread=5e-7)
+    chunk = StepShape.of([(8, 500, 1)], LAYOUT)                # 8 rows after 500
+    pairs = 8 * 500 + 36
+    assert (chunk.decode_kv, chunk.decode_kv_reread) == (pairs, pairs - 508)
+    assert model.seconds(chunk) == pytest.approx(0.004 + 508 * 2e-6 + (pairs - 508) * 5e-7)
+    decodes = StepShape.of([(1, 499, 1)] * 8, LAYOUT)          # 8 contexts, each once
+    assert decodes.decode_kv_reread == 0
+    assert model.seconds(decodes) == pytest.approx(0.004 + 8 * 500 * 2e-6)
+    old = model.to_json()
+    del old["coef_s"]["decode_kv_reread"]
+    assert StepTime.from_json(old).seconds(chunk) == pytest.approx(0.004 + pairs * 2e-6)
+
+
 def test_plausible_only_when_rows_cost_time() -> None:
     assert StepTime.of(LAYOUT, few_row=1e-3, many_row=1e-3).is_plausible()
     assert not StepTime.of(LAYOUT, few_row=1e-3, many_step=0.02).is_plausible()
@@ -74,14 +94,15 @@ def test_fit_recovers_the_model_that_made_the_steps() -> None:
     steps within a few percent."""
     truth = StepTime.of(LAYOUT, few_step=0.004, few_row=0.001, mixed_step=0.009,
                         mixed_row=0.0011, many_step=0.02, many_row=0.0006, logit=0.0002,
-                        decode_kv=2e-7, fresh_pair=3e-8, chunk_pair=2e-8)
+                        decode_kv=2e-7, decode_kv_reread=6e-8, fresh_pair=3e-8,
+                        chunk_pair=2e-8)
     rng = random.Random(0)
     samples = []
     for _ in range(300):
         items = [(1, rng.randrange(0, 800), 1) for _ in range(rng.randrange(0, 24))]
         if rng.random() < 0.6:
-            n = rng.choice((12, 40, 96, 300))
-            items.append((n, rng.choice((0, 0, 400, 900)), rng.randrange(2)))
+            n = rng.choice((8, 8, 12, 40, 96, 300))
+            items.append((n, rng.choice((0, 0, 400, 900, 2000)), rng.randrange(2)))
         shape = StepShape.of(items, LAYOUT)
         if shape.num_rows:
             samples.append((shape, truth.seconds(shape) * rng.uniform(0.98, 1.02)))
@@ -91,6 +112,8 @@ def test_fit_recovers_the_model_that_made_the_steps() -> None:
     assert report["num_outliers"] >= 2 and report["median_abs_rel_error"] < 0.02
     for name in ("few_step", "few_row", "many_step", "many_row", "decode_kv"):
         assert model.term(name) == pytest.approx(truth.term(name), rel=0.15), name
+    # rereads are a few percent of the steps that have them: within 2% noise, looser
+    assert model.term("decode_kv_reread") == pytest.approx(6e-8, rel=0.3)
     for _ in range(50):
         shape = StepShape.of([(1, rng.randrange(800), 1)] * rng.randrange(1, 30)
                              + [(rng.choice((20, 200)), rng.choice((0, 500)), 1)], LAYOUT)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from duetserve.config import UNBOUNDED_ROWS, EngineConfig
+from duetserve.core.step_fit import fit_step_time
 from duetserve.core.step_budget import IDLE_PROBE
 from duetserve.core.step_time import Layout, StepShape, StepTime
 from duetserve.engine import step_probe
@@ -60,6 +61,17 @@ def model(tmp_path, monkeypatch) -> str:
 def start(model: str, threads: int = 2, switches: dict = SWITCHES):
     return step_probe.startup_step_time(FakeRunner(), model, switches, threads, 300, 4, 16,
                                         4096)
+
+
+def test_noise_free_probe_steps_are_fitted_exactly() -> None:
+    """Steps priced exactly by a model with two terms: the start-up fit over every term
+    (some of them combinations of others on these probes) finds that model, not zeros
+    from a 0/0 in the active-set solver."""
+    probes = step_probe.fits(step_probe.startup_probes(LAYOUT), 4096)
+    samples = [(p.shape(LAYOUT), GOOD.seconds(p.shape(LAYOUT))) for p in probes]
+    model, report = fit_step_time(samples, LAYOUT, step_probe.STARTUP_TERMS)
+    assert report["rms_rel_error"] < 1e-9
+    assert (model.term("many_step"), model.term("many_row")) == pytest.approx((0.010, 0.001))
 
 
 def test_measurement_is_cached_under_every_switch(model, monkeypatch) -> None:
