@@ -61,8 +61,8 @@ TERMS = (
                     # context once, c + n (paged decode attention: bytes)
     "decode_kv_reread",  # the same slice's entries read again by its later rows: a chunk
                     # laid out as n decode rows reads its context n times, the repeats
-                    # from cache (SmolLM2 on a Zen 5: 0.5-0.6 us/entry, the first read
-                    # 1.6-1.8; one coefficient for both misprices chat turns by 1.2-1.5x)
+                    # from cache (SmolLM2 on a Zen 5: 0.45-0.8 us/entry, the first read
+                    # 1.6-2.0)
     "fresh_pair",   # (query, key) pairs of fresh prefills (flash, causal half)
     "chunk_score",  # score entries of chunks after context run as one masked matrix
     "chunk_pair",   # (query, key) pairs of longer chunks after context (flash, twice)
@@ -301,7 +301,8 @@ class StepTime:
         """One line for logs and reports: the layout and every non-zero coefficient."""
         lay = self.layout
         units = {"step": "ms", "row": "ms/row", "logit": "ms/row", "request": "ms/request",
-                 "kv": "us/entry", "reread": "us/entry", "pair": "ns/pair", "score": "ns/entry"}
+                 "kv": "us/entry", "reread": "us/entry", "pair": "ns/pair",
+                 "score": "ns/entry"}
         parts = []
         for name, x in zip(TERMS, self.coef):
             if not x:

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from duetserve.config import UNBOUNDED_ROWS, EngineConfig
-from duetserve.core.step_fit import fit_step_time
 from duetserve.core.step_budget import IDLE_PROBE
+from duetserve.core.step_fit import fit_step_time
 from duetserve.core.step_time import Layout, StepShape, StepTime
 from duetserve.engine import step_probe
 from duetserve.engine.engine_core import EngineCore
