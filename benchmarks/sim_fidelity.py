@@ -3,9 +3,12 @@ TPOT medians, per workload mix and load.
 
     PYTHONPATH=. .venv/bin/python benchmarks/sim_fidelity.py --calibrate --out out/sim/fidelity
     PYTHONPATH=. .venv/bin/python benchmarks/sim_fidelity.py --profile P.json --out out/sim/f2
+    # docs/simulator.md's example workload (bench serve's chat, 50 conversations at 0.5/s)
+    PYTHONPATH=. .venv/bin/python benchmarks/sim_fidelity.py --calibrate --mixes chat-example \
+        --rate 0.5 --run-seconds 100 --seed 0 --out out/sim/example
 
 For each mix (MIXES) and load level (a fraction of the capacity the first profile's
-simulation gives that mix, everything queued at once): the same seeded conversations and
+simulation gives that mix, everything queued at once; or --rate): the same seeded conversations and
 arrival schedule run (a) on a fresh in-process EngineCore with `duet serve`'s defaults, on
 the wall clock (bench/replay.py: the engine's own steps, no HTTP), --repeats times, the cells
 taken round robin (forward, then backward) so that each cell's runs span the whole run, and
@@ -53,6 +56,8 @@ MIXES = {
                           num_turns=1),
     "decode-heavy": dict(dataset="random", input_len="16:64", output_len="96:192",
                          num_turns=1),
+    # `duet bench serve --dataset chat`'s defaults: docs/simulator.md's example workload
+    "chat-example": dict(dataset="chat", input_len="256", output_len="64", num_turns=3),
 }
 KEYS = ("ttft_ms", "tpot_ms")
 
@@ -106,9 +111,10 @@ class Cell:
     """One mix at one load: its workload (the rate from the first profile's simulated
     capacity), its served runs, and its simulations."""
 
-    def __init__(self, mix: str, level: float, args, profile, config, id_range) -> None:
+    def __init__(self, mix: str, level: float | None, args, profile, config, id_range) -> None:
         self.mix, self.level = mix, level
-        self.rate = level * capacity(mix, profile, config, id_range, args.seed)
+        self.rate = args.rate if level is None else \
+            level * capacity(mix, profile, config, id_range, args.seed)
         self.n = max(16, int(round(self.rate * args.run_seconds)))
         self.convs = conversations(mix, self.n, args.seed, id_range)
         self.offsets = arrival_offsets(self.n, self.rate, 1.0, args.seed).tolist()
@@ -169,8 +175,11 @@ def main() -> int:
     ap.add_argument("--calibrate", action="store_true",
                     help="run `duet simulate --calibrate` first, into OUT/profile.json, and "
                          "again after each round of served runs, into OUT/profile_R.json")
-    ap.add_argument("--mixes", default=",".join(MIXES))
+    ap.add_argument("--mixes", default="chat,prefill-heavy,decode-heavy",
+                    help=f"comma list of {', '.join(MIXES)}")
     ap.add_argument("--levels", default="0.4,0.8", help="fractions of the simulated capacity")
+    ap.add_argument("--rate", type=float, default=None,
+                    help="serve each mix at this many conversations/s instead of --levels")
     ap.add_argument("--run-seconds", type=float, default=45.0, help="arrival span per run")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=1)
@@ -190,8 +199,9 @@ def main() -> int:
     config = profile.scheduler_config()
     id_range = id_range_for_vocab(loaded.config.vocab_size)
     layout = profile.step_time.layout
-    cells = [Cell(mix, float(level), args, profile, config, id_range)
-             for level in args.levels.split(",") for mix in args.mixes.split(",")]
+    levels = [None] if args.rate else [float(x) for x in args.levels.split(",")]
+    cells = [Cell(mix, level, args, profile, config, id_range)
+             for level in levels for mix in args.mixes.split(",")]
     later = []                           # the calibrations after each round
     for rep in range(args.repeats):      # round robin: each cell's runs span the whole run
         for c in (cells if rep % 2 == 0 else cells[::-1]):
@@ -206,7 +216,8 @@ def main() -> int:
     for c in results:
         cols = " | ".join(f"{c['measured'][k]:11.1f} {c['spread'][k]:6.2f} "
                           f"{c['simulated'][k]:8.1f} {c['ratio'][k]:5.2f}" for k in KEYS)
-        print(f"{c['mix']:>14} {c['level']:5.2f} | {cols} | {c['steps_priced']:5.2f}")
+        load = f"{c['level']:5.2f}" if c["level"] is not None else f"{c['rate']:4.2f}/s"
+        print(f"{c['mix']:>14} {load:>5} | {cols} | {c['steps_priced']:5.2f}")
     if later:
         shapes = [s for c in cells for run in c.shapes for s in run]
         first = priced_ratio(shapes, profile.step_time)
