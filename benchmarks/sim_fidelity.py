@@ -43,6 +43,7 @@ from pathlib import Path
 from duetserve.bench.bench_metrics import summarize
 from duetserve.bench.datasets import make_dataset
 from duetserve.bench.replay import replay
+from duetserve.bench.serve import add_dataset_arguments
 from duetserve.bench.token_workload import (arrival_offsets, id_range_for_vocab,
                                              token_conversations)
 from duetserve.core.step_time import StepShape, StepTime
@@ -56,9 +57,20 @@ MIXES = {
                           num_turns=1),
     "decode-heavy": dict(dataset="random", input_len="16:64", output_len="96:192",
                          num_turns=1),
-    # `duet bench serve --dataset chat`'s defaults: docs/simulator.md's example workload
-    "chat-example": dict(dataset="chat", input_len="256", output_len="64", num_turns=3),
 }
+
+
+def _bench_serve_chat() -> dict:
+    """`duet bench serve --dataset chat`'s dataset with its default lengths and turns (read
+    from its own parser): docs/simulator.md's example workload."""
+    p = argparse.ArgumentParser()
+    add_dataset_arguments(p)
+    a = p.parse_args(["--dataset", "chat"])
+    return dict(dataset=a.dataset, input_len=a.input_len, output_len=a.output_len,
+                num_turns=a.num_turns)
+
+
+MIXES["chat-example"] = _bench_serve_chat()
 KEYS = ("ttft_ms", "tpot_ms")
 
 
